@@ -1,0 +1,486 @@
+"""Load a Geometry3K-style prompt dataset (parquet or jsonl) into prompt `Sample`s.
+
+Row layout (HF `hiyouga/geometry3k`): `problem` is text with one `<image>` marker
+per image, `answer` a non-empty string, `images` a list of images. In parquet an
+image is `{"bytes": <png/jpeg bytes>, "path": ...}` (bytes win; a path alone is
+read relative to the file's directory). In jsonl an image is a path (relative to
+the file's directory), a `data:` URL, a base64 string, or a `{"bytes", "path"}` dict
+with base64 bytes. Unknown columns/keys are ignored.
+
+Every image is verified and fully decoded with PIL, converted to RGB (alpha is
+composited onto white, so transparent diagrams do not turn black) and re-encoded
+losslessly as a PNG data URL: the Sample stays JSON-serialisable and the engine
+decodes exactly the pixels the trainer's processor sees.
+
+This module never imports jax: rollout hosts load datasets too.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import copy
+import io
+import json
+import logging
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from PIL import Image
+
+from rollout.sample import Sample
+
+logger = logging.getLogger(__name__)
+
+IMAGE_MARKER = "<image>"
+BAD_ROW_POLICIES = ("error", "skip")
+_DATA_URL_RE = re.compile(r"^data:(?P<mime>[\w/+.-]*)(?P<params>(;[^,;]*)*?);base64,(?P<data>.*)$", re.DOTALL)
+# Leading bytes of PNG, JPEG, GIF, BMP, WEBP (RIFF) and TIFF files.
+_IMAGE_MAGIC = (b"\x89PNG", b"\xff\xd8\xff", b"GIF8", b"BM", b"RIFF", b"II*\x00", b"MM\x00*")
+_IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".gif", ".bmp", ".webp", ".tif", ".tiff")
+
+
+class DatasetError(ValueError):
+    """A dataset file or row is unusable; the message names the file, the row and the cause."""
+
+
+class _BadRow(Exception):
+    """Internal: the cause of one bad row, turned into DatasetError or a skip record by the caller."""
+
+
+# ----------------------------------------------------------------------------- images
+def image_to_data_url(image: Image.Image) -> str:
+    """Encode a PIL image as a lossless `data:image/png;base64,...` URL (RGB, alpha over white)."""
+    rgb = to_rgb(image)
+    buf = io.BytesIO()
+    rgb.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def data_url_to_image(url: str) -> Image.Image:
+    """Decode a base64 `data:` URL into a loaded PIL image (raises ValueError if it is not one)."""
+    match = _DATA_URL_RE.match(url)
+    if match is None:
+        raise ValueError(f"not a base64 data URL: {url[:40]!r}")
+    raw = base64.b64decode(match.group("data"), validate=True)
+    image = Image.open(io.BytesIO(raw))
+    image.load()
+    return image
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """8-bit RGB view of `image`.
+
+    Transparency is composited onto white (diagram backgrounds are often transparent,
+    and dropping alpha would turn them black). 16-bit grayscale is scaled to 8 bits
+    (PIL's own conversion clips every value above 255 to white).
+    """
+    if image.mode.startswith("I;16"):
+        wide = np.asarray(image, dtype=np.float64)
+        image = Image.fromarray(np.round(wide / 257.0).astype(np.uint8))  # 2-D uint8 -> mode "L"
+    has_alpha = image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in image.info
+    if has_alpha:
+        rgba = image.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, rgba).convert("RGB")
+    return image.convert("RGB") if image.mode != "RGB" else image
+
+
+def _decode_image_bytes(raw: bytes, what: str) -> Image.Image:
+    """Verify and fully decode image bytes; `what` names the image in the error."""
+    try:
+        with Image.open(io.BytesIO(raw)) as probe:
+            probe.verify()  # checks structure/CRCs without decoding pixels
+        image = Image.open(io.BytesIO(raw))
+        image.load()  # decodes every pixel: catches corrupt data that verify() misses
+        image = to_rgb(image)
+    # PIL's decoders raise many unrelated types (OSError, SyntaxError, ValueError,
+    # struct.error, EOFError, DecompressionBombError, ...); each is a bad image here,
+    # reported with its type and message, never swallowed.
+    except Exception as exc:  # noqa: BLE001
+        raise _BadRow(f"{what}: undecodable image ({type(exc).__name__}: {exc})") from exc
+    return image
+
+
+def _read_image_file(path: str, base_dir: str, what: str) -> Image.Image:
+    full = path if os.path.isabs(path) else os.path.join(base_dir, path)
+    if not os.path.isfile(full):
+        raise _BadRow(f"{what}: image file not found: {full}")
+    with open(full, "rb") as f:
+        raw = f.read()
+    return _decode_image_bytes(raw, f"{what} ({full})")
+
+
+def _b64decode(text: str, what: str) -> bytes:
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise _BadRow(f"{what}: invalid base64 ({exc})") from exc
+
+
+def _load_image(item: Any, base_dir: str, k: int, fmt: str) -> Image.Image:
+    """Resolve one entry of the `images` list to a decoded PIL image."""
+    what = f"image {k}"
+    if isinstance(item, dict):
+        raw, path = item.get("bytes"), item.get("path")
+        if raw is not None:
+            if isinstance(raw, str) and fmt == "jsonl":
+                raw = _b64decode(raw, what)
+            if not isinstance(raw, (bytes, bytearray)):
+                raise _BadRow(f"{what}: 'bytes' has type {type(raw).__name__}, expected bytes")
+            return _decode_image_bytes(bytes(raw), what)
+        if isinstance(path, str) and path:
+            return _read_image_file(path, base_dir, what)
+        raise _BadRow(f"{what}: has neither 'bytes' nor 'path'")
+    if isinstance(item, (bytes, bytearray)):
+        return _decode_image_bytes(bytes(item), what)
+    if isinstance(item, str) and fmt == "jsonl":
+        if item.startswith("data:"):
+            match = _DATA_URL_RE.match(item)
+            if match is None:
+                raise _BadRow(f"{what}: malformed data URL (expected data:<mime>;base64,<data>)")
+            return _decode_image_bytes(_b64decode(match.group("data"), what), what)
+        full = item if os.path.isabs(item) else os.path.join(base_dir, item)
+        if os.path.isfile(full) or item.lower().endswith(_IMAGE_SUFFIXES):
+            return _read_image_file(item, base_dir, what)
+        # Not an existing file and not named like one: a bare base64 payload, recognised by
+        # its image signature (otherwise a mistyped path would be reported as a broken image).
+        try:
+            raw = base64.b64decode(item, validate=True)
+        except (binascii.Error, ValueError):
+            raw = b""
+        if not raw.startswith(_IMAGE_MAGIC):
+            raise _BadRow(f"{what}: {item[:60]!r} is neither an existing file ({full}) nor base64 image data")
+        return _decode_image_bytes(raw, what)
+    raise _BadRow(f"{what}: has type {type(item).__name__}, expected a path, data URL, base64 string or bytes dict")
+
+
+# ------------------------------------------------------------------------------- rows
+@dataclass(frozen=True)
+class _Prompt:
+    row: int
+    messages: list[dict[str, Any]]
+    label: str
+
+
+def _require(record: dict[str, Any], key: str, kind: type | tuple[type, ...], kind_name: str) -> Any:
+    if key not in record or record[key] is None:
+        raise _BadRow(f"missing field {key!r}")
+    value = record[key]
+    if not isinstance(value, kind):
+        raise _BadRow(f"field {key!r} has type {type(value).__name__}, expected {kind_name}")
+    return value
+
+
+def build_messages(
+    problem: str,
+    image_urls: list[str],
+    *,
+    system_prompt: str | None = None,
+    instruction: str | None = None,
+) -> list[dict[str, Any]]:
+    """Chat messages: optional system message, then one user message.
+
+    The user content lists text and image items in order; each `<image>` marker
+    of `problem` is replaced by the matching image item and empty text pieces are
+    dropped. `instruction`, if given, is appended to the user text after a blank line.
+    """
+    text = problem if instruction is None else f"{problem.rstrip()}\n\n{instruction}"
+    pieces = text.split(IMAGE_MARKER)
+    if len(pieces) - 1 != len(image_urls):
+        raise ValueError(f"{len(pieces) - 1} {IMAGE_MARKER} markers but {len(image_urls)} images")
+    content: list[dict[str, Any]] = []
+    for k, piece in enumerate(pieces):
+        if piece:
+            content.append({"type": "text", "text": piece})
+        if k < len(image_urls):
+            content.append({"type": "image", "image": image_urls[k]})
+    messages: list[dict[str, Any]] = []
+    if system_prompt is not None:
+        messages.append({"role": "system", "content": system_prompt})
+    messages.append({"role": "user", "content": content})
+    return messages
+
+
+def _parse_row(
+    record: Any,
+    *,
+    fmt: str,
+    base_dir: str,
+    input_key: str,
+    label_key: str,
+    image_key: str,
+    system_prompt: str | None,
+    instruction: str | None,
+) -> tuple[list[dict[str, Any]], str]:
+    if not isinstance(record, dict):
+        raise _BadRow(f"row is a {type(record).__name__}, expected an object")
+    problem = _require(record, input_key, str, "str")
+    answer = _require(record, label_key, str, "str")
+    images = _require(record, image_key, (list, tuple), "list")
+    if not answer.strip():
+        raise _BadRow(f"empty answer in field {label_key!r}")
+    n_markers = problem.count(IMAGE_MARKER)
+    if n_markers != len(images):
+        raise _BadRow(f"field {input_key!r} has {n_markers} {IMAGE_MARKER} markers but {len(images)} images")
+    urls = [image_to_data_url(_load_image(item, base_dir, k, fmt)) for k, item in enumerate(images)]
+    return build_messages(problem, urls, system_prompt=system_prompt, instruction=instruction), answer.strip()
+
+
+def _iter_jsonl(path: str) -> Iterator[tuple[int, Any]]:
+    """(row, record) per line; row = line number - 1. A line that is not JSON yields a _BadRow."""
+    with open(path, encoding="utf-8") as f:
+        for row, line in enumerate(f):
+            if not line.strip():
+                yield row, _BadRow("empty line")
+                continue
+            try:
+                yield row, json.loads(line)
+            except json.JSONDecodeError as exc:
+                yield row, _BadRow(f"invalid JSON ({exc})")
+
+
+def _iter_parquet(path: str, columns: list[str]) -> Iterator[tuple[int, Any]]:
+    try:
+        pf = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise DatasetError(f"{path}: cannot read parquet file ({type(exc).__name__}: {exc})") from exc
+    names = pf.schema_arrow.names
+    missing = [c for c in columns if c not in names]
+    if missing:
+        # A missing column makes every row bad: a file-level error under either policy.
+        raise DatasetError(f"{path}: missing column(s) {missing}; the file has {names}")
+    row = 0
+    try:
+        for batch in pf.iter_batches(batch_size=256, columns=columns):
+            for record in batch.to_pylist():
+                yield row, record
+                row += 1
+    except pa.ArrowException as exc:
+        raise DatasetError(f"{path}: corrupt parquet data after row {row} ({type(exc).__name__}: {exc})") from exc
+
+
+# ---------------------------------------------------------------------------- dataset
+class PromptDataset:
+    """The usable prompts of one file. `dataset[i]` builds a fresh prompt Sample each call.
+
+    `skipped` lists `(row, reason)` of rows dropped under `on_bad_row="skip"`.
+    """
+
+    def __init__(
+        self,
+        prompts: list[_Prompt],
+        *,
+        source: str,
+        tools: list[dict] | None = None,
+        skipped: list[tuple[int, str]] | None = None,
+    ) -> None:
+        self._prompts = prompts
+        self.source = source
+        self.tools = copy.deepcopy(tools)
+        self.skipped: list[tuple[int, str]] = list(skipped or [])
+
+    @property
+    def num_skipped(self) -> int:
+        return len(self.skipped)
+
+    @property
+    def rows(self) -> list[int]:
+        """File row number of each dataset item, in order."""
+        return [p.row for p in self._prompts]
+
+    def __len__(self) -> int:
+        return len(self._prompts)
+
+    def __getitem__(self, i: int) -> Sample:
+        if not isinstance(i, (int, np.integer)):
+            raise TypeError(f"PromptDataset index must be an int, got {type(i).__name__}")
+        n = len(self._prompts)
+        if not -n <= i < n:
+            raise IndexError(f"index {i} out of range for dataset of {n} prompts ({self.source})")
+        p = self._prompts[int(i)]
+        metadata: dict[str, Any] = {"row": p.row, "source": self.source}
+        if self.tools is not None:
+            metadata["tools"] = copy.deepcopy(self.tools)
+        return Sample(prompt=copy.deepcopy(p.messages), label=p.label, index=p.row, metadata=metadata)
+
+    def __iter__(self) -> Iterator[Sample]:
+        for i in range(len(self)):
+            yield self[i]
+
+
+def load_prompt_dataset(
+    path: str,
+    *,
+    input_key: str = "problem",
+    label_key: str = "answer",
+    image_key: str = "images",
+    on_bad_row: str = "error",
+    system_prompt: str | None = None,
+    tools: list[dict] | None = None,
+    max_rows: int | None = None,
+    instruction: str | None = None,
+) -> PromptDataset:
+    """Load a `.parquet` or `.jsonl` prompt file (see the module docstring for the layout).
+
+    on_bad_row: "error" raises DatasetError at the first bad row (naming file, row
+    and cause); "skip" drops bad rows, records them in `dataset.skipped` and logs
+    one warning. max_rows: keep at most this many usable rows (None = all).
+    instruction: optional text appended to each user message (e.g. GEO3K_USER_INSTRUCTION).
+    """
+    if on_bad_row not in BAD_ROW_POLICIES:
+        raise DatasetError(f"on_bad_row must be one of {BAD_ROW_POLICIES}, got {on_bad_row!r}")
+    if max_rows is not None and (not isinstance(max_rows, int) or max_rows < 1):
+        raise DatasetError(f"max_rows must be a positive int or None, got {max_rows!r}")
+    if instruction is not None and IMAGE_MARKER in instruction:
+        raise DatasetError(f"instruction must not contain {IMAGE_MARKER!r}")
+    if not os.path.isfile(path):
+        raise DatasetError(f"{path}: dataset file not found")
+    lower = path.lower()
+    if lower.endswith(".parquet"):
+        fmt, rows = "parquet", _iter_parquet(path, [input_key, label_key, image_key])
+    elif lower.endswith(".jsonl"):
+        fmt, rows = "jsonl", _iter_jsonl(path)
+    else:
+        raise DatasetError(f"{path}: unsupported dataset format (expected .parquet or .jsonl)")
+
+    base_dir = os.path.dirname(os.path.abspath(path))
+    prompts: list[_Prompt] = []
+    skipped: list[tuple[int, str]] = []
+    total = 0
+    for row, record in rows:
+        total += 1
+        try:
+            if isinstance(record, _BadRow):
+                raise record
+            messages, label = _parse_row(
+                record,
+                fmt=fmt,
+                base_dir=base_dir,
+                input_key=input_key,
+                label_key=label_key,
+                image_key=image_key,
+                system_prompt=system_prompt,
+                instruction=instruction,
+            )
+        except _BadRow as bad:
+            where = f"{path}: row {row}" + (f" (line {row + 1})" if fmt == "jsonl" else "")
+            if on_bad_row == "error":
+                raise DatasetError(f"{where}: {bad}") from bad.__cause__
+            skipped.append((row, str(bad)))
+            continue
+        prompts.append(_Prompt(row=row, messages=messages, label=label))
+        if max_rows is not None and len(prompts) >= max_rows:
+            break
+
+    if skipped:
+        shown = "; ".join(f"row {r}: {why}" for r, why in skipped[:5])
+        more = f"; ... and {len(skipped) - 5} more" if len(skipped) > 5 else ""
+        logger.warning("%s: skipped %d of %d rows (on_bad_row='skip'): %s%s", path, len(skipped), total, shown, more)
+    if not prompts:
+        raise DatasetError(f"{path}: no usable rows ({total} read, {len(skipped)} skipped)")
+    return PromptDataset(prompts, source=path, tools=tools, skipped=skipped)
+
+
+def load_geo3k_dataset(path: str, **overrides: Any) -> PromptDataset:
+    """`load_prompt_dataset` with the Geometry3K defaults: tool-calling system prompt and GEO3K_TOOLS."""
+    from jaxrl_vlm.data.prompts import GEO3K_SYSTEM_PROMPT, GEO3K_TOOLS
+
+    kwargs: dict[str, Any] = {"system_prompt": GEO3K_SYSTEM_PROMPT, "tools": GEO3K_TOOLS}
+    kwargs.update(overrides)
+    return load_prompt_dataset(path, **kwargs)
+
+
+# --------------------------------------------------------------------------- iterator
+class PromptIterator:
+    """Endless batches of prompt Samples, epoch after epoch, deterministic by seed.
+
+    Epoch `e` visits the dataset in the order `default_rng([seed, e]).permutation(n)`
+    (or 0..n-1 without shuffle), so the order depends only on (seed, epoch) and a
+    run resumed from `state_dict()` sees exactly the same next batch. A batch that
+    reaches the end of an epoch continues into the next one, so every prompt is
+    used equally often and `batch_size` may exceed the dataset size.
+    """
+
+    def __init__(self, dataset: PromptDataset, batch_size: int, *, shuffle: bool = True, seed: int = 0) -> None:
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        if not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+        if len(dataset) == 0:
+            raise ValueError("PromptIterator needs a non-empty dataset")
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.shuffle = bool(shuffle)
+        self.seed = seed
+        self.epoch = 0
+        self.position = 0  # next index into the current epoch's order
+        self._order_epoch: int | None = None
+        self._order: np.ndarray | None = None
+
+    def _epoch_order(self) -> np.ndarray:
+        if self._order_epoch != self.epoch:
+            n = len(self.dataset)
+            if self.shuffle:
+                self._order = np.random.default_rng([self.seed, self.epoch]).permutation(n)
+            else:
+                self._order = np.arange(n)
+            self._order_epoch = self.epoch
+        assert self._order is not None
+        return self._order
+
+    def __iter__(self) -> "PromptIterator":
+        return self
+
+    def __next__(self) -> list[Sample]:
+        return self.next_batch()
+
+    def next_batch(self) -> list[Sample]:
+        batch: list[Sample] = []
+        n = len(self.dataset)
+        while len(batch) < self.batch_size:
+            order = self._epoch_order()
+            take = min(self.batch_size - len(batch), n - self.position)
+            batch.extend(self.dataset[int(i)] for i in order[self.position : self.position + take])
+            self.position += take
+            if self.position == n:
+                self.epoch += 1
+                self.position = 0
+        return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-safe cursor: epoch, position, seed (+ shuffle and num_rows, checked on load)."""
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "num_rows": len(self.dataset),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a cursor from `state_dict()`; the seed in `state` replaces this iterator's."""
+        for key in ("epoch", "position", "seed"):
+            if key not in state:
+                raise ValueError(f"PromptIterator state is missing {key!r}: {state!r}")
+            if not isinstance(state[key], (int, np.integer)) or int(state[key]) < 0:
+                raise ValueError(f"PromptIterator state {key}={state[key]!r} must be a non-negative int")
+        n = len(self.dataset)
+        if "num_rows" in state and int(state["num_rows"]) != n:
+            raise ValueError(
+                f"PromptIterator state was saved for {state['num_rows']} rows, but {self.dataset.source} has {n}"
+            )
+        if "shuffle" in state and bool(state["shuffle"]) != self.shuffle:
+            raise ValueError(f"PromptIterator state has shuffle={state['shuffle']}, iterator has {self.shuffle}")
+        if int(state["position"]) >= n:
+            raise ValueError(f"PromptIterator state position {state['position']} >= dataset size {n}")
+        self.epoch = int(state["epoch"])
+        self.position = int(state["position"])
+        self.seed = int(state["seed"])
+        self._order_epoch = None

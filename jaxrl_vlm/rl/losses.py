@@ -1,0 +1,489 @@
+"""Policy-gradient losses: one registry, one signature, micro-batch-exact aggregation.
+
+Every loss is `fn(inputs: LossInputs, cfg: LossConfig) -> (loss, metrics)`: pure
+`jnp`, jittable with `cfg` static. Adding a variant is one decorated function
+that builds the per-token policy-gradient term; `_assemble` adds what all
+variants share (TIS, KL-to-reference loss, entropy bonus, aggregation, metrics).
+
+Arrays are `[B, T]`, already aligned to next-token targets. Rows may be packed:
+`sequence_ids` says which sequence of the micro-batch a token belongs to (-1 on
+padding). The aggregation is NOT computed here: `token_weights` comes from
+`aggregation_weights` on the host over the GLOBAL batch, so the loss of a
+micro-batch is the plain sum `sum_t w_t * loss_t`. Summing the micro-batch
+losses (and their gradients) gives the full-batch loss exactly, whatever the
+split. (DESIGN.md's positional signature could not carry packing or global
+normalisers; this one does.)
+
+Semantics follow slime (`utils/ppo_utils.py`, `megatron_utils/loss.py`):
+- ratio r = exp(logp - old); `ppo_kl` = old - logp.
+- ppo_clip: max(-r A, -clip(r, 1-eps, 1+eps_high) A); dual clip for A < 0:
+  min(that, -c A). Clipped tokens have zero gradient.
+- gspo: the sequence ratio s_i = exp(mean over the sequence's masked tokens of
+  (logp - old)) goes through the same clipped objective. Gradient as the
+  GSPO-token objective of the GSPO paper (Zheng et al. 2025): s_{i,t} =
+  sg(s_i) * exp(logp_t - sg(logp_t)), so d loss_t / d logp_t = -s_i A_t and
+  nothing flows across tokens. slime instead lets the gradient flow through the
+  mean, d/d logp_u = -(m_u / n_i) * s_i * sum over the sequence's unclipped
+  tokens of w_t A_t; the two agree whenever w_t and A_t are constant within a
+  sequence, which holds for all three aggregation modes and sequence-level
+  advantages (tested). The token form keeps the backward local (no segment sum).
+- cispo (MiniMax-M1): -sg(clip(r, 1-eps, 1+eps_high)) * A * logp.
+- TIS: clip(exp(old - rollout), tis_clip_low, tis_clip), stop-gradient, multiplies
+  the per-token policy-gradient loss.
+- KL(ref) loss with lr = logp - ref: k1 = lr, k2 = lr^2/2, k3 = low_var_kl =
+  exp(-lr) - 1 + lr; slime negates lr before exp(lr) - 1 - lr, which is the same
+  expression. Only low_var_kl is clamped to [-10, 10].
+- total = pg_loss + kl_loss_coef * kl_loss (if use_kl_loss) - entropy_coef * entropy.
+  All three terms use the same token weights (slime uses the default reducer for
+  the KL and entropy terms even under a custom pg reducer; with Dr.GRPO weights we
+  normalise them the same way as the policy term).
+
+Metrics are ADDITIVE partial sums so that a train step can add them over
+micro-batches (`accumulate_metrics`) and normalise once (`finalize_metrics`);
+`METRIC_KINDS` says how each combines:
+- "sum": exact loss components (`loss`, `pg_loss`, `kl_loss`, `entropy`) and
+  `weight_sum` = sum of the weights of the masked tokens.
+- "mean": diagnostics, partial sums of w_t * x_t, divided by the total
+  `weight_sum` in `finalize_metrics`. Under token_mean and seq_mean_token_mean the
+  global weights sum to 1, so these equal slime's `sum_of_sample_mean` values.
+- "max": `ratio_max` over masked tokens (0 where there are none).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpy.typing as npt
+from flax import struct
+
+AGGREGATION_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
+LOW_VAR_KL_CLAMP = 10.0
+
+
+@struct.dataclass
+class LossInputs:
+    """Per-token training inputs of one micro-batch; every array is [B, T].
+
+    logprobs: current policy log p(token_{t+1}) (differentiated).
+    old_logprobs: behaviour policy recomputed by the trainer (constant).
+    advantages: per-token advantages (constant; broadcast from the sequence).
+    loss_mask: float 0/1, 1 on trainable (model-generated) tokens.
+    sequence_ids: int32, sequence index within the micro-batch, -1 on padding.
+    token_weights: float, aggregation weight from `aggregation_weights` (global batch).
+    ref_logprobs: reference policy, needed by the KL loss; None if unused.
+    rollout_logprobs: the engine's sampling log-probs, needed by TIS; None if unused.
+    entropy: per-token policy entropy (nats), needed by the entropy bonus; None if unused.
+    """
+
+    logprobs: jax.Array
+    old_logprobs: jax.Array
+    advantages: jax.Array
+    loss_mask: jax.Array
+    sequence_ids: jax.Array
+    token_weights: jax.Array
+    ref_logprobs: jax.Array | None = None
+    rollout_logprobs: jax.Array | None = None
+    entropy: jax.Array | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+    """Static loss hyperparameters (hashable; pass as a static jit argument).
+
+    eps_clip / eps_clip_high: PPO clip range [1 - eps_clip, 1 + eps_clip_high];
+        eps_clip_high None means eps_clip (slime's default).
+    eps_clip_c: dual-clip constant (> 1) for A < 0; None disables it.
+    use_tis / tis_clip / tis_clip_low: truncated importance sampling against the
+        rollout log-probs, weights clipped to [tis_clip_low, tis_clip].
+    use_kl_loss / kl_loss_coef / kl_loss_type: KL(ref) as a loss term.
+    entropy_coef: weight of the entropy bonus (subtracted from the loss).
+    num_sequences: static upper bound on sequences per micro-batch (gspo's
+        segment sums); ids must lie in [0, num_sequences).
+    aggregation / aggregation_constant: the mode `aggregation_weights` should use
+        on the host (the loss reads only the resulting `token_weights`).
+    """
+
+    eps_clip: float = 0.2
+    eps_clip_high: float | None = None
+    eps_clip_c: float | None = None
+    use_tis: bool = False
+    tis_clip: float = 2.0
+    tis_clip_low: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.0
+    kl_loss_type: str = "k1"
+    entropy_coef: float = 0.0
+    num_sequences: int | None = None
+    aggregation: str = "seq_mean_token_mean"
+    aggregation_constant: float | None = None
+
+    def __post_init__(self) -> None:
+        # eps_clip >= 1 is allowed: it switches the lower bound off (canonical CISPO).
+        if self.eps_clip < 0.0:
+            raise ValueError(f"LossConfig.eps_clip must be >= 0, got {self.eps_clip}")
+        if self.eps_clip_high is not None and self.eps_clip_high < 0.0:
+            raise ValueError(f"LossConfig.eps_clip_high must be >= 0, got {self.eps_clip_high}")
+        if self.eps_clip_c is not None and not self.eps_clip_c > 1.0:
+            raise ValueError(f"LossConfig.eps_clip_c (dual clip) must be > 1, got {self.eps_clip_c}")
+        if not 0.0 <= self.tis_clip_low <= self.tis_clip:
+            raise ValueError(
+                f"LossConfig needs 0 <= tis_clip_low <= tis_clip, got {self.tis_clip_low}, {self.tis_clip}"
+            )
+        if self.kl_loss_type not in KL_TYPES:
+            raise ValueError(f"LossConfig.kl_loss_type must be one of {KL_TYPES}, got {self.kl_loss_type!r}")
+        if self.num_sequences is not None and self.num_sequences < 1:
+            raise ValueError(f"LossConfig.num_sequences must be >= 1, got {self.num_sequences}")
+        _check_aggregation(self.aggregation, self.aggregation_constant)
+
+    @property
+    def clip_high(self) -> float:
+        return self.eps_clip if self.eps_clip_high is None else self.eps_clip_high
+
+
+LossFn = Callable[[LossInputs, LossConfig], tuple[jax.Array, dict[str, jax.Array]]]
+_LOSSES: dict[str, LossFn] = {}
+
+
+def register_loss(name: str) -> Callable[[LossFn], LossFn]:
+    """Decorator adding `fn(inputs, cfg) -> (loss, metrics)` to the registry under `name`."""
+
+    def deco(fn: LossFn) -> LossFn:
+        if name in _LOSSES:
+            raise ValueError(f"loss {name!r} is already registered")
+        _LOSSES[name] = fn
+        return fn
+
+    return deco
+
+
+def get_loss(name: str) -> LossFn:
+    """Look a loss up by name; an unknown name lists the registered ones."""
+    try:
+        return _LOSSES[name]
+    except KeyError:
+        raise KeyError(f"unknown loss {name!r}; registered: {sorted(_LOSSES)}") from None
+
+
+def registered_losses() -> list[str]:
+    return sorted(_LOSSES)
+
+
+# ----------------------------------------------------------------------------- aggregation (host)
+
+
+def _check_aggregation(mode: str, constant: float | None) -> None:
+    if mode not in AGGREGATION_MODES:
+        raise ValueError(f"unknown aggregation mode {mode!r}; expected one of {AGGREGATION_MODES}")
+    if mode == "seq_mean_token_sum_norm" and (constant is None or not constant > 0):
+        raise ValueError(
+            f"aggregation 'seq_mean_token_sum_norm' (Dr.GRPO) needs a constant > 0 "
+            f"(e.g. the max response length), got {constant!r}"
+        )
+
+
+def aggregation_weights(
+    loss_mask: np.ndarray,
+    sequence_ids: np.ndarray,
+    mode: str,
+    constant: float | None = None,
+    dtype: npt.DTypeLike = np.float32,
+) -> np.ndarray:
+    """Per-token weights w with `loss = sum_t w_t * loss_t`, over the GLOBAL batch.
+
+    loss_mask: 0/1, any shape (usually [B, T]); sequence_ids: same shape, int,
+    globally unique per sequence, -1 on padding. Weights are 0 where the mask is 0.
+    N counts only sequences with at least one masked token (a fully masked sample
+    contributes nothing and never divides by zero; slime's sample-mean still
+    counts it in the denominator).
+    - token_mean: 1 / (masked tokens in the batch).
+    - seq_mean_token_mean (slime default): 1 / (N * masked tokens of the sequence).
+    - seq_mean_token_sum_norm (Dr.GRPO): 1 / (N * constant).
+    Computed in float64, returned as `dtype`.
+    """
+    _check_aggregation(mode, constant)
+    mask = np.asarray(loss_mask)
+    ids = np.asarray(sequence_ids)
+    if mask.shape != ids.shape:
+        raise ValueError(f"loss_mask shape {mask.shape} != sequence_ids shape {ids.shape}")
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"sequence_ids must be integers, got dtype {ids.dtype}")
+    bad = ~np.isin(mask, (0, 1))
+    if bad.any():
+        pos = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"loss_mask must be 0/1; found {mask[pos]!r} at position {pos}")
+    masked = mask.astype(bool)
+    orphan = masked & (ids < 0)
+    if orphan.any():
+        pos = tuple(int(i) for i in np.argwhere(orphan)[0])
+        raise ValueError(f"masked token at position {pos} has sequence id {int(ids[pos])} (padding)")
+
+    weights = np.zeros(mask.shape, dtype=np.float64)
+    if not masked.any():
+        return weights.astype(dtype)
+    if mode == "token_mean":
+        weights[masked] = 1.0 / masked.sum()
+        return weights.astype(dtype)
+    seq_of_token = ids[masked]
+    uniq, inverse, counts = np.unique(seq_of_token, return_inverse=True, return_counts=True)
+    n_seq = len(uniq)
+    if mode == "seq_mean_token_mean":
+        weights[masked] = 1.0 / (n_seq * counts[inverse])
+    else:
+        weights[masked] = 1.0 / (n_seq * float(constant))
+    return weights.astype(dtype)
+
+
+def check_loss_inputs(inputs: LossInputs, cfg: LossConfig) -> None:
+    """Host-side validation with actionable errors (call outside jit, e.g. in tests/batching).
+
+    Inside jit nothing can be checked on values: an out-of-range sequence id would
+    silently drop tokens from gspo's segment sums, so check batches here.
+    """
+    shape = np.shape(inputs.logprobs)
+    if len(shape) != 2:
+        raise ValueError(f"LossInputs.logprobs must be [B, T], got shape {shape}")
+    for f in dataclasses.fields(inputs):
+        v = getattr(inputs, f.name)
+        if v is not None and np.shape(v) != shape:
+            raise ValueError(f"LossInputs.{f.name} has shape {np.shape(v)}, expected {shape}")
+    mask = np.asarray(inputs.loss_mask)
+    ids = np.asarray(inputs.sequence_ids)
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"LossInputs.sequence_ids must be integers, got {ids.dtype}")
+    if not np.isin(mask, (0, 1)).all():
+        raise ValueError("LossInputs.loss_mask must be 0/1")
+    if ((mask > 0) & (ids < 0)).any():
+        pos = tuple(int(i) for i in np.argwhere((mask > 0) & (ids < 0))[0])
+        raise ValueError(f"masked token at {pos} has sequence id -1 (padding)")
+    if cfg.num_sequences is not None and (ids >= cfg.num_sequences).any():
+        raise ValueError(
+            f"sequence id {int(ids.max())} >= LossConfig.num_sequences={cfg.num_sequences}; "
+            "re-number ids per micro-batch or raise num_sequences"
+        )
+    w = np.asarray(inputs.token_weights)
+    if not np.all(np.isfinite(w)) or (w < 0).any():
+        raise ValueError("LossInputs.token_weights must be finite and >= 0")
+    _check_optional_inputs(inputs, cfg)
+
+
+def _check_optional_inputs(inputs: LossInputs, cfg: LossConfig) -> None:
+    """Static (trace-time) checks that the inputs a config needs are present."""
+    if cfg.use_kl_loss and inputs.ref_logprobs is None:
+        raise ValueError("LossConfig.use_kl_loss=True needs LossInputs.ref_logprobs")
+    if cfg.use_tis and inputs.rollout_logprobs is None:
+        raise ValueError("LossConfig.use_tis=True needs LossInputs.rollout_logprobs")
+    if cfg.entropy_coef != 0.0 and inputs.entropy is None:
+        raise ValueError(f"LossConfig.entropy_coef={cfg.entropy_coef} needs LossInputs.entropy")
+
+
+# ----------------------------------------------------------------------------- per-token math (pure)
+
+
+def masked(x: jax.Array, mask: jax.Array) -> jax.Array:
+    """x where mask > 0 else 0; keeps padding garbage (inf, nan) out of values and gradients."""
+    return jnp.where(mask > 0, x, jnp.zeros_like(x))
+
+
+def kl_estimate(logprobs: jax.Array, ref_logprobs: jax.Array, kl_type: str) -> jax.Array:
+    """Per-token KL(pi || ref) estimator on samples of pi (Schulman's k1/k2/k3), lr = logp - ref."""
+    lr = logprobs - ref_logprobs
+    if kl_type == "k1":
+        return lr
+    if kl_type == "k2":
+        return 0.5 * lr**2
+    if kl_type in ("k3", "low_var_kl"):
+        kl = jnp.exp(-lr) - 1.0 + lr
+        if kl_type == "low_var_kl":
+            kl = jnp.clip(kl, -LOW_VAR_KL_CLAMP, LOW_VAR_KL_CLAMP)
+        return kl
+    raise ValueError(f"unknown kl type {kl_type!r}; expected one of {KL_TYPES}")
+
+
+def clipped_surrogate(
+    ratio: jax.Array, advantages: jax.Array, eps_low: float, eps_high: float, eps_c: float | None
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """PPO per-token loss, (loss, clipped, dual_clipped) with the two flags as 0/1 floats.
+
+    Selection uses `where`, not max/min: outside the clip range the clipped branch
+    is constant in the ratio, so clipped tokens get exactly zero gradient.
+    """
+    pg1 = -ratio * advantages
+    pg2 = -jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high) * advantages
+    clipped = pg2 > pg1
+    loss = jnp.where(clipped, pg2, pg1)
+    if eps_c is None:
+        return loss, clipped.astype(ratio.dtype), jnp.zeros_like(ratio)
+    pg3 = -eps_c * advantages
+    dual = (advantages < 0) & (pg3 < loss)
+    return jnp.where(dual, pg3, loss), clipped.astype(ratio.dtype), dual.astype(ratio.dtype)
+
+
+def sequence_mean(x: jax.Array, mask: jax.Array, sequence_ids: jax.Array, num_sequences: int) -> jax.Array:
+    """Mean of x over the masked tokens of each token's sequence, broadcast back to [B, T].
+
+    Padding (id -1) goes to an extra segment that is never read back; a sequence
+    with no masked tokens gets 0 (denominator clamped to 1, as slime does).
+    """
+    ids = jnp.where(sequence_ids >= 0, sequence_ids, num_sequences).reshape(-1)
+    mx = masked(x, mask).reshape(-1)
+    sums = jax.ops.segment_sum(mx, ids, num_segments=num_sequences + 1)
+    counts = jax.ops.segment_sum((mask > 0).astype(x.dtype).reshape(-1), ids, num_segments=num_sequences + 1)
+    means = sums / jnp.maximum(counts, 1.0)
+    return means[ids].reshape(x.shape)
+
+
+# ----------------------------------------------------------------------------- shared assembly
+
+
+def _assemble(
+    pg_per_token: jax.Array,
+    ratio: jax.Array,
+    ppo_kl: jax.Array,
+    clipped: jax.Array,
+    extra: Mapping[str, jax.Array],
+    inputs: LossInputs,
+    cfg: LossConfig,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Apply TIS, add KL and entropy terms, aggregate with the token weights, build metrics.
+
+    pg_per_token, ratio, ppo_kl, clipped: [B, T]; extra: more per-token "mean" metrics.
+    """
+    _check_optional_inputs(inputs, cfg)
+    mask = inputs.loss_mask
+    w = masked(inputs.token_weights, mask).astype(pg_per_token.dtype)
+    sg = jax.lax.stop_gradient
+
+    def wsum(x: jax.Array) -> jax.Array:
+        return jnp.sum(w * masked(x, mask))
+
+    metrics: dict[str, jax.Array] = {}
+    if inputs.rollout_logprobs is not None:
+        old, rollout = sg(inputs.old_logprobs), sg(inputs.rollout_logprobs)
+        tis = jnp.exp(masked(old - rollout, mask))
+        tis_w = jnp.clip(tis, cfg.tis_clip_low, cfg.tis_clip)
+        if cfg.use_tis:
+            pg_per_token = pg_per_token * tis_w
+        metrics["tis_mean"] = wsum(tis)
+        metrics["tis_clipfrac"] = wsum((tis_w != tis).astype(w.dtype))
+        metrics["train_rollout_logprob_abs_diff"] = wsum(jnp.abs(old - rollout))
+
+    pg_loss = wsum(pg_per_token)
+    loss = pg_loss
+    if inputs.ref_logprobs is not None:
+        kl = kl_estimate(masked(inputs.logprobs, mask), masked(sg(inputs.ref_logprobs), mask), cfg.kl_loss_type)
+        kl_loss = wsum(kl)
+        if cfg.use_kl_loss and cfg.kl_loss_coef != 0.0:
+            loss = loss + cfg.kl_loss_coef * kl_loss
+        metrics["kl_loss"] = sg(kl_loss)
+    if inputs.entropy is not None:
+        entropy = wsum(inputs.entropy)
+        if cfg.entropy_coef != 0.0:
+            loss = loss - cfg.entropy_coef * entropy
+        metrics["entropy"] = sg(entropy)
+
+    r = sg(ratio)
+    lr_old = sg(masked(inputs.logprobs - inputs.old_logprobs, mask))
+    metrics.update(
+        loss=sg(loss),
+        pg_loss=sg(pg_loss),
+        weight_sum=jnp.sum(w),
+        pg_clipfrac=wsum(sg(clipped)),
+        ppo_kl=wsum(sg(ppo_kl)),
+        # k3 estimate of KL(old || current) on samples of the old policy.
+        approx_kl=wsum(jnp.exp(lr_old) - 1.0 - lr_old),
+        ratio_mean=wsum(r),
+        ratio_max=jnp.max(masked(r, mask)),
+    )
+    for k, v in extra.items():
+        metrics[k] = wsum(sg(v))
+    return loss, metrics
+
+
+# ----------------------------------------------------------------------------- variants
+
+
+@register_loss("ppo_clip")
+def ppo_clip_loss(inputs: LossInputs, cfg: LossConfig) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """PPO clipped surrogate with asymmetric clip (DAPO) and optional dual clip, per token."""
+    mask = inputs.loss_mask
+    adv = jax.lax.stop_gradient(inputs.advantages)
+    log_ratio = masked(inputs.logprobs - jax.lax.stop_gradient(inputs.old_logprobs), mask)
+    ratio = jnp.exp(log_ratio)
+    pg, clipped, dual = clipped_surrogate(ratio, adv, cfg.eps_clip, cfg.clip_high, cfg.eps_clip_c)
+    extra = {"pg_dualclip_frac": dual} if cfg.eps_clip_c is not None else {}
+    return _assemble(pg, ratio, -log_ratio, clipped, extra, inputs, cfg)
+
+
+@register_loss("gspo")
+def gspo_loss(inputs: LossInputs, cfg: LossConfig) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """GSPO: the clipped objective on the sequence-level ratio, gradient as GSPO-token."""
+    if cfg.num_sequences is None:
+        raise ValueError("the gspo loss needs LossConfig.num_sequences (max sequences per micro-batch)")
+    sg = jax.lax.stop_gradient
+    mask = inputs.loss_mask
+    adv = sg(inputs.advantages)
+    logp = masked(inputs.logprobs, mask)
+    log_ratio = masked(inputs.logprobs - sg(inputs.old_logprobs), mask)
+    seq_log_ratio = sequence_mean(sg(log_ratio), mask, inputs.sequence_ids, cfg.num_sequences)
+    # Value exp(seq_log_ratio); d/d logp_t = that value (the second factor is 1 with gradient 1).
+    ratio = jnp.exp(seq_log_ratio) * jnp.exp(logp - sg(logp))
+    pg, clipped, dual = clipped_surrogate(ratio, adv, cfg.eps_clip, cfg.clip_high, cfg.eps_clip_c)
+    extra = {"pg_dualclip_frac": dual} if cfg.eps_clip_c is not None else {}
+    return _assemble(pg, ratio, -seq_log_ratio, clipped, extra, inputs, cfg)
+
+
+@register_loss("cispo")
+def cispo_loss(inputs: LossInputs, cfg: LossConfig) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """CISPO: REINFORCE weighted by the stop-gradient clipped ratio; clipped tokens keep a gradient."""
+    sg = jax.lax.stop_gradient
+    mask = inputs.loss_mask
+    adv = sg(inputs.advantages)
+    log_ratio = masked(inputs.logprobs - sg(inputs.old_logprobs), mask)
+    ratio = jnp.exp(log_ratio)
+    truncated = jnp.clip(ratio, 1.0 - cfg.eps_clip, 1.0 + cfg.clip_high)
+    pg = -sg(truncated) * adv * masked(inputs.logprobs, mask)
+    clipped = (sg(truncated) != sg(ratio)).astype(ratio.dtype)
+    return _assemble(pg, ratio, -log_ratio, clipped, {}, inputs, cfg)
+
+
+# ----------------------------------------------------------------------------- metrics over micro-batches
+
+METRIC_KINDS: dict[str, str] = {
+    "loss": "sum",
+    "pg_loss": "sum",
+    "kl_loss": "sum",
+    "entropy": "sum",
+    "weight_sum": "sum",
+    "pg_clipfrac": "mean",
+    "pg_dualclip_frac": "mean",
+    "ppo_kl": "mean",
+    "approx_kl": "mean",
+    "ratio_mean": "mean",
+    "tis_mean": "mean",
+    "tis_clipfrac": "mean",
+    "train_rollout_logprob_abs_diff": "mean",
+    "ratio_max": "max",
+}
+
+
+def accumulate_metrics(acc: Mapping[str, jax.Array] | None, new: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+    """Combine the metrics of one more micro-batch (jittable): add, or max for "max" kinds."""
+    if acc is None:
+        return dict(new)
+    if set(acc) != set(new):
+        raise ValueError(f"metric keys differ between micro-batches: {sorted(acc)} vs {sorted(new)}")
+    return {
+        k: jnp.maximum(acc[k], v) if METRIC_KINDS.get(k) == "max" else acc[k] + v for k, v in new.items()
+    }
+
+
+def finalize_metrics(acc: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+    """Divide the "mean" metrics by the total weight of masked tokens (0 if there were none)."""
+    total = acc["weight_sum"]
+    safe = jnp.where(total > 0, total, 1.0)
+    return {k: (v / safe if METRIC_KINDS.get(k) == "mean" else v) for k, v in acc.items()}

@@ -1,0 +1,456 @@
+"""Tiny, deterministic stand-ins for a Qwen3-VL checkpoint's processing files.
+
+Tests and `jaxrl-vlm make-tiny` need a tokenizer, a chat template, an image
+processor config and a model config that behave like Qwen3-VL-Instruct's but
+are small and built offline (nothing may be fetched from a hub):
+
+- `build_tiny_tokenizer`: a byte-level BPE trained with `tokenizers` on
+  generated text, with Qwen's special tokens and added tokens, the same
+  normalizer / pre-tokenizer / decoder as Qwen2's tokenizer, eos `<|im_end|>`
+  and pad `<|endoftext|>`.
+- `QWEN3_VL_CHAT_TEMPLATE`: a Jinja template written for this project that
+  renders conversations the way Qwen3-VL-Instruct's template does.
+- `tiny_image_processor_config`: Qwen3-VL's preprocessing values with a small
+  pixel range, so 64x64..128x128 test images stay a few dozen patches.
+- `tiny_qwen3_vl_hf_config`: a transformers-5 `Qwen3VLConfig` dict whose token
+  ids match the tiny tokenizer.
+
+The files are written in the same format as a released Qwen3-VL checkpoint, so
+`rollout.processing.load_tokenizer/load_image_processor` take the same code path
+for tiny and real models. This module never imports torch or jax.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import random
+from pathlib import Path
+from typing import Any
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors, trainers
+from tokenizers.models import BPE
+from transformers import PreTrainedTokenizerFast
+
+# Special tokens in Qwen's id order (a subset: the ones a VL chat model uses).
+QWEN_SPECIAL_TOKENS: tuple[str, ...] = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+# Qwen registers these as added tokens with special=False: they are single ids
+# but survive `skip_special_tokens=True`, so tool-call parsing still sees them.
+QWEN_ADDED_TOKENS: tuple[str, ...] = (
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+    "<think>",
+    "</think>",
+)
+EOS_TOKEN = "<|im_end|>"
+PAD_TOKEN = "<|endoftext|>"
+
+# Qwen2's pre-tokenization regex (digits split one by one, newline runs kept
+# separate), the same one transformers' Qwen2Tokenizer hard-codes.
+QWEN2_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+# Qwen3-VL-2B-Instruct's model_max_length.
+MODEL_MAX_LENGTH = 262144
+
+# Written for this project to reproduce the rendering of Qwen3-VL-Instruct's
+# template: no default system prompt; tools listed in the system turn inside
+# <tools></tools>; each image/video item renders as ONE compact placeholder
+# (the processor / trainer expands the pad); assistant tool calls as
+# <tool_call>\n{json}\n</tool_call>; consecutive tool messages share one user
+# turn of <tool_response> blocks; every message ends with "<|im_end|>\n".
+# Unlike the original it raises on unknown roles and content items instead of
+# dropping them silently.
+QWEN3_VL_CHAT_TEMPLATE = r"""
+{#- Qwen3-VL-Instruct-style chat template (jaxrl-vlm). -#}
+{%- set counts = namespace(images=0, videos=0) -%}
+{%- macro render_content(content, count_vision) -%}
+  {%- if content is string -%}
+    {{- content -}}
+  {%- elif content is iterable and content is not mapping -%}
+    {%- for item in content -%}
+      {%- if item.type == 'image' or 'image' in item or 'image_url' in item -%}
+        {%- if count_vision -%}{%- set counts.images = counts.images + 1 -%}{%- endif -%}
+        {%- if add_vision_id -%}{{- 'Picture ' ~ counts.images ~ ': ' -}}{%- endif -%}
+        {{- '<|vision_start|><|image_pad|><|vision_end|>' -}}
+      {%- elif item.type == 'video' or 'video' in item -%}
+        {%- if count_vision -%}{%- set counts.videos = counts.videos + 1 -%}{%- endif -%}
+        {%- if add_vision_id -%}{{- 'Video ' ~ counts.videos ~ ': ' -}}{%- endif -%}
+        {{- '<|vision_start|><|video_pad|><|vision_end|>' -}}
+      {%- elif 'text' in item -%}
+        {{- item.text -}}
+      {%- else -%}
+        {{- raise_exception('chat template: unsupported content item ' ~ (item | tojson)) -}}
+      {%- endif -%}
+    {%- endfor -%}
+  {%- elif content is defined and content is not none -%}
+    {{- raise_exception('chat template: message content must be a string or a list of items') -}}
+  {%- endif -%}
+{%- endmacro -%}
+{%- set has_system = messages | length > 0 and messages[0].role == 'system' -%}
+{%- if tools -%}
+  {{- '<|im_start|>system\n' -}}
+  {%- if has_system -%}{{- render_content(messages[0].content, false) ~ '\n\n' -}}{%- endif -%}
+  {{- '# Tools\n\nYou may call one or more functions to assist with the user query.\n\n' -}}
+  {{- 'You are provided with function signatures within <tools></tools> XML tags:\n<tools>' -}}
+  {%- for tool in tools -%}{{- '\n' ~ (tool | tojson) -}}{%- endfor -%}
+  {{- '\n</tools>\n\nFor each function call, return a json object with function name and arguments within '
+      '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": '
+      '<args-json-object>}\n</tool_call><|im_end|>\n' -}}
+{%- elif has_system -%}
+  {{- '<|im_start|>system\n' ~ render_content(messages[0].content, false) ~ '<|im_end|>\n' -}}
+{%- endif -%}
+{%- for message in messages -%}
+  {%- if message.role == 'system' -%}
+    {%- if not loop.first -%}
+      {{- '<|im_start|>system\n' ~ render_content(message.content, true) ~ '<|im_end|>\n' -}}
+    {%- endif -%}
+  {%- elif message.role == 'user' -%}
+    {{- '<|im_start|>user\n' ~ render_content(message.content, true) ~ '<|im_end|>\n' -}}
+  {%- elif message.role == 'assistant' -%}
+    {%- set text = render_content(message.content, true) -%}
+    {{- '<|im_start|>assistant\n' ~ text -}}
+    {%- for call in message.tool_calls or [] -%}
+      {%- if not loop.first or text -%}{{- '\n' -}}{%- endif -%}
+      {%- set fn = call.function if call.function is defined else call -%}
+      {{- '<tool_call>\n{"name": "' ~ fn.name ~ '", "arguments": ' -}}
+      {%- if fn.arguments is string -%}{{- fn.arguments -}}{%- else -%}{{- fn.arguments | tojson -}}{%- endif -%}
+      {{- '}\n</tool_call>' -}}
+    {%- endfor -%}
+    {{- '<|im_end|>\n' -}}
+  {%- elif message.role == 'tool' -%}
+    {%- if loop.first or loop.previtem.role != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}
+    {{- '\n<tool_response>\n' ~ render_content(message.content, true) ~ '\n</tool_response>' -}}
+    {%- if loop.last or loop.nextitem.role != 'tool' -%}{{- '<|im_end|>\n' -}}{%- endif -%}
+  {%- else -%}
+    {{- raise_exception('chat template: unknown role ' ~ (message.role | tojson)) -}}
+  {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+  {{- '<|im_start|>assistant\n' -}}
+{%- endif -%}
+""".strip()
+
+# Word lists for the generated training text: the domains the tests talk
+# about (geometry problems, chat turns, LaTeX answers, JSON tool calls).
+_GEOMETRY_WORDS = """triangle angle circle radius diameter side length area perimeter measure segment
+point center chord tangent secant arc sector polygon square rectangle rhombus trapezoid parallelogram
+hexagon pentagon vertex vertices altitude median bisector hypotenuse leg base height similar congruent
+parallel perpendicular inscribed circumscribed degrees units find value given figure shown round nearest
+tenth hundredth solve equation express simplest form sine cosine theorem pythagorean ratio proportion
+scale factor volume surface cylinder cone sphere prism""".split()
+_CHAT_WORDS = """the a an of to in is are be we you it that this with for from as on by so then therefore
+thus because answer question image look first second next finally let me think step check compute result
+final correct wrong user assistant system tool call response function name arguments content text type
+please here there which what how why when where can will should would could use using used try again
+observation feedback environment""".split()
+_LATEX = (
+    r"\frac", r"\sqrt", r"\boxed", r"\angle", r"\triangle", r"\pi", r"\cdot", r"\times", r"\circ",
+    r"\left(", r"\right)", r"\overline", r"\sin", r"\cos", r"\tan", r"\approx", r"\le", r"\ge",
+)  # fmt: skip
+_VOWELS = "aeiou"
+_CONSONANTS = "bcdfghjklmnprstvwz"
+
+
+def tiny_training_corpus(seed: int = 0, num_lines: int = 3000) -> list[str]:
+    """Deterministic generated text (about 190 kB) for training the tiny BPE.
+
+    Pseudo-words built from syllables give the trainer enough distinct pairs to
+    reach a 1k vocabulary; the rest mirrors what tests encode.
+    """
+    rng = random.Random(seed)
+    pseudo = [
+        "".join(rng.choice(_CONSONANTS) + rng.choice(_VOWELS) for _ in range(rng.randint(2, 4))) for _ in range(300)
+    ]
+    words = _GEOMETRY_WORDS + _CHAT_WORDS + pseudo
+    letters = "ABCDEFGH"
+    lines = []
+    for _ in range(num_lines):
+        kind = rng.randrange(5)
+        if kind == 0:
+            sentence = " ".join(rng.choice(words) for _ in range(rng.randint(6, 18)))
+            lines.append(sentence.capitalize() + rng.choice(".?!:"))
+        elif kind == 1:
+            a, b, c = rng.randint(1, 99), rng.randint(1, 99), rng.randint(0, 9999)
+            d = rng.randint(0, 999)
+            lines.append(f"${rng.choice(_LATEX)}{{{a}}}{{{b}}} = {c}$ and {rng.choice(_LATEX)}{{{d}}}")
+        elif kind == 2:
+            args = {rng.choice(_CHAT_WORDS): rng.randint(-50, 5000), rng.choice(_GEOMETRY_WORDS): rng.choice(words)}
+            lines.append(json.dumps({"name": rng.choice(pseudo[:20]), "arguments": args}))
+        elif kind == 3:
+            angle = "".join(rng.choice(letters) for _ in range(3))
+            answer, degrees = rng.randint(0, 500), rng.randint(1, 179)
+            lines.append(f"The answer is \\boxed{{{answer}}}. Angle {angle} = {degrees}^\\circ")
+        else:
+            rows = (" ".join(rng.choice(words) for _ in range(rng.randint(2, 8))) for _ in range(rng.randint(1, 4)))
+            lines.append("\n".join(rows))
+    return lines
+
+
+def _qwen2_style_backend() -> Tokenizer:
+    """An untrained BPE with Qwen2's normalizer, pre-tokenizer, decoder and post-processor."""
+    tok = Tokenizer(
+        BPE(unk_token=None, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False, byte_fallback=False)
+    )
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    return tok
+
+
+def build_tiny_backend(vocab_size: int = 1024, seed: int = 0) -> Tokenizer:
+    """The `tokenizers.Tokenizer` behind `build_tiny_tokenizer`; total size (added tokens included) = vocab_size.
+
+    Like Qwen, the added tokens take the last ids, after the BPE vocabulary.
+    """
+    num_added = len(QWEN_SPECIAL_TOKENS) + len(QWEN_ADDED_TOKENS)
+    bpe_size = vocab_size - num_added
+    if bpe_size < 256 + 1:
+        raise ValueError(
+            f"vocab_size={vocab_size} is too small: need the 256 byte tokens + merges + {num_added} added tokens"
+        )
+    tok = _qwen2_style_backend()
+    trainer = trainers.BpeTrainer(
+        vocab_size=bpe_size,
+        min_frequency=2,
+        show_progress=False,
+        special_tokens=[],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(tiny_training_corpus(seed), trainer=trainer)
+    if tok.get_vocab_size() != bpe_size:
+        raise ValueError(
+            f"tiny BPE reached only {tok.get_vocab_size()} of {bpe_size} tokens for vocab_size={vocab_size}; "
+            "the generated corpus has too few distinct pairs for a vocabulary this large"
+        )
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN_SPECIAL_TOKENS])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in QWEN_ADDED_TOKENS])
+    return tok
+
+
+def build_tiny_tokenizer(vocab_size: int = 1024, seed: int = 0) -> PreTrainedTokenizerFast:
+    """A Qwen-style byte-level BPE tokenizer with `len(tokenizer) == vocab_size` and the Qwen3-VL chat template.
+
+    Deterministic: the same (vocab_size, seed) gives the same tokenizer.json in every process. Takes ~0.1 s.
+    """
+    return PreTrainedTokenizerFast(
+        tokenizer_object=build_tiny_backend(vocab_size, seed),
+        bos_token=None,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        unk_token=None,
+        clean_up_tokenization_spaces=False,
+        model_max_length=MODEL_MAX_LENGTH,
+        chat_template=QWEN3_VL_CHAT_TEMPLATE,
+    )
+
+
+def tiny_image_processor_config(min_pixels: int = 64 * 64, max_pixels: int = 128 * 128) -> dict[str, Any]:
+    """A `preprocessor_config.json` dict with Qwen3-VL's values and a small pixel range.
+
+    Qwen3-VL: patch 16, spatial merge 2, temporal patch 2, mean = std = 0.5, so one merged
+    token covers 32x32 pixels. The released config has shortest_edge 65,536 (upscaling
+    small images); here `size` is min/max *pixel counts* (the Qwen2-VL processor's
+    meaning of shortest_edge/longest_edge), e.g. 64x64 -> grid (1, 4, 4) -> 4 tokens.
+    """
+    factor = 16 * 2
+    if min_pixels < factor * factor or max_pixels < min_pixels:
+        raise ValueError(f"need {factor * factor} <= min_pixels <= max_pixels, got min={min_pixels}, max={max_pixels}")
+    return {
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_processor_type": "Qwen2VLImageProcessorFast",
+        "image_std": [0.5, 0.5, 0.5],
+        "merge_size": 2,
+        "patch_size": 16,
+        "processor_class": "Qwen3VLProcessor",
+        "size": {"longest_edge": int(max_pixels), "shortest_edge": int(min_pixels)},
+        "temporal_patch_size": 2,
+    }
+
+
+def _write_json(path: Path, obj: dict[str, Any]) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def save_tiny_processing(
+    out_dir: str | Path,
+    tokenizer: PreTrainedTokenizerFast | None = None,
+    *,
+    vocab_size: int = 1024,
+    seed: int = 0,
+    min_pixels: int = 64 * 64,
+    max_pixels: int = 128 * 128,
+) -> Path:
+    """Write tokenizer.json, tokenizer_config.json, chat_template.jinja and preprocessor_config.json to out_dir.
+
+    The layout matches a released Qwen3-VL checkpoint (tokenizer_class Qwen2Tokenizer, image
+    processor type Qwen2VLImageProcessorFast), so loaders exercise the real code path.
+    Builds the tokenizer from (vocab_size, seed) unless one is given. Returns out_dir.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = tokenizer if tokenizer is not None else build_tiny_tokenizer(vocab_size, seed)
+    tok.save_pretrained(str(out))
+    # transformers records the in-memory class (TokenizersBackend); a Qwen checkpoint names
+    # Qwen2Tokenizer, which AutoTokenizer rebuilds with the same Qwen2 pipeline as ours.
+    config_path = out / "tokenizer_config.json"
+    tok_config = json.loads(config_path.read_text(encoding="utf-8"))
+    tok_config["tokenizer_class"] = "Qwen2Tokenizer"
+    tok_config["add_prefix_space"] = False
+    tok_config["split_special_tokens"] = False
+    _write_json(config_path, tok_config)
+    _write_json(out / "preprocessor_config.json", tiny_image_processor_config(min_pixels, max_pixels))
+    return out
+
+
+def _token_id(tokenizer: PreTrainedTokenizerFast, token: str) -> int:
+    ids = tokenizer.encode(token, add_special_tokens=False)
+    if len(ids) != 1:
+        raise ValueError(f"tokenizer has no single id for {token!r} (encodes to {ids})")
+    return ids[0]
+
+
+def _merge_overrides(config: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """Top-level keys replace; `text_config` / `vision_config` dicts are merged key by key."""
+    out = copy.deepcopy(config)
+    for key, value in overrides.items():
+        if key in ("text_config", "vision_config") and isinstance(value, dict):
+            out[key].update(copy.deepcopy(value))
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def validate_qwen3_vl_config(config: dict[str, Any]) -> None:
+    """Check the constraints transformers does not validate; raise ValueError naming the key.
+
+    - text_config.rope_parameters.mrope_section sums to head_dim // 2 (M-RoPE splits the rotary half);
+    - vision_config.out_hidden_size == text_config.hidden_size (merger output replaces token embeddings);
+    - vision_config.num_position_embeddings is a perfect square (a learned 2-D grid);
+    - len(deepstack_visual_indexes) <= text layers, each index < vision depth.
+    """
+    text, vision = config["text_config"], config["vision_config"]
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    section = rope.get("mrope_section")
+    if section is None or sum(section) != text["head_dim"] // 2:
+        raise ValueError(
+            f"text_config.rope_parameters.mrope_section={section} must sum to head_dim // 2 = {text['head_dim'] // 2}"
+        )
+    if vision["out_hidden_size"] != text["hidden_size"]:
+        raise ValueError(
+            f"vision_config.out_hidden_size={vision['out_hidden_size']} must equal "
+            f"text_config.hidden_size={text['hidden_size']}"
+        )
+    side = math.isqrt(vision["num_position_embeddings"])
+    if side * side != vision["num_position_embeddings"]:
+        raise ValueError(
+            f"vision_config.num_position_embeddings={vision['num_position_embeddings']} is not a perfect square"
+        )
+    deepstack = list(vision["deepstack_visual_indexes"])
+    if len(deepstack) > text["num_hidden_layers"]:
+        raise ValueError(
+            f"vision_config.deepstack_visual_indexes={deepstack} has more entries than "
+            f"text_config.num_hidden_layers={text['num_hidden_layers']}"
+        )
+    if any(not 0 <= i < vision["depth"] for i in deepstack):
+        raise ValueError(
+            f"vision_config.deepstack_visual_indexes={deepstack} must index blocks < depth={vision['depth']}"
+        )
+    if text["num_attention_heads"] % text["num_key_value_heads"]:
+        raise ValueError(
+            f"text_config.num_attention_heads={text['num_attention_heads']} is not a multiple of "
+            f"num_key_value_heads={text['num_key_value_heads']}"
+        )
+
+
+def tiny_qwen3_vl_hf_config(tokenizer: PreTrainedTokenizerFast, **overrides: Any) -> dict[str, Any]:
+    """A transformers-5 `Qwen3VLConfig` dict for a ~350k-parameter random Qwen3-VL matching `tokenizer`.
+
+    Text: 2 layers, hidden 64, 4 heads, 2 kv heads, head_dim 16, interleaved M-RoPE [4, 2, 2].
+    Vision: depth 2, hidden 32, 2 heads, patch 16, out_hidden 64, 8x8 position grid, deepstack [0, 1].
+    Token ids (image/video pads, vision start/end, bos/eos/pad) and vocab_size come from the
+    tokenizer, looked up by token string. Embeddings are tied, as in Qwen3-VL-2B.
+    `overrides` replace top-level keys; `text_config=`/`vision_config=` dicts merge into the defaults.
+    """
+    endoftext, im_end = _token_id(tokenizer, PAD_TOKEN), _token_id(tokenizer, EOS_TOKEN)
+    config: dict[str, Any] = {
+        "architectures": ["Qwen3VLForConditionalGeneration"],
+        "model_type": "qwen3_vl",
+        "image_token_id": _token_id(tokenizer, "<|image_pad|>"),
+        "video_token_id": _token_id(tokenizer, "<|video_pad|>"),
+        "vision_start_token_id": _token_id(tokenizer, "<|vision_start|>"),
+        "vision_end_token_id": _token_id(tokenizer, "<|vision_end|>"),
+        "tie_word_embeddings": True,
+        "dtype": "float32",
+        "text_config": {
+            "model_type": "qwen3_vl_text",
+            "vocab_size": len(tokenizer),
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "hidden_act": "silu",
+            "max_position_embeddings": 4096,
+            "rms_norm_eps": 1e-6,
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "initializer_range": 0.02,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 5000000.0,
+                "mrope_section": [4, 2, 2],
+                "mrope_interleaved": True,
+            },
+            "bos_token_id": endoftext,
+            "eos_token_id": im_end,
+            "pad_token_id": endoftext,
+            "tie_word_embeddings": True,
+            "use_cache": True,
+            "dtype": "float32",
+        },
+        "vision_config": {
+            "model_type": "qwen3_vl_vision",
+            "depth": 2,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "hidden_act": "gelu_pytorch_tanh",
+            "in_channels": 3,
+            "patch_size": 16,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "out_hidden_size": 64,
+            "num_position_embeddings": 64,
+            "deepstack_visual_indexes": [0, 1],
+            "initializer_range": 0.02,
+        },
+    }
+    config = _merge_overrides(config, overrides)
+    if config["text_config"]["vocab_size"] < len(tokenizer):
+        raise ValueError(
+            f"text_config.vocab_size={config['text_config']['vocab_size']} is smaller than "
+            f"the tokenizer ({len(tokenizer)})"
+        )
+    validate_qwen3_vl_config(config)
+    return config

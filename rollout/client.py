@@ -1,0 +1,820 @@
+"""Async HTTP client for SGLang's native API (`/generate` plus control and weight endpoints).
+
+The wire contract is `reference/sglang_api.md` §1-2 and §4. What this client adds over slime's
+httpx helpers (60 blind retries, no timeouts):
+
+- one shared aiohttp connection pool per client, created lazily inside the running loop;
+- a total and a connect timeout on every request;
+- bounded retries with exponential backoff and jitter, only on connection errors, timeouts and
+  HTTP 5xx; a 4xx is a caller bug and raises at once with the server's error body;
+- every retry is recorded on the result (`retries`, `retry_errors`);
+- router mode: `/generate` goes to the router (optionally with sgl-router's consistent-hashing
+  header), control calls go to each worker's own URL;
+- `sync_weights_from_disk`: pause -> flush (retried while busy, bounded by time) -> update ->
+  continue, where continue is attempted whatever happened before, so no engine is left paused.
+
+This module never imports jax: a rollout host runs without it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+logger = logging.getLogger(__name__)
+
+# sgl-router's consistent_hashing policy reads this header; slime sends the episode's session id.
+ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
+PAUSE_MODES = ("abort", "retract", "in_place")
+FINISH_TYPES = ("stop", "length", "abort")
+_BODY_SNIPPET_CHARS = 500
+
+
+# --------------------------------------------------------------------------------------------
+# Errors
+# --------------------------------------------------------------------------------------------
+
+
+def _snippet(text: str, limit: int = _BODY_SNIPPET_CHARS) -> str:
+    text = text.strip()
+    return text if len(text) <= limit else text[:limit] + f"... [{len(text) - limit} more chars]"
+
+
+class EngineError(RuntimeError):
+    """A request to an engine endpoint failed.
+
+    `endpoint` is the full URL, `status` the last HTTP status (None when no response came back),
+    `body` the last response body or transport error text (truncated in the message), `attempts`
+    how many times the request was sent, `errors` one line per failed attempt.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        status: int | None,
+        body: str,
+        attempts: int,
+        errors: Sequence[str] = (),
+        reason: str = "request failed",
+    ) -> None:
+        self.endpoint = endpoint
+        self.status = status
+        self.body = body
+        self.attempts = attempts
+        self.errors = list(errors)
+        status_text = f"HTTP {status}" if status is not None else "no HTTP response"
+        super().__init__(
+            f"{endpoint}: {reason} ({status_text}, {attempts} attempt{'s' if attempts != 1 else ''}): "
+            f"{_snippet(body)}"
+        )
+
+
+class EngineUnavailable(EngineError):
+    """The engine could not be reached, or kept failing (5xx, timeouts) until retries ran out."""
+
+
+class EngineRequestError(EngineError):
+    """The engine rejected the request (HTTP 4xx). Never retried: the request itself is wrong."""
+
+
+class EngineResponseError(EngineError):
+    """The engine answered 2xx but the body breaks the wire contract (missing keys, ids disagree)."""
+
+
+class WeightSyncError(RuntimeError):
+    """`sync_weights_from_disk` failed on at least one worker; `failures` maps worker URL -> reason."""
+
+    def __init__(self, failures: Mapping[str, str]) -> None:
+        self.failures = dict(failures)
+        detail = "; ".join(f"{url}: {why}" for url, why in self.failures.items())
+        super().__init__(f"weight sync failed on {len(self.failures)} worker(s): {detail}")
+
+
+# --------------------------------------------------------------------------------------------
+# Retry policy
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Bounded retries: at most `max_retries` re-sends after the first attempt.
+
+    The delay before retry k (k = 0, 1, ...) is `min(backoff_max_s, backoff_base_s * 2**k)`, scaled
+    by a uniform factor in `[1 - jitter, 1]` so that many clients retrying at once spread out.
+    """
+
+    max_retries: int = 3
+    backoff_base_s: float = 0.5
+    backoff_max_s: float = 8.0
+    jitter: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.max_retries < 0:
+            raise ValueError(f"RetryPolicy.max_retries must be >= 0, got {self.max_retries}")
+        if self.backoff_base_s < 0 or self.backoff_max_s < 0:
+            raise ValueError("RetryPolicy backoff times must be >= 0")
+        if not 0.0 <= self.jitter <= 1.0:
+            raise ValueError(f"RetryPolicy.jitter must be in [0, 1], got {self.jitter}")
+
+
+def backoff_delay(policy: RetryPolicy, retry_index: int, rng: random.Random) -> float:
+    """Seconds to sleep before retry number `retry_index` (0-based). Pure apart from `rng`."""
+    cap = min(policy.backoff_max_s, policy.backoff_base_s * (2.0**retry_index))
+    return cap * (1.0 - policy.jitter * rng.random())
+
+
+# --------------------------------------------------------------------------------------------
+# Results
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class GenerateResult:
+    """One `/generate` answer, parsed and checked.
+
+    `output_ids` / `output_log_probs` come from `meta_info.output_token_logprobs` (entries
+    `[logprob, token_id, text|null]`) and include the final stop token; `output_log_probs` is None
+    when the request did not ask for logprobs. `finish_reason` is "stop", "length" or "abort";
+    `finish_matched` is the matched stop id (int) or stop string (str) for "stop", else None.
+    `prompt_tokens` counts the prompt after image-pad expansion. `rid` is the id the engine
+    answered for (it differs from the caller's rid after a retry, see `SGLangClient.generate`).
+    """
+
+    output_ids: list[int]
+    output_log_probs: list[float] | None
+    text: str
+    finish_reason: str
+    finish_matched: int | str | None
+    prompt_tokens: int
+    cached_tokens: int
+    weight_version: str | None
+    e2e_latency: float | None
+    rid: str | None
+    meta_info: dict[str, Any]
+    retries: int = 0
+    retry_errors: list[str] = field(default_factory=list)
+
+    @property
+    def finish_message(self) -> str | None:
+        """The abort message, if the engine gave one."""
+        fr = self.meta_info.get("finish_reason") or {}
+        return fr.get("message") if isinstance(fr, dict) else None
+
+
+@dataclass
+class _Reply:
+    status: int
+    text: str
+    data: Any  # parsed JSON, or None when the body is empty or not JSON
+    attempts: int
+    errors: list[str]
+
+
+def _parse_body(text: str, content_type: str) -> Any:
+    if not text.strip():
+        return None
+    if "json" in content_type or text.lstrip()[:1] in ("{", "["):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            return None
+    return None
+
+
+def parse_generate_response(
+    data: Any, *, endpoint: str, return_logprob: bool, attempts: int = 1, raw_text: str = ""
+) -> GenerateResult:
+    """Check one `/generate` JSON answer against the wire contract and turn it into a result.
+
+    Raises `EngineResponseError` naming the endpoint and the offending key when the answer is a
+    batch list, lacks `meta_info`/`finish_reason`/`text`, has malformed logprob entries, or when
+    `output_ids` disagrees with the ids inside `output_token_logprobs`.
+    """
+
+    def bad(why: str) -> EngineResponseError:
+        return EngineResponseError(endpoint, 200, raw_text or repr(data), attempts, reason=why)
+
+    if isinstance(data, list):
+        raise bad("got a batch (list) response to a single-prompt request")
+    if not isinstance(data, dict):
+        raise bad("response is not a JSON object")
+    meta = data.get("meta_info")
+    if not isinstance(meta, dict):
+        raise bad("response has no 'meta_info' object")
+    text = data.get("text")
+    if not isinstance(text, str):
+        raise bad("response has no string 'text'")
+
+    fr = meta.get("finish_reason")
+    if not isinstance(fr, dict) or fr.get("type") not in FINISH_TYPES:
+        raise bad(f"meta_info.finish_reason must be an object with type in {FINISH_TYPES}, got {fr!r}")
+    finish_type: str = fr["type"]
+    matched = fr.get("matched") if finish_type == "stop" else None
+    if matched is not None and (isinstance(matched, bool) or not isinstance(matched, (int, str))):
+        raise bad(f"meta_info.finish_reason.matched must be an int id or a str, got {matched!r}")
+
+    raw_ids = data.get("output_ids")
+    log_probs: list[float] | None
+    if return_logprob:
+        entries = meta.get("output_token_logprobs")
+        if not isinstance(entries, list):
+            raise bad("meta_info.output_token_logprobs missing although return_logprob was true")
+        ids: list[int] = []
+        log_probs = []
+        for i, entry in enumerate(entries):
+            if (
+                not isinstance(entry, (list, tuple))
+                or len(entry) < 2
+                or isinstance(entry[1], bool)
+                or not isinstance(entry[1], int)
+                or isinstance(entry[0], bool)
+                or not isinstance(entry[0], (int, float))
+            ):
+                raise bad(f"meta_info.output_token_logprobs[{i}] is not [logprob, token_id, text], got {entry!r}")
+            log_probs.append(float(entry[0]))
+            ids.append(int(entry[1]))
+        if raw_ids is not None and list(raw_ids) != ids:
+            raise bad(
+                f"output_ids ({len(raw_ids)} ids) disagree with the ids in meta_info.output_token_logprobs "
+                f"({len(ids)} ids); first mismatch at index "
+                f"{next((k for k, (a, b) in enumerate(zip(raw_ids, ids)) if a != b), min(len(raw_ids), len(ids)))}"
+            )
+    else:
+        if not isinstance(raw_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in raw_ids):
+            raise bad("response has no integer list 'output_ids' (and no logprobs were requested)")
+        ids, log_probs = list(raw_ids), None
+
+    prompt_tokens = meta.get("prompt_tokens")
+    if not isinstance(prompt_tokens, int) or isinstance(prompt_tokens, bool):
+        raise bad(f"meta_info.prompt_tokens must be an int, got {prompt_tokens!r}")
+    weight_version = meta.get("weight_version")
+    e2e = meta.get("e2e_latency")
+    rid = meta.get("id")
+    return GenerateResult(
+        output_ids=ids,
+        output_log_probs=log_probs,
+        text=text,
+        finish_reason=finish_type,
+        finish_matched=matched,
+        prompt_tokens=prompt_tokens,
+        cached_tokens=int(meta.get("cached_tokens") or 0),
+        weight_version=None if weight_version is None else str(weight_version),
+        e2e_latency=None if e2e is None else float(e2e),
+        rid=None if rid is None else str(rid),
+        meta_info=meta,
+    )
+
+
+def count_requests_in_loads(data: Any, *, endpoint: str) -> int:
+    """Running + waiting requests over all DP ranks of a `/v1/loads` answer (`{"loads": [...]}`)."""
+    loads = data.get("loads") if isinstance(data, dict) else None
+    if not isinstance(loads, list):
+        raise EngineResponseError(endpoint, 200, repr(data), 1, reason="/v1/loads answer has no 'loads' list")
+    total = 0
+    for i, rank in enumerate(loads):
+        if not isinstance(rank, dict):
+            raise EngineResponseError(endpoint, 200, repr(data), 1, reason=f"loads[{i}] is not an object")
+        for key in ("num_running_reqs", "num_waiting_reqs"):
+            value = rank.get(key, 0)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise EngineResponseError(endpoint, 200, repr(data), 1, reason=f"loads[{i}].{key} is not an int")
+            total += value
+    return total
+
+
+# --------------------------------------------------------------------------------------------
+# Client
+# --------------------------------------------------------------------------------------------
+
+
+def _strip_url(url: str) -> str:
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"engine URL must start with http:// or https://, got {url!r}")
+    return url.rstrip("/")
+
+
+class SGLangClient:
+    """Async client for one SGLang server, or for sgl-router in front of several workers.
+
+    `url` receives `/generate` (a server, or the router). `worker_urls` (router mode) lists the
+    servers that receive control calls directly; by default it is `[url]`. Per-worker control
+    methods take `url=`; it may be omitted only when there is exactly one worker. Fleet methods
+    (`wait_healthy`, `abort_all`, `sync_weights_from_disk`, `get_weight_versions`) cover every
+    worker concurrently.
+
+    Timeouts are seconds. `timeout_s` bounds a whole `/generate` attempt, including the wait for a
+    free pooled connection, so keep `max_connections` >= the number of concurrent requests.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        worker_urls: Sequence[str] | None = None,
+        max_connections: int = 512,
+        timeout_s: float = 600.0,
+        connect_timeout_s: float = 10.0,
+        control_timeout_s: float = 60.0,
+        health_timeout_s: float = 30.0,
+        weight_update_timeout_s: float = 1800.0,
+        retry: RetryPolicy | None = None,
+        keepalive_timeout_s: float = 4.0,
+        trust_env: bool = False,
+        seed: int | None = None,
+    ) -> None:
+        self.url = _strip_url(url)
+        self.worker_urls = [_strip_url(u) for u in worker_urls] if worker_urls is not None else [self.url]
+        if not self.worker_urls:
+            raise ValueError("worker_urls is empty: router mode needs at least one worker URL")
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {max_connections}")
+        for name, value in (
+            ("timeout_s", timeout_s),
+            ("connect_timeout_s", connect_timeout_s),
+            ("control_timeout_s", control_timeout_s),
+            ("health_timeout_s", health_timeout_s),
+            ("weight_update_timeout_s", weight_update_timeout_s),
+        ):
+            if value <= 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {value}")
+        self.is_router = worker_urls is not None
+        self.max_connections = max_connections
+        self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.control_timeout_s = control_timeout_s
+        self.health_timeout_s = health_timeout_s
+        self.weight_update_timeout_s = weight_update_timeout_s
+        self.retry = retry or RetryPolicy()
+        # SGLang serves through uvicorn, whose idle keep-alive timeout is 5 s; reusing a socket the
+        # server is closing yields a spurious disconnect, so drop idle sockets a little earlier.
+        self.keepalive_timeout_s = keepalive_timeout_s
+        self.trust_env = trust_env
+        self._rng = random.Random(seed)
+        self._session: aiohttp.ClientSession | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.sessions_created = 0
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    async def __aenter__(self) -> SGLangClient:
+        self._get_session()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Close the pooled connections. The client may be used again afterwards (new pool)."""
+        session, self._session, self._loop = self._session, None, None
+        if session is not None and not session.closed:
+            await session.close()
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        if self._session is not None and not self._session.closed:
+            if self._loop is not loop:
+                raise RuntimeError(
+                    "SGLangClient is bound to the event loop it was first used in; "
+                    "create one client per loop (or close() it before switching loops)"
+                )
+            return self._session
+        connector = aiohttp.TCPConnector(
+            limit=self.max_connections, limit_per_host=0, keepalive_timeout=self.keepalive_timeout_s
+        )
+        self._session = aiohttp.ClientSession(connector=connector, trust_env=self.trust_env)
+        self._loop = loop
+        self.sessions_created += 1
+        return self._session
+
+    def _worker(self, url: str | None) -> str:
+        if url is not None:
+            return _strip_url(url)
+        if len(self.worker_urls) == 1:
+            return self.worker_urls[0]
+        raise ValueError(
+            f"this client has {len(self.worker_urls)} workers {self.worker_urls}; pass url= to pick one "
+            "(or use the fleet methods wait_healthy / abort_all / sync_weights_from_disk / get_weight_versions)"
+        )
+
+    # ---- transport -------------------------------------------------------------------------
+
+    async def _request(
+        self,
+        method: str,
+        base_url: str,
+        path: str,
+        *,
+        json_body: Any = None,
+        body_for_attempt: Callable[[int], Any] | None = None,
+        params: Mapping[str, str] | None = None,
+        headers: Mapping[str, str] | None = None,
+        timeout_s: float,
+        retries: bool = True,
+        answer_statuses: frozenset[int] = frozenset(),
+    ) -> _Reply:
+        """Send one HTTP request with bounded retries; return the first 2xx (or `answer_statuses`) reply.
+
+        Retried: connection errors, dropped connections, timeouts, HTTP >= 500. A 4xx not listed in
+        `answer_statuses` raises `EngineRequestError` at once. `body_for_attempt(k)` (k = 1, 2, ...)
+        overrides `json_body` when each attempt needs its own body.
+        """
+        endpoint = base_url + path
+        session = self._get_session()
+        timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=min(self.connect_timeout_s, timeout_s))
+        max_attempts = 1 + (self.retry.max_retries if retries else 0)
+        errors: list[str] = []
+        last_status: int | None = None
+        last_body = ""
+        for attempt in range(1, max_attempts + 1):
+            body = body_for_attempt(attempt) if body_for_attempt is not None else json_body
+            try:
+                async with session.request(
+                    method, endpoint, json=body, params=params, headers=headers, timeout=timeout
+                ) as resp:
+                    text = await resp.text()
+                    status = resp.status
+                    content_type = resp.headers.get("Content-Type", "")
+            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as exc:
+                if isinstance(exc, asyncio.TimeoutError):
+                    detail = f"timeout after {timeout_s:g} s"
+                else:
+                    detail = f"{type(exc).__name__}: {exc}"
+                errors.append(f"attempt {attempt}: {detail}")
+                last_status, last_body = None, detail
+            except aiohttp.ClientError as exc:  # malformed URL, bad headers...: not transient
+                raise EngineError(endpoint, None, f"{type(exc).__name__}: {exc}", attempt, errors) from exc
+            else:
+                if 200 <= status < 300 or status in answer_statuses:
+                    return _Reply(status, text, _parse_body(text, content_type), attempt, errors)
+                if 400 <= status < 500:
+                    raise EngineRequestError(endpoint, status, text, attempt, errors, reason="request rejected")
+                errors.append(f"attempt {attempt}: HTTP {status}: {_snippet(text, 200)}")
+                last_status, last_body = status, text
+            if attempt < max_attempts:
+                delay = backoff_delay(self.retry, attempt - 1, self._rng)
+                logger.warning(
+                    "%s %s failed (%s); retry %d/%d in %.2f s",
+                    method, endpoint, errors[-1], attempt, max_attempts - 1, delay,
+                )
+                await asyncio.sleep(delay)
+        raise EngineUnavailable(
+            endpoint, last_status, last_body, max_attempts, errors,
+            reason=f"engine unavailable, last error: {errors[-1]}",
+        )
+
+    async def _get_json(self, url: str, path: str, *, timeout_s: float | None = None) -> Any:
+        reply = await self._request("GET", url, path, timeout_s=timeout_s or self.control_timeout_s)
+        return reply.data
+
+    async def _post_json(self, url: str, path: str, body: Any, *, timeout_s: float | None = None) -> dict[str, Any]:
+        reply = await self._request("POST", url, path, json_body=body, timeout_s=timeout_s or self.control_timeout_s)
+        if isinstance(reply.data, dict):
+            return reply.data
+        # Some control endpoints answer an empty or plain-text body; keep it for the caller's logs.
+        return {"text": reply.text}
+
+    # ---- generation ------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        input_ids: Sequence[int],
+        *,
+        image_data: Sequence[str] | None = None,
+        sampling_params: Mapping[str, Any],
+        return_logprob: bool = True,
+        rid: str | None = None,
+        routing_key: str | None = None,
+        timeout_s: float | None = None,
+    ) -> GenerateResult:
+        """POST `/generate` with token ids (and every image of the conversation so far).
+
+        `input_ids`: the prompt with one compact `<|image_pad|>` per image. `image_data`: PNG data
+        URLs in placeholder order. `routing_key` sets sgl-router's consistent-hashing header so
+        every turn of an episode reaches the same worker (and its KV prefix).
+
+        A retried attempt is sent with rid `"<rid>.retry<k>"`: the engine aborts a request whose
+        client went away, but may still hold the old rid for a moment.
+        """
+        base_rid = rid if rid is not None else uuid.uuid4().hex
+        body: dict[str, Any] = {
+            "rid": base_rid,
+            "input_ids": [int(t) for t in input_ids],
+            "sampling_params": dict(sampling_params),
+            "return_logprob": bool(return_logprob),
+        }
+        if image_data:
+            body["image_data"] = list(image_data)
+
+        def body_for_attempt(attempt: int) -> dict[str, Any]:
+            return body if attempt == 1 else {**body, "rid": f"{base_rid}.retry{attempt - 1}"}
+
+        headers = {ROUTING_KEY_HEADER: routing_key} if routing_key is not None else None
+        reply = await self._request(
+            "POST", self.url, "/generate", body_for_attempt=body_for_attempt, headers=headers,
+            timeout_s=timeout_s if timeout_s is not None else self.timeout_s,
+        )
+        result = parse_generate_response(
+            reply.data, endpoint=self.url + "/generate", return_logprob=return_logprob,
+            attempts=reply.attempts, raw_text=reply.text,
+        )
+        result.retries = reply.attempts - 1
+        result.retry_errors = reply.errors
+        return result
+
+    # ---- health ----------------------------------------------------------------------------
+
+    async def _probe_health(self, url: str, timeout_s: float) -> tuple[bool, str]:
+        """One probe: GET /health_generate, falling back to /health on servers without it (404)."""
+        last = ""
+        for path in ("/health_generate", "/health"):
+            try:
+                reply = await self._request("GET", url, path, timeout_s=timeout_s, retries=False,
+                                            answer_statuses=frozenset({404}))
+            except EngineRequestError as exc:
+                return False, str(exc)
+            except EngineUnavailable as exc:
+                return False, str(exc)
+            if reply.status == 404:
+                last = f"{url}{path}: HTTP 404"
+                continue
+            return True, ""
+        return False, last
+
+    async def health(self, url: str | None = None) -> bool:
+        """True when the worker answers 200 on /health_generate (or /health). Never raises on 5xx or
+        unreachable workers: those are the "not healthy" answers."""
+        ok, _ = await self._probe_health(self._worker(url), self.health_timeout_s)
+        return ok
+
+    async def wait_healthy(self, timeout_s: float = 600.0, poll_interval_s: float = 1.0) -> None:
+        """Poll every worker until each is healthy; raise `EngineUnavailable` naming the ones still
+        unhealthy (and their last error) once `timeout_s` seconds have passed."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+
+        async def wait_one(url: str) -> tuple[str, int, str] | None:
+            attempts, last = 0, ""
+            while True:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    return url, attempts, last
+                attempts += 1
+                ok, last = await self._probe_health(url, min(self.health_timeout_s, max(remaining, 1e-3)))
+                if ok:
+                    return None
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    return url, attempts, last
+                await asyncio.sleep(min(poll_interval_s, remaining))
+
+        failures = [f for f in await asyncio.gather(*(wait_one(u) for u in self.worker_urls)) if f is not None]
+        if failures:
+            url, attempts, last = failures[0]
+            others = ", ".join(f[0] for f in failures[1:])
+            raise EngineUnavailable(
+                url + "/health_generate", None, last, attempts,
+                reason=f"not healthy within {timeout_s:g} s" + (f" (also unhealthy: {others})" if others else ""),
+            )
+
+    # ---- info ------------------------------------------------------------------------------
+
+    async def _get_with_fallback(self, url: str, paths: Sequence[str]) -> Any:
+        """GET the first of `paths` the server knows (SGLang renamed several info endpoints)."""
+        for path in paths:
+            last = path == paths[-1]
+            reply = await self._request("GET", url, path, timeout_s=self.control_timeout_s,
+                                        answer_statuses=frozenset() if last else frozenset({404}))
+            if reply.status == 404:
+                continue
+            if not isinstance(reply.data, dict):
+                raise EngineResponseError(url + path, reply.status, reply.text, reply.attempts,
+                                          reason="answer is not a JSON object")
+            return reply.data
+        raise AssertionError("unreachable: the last path raises on 404")
+
+    async def get_model_info(self, url: str | None = None) -> dict[str, Any]:
+        """`/model_info` (newer) or `/get_model_info`: model_path, weight_version, is_generation..."""
+        return await self._get_with_fallback(self._worker(url), ("/model_info", "/get_model_info"))
+
+    async def get_server_info(self, url: str | None = None) -> dict[str, Any]:
+        """`/server_info` (newer) or `/get_server_info`: server args, internal_states, version."""
+        return await self._get_with_fallback(self._worker(url), ("/server_info", "/get_server_info"))
+
+    async def get_weight_version(self, url: str | None = None) -> str | None:
+        """The worker's current weight version (set by the weight-update calls)."""
+        worker = self._worker(url)
+        reply = await self._request("GET", worker, "/get_weight_version", timeout_s=self.control_timeout_s,
+                                    answer_statuses=frozenset({404}))
+        data = reply.data if reply.status != 404 else await self.get_model_info(worker)
+        if not isinstance(data, dict) or "weight_version" not in data:
+            raise EngineResponseError(worker + "/get_weight_version", reply.status, reply.text, reply.attempts,
+                                      reason="answer has no 'weight_version'")
+        version = data["weight_version"]
+        return None if version is None else str(version)
+
+    async def get_weight_versions(self) -> dict[str, str | None]:
+        """Weight version of every worker, keyed by worker URL."""
+        versions = await asyncio.gather(*(self.get_weight_version(u) for u in self.worker_urls))
+        return dict(zip(self.worker_urls, versions))
+
+    async def get_loads(self, url: str | None = None) -> dict[str, Any]:
+        """`/v1/loads?include=core`: running and waiting request counts per DP rank."""
+        worker = self._worker(url)
+        reply = await self._request("GET", worker, "/v1/loads", params={"include": "core"},
+                                    timeout_s=self.control_timeout_s)
+        if not isinstance(reply.data, dict):
+            raise EngineResponseError(worker + "/v1/loads", reply.status, reply.text, reply.attempts,
+                                      reason="answer is not a JSON object")
+        return reply.data
+
+    # ---- control ---------------------------------------------------------------------------
+
+    async def flush_cache(self, url: str | None = None) -> bool:
+        """POST /flush_cache. False when the engine refuses because requests are running or waiting
+        (HTTP 400: an expected state, the caller retries); True once flushed."""
+        reply = await self._request("POST", self._worker(url), "/flush_cache", timeout_s=self.control_timeout_s,
+                                    answer_statuses=frozenset({400}))
+        return reply.status != 400
+
+    async def pause_generation(self, mode: str = "abort", url: str | None = None) -> dict[str, Any]:
+        """POST /pause_generation. `abort` returns in-flight requests at once as aborted; `retract`
+        re-queues them; `in_place` keeps them in the batch (flush_cache then fails)."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        return await self._post_json(self._worker(url), "/pause_generation", {"mode": mode})
+
+    async def continue_generation(self, url: str | None = None) -> dict[str, Any]:
+        """POST /continue_generation: resume a paused engine."""
+        return await self._post_json(self._worker(url), "/continue_generation", {})
+
+    async def abort_request(self, rid: str | None = None, abort_all: bool = False, url: str | None = None) -> None:
+        """POST /abort_request for one rid, or every request. Aborted requests finish with type abort."""
+        if (rid is None) == (not abort_all):
+            raise ValueError("abort_request needs exactly one of rid=... or abort_all=True")
+        body: dict[str, Any] = {"abort_all": True} if abort_all else {"rid": rid}
+        await self._request("POST", self._worker(url), "/abort_request", json_body=body,
+                            timeout_s=self.control_timeout_s)
+
+    async def abort_all(self, *, timeout_s: float = 180.0, retry_interval_s: float = 3.0) -> None:
+        """Abort everything on every worker and wait until `/v1/loads` shows none running or waiting.
+
+        Re-sends the abort every `retry_interval_s` (requests can arrive while draining). Raises
+        `EngineUnavailable` naming the workers that are still busy once `timeout_s` has passed.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+
+        async def drain(url: str) -> tuple[str, int, str] | None:
+            rounds, last = 0, ""
+            while loop.time() < deadline:
+                rounds += 1
+                try:
+                    await self.abort_request(abort_all=True, url=url)
+                    loads_endpoint = url + "/v1/loads"
+                    busy = count_requests_in_loads(await self.get_loads(url), endpoint=loads_endpoint)
+                except EngineError as exc:
+                    last = str(exc)
+                else:
+                    if busy == 0:
+                        return None
+                    last = f"{busy} request(s) still running or waiting"
+                await asyncio.sleep(max(0.0, min(retry_interval_s, deadline - loop.time())))
+            return url, rounds, last
+
+        failures = [f for f in await asyncio.gather(*(drain(u) for u in self.worker_urls)) if f is not None]
+        if failures:
+            url, rounds, last = failures[0]
+            raise EngineUnavailable(url + "/abort_request", None, last, rounds,
+                                    reason=f"not idle within {timeout_s:g} s of aborting "
+                                           f"({len(failures)} worker(s) busy)")
+
+    # ---- weights ---------------------------------------------------------------------------
+
+    async def update_weights_from_disk(
+        self,
+        model_path: str,
+        weight_version: str | None = None,
+        *,
+        load_format: str | None = None,
+        flush_cache: bool | None = None,
+        abort_all_requests: bool | None = None,
+        url: str | None = None,
+    ) -> dict[str, Any]:
+        """POST /update_weights_from_disk. Returns the engine's `{"success", "message", ...}` both on
+        success (200) and on a failed load (400 with success false); other errors raise.
+
+        Unset options are left out so the engine applies its own defaults.
+        """
+        worker = self._worker(url)
+        body: dict[str, Any] = {"model_path": str(model_path)}
+        for key, value in (("weight_version", weight_version), ("load_format", load_format),
+                           ("flush_cache", flush_cache), ("abort_all_requests", abort_all_requests)):
+            if value is not None:
+                body[key] = str(value) if key == "weight_version" else value
+        reply = await self._request("POST", worker, "/update_weights_from_disk", json_body=body,
+                                    timeout_s=self.weight_update_timeout_s, answer_statuses=frozenset({400}))
+        data = reply.data
+        if not isinstance(data, dict) or "success" not in data:
+            if reply.status == 400:
+                raise EngineRequestError(worker + "/update_weights_from_disk", 400, reply.text, reply.attempts,
+                                         reply.errors, reason="request rejected")
+            raise EngineResponseError(worker + "/update_weights_from_disk", reply.status, reply.text,
+                                      reply.attempts, reason="answer has no 'success' field")
+        return data
+
+    async def _flush_until_idle(self, url: str, flush_timeout_s: float, poll_s: float) -> int:
+        """Retry /flush_cache while the engine answers busy (400), for at most `flush_timeout_s`."""
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        attempts = 0
+        while True:
+            attempts += 1
+            if await self.flush_cache(url):
+                return attempts
+            elapsed = loop.time() - start
+            if elapsed >= flush_timeout_s:
+                raise TimeoutError(
+                    f"{url}/flush_cache still busy (HTTP 400: requests running or waiting) after "
+                    f"{elapsed:.2f} s and {attempts} attempts"
+                )
+            await asyncio.sleep(min(poll_s, flush_timeout_s - elapsed))
+
+    async def _continue_quietly(self, url: str) -> None:
+        try:
+            await self.continue_generation(url=url)
+        except EngineError as exc:
+            logger.error("could not resume %s after a cancelled weight sync: %s", url, exc)
+
+    async def _sync_worker(
+        self, url: str, model_path: str, weight_version: str, flush_timeout_s: float, poll_s: float,
+        pause_mode: str, update_options: Mapping[str, Any],
+    ) -> dict[str, Any]:
+        failure: str | None = None
+        response: dict[str, Any] = {}
+        try:
+            await self.pause_generation(pause_mode, url=url)
+            await self._flush_until_idle(url, flush_timeout_s, poll_s)
+            response = await self.update_weights_from_disk(model_path, weight_version, url=url, **update_options)
+            if not response.get("success"):
+                failure = f"update_weights_from_disk({model_path!r}) returned success=false: " \
+                          f"{_snippet(str(response.get('message', response)))}"
+        except (EngineError, TimeoutError) as exc:
+            failure = str(exc)
+        except asyncio.CancelledError:
+            # Cancelled mid-sync (e.g. shutdown): still resume the engine, then let the cancel through.
+            await asyncio.shield(self._continue_quietly(url))
+            raise
+        # Continue even after a failure: a paused engine would stall every later rollout.
+        try:
+            await self.continue_generation(url=url)
+        except EngineError as exc:
+            failure = (failure + "; then " if failure else "") + f"continue_generation failed: {exc}"
+        if failure is not None:
+            raise WeightSyncError({url: failure})
+        return response
+
+    async def sync_weights_from_disk(
+        self,
+        model_path: str,
+        weight_version: str,
+        *,
+        flush_timeout_s: float = 60.0,
+        flush_poll_s: float = 1.0,
+        pause_mode: str = "abort",
+        **update_options: Any,
+    ) -> dict[str, dict[str, Any]]:
+        """Load new weights on every worker: pause -> flush (retried while busy) -> update -> continue.
+
+        Workers are synced concurrently; returns each worker's update answer keyed by URL. Raises
+        `WeightSyncError` listing every failed worker; `continue_generation` has been attempted on
+        all of them first. `update_options` go to `update_weights_from_disk` (load_format, ...).
+        """
+        if pause_mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
+        if flush_timeout_s < 0 or flush_poll_s <= 0:
+            raise ValueError("flush_timeout_s must be >= 0 and flush_poll_s > 0 seconds")
+        results = await asyncio.gather(
+            *(self._sync_worker(u, model_path, weight_version, flush_timeout_s, flush_poll_s, pause_mode,
+                                update_options) for u in self.worker_urls),
+            return_exceptions=True,
+        )
+        failures: dict[str, str] = {}
+        answers: dict[str, dict[str, Any]] = {}
+        for url, res in zip(self.worker_urls, results):
+            if isinstance(res, WeightSyncError):
+                failures.update(res.failures)
+            elif isinstance(res, BaseException):
+                raise res
+            else:
+                answers[url] = res
+        if failures:
+            raise WeightSyncError(failures)
+        return answers

@@ -1,0 +1,412 @@
+"""The default per-sample multi-turn episode: `async def generate(args, sample, sampling_params) -> Sample`.
+
+Phases of one episode (slime's loop, with its defects fixed; reference/slime.md):
+
+1. **init**: render the prompt with the chat template; training view (expanded pads) into `sample.tokens`,
+   wire view (compact pads) kept for the engine; prompt images go to `image_data` and the tensor buffer.
+2. **generate**: POST `/generate` with the wire ids so far and every image so far; append the sampled ids
+   and log-probs with loss mask 1. The engine's ids are never re-tokenized.
+3. **env.step** on the model's text of this turn, with a timeout and bounded retries.
+4. **observe**: encode the observation as delta tokens (template separator + observation + generation
+   prompt) with loss mask 0 and log-prob 0.
+5. **multimodal state**: observation images are appended to `image_data` and their tensors buffered; the
+   buffer is concatenated once per key at finalize.
+
+Termination: env done -> COMPLETED; `max_turns` reached -> COMPLETED (no unanswered observation is
+appended); the response budget (generated + observation tokens) or the context runs out -> TRUNCATED with
+the cause recorded; engine `length` -> TRUNCATED; engine `abort` -> ABORTED; an engine that stays
+unreachable, an env that keeps failing, or the episode's wall-clock limit -> FAILED with the error recorded.
+None of these raise: one bad episode never kills a rollout. `env.close()` always runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+import traceback
+import uuid
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any, Callable
+
+import numpy as np
+
+from rollout.client import EngineError, SGLangClient
+from rollout.encoding import ChatEncoder, check_prefix_stability
+from rollout.sample import FINISH_REASON_STATUS, Sample, Status, TurnRecord
+
+logger = logging.getLogger(__name__)
+
+# Big enough that no realistic logit survives it; finite because JSON has no -inf.
+BANNED_TOKEN_BIAS = -1.0e9
+
+
+class EpisodeError(RuntimeError):
+    """An episode could not be run at all (missing context, bad env module); names the sample."""
+
+
+@dataclass
+class RolloutContext:
+    """What every episode of a rollout shares. Created by the driver, reachable from `args.rollout_context`.
+
+    `generate_slots` bounds concurrent `/generate` requests (not env time: a slow env must not hold a slot).
+    `suspended` keeps the live state of partially rolled-out episodes between rollout steps.
+    """
+
+    client: SGLangClient
+    encoder: ChatEncoder
+    env_module: ModuleType | None
+    generate_slots: asyncio.Semaphore
+    router_mode: bool = False
+    suspended: dict[tuple[int, int], "EpisodeState"] = field(default_factory=dict)
+    # Set by the driver while it aborts stragglers: episodes stop before their next /generate.
+    aborting: bool = False
+    # Cross-step driver bookkeeping (partial-rollout groups), owned by rollout.driver.
+    driver_state: dict[str, Any] = field(default_factory=lambda: {"partial_groups": []})
+
+    @property
+    def reward_fn(self) -> Callable[[str, Any], float] | None:
+        return getattr(self.env_module, "reward_fn", None) if self.env_module is not None else None
+
+
+def get_context(args: Any) -> RolloutContext:
+    ctx = getattr(args, "rollout_context", None)
+    if not isinstance(ctx, RolloutContext):
+        raise EpisodeError("args.rollout_context is not set: episodes run inside rollout.driver, which creates it")
+    return ctx
+
+
+@dataclass
+class EpisodeState:
+    """Live state of one episode beyond what the Sample holds (survives a partial-rollout suspension)."""
+
+    wire_ids: list[int]
+    env: Any
+    mm_chunks: list[dict[str, np.ndarray]] = field(default_factory=list)
+    model_turns: list[list[int]] = field(default_factory=list)
+    observations: list[list[dict[str, Any]] | None] = field(default_factory=list)
+    model_texts: list[str] = field(default_factory=list)
+    routing_key: str = field(default_factory=lambda: uuid.uuid4().hex)
+    # wire_ids index where the current (possibly resumed) model turn started: a resumed turn keeps growing it.
+    open_turn: bool = False
+
+
+def default_sampling_params(args: Any, banned_ids: tuple[int, ...], eos_ids: tuple[int, ...]) -> dict[str, Any]:
+    """SGLang sampling params of a turn, before the per-turn `max_new_tokens` is set."""
+    stop_ids = list(dict.fromkeys([*eos_ids, *getattr(args, "rollout_stop_token_ids", [])]))
+    return {
+        "temperature": float(getattr(args, "rollout_temperature", 1.0)),
+        "top_p": float(getattr(args, "rollout_top_p", 1.0)),
+        "top_k": int(getattr(args, "rollout_top_k", -1)),
+        "max_new_tokens": int(getattr(args, "rollout_max_response_len", 512)),
+        "stop_token_ids": stop_ids,
+        "skip_special_tokens": False,
+        "no_stop_trim": True,
+        "spaces_between_special_tokens": False,
+        # A sampled image pad or vision marker would corrupt M-RoPE positions of every later token.
+        "logit_bias": {str(t): BANNED_TOKEN_BIAS for t in banned_ids},
+    }
+
+
+def merge_multimodal_chunks(chunks: list[dict[str, np.ndarray]], name: str) -> dict[str, np.ndarray] | None:
+    """Concatenate per-turn training tensors once per key (O(total), not O(turns^2)).
+
+    Every chunk must have the same keys and ndarray values: a key missing from some turns, or a value that is
+    not an array, is an error rather than being silently dropped (slime's defect).
+    """
+    chunks = [c for c in chunks if c]
+    if not chunks:
+        return None
+    keys = set(chunks[0])
+    for k, chunk in enumerate(chunks):
+        if set(chunk) != keys:
+            raise ValueError(f"{name}: multimodal chunk {k} has keys {sorted(chunk)}, chunk 0 has {sorted(keys)}")
+        for key, value in chunk.items():
+            if not isinstance(value, np.ndarray):
+                raise TypeError(f"{name}: multimodal chunk {k} key {key!r} is {type(value).__name__}, not ndarray")
+    return {key: np.concatenate([c[key] for c in chunks], axis=0) for key in sorted(keys)}
+
+
+async def _call_env_step(env: Any, text: str, timeout_s: float) -> tuple[dict, bool, dict]:
+    """Run `env.step` with a time limit; a sync step runs in a worker thread so it cannot block the loop."""
+    if inspect.iscoroutinefunction(env.step):
+        result = await asyncio.wait_for(env.step(text), timeout_s)
+    else:
+        result = await asyncio.wait_for(asyncio.to_thread(env.step, text), timeout_s)
+        if inspect.isawaitable(result):
+            result = await asyncio.wait_for(result, timeout_s)
+    if not (isinstance(result, tuple) and len(result) == 3):
+        raise TypeError(f"{type(env).__name__}.step must return (observation, done, info), got {type(result).__name__}")
+    observation, done, info = result
+    return observation, bool(done), info or {}
+
+
+async def _maybe_await(value: Any) -> Any:
+    return await value if inspect.isawaitable(value) else value
+
+
+async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any] | None = None) -> Sample:
+    """Run (or resume) one episode. Never raises for episode-level failures; see the module docstring."""
+    ctx = get_context(args)
+    timeout_s = float(getattr(args, "episode_timeout", 600.0))
+    key = (sample.group_index, sample.index)
+    state: EpisodeState | None = None
+    try:
+        state = ctx.suspended.pop(key, None)
+        if state is None:
+            state = await _init_episode(ctx, args, sample)
+        await asyncio.wait_for(_run_turns(ctx, args, sample, state, sampling_params), timeout_s)
+    except asyncio.TimeoutError:
+        _fail(sample, f"episode exceeded its {timeout_s:g} s wall-clock limit (--episode-timeout)", "episode_timeout")
+    except Exception as e:  # an episode must never take the rollout down; the error is recorded on the sample
+        logger.warning("%s failed: %s", sample.name, e)
+        _fail(sample, f"{type(e).__name__}: {e}", "exception", detail=traceback.format_exc(limit=5))
+    if state is not None:
+        suspend = sample.status is Status.ABORTED and bool(getattr(args, "partial_rollout", False))
+        if suspend:
+            ctx.suspended[key] = state
+        else:
+            await _finalize(ctx, args, sample, state)
+    return sample
+
+
+def _fail(sample: Sample, message: str, cause: str, detail: str | None = None) -> None:
+    if sample.status not in (Status.PENDING,):
+        # Already terminal (e.g. failure during finalize): keep the first cause, add this one.
+        sample.metadata.setdefault("errors", []).append(message)
+        if sample.status is not Status.FAILED and sample.status is not Status.COMPLETED:
+            sample.status = Status.FAILED
+        return
+    sample.set_status(Status.FAILED)
+    sample.metadata["error"] = message
+    sample.metadata["termination"] = cause
+    if detail:
+        sample.metadata["error_detail"] = detail
+
+
+async def _init_episode(ctx: RolloutContext, args: Any, sample: Sample) -> EpisodeState:
+    if ctx.env_module is None:
+        raise EpisodeError(f"{sample.name}: no environment module (--rollout-interaction-env-path)")
+    tools = sample.metadata.get("tools")
+    seg = ctx.encoder.encode_prompt(sample.prompt, tools=tools)
+    sample.set_prompt_tokens(seg.train_ids)
+    sample.image_data = list(seg.image_data)
+    env = ctx.env_module.build_env(sample, args)
+    state = EpisodeState(wire_ids=list(seg.wire_ids), env=env)
+    if seg.mm_inputs is not None:
+        state.mm_chunks.append(seg.mm_inputs)
+    await _maybe_await(env.reset())
+    return state
+
+
+def _turn_budget(args: Any, sample: Sample) -> tuple[int, str]:
+    """Tokens the next model turn may generate, and which limit binds."""
+    limits = {"response_budget": int(args.rollout_max_response_len) - sample.response_length}
+    max_context = getattr(args, "rollout_max_context_len", None)
+    if max_context:
+        limits["context"] = int(max_context) - len(sample.tokens)
+    cause = min(limits, key=limits.get)
+    return limits[cause], cause
+
+
+async def _run_turns(ctx: RolloutContext, args: Any, sample: Sample, state: EpisodeState, sampling_params: dict | None) -> None:
+    if sample.status is not Status.PENDING:
+        sample.set_status(Status.PENDING)  # resuming a partial rollout
+    vision = ctx.encoder.vision
+    base_params = dict(sampling_params or default_sampling_params(args, vision.banned_ids, vision.eos_ids))
+    configured_max_new = int(base_params.get("max_new_tokens", args.rollout_max_response_len))
+    max_turns = int(args.max_turns)
+    tokenizer = ctx.encoder.tokenizer
+
+    while True:
+        turn = len(state.model_turns) - (1 if state.open_turn else 0)
+        record = TurnRecord(turn=turn)
+        budget, binding = _turn_budget(args, sample)
+        max_new = min(configured_max_new, budget)
+        if max_new <= 0:
+            _truncate(sample, record, binding, state)
+            return
+
+        if ctx.aborting:
+            sample.turns.append(record)
+            record.truncation_cause = "rollout_abort"
+            sample.set_status(Status.ABORTED)
+            sample.metadata["termination"] = "abort"
+            return
+        params = {**base_params, "max_new_tokens": max_new}
+        t0 = time.perf_counter()
+        async with ctx.generate_slots:
+            try:
+                result = await ctx.client.generate(
+                    state.wire_ids,
+                    image_data=sample.image_data,
+                    sampling_params=params,
+                    rid=f"g{sample.group_index}-s{sample.index}-t{turn}-{uuid.uuid4().hex[:8]}",
+                    routing_key=state.routing_key if ctx.router_mode else None,
+                )
+            except EngineError as e:
+                record.error = f"engine: {e}"
+                sample.turns.append(record)
+                _fail(sample, record.error, "engine_error")
+                return
+        record.engine_latency_s = time.perf_counter() - t0
+        record.generated_tokens = len(result.output_ids)
+        record.finish_reason = result.finish_reason
+        record.weight_version = result.weight_version
+        record.env_retries = 0
+        if result.weight_version is not None and (not sample.weight_versions or sample.weight_versions[-1] != result.weight_version):
+            sample.weight_versions.append(result.weight_version)
+
+        banned = set(vision.banned_ids).intersection(result.output_ids)
+        if banned:
+            record.error = f"engine sampled banned vision token ids {sorted(banned)}"
+            sample.turns.append(record)
+            _fail(sample, record.error, "banned_token")
+            return
+        sample.append_model_tokens(result.output_ids, result.output_log_probs or [])
+        state.wire_ids.extend(result.output_ids)
+        if state.open_turn:  # a resumed turn continues the suspended one
+            state.model_turns[-1].extend(result.output_ids)
+            state.open_turn = False
+        else:
+            state.model_turns.append(list(result.output_ids))
+            state.observations.append(None)
+
+        status = FINISH_REASON_STATUS.get(result.finish_reason)
+        if status is Status.ABORTED:
+            state.open_turn = True
+            record.truncation_cause = "engine_abort"
+            sample.turns.append(record)
+            sample.set_status(Status.ABORTED)
+            sample.metadata["termination"] = "abort"
+            return
+        if status is Status.TRUNCATED:
+            sample.turns.append(record)
+            _truncate(sample, record, binding if max_new < configured_max_new else "length", state, appended=True)
+            return
+
+        model_ids = state.model_turns[-1]
+        text = tokenizer.decode([t for t in model_ids if t not in vision.eos_ids], skip_special_tokens=True)
+        state.model_texts.append(text)
+
+        t_env = time.perf_counter()
+        outcome = await _step_with_retries(args, state.env, text, record, sample)
+        record.env_latency_s = time.perf_counter() - t_env
+        if outcome is None:
+            sample.turns.append(record)
+            return  # FAILED, recorded
+        observation, done, info = outcome
+        if info:
+            sample.metadata.setdefault("env_info", []).append(_json_friendly(info))
+
+        if done:
+            sample.turns.append(record)
+            sample.set_status(Status.COMPLETED)
+            sample.metadata["termination"] = "env_done"
+            return
+        if turn + 1 >= max_turns:
+            sample.turns.append(record)
+            sample.set_status(Status.COMPLETED)
+            sample.metadata["termination"] = "max_turns"
+            return
+
+        message = state.env.format_observation(observation)
+        seg = ctx.encoder.encode_observation([message], model_ended_turn=bool(model_ids) and model_ids[-1] in vision.eos_ids)
+        budget, binding = _turn_budget(args, sample)
+        if len(seg.train_ids) >= budget:
+            # The observation plus at least one generated token must fit; otherwise nothing could answer it.
+            record.observation_tokens = len(seg.train_ids)
+            sample.turns.append(record)
+            _truncate(sample, record, f"observation_exceeds_{binding}", state, appended=True)
+            return
+        sample.append_observation_tokens(seg.train_ids)
+        state.wire_ids.extend(seg.wire_ids)
+        sample.image_data.extend(seg.image_data)
+        if seg.mm_inputs is not None:
+            state.mm_chunks.append(seg.mm_inputs)
+        state.observations[-1] = [message]
+        record.observation_tokens = len(seg.train_ids)
+        record.observation_images = len(seg.image_data)
+        sample.turns.append(record)
+
+
+def _truncate(sample: Sample, record: TurnRecord, cause: str, state: EpisodeState, appended: bool = False) -> None:
+    record.truncation_cause = cause
+    if not appended:
+        sample.turns.append(record)
+    sample.set_status(Status.TRUNCATED)
+    sample.metadata["termination"] = f"truncated:{cause}"
+    state.open_turn = False
+
+
+async def _step_with_retries(args: Any, env: Any, text: str, record: TurnRecord, sample: Sample) -> tuple | None:
+    """env.step with timeout and at most `max_env_retries_per_turn` retries; None (and FAILED) when exhausted.
+
+    A recoverable env (`env.recoverable`) is reset before a retry; a non-recoverable one is retried as is,
+    which is right for transient failures (a judge server hiccup) and is the documented contract.
+    """
+    retries = int(getattr(args, "max_env_retries_per_turn", 2))
+    timeout_s = float(getattr(args, "env_step_timeout", 30.0))
+    errors: list[str] = []
+    for attempt in range(retries + 1):
+        try:
+            return await _call_env_step(env, text, timeout_s)
+        except asyncio.TimeoutError:
+            errors.append(f"attempt {attempt + 1}: env.step timed out after {timeout_s:g} s")
+        except Exception as e:  # env code is user code: record and retry within the bound
+            errors.append(f"attempt {attempt + 1}: {type(e).__name__}: {e}")
+        record.env_retries = attempt + 1 if attempt < retries else attempt
+        if attempt < retries and getattr(env, "recoverable", False):
+            try:
+                await _maybe_await(env.reset())
+            except Exception as e:  # a reset that fails ends the retries
+                errors.append(f"env.reset failed: {type(e).__name__}: {e}")
+                break
+    record.error = "env: " + "; ".join(errors)
+    sample.metadata["env_errors"] = errors
+    _fail(sample, f"env step failed {len(errors)} time(s): {errors[-1]}", "env_error")
+    return None
+
+
+def _json_friendly(info: dict) -> dict:
+    return {str(k): (v if isinstance(v, (str, int, float, bool, type(None))) else repr(v)) for k, v in info.items()}
+
+
+async def _finalize(ctx: RolloutContext, args: Any, sample: Sample, state: EpisodeState) -> None:
+    """Merge multimodal tensors once, check the template, compute the reward, close the env."""
+    try:
+        sample.multimodal_train_inputs = merge_multimodal_chunks(state.mm_chunks, sample.name)
+        response_ids = sample.tokens[sample.prompt_length :]
+        sample.response = ctx.encoder.tokenizer.decode(response_ids, skip_special_tokens=False)
+        sample.metadata["model_text"] = state.model_texts
+        if sample.status is not Status.FAILED:
+            rendered = ctx.encoder.rerender_conversation(
+                sample.prompt, list(zip(state.model_turns, state.observations)), tools=sample.metadata.get("tools")
+            )
+            mode = str(getattr(args, "delta_check", "strict"))
+            sample.metadata["prefix_stable"] = check_prefix_stability(ctx.encoder, state.wire_ids, rendered, mode, sample.name)
+            await _assign_reward(ctx, sample, state)
+    except Exception as e:  # a finalize failure marks the sample, it does not kill the rollout
+        _fail(sample, f"finalize: {type(e).__name__}: {e}", "finalize_error")
+    finally:
+        try:
+            await _maybe_await(state.env.close())
+        except Exception as e:  # closing is best effort but never silent
+            logger.warning("%s: env.close() raised %s: %s", sample.name, type(e).__name__, e)
+            sample.metadata.setdefault("errors", []).append(f"env.close: {type(e).__name__}: {e}")
+
+
+async def _assign_reward(ctx: RolloutContext, sample: Sample, state: EpisodeState) -> None:
+    """Reward from the env's verdict, else the module's reward_fn on the model's own text only."""
+    verdict = await _maybe_await(state.env.verdict()) if hasattr(state.env, "verdict") else None
+    if verdict is not None:
+        sample.reward = float(verdict)
+        sample.metadata["reward_source"] = "env_verdict"
+        return
+    if ctx.reward_fn is None:
+        raise EpisodeError(f"{sample.name}: the env gave no verdict and its module has no reward_fn")
+    model_text = "\n".join(state.model_texts)
+    sample.reward = float(await asyncio.to_thread(ctx.reward_fn, model_text, sample.label))
+    sample.metadata["reward_source"] = "reward_fn"

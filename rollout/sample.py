@@ -1,0 +1,284 @@
+"""The Sample contract shared by rollout, environments and the trainer.
+
+A `Sample` is one episode of one prompt. It carries the *training view* of the
+token stream (prompt then response, image pads expanded), the response-only
+loss mask and rollout log-probs, the images of the whole episode, the per-turn
+multimodal training tensors (concatenated once at finalize), per-turn records
+and the outcome.
+
+This module never imports jax: a rollout host runs without it.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+class Status(str, enum.Enum):
+    PENDING = "pending"
+    COMPLETED = "completed"
+    TRUNCATED = "truncated"
+    ABORTED = "aborted"
+    FAILED = "failed"
+
+
+TERMINAL_STATUSES = frozenset({Status.COMPLETED, Status.TRUNCATED, Status.ABORTED, Status.FAILED})
+
+# A terminal sample may only go back to PENDING (partial rollout resumes an
+# ABORTED episode, or a TRUNCATED one in a later step); terminal -> terminal is a bug.
+_ALLOWED_TRANSITIONS: dict[Status, frozenset[Status]] = {
+    Status.PENDING: frozenset(Status),
+    Status.COMPLETED: frozenset({Status.COMPLETED}),
+    Status.TRUNCATED: frozenset({Status.TRUNCATED, Status.PENDING}),
+    Status.ABORTED: frozenset({Status.ABORTED, Status.PENDING}),
+    Status.FAILED: frozenset({Status.FAILED}),
+}
+
+# SGLang's finish_reason "type" -> episode status (slime's mapping).
+FINISH_REASON_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
+
+
+class SampleError(ValueError):
+    """A Sample invariant was violated; the message names the sample and the field."""
+
+
+@dataclass
+class TurnRecord:
+    """What happened in one turn of an episode (for turn-level metrics and debug dumps)."""
+
+    turn: int
+    generated_tokens: int = 0
+    finish_reason: str | None = None
+    engine_latency_s: float = 0.0
+    env_latency_s: float = 0.0
+    env_retries: int = 0
+    observation_tokens: int = 0
+    observation_images: int = 0
+    truncation_cause: str | None = None
+    error: str | None = None
+    weight_version: str | None = None
+
+
+@dataclass
+class Sample:
+    """One episode. See DESIGN.md §4 for the contract; `validate()` enforces it."""
+
+    group_index: int = 0
+    index: int = 0
+    prompt: list[dict[str, Any]] | str = field(default_factory=list)
+    label: Any = None
+    # Training view: prompt + response ids, image pads expanded.
+    tokens: list[int] = field(default_factory=list)
+    response_length: int = 0
+    loss_mask: list[int] = field(default_factory=list)
+    rollout_log_probs: list[float] = field(default_factory=list)
+    response: str = ""
+    reward: float | None = None
+    status: Status = Status.PENDING
+    # Every image of the episode, in placeholder order, as PNG data URLs (engine view).
+    image_data: list[str] = field(default_factory=list)
+    # e.g. pixel_values [patches, C*T*P*P], image_grid_thw [images, 3]; merged once at finalize.
+    multimodal_train_inputs: dict[str, np.ndarray] | None = None
+    turns: list[TurnRecord] = field(default_factory=list)
+    weight_versions: list[str] = field(default_factory=list)
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ views
+    @property
+    def prompt_length(self) -> int:
+        return len(self.tokens) - self.response_length
+
+    @property
+    def name(self) -> str:
+        return f"sample(group={self.group_index}, index={self.index})"
+
+    # ---------------------------------------------------------------- appends
+    def set_prompt_tokens(self, ids: list[int]) -> None:
+        """Set the prompt ids (training view). Only valid before any response token."""
+        if self.response_length:
+            raise SampleError(f"{self.name}: prompt tokens set after {self.response_length} response tokens")
+        self.tokens = [int(t) for t in ids]
+
+    def append_model_tokens(self, ids: list[int], log_probs: list[float]) -> None:
+        """Append tokens sampled by the engine: loss mask 1, their rollout log-probs required."""
+        if log_probs is None or len(ids) != len(log_probs):
+            n_lp = None if log_probs is None else len(log_probs)
+            raise SampleError(f"{self.name}: {len(ids)} model tokens but {n_lp} log-probs")
+        for lp in log_probs:
+            if not np.isfinite(lp) or lp > 1e-6:
+                raise SampleError(f"{self.name}: invalid model-token log-prob {lp!r} (must be finite and <= 0)")
+        self._append(ids, [1] * len(ids), [float(x) for x in log_probs])
+
+    def append_observation_tokens(self, ids: list[int]) -> None:
+        """Append environment/template tokens: loss mask 0, log-prob 0.0. They take no log-probs."""
+        self._append(ids, [0] * len(ids), [0.0] * len(ids))
+
+    def _append(self, ids: list[int], mask: list[int], log_probs: list[float]) -> None:
+        if self.status in TERMINAL_STATUSES:
+            raise SampleError(f"{self.name}: append to a finished episode (status {self.status.value})")
+        if len(self.loss_mask) != self.response_length or len(self.rollout_log_probs) != self.response_length:
+            raise SampleError(f"{self.name}: response arrays out of sync before append")
+        self.tokens.extend(int(t) for t in ids)
+        self.loss_mask.extend(mask)
+        self.rollout_log_probs.extend(log_probs)
+        self.response_length += len(ids)
+
+    def set_status(self, status: Status) -> None:
+        status = Status(status)
+        if status not in _ALLOWED_TRANSITIONS[self.status]:
+            raise SampleError(f"{self.name}: illegal status transition {self.status.value} -> {status.value}")
+        self.status = status
+
+    # -------------------------------------------------------------- validation
+    def validate(
+        self,
+        *,
+        image_token_id: int | None = None,
+        vision_start_token_id: int | None = None,
+        merge_size: int = 2,
+    ) -> None:
+        """Assert every invariant of the contract; raise SampleError naming the first one broken.
+
+        With `image_token_id`/`vision_start_token_id`, also checks that the number of
+        image placeholders in `tokens` equals the number of images, and (when
+        `image_grid_thw` is present) that each expanded run has t*h*w/merge^2 pads.
+        """
+        n = self.response_length
+        if n < 0 or n > len(self.tokens):
+            raise SampleError(f"{self.name}: response_length {n} outside [0, {len(self.tokens)}]")
+        if len(self.loss_mask) != n:
+            raise SampleError(f"{self.name}: len(loss_mask)={len(self.loss_mask)} != response_length={n}")
+        if len(self.rollout_log_probs) != n:
+            raise SampleError(f"{self.name}: len(rollout_log_probs)={len(self.rollout_log_probs)} != response_length={n}")
+        for i, (m, lp) in enumerate(zip(self.loss_mask, self.rollout_log_probs)):
+            if m not in (0, 1):
+                raise SampleError(f"{self.name}: loss_mask[{i}]={m!r} is not 0/1")
+            if m == 0 and lp != 0.0:
+                raise SampleError(f"{self.name}: rollout_log_probs[{i}]={lp} where loss_mask is 0")
+        if not isinstance(self.status, Status):
+            raise SampleError(f"{self.name}: status {self.status!r} is not a Status")
+        for key, value in (self.multimodal_train_inputs or {}).items():
+            if not isinstance(value, np.ndarray):
+                raise SampleError(f"{self.name}: multimodal_train_inputs[{key!r}] is {type(value).__name__}, not ndarray")
+        if image_token_id is not None:
+            self._validate_images(image_token_id, vision_start_token_id, merge_size)
+
+    def _validate_images(self, image_token_id: int, vision_start_token_id: int | None, merge_size: int) -> None:
+        runs = image_pad_runs(self.tokens, image_token_id)
+        if len(runs) != len(self.image_data):
+            raise SampleError(f"{self.name}: {len(runs)} image placeholders in tokens but {len(self.image_data)} images")
+        if vision_start_token_id is not None:
+            for start, _ in runs:
+                if start == 0 or self.tokens[start - 1] != vision_start_token_id:
+                    raise SampleError(f"{self.name}: image pad run at {start} not preceded by vision_start")
+        grid = (self.multimodal_train_inputs or {}).get("image_grid_thw")
+        if grid is not None:
+            grid = np.asarray(grid)
+            if grid.shape != (len(runs), 3):
+                raise SampleError(f"{self.name}: image_grid_thw shape {grid.shape} != ({len(runs)}, 3)")
+            for k, ((_, length), thw) in enumerate(zip(runs, grid)):
+                expected = int(np.prod(thw)) // (merge_size**2)
+                if length != expected:
+                    raise SampleError(f"{self.name}: image {k} has {length} pads, grid {thw.tolist()} needs {expected}")
+            pixel_values = self.multimodal_train_inputs.get("pixel_values")
+            if pixel_values is not None and pixel_values.shape[0] != int(np.prod(grid, axis=1).sum()):
+                raise SampleError(
+                    f"{self.name}: pixel_values has {pixel_values.shape[0]} patch rows, grid needs {int(np.prod(grid, axis=1).sum())}"
+                )
+
+    # ------------------------------------------------------------ serialization
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-safe dict (numpy arrays as base64 with dtype and shape)."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "status":
+                value = value.value
+            elif f.name == "turns":
+                value = [dataclasses.asdict(t) for t in value]
+            elif f.name == "multimodal_train_inputs" and value is not None:
+                value = {k: encode_array(v) for k, v in value.items()}
+            out[f.name] = _json_safe(value)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Sample":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise SampleError(f"Sample.from_dict: unknown keys {sorted(unknown)}")
+        kwargs = dict(data)
+        if "status" in kwargs:
+            kwargs["status"] = Status(kwargs["status"])
+        if "turns" in kwargs:
+            kwargs["turns"] = [TurnRecord(**t) for t in kwargs["turns"]]
+        mm = kwargs.get("multimodal_train_inputs")
+        if mm is not None:
+            kwargs["multimodal_train_inputs"] = {k: decode_array(v) for k, v in mm.items()}
+        if "metadata" in kwargs:
+            kwargs["metadata"] = _from_json_safe(kwargs["metadata"])
+        return cls(**kwargs)
+
+
+def image_pad_runs(tokens: list[int], image_token_id: int) -> list[tuple[int, int]]:
+    """(start, length) of each maximal run of `image_token_id` in `tokens`."""
+    runs: list[tuple[int, int]] = []
+    i, n = 0, len(tokens)
+    while i < n:
+        if tokens[i] == image_token_id:
+            j = i
+            while j < n and tokens[j] == image_token_id:
+                j += 1
+            runs.append((i, j - i))
+            i = j
+        else:
+            i += 1
+    return runs
+
+
+def encode_array(array: np.ndarray) -> dict[str, Any]:
+    array = np.ascontiguousarray(array)
+    return {
+        "__ndarray__": base64.b64encode(array.tobytes()).decode("ascii"),
+        "dtype": array.dtype.str,
+        "shape": list(array.shape),
+    }
+
+
+def decode_array(data: dict[str, Any]) -> np.ndarray:
+    if not isinstance(data, dict) or "__ndarray__" not in data:
+        raise SampleError(f"expected an encoded ndarray, got {type(data).__name__}")
+    raw = base64.b64decode(data["__ndarray__"])
+    return np.frombuffer(raw, dtype=np.dtype(data["dtype"])).reshape(data["shape"]).copy()
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, np.ndarray):
+        return encode_array(value)
+    if isinstance(value, (np.integer,)):
+        return int(value)
+    if isinstance(value, (np.floating,)):
+        return float(value)
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def _from_json_safe(value: Any) -> Any:
+    if isinstance(value, dict):
+        if "__ndarray__" in value:
+            return decode_array(value)
+        return {k: _from_json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_from_json_safe(v) for v in value]
+    return value

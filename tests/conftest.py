@@ -1,0 +1,107 @@
+"""Shared test fixtures: tiny Qwen3-VL processing files and checkpoint, built (never downloaded).
+
+The environment is set first, before anything can import jax: sharding tests
+need 8 simulated CPU devices, and nothing may reach a model hub.
+"""
+
+from __future__ import annotations
+
+import os
+
+_DEVICE_FLAG = "--xla_force_host_platform_device_count=8"
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _DEVICE_FLAG).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import shutil  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from PIL import Image  # noqa: E402
+
+TINY_SEED = 0
+
+
+@pytest.fixture(scope="session")
+def tiny_processing_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A dir with tokenizer.json, tokenizer_config.json, chat_template.jinja and preprocessor_config.json."""
+    from jaxrl_vlm.tiny_assets import save_tiny_processing
+
+    return save_tiny_processing(tmp_path_factory.mktemp("tiny_processing"), seed=TINY_SEED)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_processing_dir: Path) -> Any:
+    """The tiny tokenizer as every component loads it (rollout.processing.load_tokenizer)."""
+    from rollout.processing import load_tokenizer
+
+    return load_tokenizer(tiny_processing_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_image_processor(tiny_processing_dir: Path) -> Any:
+    """Qwen3-VL image processing (patch 16, merge 2) with a 64x64..128x128 pixel range."""
+    from rollout.processing import load_image_processor
+
+    return load_image_processor(tiny_processing_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_config(tiny_tokenizer: Any) -> dict[str, Any]:
+    """The tiny Qwen3-VL config dict (transformers 5 format) matching the tiny tokenizer."""
+    from jaxrl_vlm.tiny_assets import tiny_qwen3_vl_hf_config
+
+    return tiny_qwen3_vl_hf_config(tiny_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_checkpoint(
+    tmp_path_factory: pytest.TempPathFactory, tiny_processing_dir: Path, tiny_hf_config: dict[str, Any]
+) -> Path:
+    """A random float32 Qwen3VLForConditionalGeneration (seed 0) saved with save_pretrained, plus processing files.
+
+    torch is imported here, not at module level: tests that do not need it skip the ~8 s import.
+    """
+    import torch
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    out = tmp_path_factory.mktemp("tiny_qwen3_vl")
+    torch.manual_seed(TINY_SEED)
+    model = Qwen3VLForConditionalGeneration(Qwen3VLConfig(**tiny_hf_config)).to(torch.float32).eval()
+    # Like Qwen3-VL-Instruct's generation_config: both <|im_end|> and <|endoftext|> stop generation.
+    text_config = tiny_hf_config["text_config"]
+    model.generation_config.eos_token_id = [text_config["eos_token_id"], text_config["pad_token_id"]]
+    model.save_pretrained(str(out))
+    for item in tiny_processing_dir.iterdir():
+        shutil.copy2(item, out / item.name)
+    return out
+
+
+def _test_image(seed: int, size: int | tuple[int, int] = 64) -> Image.Image:
+    """Deterministic RGB image of `size` (width, height): smooth gradients plus seeded blocky noise.
+
+    Not plain noise, so resizing and compression behave as on real pictures.
+    """
+    width, height = (size, size) if isinstance(size, int) else size
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:height, 0:width].astype(np.float32)
+    phase = rng.uniform(0, 2 * np.pi, size=3)
+    freq = rng.uniform(0.02, 0.2, size=(3, 2))
+    channels = [
+        127.5 + 90.0 * np.sin(freq[c, 0] * xx + freq[c, 1] * yy + phase[c]) for c in range(3)
+    ]
+    base = np.stack(channels, axis=-1)
+    blocks = rng.integers(-30, 31, size=(height // 8 + 1, width // 8 + 1, 3)).repeat(8, 0).repeat(8, 1)
+    pixels = np.clip(base + blocks[:height, :width], 0, 255).astype(np.uint8)
+    return Image.fromarray(pixels)
+
+
+@pytest.fixture(scope="session")
+def make_test_image() -> Callable[..., Image.Image]:
+    """`make_test_image(seed, size)` -> deterministic RGB PIL image; size is an int or (width, height)."""
+    return _test_image
