@@ -1,0 +1,469 @@
+"""Hugging Face checkpoint import/export for the Flax Qwen3-VL.
+
+Import reads `model.safetensors` or shards listed in `model.safetensors.index.json` through our own
+memory-mapped safetensors reader (bf16 included, via ml_dtypes), converts torch layouts to ours with
+numpy *views*, and fills an `nnx.eval_shape` model, so neither a random init nor a whole checkpoint
+is ever materialised. With `shardings_for`, each tensor goes straight into its sharding through
+`jax.make_array_from_callback`, which reads only the slice each device needs.
+
+Export writes HF key names and torch layouts, bf16 by default, safetensors metadata
+`{"format": "pt"}`, shard by shard and tensor by tensor: a shard's header is computed from shapes
+first, then each tensor is fetched, converted and appended. Peak host memory is about one HF tensor
+(plus its parts, e.g. q/k/v for a fused vision qkv), not one shard.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+from jaxrl_vlm.models.config import Qwen3VLConfig, from_hf_dict
+from jaxrl_vlm.models.qwen3_vl import Qwen3VL
+
+Path_ = tuple[str | int, ...]
+ShardingsFor = Callable[[tuple[str | None, ...]], jax.sharding.Sharding]
+
+_ST_DTYPES: dict[str, np.dtype] = {
+    "F64": np.dtype(np.float64),
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "I64": np.dtype(np.int64),
+    "I32": np.dtype(np.int32),
+    "I16": np.dtype(np.int16),
+    "I8": np.dtype(np.int8),
+    "U8": np.dtype(np.uint8),
+    "BOOL": np.dtype(np.bool_),
+}
+_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
+# Keys that transformers may leave in a checkpoint and that carry no weights of ours.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_pos_emb.inv_freq")
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5", ".ckpt")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint does not match the model config (missing / unexpected / mis-shaped keys)."""
+
+
+# ----------------------------------------------------------------------------- safetensors reading
+
+
+class SafetensorsReader:
+    """Lazy, memory-mapped access to the tensors of one HF checkpoint directory (single or sharded)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        index = self.path / "model.safetensors.index.json"
+        single = self.path / "model.safetensors"
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as e:
+                raise CheckpointError(f"{index}: not a safetensors index with a 'weight_map' ({e})") from e
+            files = sorted(set(weight_map.values()))
+        elif single.exists():
+            files = [single.name]
+        else:
+            raise CheckpointError(f"{self.path}: no model.safetensors or model.safetensors.index.json")
+        self._entries: dict[str, tuple[str, dict[str, Any], int]] = {}
+        self._maps: dict[str, np.memmap] = {}
+        for name in files:
+            file = self.path / name
+            if not file.exists():
+                raise CheckpointError(f"{file}: listed in the index but missing")
+            header, data_start = read_safetensors_header(file)
+            for key, entry in header.items():
+                if key == "__metadata__":
+                    continue
+                if key in self._entries:
+                    raise CheckpointError(f"{file}: tensor {key!r} also appears in {self._entries[key][0]}")
+                self._entries[key] = (name, entry, data_start)
+
+    def keys(self) -> list[str]:
+        return list(self._entries)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._entries[key][1]["shape"])
+
+    def get(self, key: str) -> np.ndarray:
+        """Read-only numpy view of tensor `key` (memory-mapped; nothing is read until sliced)."""
+        name, entry, data_start = self._entries[key]
+        if entry["dtype"] not in _ST_DTYPES:
+            raise CheckpointError(f"{self.path / name}: tensor {key!r} has unsupported dtype {entry['dtype']}")
+        if name not in self._maps:
+            self._maps[name] = np.memmap(self.path / name, dtype=np.uint8, mode="r")
+        begin, end = entry["data_offsets"]
+        raw = self._maps[name][data_start + begin : data_start + end]
+        return raw.view(_ST_DTYPES[entry["dtype"]]).reshape(entry["shape"])
+
+
+def read_safetensors_header(file: Path) -> tuple[dict[str, Any], int]:
+    """(header dict, byte offset where tensor data starts) of a .safetensors file."""
+    with open(file, "rb") as f:
+        raw_len = f.read(8)
+        if len(raw_len) != 8:
+            raise CheckpointError(f"{file}: too short to be a safetensors file")
+        (n,) = struct.unpack("<Q", raw_len)
+        try:
+            header = json.loads(f.read(n))
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{file}: corrupt safetensors header ({e})") from e
+    return header, 8 + n
+
+
+# ----------------------------------------------------------------------------- key mapping
+
+
+@dataclass(frozen=True)
+class _Link:
+    """One HF tensor <-> one or more of our parameters.
+
+    to_ours maps the torch-layout array to our arrays (numpy views when possible);
+    to_hf maps our arrays back to the torch layout.
+    """
+
+    hf_key: str
+    hf_shape: tuple[int, ...]
+    ours: tuple[Path_, ...]
+    to_ours: Callable[[np.ndarray], Sequence[np.ndarray]]
+    to_hf: Callable[[Sequence[np.ndarray]], np.ndarray]
+
+
+def _copy(key: str, shape: tuple[int, ...], path: Path_) -> _Link:
+    return _Link(key, shape, (path,), lambda w: (w,), lambda xs: xs[0])
+
+
+def _dense(key: str, out_dim: int, in_dim: int, path: Path_) -> _Link:
+    """torch Linear weight [out, in] <-> our kernel [in, out]."""
+    return _Link(key, (out_dim, in_dim), (path,), lambda w: (w.T,), lambda xs: xs[0].T)
+
+
+def _heads_in(key: str, n: int, h: int, d: int, path: Path_) -> _Link:
+    """torch [n*h, d] <-> ours [d, n, h] (q/k/v projections)."""
+    return _Link(
+        key,
+        (n * h, d),
+        (path,),
+        lambda w: (w.reshape(n, h, d).transpose(2, 0, 1),),
+        lambda xs: xs[0].transpose(1, 2, 0).reshape(n * h, d),
+    )
+
+
+def _heads_out(key: str, n: int, h: int, d: int, path: Path_) -> _Link:
+    """torch [d, n*h] <-> ours [n, h, d] (attention output projection)."""
+    return _Link(
+        key,
+        (d, n * h),
+        (path,),
+        lambda w: (w.reshape(d, n, h).transpose(1, 2, 0),),
+        lambda xs: xs[0].transpose(2, 0, 1).reshape(d, n * h),
+    )
+
+
+def _links(cfg: Qwen3VLConfig) -> list[_Link]:
+    """Every HF tensor of `Qwen3VLForConditionalGeneration` and where it lives in our model."""
+    t, v = cfg.text, cfg.vision
+    d, n, kv, h, f = t.hidden_size, t.num_attention_heads, t.num_key_value_heads, t.head_dim, t.intermediate_size
+    out: list[_Link] = [_copy("model.language_model.embed_tokens.weight", (t.vocab_size, d), ("embed_vd",))]
+    for i in range(t.num_hidden_layers):
+        hf = f"model.language_model.layers.{i}."
+        me: Path_ = ("layers", i)
+        out += [
+            _heads_in(hf + "self_attn.q_proj.weight", n, h, d, me + ("attn", "q_kernel_dnh")),
+            _heads_in(hf + "self_attn.k_proj.weight", kv, h, d, me + ("attn", "k_kernel_dkh")),
+            _heads_in(hf + "self_attn.v_proj.weight", kv, h, d, me + ("attn", "v_kernel_dkh")),
+            _heads_out(hf + "self_attn.o_proj.weight", n, h, d, me + ("attn", "o_kernel_nhd")),
+            _copy(hf + "self_attn.q_norm.weight", (h,), me + ("attn", "q_norm", "scale")),
+            _copy(hf + "self_attn.k_norm.weight", (h,), me + ("attn", "k_norm", "scale")),
+            _dense(hf + "mlp.gate_proj.weight", f, d, me + ("mlp", "gate_kernel_df")),
+            _dense(hf + "mlp.up_proj.weight", f, d, me + ("mlp", "up_kernel_df")),
+            _dense(hf + "mlp.down_proj.weight", d, f, me + ("mlp", "down_kernel_fd")),
+            _copy(hf + "input_layernorm.weight", (d,), me + ("input_norm", "scale")),
+            _copy(hf + "post_attention_layernorm.weight", (d,), me + ("post_attn_norm", "scale")),
+        ]
+    out.append(_copy("model.language_model.norm.weight", (d,), ("final_norm", "scale")))
+    if not cfg.tie_word_embeddings:
+        out.append(_dense("lm_head.weight", t.vocab_size, d, ("lm_head_dv",)))
+
+    vd, vn, vh, vf = v.hidden_size, v.num_heads, v.head_dim, v.intermediate_size
+    p, ct = v.patch_size, (v.in_channels, v.temporal_patch_size)
+    conv_shape = (vd, ct[0], ct[1], p, p)
+    out += [
+        _Link(
+            "model.visual.patch_embed.proj.weight",
+            conv_shape,
+            (("visual", "patch_kernel_cd"),),
+            lambda w: (w.reshape(vd, -1).T,),
+            lambda xs: xs[0].T.reshape(conv_shape),
+        ),
+        _copy("model.visual.patch_embed.proj.bias", (vd,), ("visual", "patch_bias_d")),
+        _copy("model.visual.pos_embed.weight", (v.num_position_embeddings, vd), ("visual", "pos_embed_sd")),
+    ]
+    for i in range(v.depth):
+        hf = f"model.visual.blocks.{i}."
+        me = ("visual", "blocks", i)
+        out += [
+            _copy(hf + "norm1.weight", (vd,), me + ("norm1", "scale")),
+            _copy(hf + "norm1.bias", (vd,), me + ("norm1", "bias")),
+            _copy(hf + "norm2.weight", (vd,), me + ("norm2", "scale")),
+            _copy(hf + "norm2.bias", (vd,), me + ("norm2", "bias")),
+            _Link(
+                hf + "attn.qkv.weight",
+                (3 * vd, vd),
+                (me + ("q_kernel_dnh",), me + ("k_kernel_dnh",), me + ("v_kernel_dnh",)),
+                lambda w: tuple(w.reshape(3, vn, vh, vd)[j].transpose(2, 0, 1) for j in range(3)),
+                lambda xs: np.stack([x.transpose(1, 2, 0) for x in xs]).reshape(3 * vd, vd),
+            ),
+            _Link(
+                hf + "attn.qkv.bias",
+                (3 * vd,),
+                (me + ("q_bias_nh",), me + ("k_bias_nh",), me + ("v_bias_nh",)),
+                lambda b: tuple(b.reshape(3, vn, vh)[j] for j in range(3)),
+                lambda xs: np.stack(list(xs)).reshape(3 * vd),
+            ),
+            _heads_out(hf + "attn.proj.weight", vn, vh, vd, me + ("o_kernel_nhd",)),
+            _copy(hf + "attn.proj.bias", (vd,), me + ("o_bias_d",)),
+            _dense(hf + "mlp.linear_fc1.weight", vf, vd, me + ("fc1_kernel_df",)),
+            _copy(hf + "mlp.linear_fc1.bias", (vf,), me + ("fc1_bias_f",)),
+            _dense(hf + "mlp.linear_fc2.weight", vd, vf, me + ("fc2_kernel_fd",)),
+            _copy(hf + "mlp.linear_fc2.bias", (vd,), me + ("fc2_bias_d",)),
+        ]
+    m = vd * v.merge_unit
+    mergers: list[tuple[str, Path_, int]] = [("model.visual.merger.", ("visual", "merger"), vd)]
+    mergers += [
+        (f"model.visual.deepstack_merger_list.{j}.", ("visual", "deepstack_mergers", j), m)
+        for j in range(len(v.deepstack_visual_indexes))
+    ]
+    for hf, me, norm_dim in mergers:
+        out += [
+            _copy(hf + "norm.weight", (norm_dim,), me + ("norm", "scale")),
+            _copy(hf + "norm.bias", (norm_dim,), me + ("norm", "bias")),
+            _dense(hf + "linear_fc1.weight", m, m, me + ("fc1_kernel_mf",)),
+            _copy(hf + "linear_fc1.bias", (m,), me + ("fc1_bias_f",)),
+            _dense(hf + "linear_fc2.weight", v.out_hidden_size, m, me + ("fc2_kernel_fd",)),
+            _copy(hf + "linear_fc2.bias", (v.out_hidden_size,), me + ("fc2_bias_d",)),
+        ]
+    return out
+
+
+# ----------------------------------------------------------------------------- import
+
+
+def load_hf_config(path: str | os.PathLike) -> Qwen3VLConfig:
+    """Parse `<path>/config.json` (released `rope_scaling` or transformers-5 `rope_parameters`)."""
+    file = Path(path) / "config.json"
+    if not file.exists():
+        raise CheckpointError(f"{file}: missing")
+    try:
+        raw = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{file}: invalid JSON ({e})") from e
+    try:
+        return from_hf_dict(raw)
+    except ValueError as e:
+        raise CheckpointError(f"{file}: {e}") from e
+
+
+def abstract_model(cfg: Qwen3VLConfig, **model_kwargs: Any) -> Qwen3VL:
+    """The model with `ShapeDtypeStruct` leaves: shapes, dtypes and axis names, no memory."""
+    return nnx.eval_shape(lambda: Qwen3VL(cfg, rngs=nnx.Rngs(0), **model_kwargs))
+
+
+def param_count(cfg: Qwen3VLConfig) -> int:
+    """Number of parameters, from abstract shapes (nothing is allocated)."""
+    state = nnx.state(abstract_model(cfg), nnx.Param)
+    return int(sum(int(np.prod(var.get_value().shape)) for _, var in nnx.to_flat_state(state)))
+
+
+def _check_keys(reader: SafetensorsReader, links: list[_Link], cfg: Qwen3VLConfig) -> None:
+    present = set(reader.keys())
+    expected = {link.hf_key: link.hf_shape for link in links}
+    tolerated = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    missing = sorted(k for k in expected if k not in present)
+    unexpected = sorted(
+        k for k in present if k not in expected and k not in tolerated and not k.endswith(_IGNORED_SUFFIXES)
+    )
+    bad_shape = sorted(
+        f"{k}: checkpoint {reader.shape(k)} != expected {expected[k]}"
+        for k in expected
+        if k in present and reader.shape(k) != expected[k]
+    )
+    if "lm_head.weight" in present and cfg.tie_word_embeddings:
+        vshape = (cfg.text.vocab_size, cfg.text.hidden_size)
+        if reader.shape("lm_head.weight") != vshape:
+            bad_shape.append(f"lm_head.weight: checkpoint {reader.shape('lm_head.weight')} != expected {vshape}")
+    if missing or unexpected or bad_shape:
+        parts = []
+        if missing:
+            parts.append(f"missing keys ({len(missing)}): {missing}")
+        if unexpected:
+            parts.append(f"unexpected keys ({len(unexpected)}): {unexpected}")
+        if bad_shape:
+            parts.append(f"mis-shaped keys ({len(bad_shape)}): {bad_shape}")
+        raise CheckpointError(f"{reader.path}: checkpoint does not match its config.json; " + "; ".join(parts))
+
+
+def from_hf(
+    path: str | os.PathLike,
+    *,
+    param_dtype: jnp.dtype = jnp.float32,
+    shardings_for: ShardingsFor | None = None,
+    **model_kwargs: Any,
+) -> Qwen3VL:
+    """Load an HF Qwen3-VL checkpoint directory into a `Qwen3VL`.
+
+    shardings_for(logical_axis_names) -> Sharding places each parameter directly into its shards;
+    without it parameters go to the default device. `model_kwargs` (compute_dtype, remat,
+    attention_impl) are passed to `Qwen3VL`.
+    """
+    cfg = load_hf_config(path)
+    reader = SafetensorsReader(path)
+    links = _links(cfg)
+    _check_keys(reader, links, cfg)
+    abstract = abstract_model(cfg, param_dtype=param_dtype, **model_kwargs)
+    graphdef, state = nnx.split(abstract)
+    variables = dict(nnx.to_flat_state(state))
+    np_dtype = np.dtype(jnp.dtype(param_dtype))
+    filled: set[Path_] = set()
+    for link in links:
+        parts = link.to_ours(reader.get(link.hf_key))
+        for our_path, part in zip(link.ours, parts):
+            var = variables[our_path]
+            want = tuple(var.get_value().shape)
+            if tuple(part.shape) != want:
+                raise CheckpointError(f"{path}: {link.hf_key} maps to shape {part.shape}, model needs {want} at {our_path}")
+            var.set_value(_place(part, np_dtype, var.get_metadata().get("out_sharding"), shardings_for))
+            filled.add(our_path)
+    unfilled = sorted(str(p) for p in variables if p not in filled)
+    if unfilled:  # a mapping bug, not a user error
+        raise RuntimeError(f"parameters without an HF source: {unfilled}")
+    return nnx.merge(graphdef, state)
+
+
+def _place(
+    part: np.ndarray,
+    dtype: np.dtype,
+    names: tuple[str | None, ...] | None,
+    shardings_for: ShardingsFor | None,
+) -> jax.Array:
+    if shardings_for is None:
+        return jnp.asarray(np.ascontiguousarray(part).astype(dtype, copy=False))
+    sharding = shardings_for(tuple(names) if names else (None,) * part.ndim)
+    return jax.make_array_from_callback(
+        tuple(part.shape), sharding, lambda index: np.ascontiguousarray(part[index]).astype(dtype, copy=False)
+    )
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def _tensor_nbytes(shape: Iterable[int], dtype: np.dtype) -> int:
+    return int(np.prod(tuple(shape), dtype=np.int64)) * dtype.itemsize
+
+
+def _plan_shards(links: list[_Link], dtype: np.dtype, max_shard_bytes: int) -> list[list[_Link]]:
+    shards: list[list[_Link]] = [[]]
+    size = 0
+    for link in links:
+        nbytes = _tensor_nbytes(link.hf_shape, dtype)
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(link)
+        size += nbytes
+    return shards
+
+
+def _write_shard(file: Path, links: list[_Link], dtype: np.dtype, fetch: Callable[[_Link], np.ndarray]) -> None:
+    """Header from shapes first, then each tensor appended in order (peak memory ~ one tensor)."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for link in links:
+        nbytes = _tensor_nbytes(link.hf_shape, dtype)
+        header[link.hf_key] = {"dtype": _ST_NAMES[dtype], "shape": list(link.hf_shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # data section 8-byte aligned, as the safetensors writer does
+    tmp = file.with_name(file.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for link in links:
+            arr = np.ascontiguousarray(fetch(link).astype(dtype, copy=False))
+            if arr.shape != link.hf_shape:
+                raise RuntimeError(f"{link.hf_key}: produced shape {arr.shape}, header says {link.hf_shape}")
+            f.write(arr.tobytes(order="C"))
+    os.replace(tmp, file)
+
+
+def to_hf(
+    model: Qwen3VL,
+    out_dir: str | os.PathLike,
+    *,
+    dtype: jnp.dtype = jnp.bfloat16,
+    max_shard_bytes: int = 5 * 1024**3,
+    copy_from: str | os.PathLike | None = None,
+) -> Path:
+    """Write `model` as an HF Qwen3-VL checkpoint directory (HF names, torch layouts).
+
+    Shards above `max_shard_bytes` get `model-0000i-of-0000n.safetensors` + index. config.json is
+    copied unchanged from `copy_from` (with its tokenizer / processor / chat-template files and
+    generation_config.json) or generated (transformers-5 style). Each parameter is pulled to host
+    with `np.asarray` (gathered from its shards; single-controller).
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = model.cfg
+    np_dtype = np.dtype(jnp.dtype(dtype))
+    if np_dtype not in _ST_NAMES:
+        raise ValueError(f"cannot export dtype {np_dtype}; use one of {sorted(_ST_NAMES.values(), key=str)}")
+    params = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    links = _links(cfg)
+
+    def fetch(link: _Link) -> np.ndarray:
+        parts = [np.asarray(jax.device_get(params[p].get_value())) for p in link.ours]
+        return link.to_hf(parts)
+
+    shards = _plan_shards(links, np_dtype, max_shard_bytes)
+    if len(shards) == 1:
+        _write_shard(out / "model.safetensors", shards[0], np_dtype, fetch)
+        stale = out / "model.safetensors.index.json"
+        if stale.exists():
+            stale.unlink()
+    else:
+        weight_map: dict[str, str] = {}
+        total = 0
+        for i, shard in enumerate(shards):
+            name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            _write_shard(out / name, shard, np_dtype, fetch)
+            for link in shard:
+                weight_map[link.hf_key] = name
+                total += _tensor_nbytes(link.hf_shape, np_dtype)
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+    src = Path(copy_from) if copy_from is not None else None
+    if src is not None:
+        if not (src / "config.json").exists():
+            raise CheckpointError(f"copy_from={src}: no config.json to copy")
+        for item in sorted(src.iterdir()):
+            if item.is_file() and not item.name.endswith(_WEIGHT_SUFFIXES) and item.name != "model.safetensors.index.json":
+                shutil.copyfile(item, out / item.name)
+    else:
+        conf = cfg.to_hf_dict()
+        conf["dtype"] = {np.dtype(np.float32): "float32", np.dtype(ml_dtypes.bfloat16): "bfloat16", np.dtype(np.float16): "float16"}.get(np_dtype, "float32")
+        (out / "config.json").write_text(json.dumps(conf, indent=2))
+        gen = {k: v for k, v in (("bos_token_id", cfg.bos_token_id), ("eos_token_id", cfg.eos_token_id)) if v is not None}
+        (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
+    return out

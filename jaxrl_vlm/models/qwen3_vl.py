@@ -1,0 +1,475 @@
+"""Qwen3-VL (vision tower + deepstack mergers + text decoder) in plain Flax NNX.
+
+Semantics follow transformers' `modeling_qwen3_vl.py`; layouts are ours (einsum-friendly, shapes in
+names). Every parameter carries logical axis names (`out_sharding` metadata, not applied eagerly),
+so `nnx.get_partition_spec(nnx.state(model))` yields them; `jaxrl_vlm.sharding` maps them to mesh axes.
+
+Logical axis names:
+  vocab, embed, mlp, heads, kv_heads, head_dim, norm (every norm scale/bias vector),
+  vision_patch (flattened C*T*p*p patch), vision_pos (learned position table rows),
+  vision_embed, vision_heads, vision_head_dim, vision_mlp, vision_merge (merger input = 4 * vision_embed).
+
+Inputs are fixed-shape host-prepared arrays (see `rope.py`, `vision.py`):
+  tokens [B, T] int32, positions [3, B, T] int32 (M-RoPE t/h/w), segment_ids [B, T] int32
+  (0 = padding, k > 0 = k-th sequence packed in the row; attention is causal AND same-segment),
+  and optional `VisionInputs` for all images of the batch.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxrl_vlm.models.config import Qwen3VLConfig
+from jaxrl_vlm.models.rope import mrope_frequency_axis, rope_inv_freq
+from jaxrl_vlm.models.vision import VisionInputs
+
+ATTENTION_IMPLS = ("xla",)
+_NEG_INF = float(np.finfo(np.float32).min)
+
+
+def _param(
+    rngs: nnx.Rngs | None,
+    shape: Sequence[int],
+    names: tuple[str, ...],
+    dtype: jnp.dtype,
+    init: str = "normal",
+    std: float = 0.02,
+) -> nnx.Param:
+    """A parameter with logical axis names; `init` is normal(std) / ones / zeros (HF-like)."""
+    if len(names) != len(shape):
+        raise ValueError(f"axis names {names} do not match shape {tuple(shape)}")
+    if init == "normal":
+        value = std * jax.random.normal(rngs.params(), tuple(shape), jnp.float32)
+    elif init == "ones":
+        value = jnp.ones(tuple(shape), jnp.float32)
+    elif init == "zeros":
+        value = jnp.zeros(tuple(shape), jnp.float32)
+    else:
+        raise ValueError(f"unknown init {init!r}")
+    return nnx.Param(value.astype(dtype), out_sharding=names, eager_sharding=False)
+
+
+def _activation(name: str) -> Callable[[jax.Array], jax.Array]:
+    if name == "silu":
+        return jax.nn.silu
+    if name == "gelu_pytorch_tanh":
+        return lambda x: jax.nn.gelu(x, approximate=True)
+    if name == "gelu":
+        return lambda x: jax.nn.gelu(x, approximate=False)
+    if name == "quick_gelu":
+        return lambda x: x * jax.nn.sigmoid(1.702 * x)
+    raise ValueError(f"unsupported activation {name!r}")
+
+
+def rotate_half(x: jax.Array) -> jax.Array:
+    half = x.shape[-1] // 2
+    return jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+
+
+def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x [..., heads, head_dim]; cos/sin broadcastable [..., 1, head_dim] (half-split layout)."""
+    return x * cos + rotate_half(x) * sin
+
+
+def mrope_cos_sin(positions_3bt: jax.Array, cfg: Qwen3VLConfig, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
+    """Interleaved M-RoPE tables cos, sin [B, T, head_dim] from host positions [3, B, T]."""
+    inv_freq = jnp.asarray(rope_inv_freq(cfg.text.head_dim, cfg.text.rope_theta))  # [H/2]
+    axis = jnp.asarray(mrope_frequency_axis(cfg))  # [H/2] in {0,1,2}
+    pos = jnp.take(positions_3bt.astype(jnp.float32), axis, axis=0)  # [H/2, B, T]
+    angles = jnp.moveaxis(pos, 0, -1) * inv_freq  # [B, T, H/2]
+    emb = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float) -> jax.Array:
+    """Grouped-query softmax attention (XLA einsums, softmax in fp32).
+
+    q [B, Tq, N, H], k/v [B, Tk, K, H] with N = K * G (query head n uses kv head n // G),
+    mask bool [B, Tq, Tk] (True = may attend). Returns [B, Tq, N, H] in q's dtype.
+    """
+    b, tq, n, h = q.shape
+    kv = k.shape[2]
+    qg = q.reshape(b, tq, kv, n // kv, h)
+    logits = jnp.einsum("bqkgh,bskh->bkgqs", qg, k, preferred_element_type=jnp.float32) * scale
+    logits = jnp.where(mask[:, None, None], logits, _NEG_INF)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgqs,bskh->bqkgh", probs, v)
+    return out.reshape(b, tq, n, h)
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm over the last axis; statistics in fp32 (as transformers)."""
+
+    def __init__(self, dim: int, eps: float, *, param_dtype: jnp.dtype):
+        self.eps = eps
+        self.scale = _param(None, (dim,), ("norm",), param_dtype, init="ones")
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.scale[...].astype(x.dtype) * normed.astype(x.dtype)
+
+
+class LayerNorm(nnx.Module):
+    """LayerNorm with bias over the last axis (eps 1e-6 in Qwen3-VL's vision tower); fp32 statistics."""
+
+    def __init__(self, dim: int, *, param_dtype: jnp.dtype, eps: float = 1e-6):
+        self.eps = eps
+        self.scale = _param(None, (dim,), ("norm",), param_dtype, init="ones")
+        self.bias = _param(None, (dim,), ("norm",), param_dtype, init="zeros")
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        mean = jnp.mean(x32, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+        y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
+        y = y * self.scale[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)
+        return y.astype(x.dtype)
+
+
+# ----------------------------------------------------------------------------- text decoder
+
+
+class TextAttention(nnx.Module):
+    """GQA self-attention with per-head q/k RMSNorm before M-RoPE. Factored so a KV-cache decode
+    path can call `project` and `attend` separately."""
+
+    def __init__(self, cfg: Qwen3VLConfig, *, rngs: nnx.Rngs, param_dtype: jnp.dtype, compute_dtype: jnp.dtype):
+        t = cfg.text
+        d, n, kv, h = t.hidden_size, t.num_attention_heads, t.num_key_value_heads, t.head_dim
+        self.compute_dtype = compute_dtype
+        self.scale = h**-0.5
+        self.q_kernel_dnh = _param(rngs, (d, n, h), ("embed", "heads", "head_dim"), param_dtype)
+        self.k_kernel_dkh = _param(rngs, (d, kv, h), ("embed", "kv_heads", "head_dim"), param_dtype)
+        self.v_kernel_dkh = _param(rngs, (d, kv, h), ("embed", "kv_heads", "head_dim"), param_dtype)
+        self.o_kernel_nhd = _param(rngs, (n, h, d), ("heads", "head_dim", "embed"), param_dtype)
+        self.q_norm = RMSNorm(h, t.rms_norm_eps, param_dtype=param_dtype)
+        self.k_norm = RMSNorm(h, t.rms_norm_eps, param_dtype=param_dtype)
+
+    def project(self, x_btd: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x [B, T, D] -> roped q [B, T, N, H], roped k [B, T, K, H], v [B, T, K, H]."""
+        cd = self.compute_dtype
+        x = x_btd.astype(cd)
+        q = jnp.einsum("btd,dnh->btnh", x, self.q_kernel_dnh[...].astype(cd))
+        k = jnp.einsum("btd,dkh->btkh", x, self.k_kernel_dkh[...].astype(cd))
+        v = jnp.einsum("btd,dkh->btkh", x, self.v_kernel_dkh[...].astype(cd))
+        q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def output(self, o_btnh: jax.Array) -> jax.Array:
+        cd = self.compute_dtype
+        return jnp.einsum("btnh,nhd->btd", o_btnh.astype(cd), self.o_kernel_nhd[...].astype(cd))
+
+    def __call__(self, x_btd: jax.Array, cos: jax.Array, sin: jax.Array, mask_btt: jax.Array) -> jax.Array:
+        q, k, v = self.project(x_btd, cos, sin)
+        return self.output(attention(q, k, v, mask_btt, self.scale))
+
+
+class TextMLP(nnx.Module):
+    """SwiGLU: down(silu(gate x) * up x)."""
+
+    def __init__(self, cfg: Qwen3VLConfig, *, rngs: nnx.Rngs, param_dtype: jnp.dtype, compute_dtype: jnp.dtype):
+        d, f = cfg.text.hidden_size, cfg.text.intermediate_size
+        self.compute_dtype = compute_dtype
+        self.act_name = cfg.text.hidden_act
+        self.gate_kernel_df = _param(rngs, (d, f), ("embed", "mlp"), param_dtype)
+        self.up_kernel_df = _param(rngs, (d, f), ("embed", "mlp"), param_dtype)
+        self.down_kernel_fd = _param(rngs, (f, d), ("mlp", "embed"), param_dtype)
+
+    def __call__(self, x_btd: jax.Array) -> jax.Array:
+        cd = self.compute_dtype
+        x = x_btd.astype(cd)
+        gate = jnp.einsum("btd,df->btf", x, self.gate_kernel_df[...].astype(cd))
+        up = jnp.einsum("btd,df->btf", x, self.up_kernel_df[...].astype(cd))
+        return jnp.einsum("btf,fd->btd", _activation(self.act_name)(gate) * up, self.down_kernel_fd[...].astype(cd))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: Qwen3VLConfig, *, rngs: nnx.Rngs, param_dtype: jnp.dtype, compute_dtype: jnp.dtype):
+        eps = cfg.text.rms_norm_eps
+        self.input_norm = RMSNorm(cfg.text.hidden_size, eps, param_dtype=param_dtype)
+        self.attn = TextAttention(cfg, rngs=rngs, param_dtype=param_dtype, compute_dtype=compute_dtype)
+        self.post_attn_norm = RMSNorm(cfg.text.hidden_size, eps, param_dtype=param_dtype)
+        self.mlp = TextMLP(cfg, rngs=rngs, param_dtype=param_dtype, compute_dtype=compute_dtype)
+
+    def __call__(self, x_btd: jax.Array, cos: jax.Array, sin: jax.Array, mask_btt: jax.Array) -> jax.Array:
+        x = x_btd + self.attn(self.input_norm(x_btd), cos, sin, mask_btt)
+        return x + self.mlp(self.post_attn_norm(x))
+
+
+def _run_layer(layer: DecoderLayer, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array) -> jax.Array:
+    return layer(x, cos, sin, mask)
+
+
+_run_layer_remat = nnx.remat(_run_layer)
+
+
+def _run_block(block: "VisionBlock", x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array) -> jax.Array:
+    return block(x, cos, sin, mask)
+
+
+_run_block_remat = nnx.remat(_run_block)
+
+
+# ----------------------------------------------------------------------------- vision tower
+
+
+class VisionBlock(nnx.Module):
+    """Pre-norm ViT block; attention only among patches of the same image frame, 2-D rotary."""
+
+    def __init__(self, cfg: Qwen3VLConfig, *, rngs: nnx.Rngs, param_dtype: jnp.dtype, compute_dtype: jnp.dtype):
+        v = cfg.vision
+        d, n, h, f = v.hidden_size, v.num_heads, v.head_dim, v.intermediate_size
+        self.compute_dtype = compute_dtype
+        self.scale = h**-0.5
+        self.act_name = v.hidden_act
+        self.norm1 = LayerNorm(d, param_dtype=param_dtype)
+        self.norm2 = LayerNorm(d, param_dtype=param_dtype)
+        qkv_names = ("vision_embed", "vision_heads", "vision_head_dim")
+        self.q_kernel_dnh = _param(rngs, (d, n, h), qkv_names, param_dtype)
+        self.k_kernel_dnh = _param(rngs, (d, n, h), qkv_names, param_dtype)
+        self.v_kernel_dnh = _param(rngs, (d, n, h), qkv_names, param_dtype)
+        self.q_bias_nh = _param(None, (n, h), qkv_names[1:], param_dtype, init="zeros")
+        self.k_bias_nh = _param(None, (n, h), qkv_names[1:], param_dtype, init="zeros")
+        self.v_bias_nh = _param(None, (n, h), qkv_names[1:], param_dtype, init="zeros")
+        self.o_kernel_nhd = _param(rngs, (n, h, d), ("vision_heads", "vision_head_dim", "vision_embed"), param_dtype)
+        self.o_bias_d = _param(None, (d,), ("vision_embed",), param_dtype, init="zeros")
+        self.fc1_kernel_df = _param(rngs, (d, f), ("vision_embed", "vision_mlp"), param_dtype)
+        self.fc1_bias_f = _param(None, (f,), ("vision_mlp",), param_dtype, init="zeros")
+        self.fc2_kernel_fd = _param(rngs, (f, d), ("vision_mlp", "vision_embed"), param_dtype)
+        self.fc2_bias_d = _param(None, (d,), ("vision_embed",), param_dtype, init="zeros")
+
+    def __call__(self, x_pd: jax.Array, cos: jax.Array, sin: jax.Array, mask_pp: jax.Array) -> jax.Array:
+        cd = self.compute_dtype
+        y = self.norm1(x_pd).astype(cd)
+        q = jnp.einsum("pd,dnh->pnh", y, self.q_kernel_dnh[...].astype(cd)) + self.q_bias_nh[...].astype(cd)
+        k = jnp.einsum("pd,dnh->pnh", y, self.k_kernel_dnh[...].astype(cd)) + self.k_bias_nh[...].astype(cd)
+        v = jnp.einsum("pd,dnh->pnh", y, self.v_kernel_dnh[...].astype(cd)) + self.v_bias_nh[...].astype(cd)
+        # transformers rotates vision q/k in fp32 then casts back.
+        q = apply_rotary(q.astype(jnp.float32), cos, sin).astype(cd)
+        k = apply_rotary(k.astype(jnp.float32), cos, sin).astype(cd)
+        o = attention(q[None], k[None], v[None], mask_pp[None], self.scale)[0]
+        x = x_pd + jnp.einsum("pnh,nhd->pd", o, self.o_kernel_nhd[...].astype(cd)) + self.o_bias_d[...].astype(cd)
+        y = self.norm2(x).astype(cd)
+        hmid = _activation(self.act_name)(jnp.einsum("pd,df->pf", y, self.fc1_kernel_df[...].astype(cd)) + self.fc1_bias_f[...].astype(cd))
+        return x + jnp.einsum("pf,fd->pd", hmid, self.fc2_kernel_fd[...].astype(cd)) + self.fc2_bias_d[...].astype(cd)
+
+
+class PatchMerger(nnx.Module):
+    """2x2 spatial merge -> MLP to the text width. Main merger: LayerNorm before the shuffle (over
+    vision_embed); deepstack mergers: LayerNorm after it (over 4 * vision_embed)."""
+
+    def __init__(
+        self,
+        cfg: Qwen3VLConfig,
+        *,
+        postshuffle_norm: bool,
+        rngs: nnx.Rngs,
+        param_dtype: jnp.dtype,
+        compute_dtype: jnp.dtype,
+    ):
+        v = cfg.vision
+        self.merged_dim = v.hidden_size * v.merge_unit
+        self.postshuffle_norm = postshuffle_norm
+        self.compute_dtype = compute_dtype
+        self.norm = LayerNorm(self.merged_dim if postshuffle_norm else v.hidden_size, param_dtype=param_dtype)
+        m = self.merged_dim
+        self.fc1_kernel_mf = _param(rngs, (m, m), ("vision_merge", "vision_mlp"), param_dtype)
+        self.fc1_bias_f = _param(None, (m,), ("vision_mlp",), param_dtype, init="zeros")
+        self.fc2_kernel_fd = _param(rngs, (m, v.out_hidden_size), ("vision_mlp", "embed"), param_dtype)
+        self.fc2_bias_d = _param(None, (v.out_hidden_size,), ("embed",), param_dtype, init="zeros")
+
+    def __call__(self, x_pd: jax.Array) -> jax.Array:
+        cd = self.compute_dtype
+        if self.postshuffle_norm:
+            x = self.norm(x_pd.reshape(-1, self.merged_dim))
+        else:
+            x = self.norm(x_pd).reshape(-1, self.merged_dim)
+        x = x.astype(cd)
+        hmid = jnp.einsum("mi,if->mf", x, self.fc1_kernel_mf[...].astype(cd)) + self.fc1_bias_f[...].astype(cd)
+        hmid = jax.nn.gelu(hmid, approximate=False)  # torch nn.GELU(): exact erf
+        return jnp.einsum("mf,fd->md", hmid, self.fc2_kernel_fd[...].astype(cd)) + self.fc2_bias_d[...].astype(cd)
+
+
+class VisionTower(nnx.Module):
+    """Patch embed + interpolated learned positions + ViT blocks + mergers.
+
+    Returns merged image tokens [M, D_text] and one deepstack feature [M, D_text] per
+    `deepstack_visual_indexes` entry (M = P / merge**2; padding patches give garbage rows that the
+    token scatter drops).
+    """
+
+    def __init__(
+        self,
+        cfg: Qwen3VLConfig,
+        *,
+        rngs: nnx.Rngs,
+        param_dtype: jnp.dtype,
+        compute_dtype: jnp.dtype,
+        remat: bool = False,
+    ):
+        v = cfg.vision
+        self.cfg = cfg
+        self.compute_dtype = compute_dtype
+        self.remat = remat
+        self.patch_kernel_cd = _param(rngs, (v.patch_dim, v.hidden_size), ("vision_patch", "vision_embed"), param_dtype)
+        self.patch_bias_d = _param(None, (v.hidden_size,), ("vision_embed",), param_dtype, init="zeros")
+        self.pos_embed_sd = _param(rngs, (v.num_position_embeddings, v.hidden_size), ("vision_pos", "vision_embed"), param_dtype)
+        kw = dict(rngs=rngs, param_dtype=param_dtype, compute_dtype=compute_dtype)
+        self.blocks = nnx.List([VisionBlock(cfg, **kw) for _ in range(v.depth)])
+        self.merger = PatchMerger(cfg, postshuffle_norm=False, **kw)
+        self.deepstack_mergers = nnx.List(
+            [PatchMerger(cfg, postshuffle_norm=True, **kw) for _ in v.deepstack_visual_indexes]
+        )
+
+    def rotary_cos_sin(self, rotary_pos_p2: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """2-D rotary tables [P, 1, head_dim] (fp32): first half-dim h then w frequencies, duplicated."""
+        v = self.cfg.vision
+        inv_freq = jnp.asarray(rope_inv_freq(v.head_dim // 2, v.rope_theta))  # [head_dim/4]
+        freqs = rotary_pos_p2.astype(jnp.float32)[..., None] * inv_freq  # [P, 2, head_dim/4]
+        freqs = freqs.reshape(freqs.shape[0], -1)  # [P, head_dim/2] = (h freqs, w freqs)
+        emb = jnp.concatenate([freqs, freqs], axis=-1)[:, None, :]
+        return jnp.cos(emb), jnp.sin(emb)
+
+    def __call__(self, vis: VisionInputs) -> tuple[jax.Array, list[jax.Array]]:
+        cd = self.compute_dtype
+        x = jnp.einsum("pc,cd->pd", vis.pixel_values.astype(cd), self.patch_kernel_cd[...].astype(cd))
+        x = x + self.patch_bias_d[...].astype(cd)
+        table = self.pos_embed_sd[...].astype(cd)
+        pos = jnp.einsum("pj,pjd->pd", vis.pos_interp_w.astype(cd), jnp.take(table, vis.pos_interp_idx, axis=0))
+        x = x + pos
+        cos, sin = self.rotary_cos_sin(vis.patch_rotary_pos)
+        seg = vis.patch_segment_ids
+        mask = seg[:, None] == seg[None, :]
+        deepstack = []
+        ds_index = {layer: j for j, layer in enumerate(self.cfg.vision.deepstack_visual_indexes)}
+        run = _run_block_remat if self.remat else _run_block
+        for i, block in enumerate(self.blocks):
+            x = run(block, x, cos, sin, mask)
+            if i in ds_index:
+                deepstack.append(self.deepstack_mergers[ds_index[i]](x))
+        return self.merger(x), deepstack
+
+
+# ----------------------------------------------------------------------------- full model
+
+
+class Qwen3VL(nnx.Module):
+    """Qwen3-VL for causal LM. `model(tokens, positions, segment_ids, vision) -> hidden [B, T, D]`
+    (after the final norm); `model.logits(hidden) -> [B, T, V]` fp32."""
+
+    def __init__(
+        self,
+        cfg: Qwen3VLConfig,
+        *,
+        rngs: nnx.Rngs,
+        param_dtype: jnp.dtype = jnp.float32,
+        compute_dtype: jnp.dtype = jnp.float32,
+        remat: bool = False,
+        attention_impl: str = "xla",
+    ):
+        """remat: recompute each decoder layer and vision block in the backward pass (activation
+        memory ~ one layer); attention_impl: switch point for fused kernels (only "xla" today)."""
+        if attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"attention_impl={attention_impl!r} is not available; choose one of {ATTENTION_IMPLS}")
+        t = cfg.text
+        self.cfg = cfg
+        self.compute_dtype = compute_dtype
+        self.remat = remat
+        self.attention_impl = attention_impl
+        kw = dict(rngs=rngs, param_dtype=param_dtype, compute_dtype=compute_dtype)
+        self.embed_vd = _param(rngs, (t.vocab_size, t.hidden_size), ("vocab", "embed"), param_dtype)
+        self.layers = nnx.List([DecoderLayer(cfg, **kw) for _ in range(t.num_hidden_layers)])
+        self.final_norm = RMSNorm(t.hidden_size, t.rms_norm_eps, param_dtype=param_dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head_dv = _param(rngs, (t.hidden_size, t.vocab_size), ("embed", "vocab"), param_dtype)
+        self.visual = VisionTower(cfg, remat=remat, **kw)
+
+    def lm_head_kernel(self) -> jax.Array:
+        """Output projection [D, V] (the transposed embedding when tied)."""
+        if self.cfg.tie_word_embeddings:
+            return self.embed_vd[...].T
+        return self.lm_head_dv[...]
+
+    def embed(self, tokens_bt: jax.Array) -> jax.Array:
+        return jnp.take(self.embed_vd[...], tokens_bt, axis=0).astype(self.compute_dtype)
+
+    def __call__(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        segment_ids: jax.Array,
+        vision: VisionInputs | None = None,
+    ) -> jax.Array:
+        b, t = tokens.shape
+        d = self.cfg.text.hidden_size
+        x = self.embed(tokens)
+        deepstack: list[jax.Array] = []
+        slots = None
+        if vision is not None:
+            merged, deepstack = self.visual(vision)
+            slots = vision.image_token_index
+            slots = jnp.where(slots < 0, b * t, slots)  # out of range -> dropped by the scatter
+            x = x.reshape(b * t, d).at[slots].set(merged.astype(x.dtype), mode="drop").reshape(b, t, d)
+
+        cos, sin = mrope_cos_sin(positions, self.cfg, self.compute_dtype)
+        idx = jnp.arange(t)
+        mask = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (idx[:, None] >= idx[None, :])[None]
+        run = _run_layer_remat if self.remat else _run_layer
+        for i, layer in enumerate(self.layers):
+            x = run(layer, x, cos, sin, mask)
+            if i < len(deepstack):
+                x = x.reshape(b * t, d).at[slots].add(deepstack[i].astype(x.dtype), mode="drop").reshape(b, t, d)
+        return self.final_norm(x)
+
+    def logits(self, hidden_btd: jax.Array) -> jax.Array:
+        """Full-vocabulary logits [B, T, V] in fp32 (use `token_logprobs` for training)."""
+        kernel = self.lm_head_kernel().astype(self.compute_dtype)
+        return jnp.einsum("btd,dv->btv", hidden_btd.astype(self.compute_dtype), kernel, preferred_element_type=jnp.float32)
+
+
+def token_logprobs(
+    model: Qwen3VL,
+    hidden_btd: jax.Array,
+    targets_bt: jax.Array,
+    *,
+    chunk_size: int = 512,
+    return_entropy: bool = False,
+) -> tuple[jax.Array, jax.Array | None]:
+    """log p(target) [B, T] (and entropy [B, T]) without full-batch fp32 logits.
+
+    The sequence is cut into chunks of `chunk_size`; each chunk's [B, C, V] fp32 logits live only
+    inside one `lax.map` step and are recomputed in the backward pass (`jax.checkpoint`), so peak
+    memory is O(B * C * V) instead of O(B * T * V).
+    """
+    b, t, d = hidden_btd.shape
+    c = max(1, min(chunk_size, t))
+    n_chunks = -(-t // c)
+    pad = n_chunks * c - t
+    h = jnp.pad(hidden_btd, ((0, 0), (0, pad), (0, 0)))
+    y = jnp.pad(targets_bt, ((0, 0), (0, pad)))
+    h = h.reshape(b, n_chunks, c, d).transpose(1, 0, 2, 3)
+    y = y.reshape(b, n_chunks, c).transpose(1, 0, 2)
+    kernel = model.lm_head_kernel().astype(model.compute_dtype)
+    cd = model.compute_dtype
+
+    @jax.checkpoint
+    def chunk(args: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        hc, yc = args
+        logits = jnp.einsum("bcd,dv->bcv", hc.astype(cd), kernel, preferred_element_type=jnp.float32)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        picked = jnp.take_along_axis(logits, yc[..., None].astype(jnp.int32), axis=-1)[..., 0]
+        ent = lse - jnp.sum(jax.nn.softmax(logits, axis=-1) * logits, axis=-1) if return_entropy else jnp.zeros_like(lse)
+        return picked - lse, ent
+
+    lp, ent = jax.lax.map(chunk, (h, y))
+    lp = lp.transpose(1, 0, 2).reshape(b, n_chunks * c)[:, :t]
+    if not return_entropy:
+        return lp, None
+    return lp, ent.transpose(1, 0, 2).reshape(b, n_chunks * c)[:, :t]
