@@ -1,0 +1,620 @@
+"""list[Sample] -> TrainBatch: fixed-shape, bucketed, optionally packed training arrays (host, numpy only).
+
+The train step `lax.scan`s over a leading micro-batch axis K, so every array here is [K, ...] and its
+shape comes from configured buckets: a run compiles one program per distinct `(K, R, T, P)`.
+
+Layout and alignment (per micro-batch k, row r, slot t; T = padded row length in tokens):
+- `tokens[k, r, t]` is an INPUT token; `targets[k, r, t]` is the next token of the same sequence (0 at a
+  sequence's last slot and on padding). Everything the loss reads (`loss_mask`, `rollout_logprobs`,
+  `advantages`, `token_weights`, `sequence_ids`) is aligned to targets: slot t holds the values of token
+  t+1, so `logprobs[k, r, t] = log p(targets[k, r, t] | tokens[k, r, :t+1])` lines up with them directly.
+- `segment_ids` (0 = padding, 1.. = sequences in the row, in slot order) drive segment-aware attention;
+  `positions` are Qwen3-VL M-RoPE ids restarting at 0 in each segment (`get_rope_index_packed`).
+- `sequence_ids` number the sequences of ONE micro-batch 0..n_k-1 (-1 on padding); `token_weights`
+  come from `aggregation_weights` over the GLOBAL batch, so summing the per-micro-batch losses gives
+  the full-batch loss whatever the split.
+- Vision: each micro-batch concatenates its images' patches in row-major token order, padded to the
+  patch bucket P; `image_token_index` points into that micro-batch's flat R*T slots (R*T = dropped).
+
+A sequence never spans rows or micro-batches. Packing is best-fit decreasing (tokens, with patch
+capacity as a second constraint); rows go to micro-batches largest-patch-load first onto the least
+loaded micro-batch, so the patch bucket (vision cost) stays small and stable. The row length T is the
+feasible seq bucket that needs the fewest slots (ties: the shorter one); K follows
+`micro_batch_bucket` unless explicit buckets are given.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from jaxrl_vlm.models.config import Qwen3VLConfig
+from jaxrl_vlm.models.rope import get_rope_index_packed
+from jaxrl_vlm.models.vision import VisionInputs, build_vision_inputs
+from jaxrl_vlm.rl.losses import aggregation_weights
+from rollout.sample import Sample
+
+OVERLONG_POLICIES = ("error", "truncate")
+_VIDEO_KEYS = ("pixel_values_videos", "video_grid_thw")
+
+
+class BatchingError(ValueError):
+    """A sample or a bucket configuration cannot be laid out; the message names the sample or option."""
+
+
+# ----------------------------------------------------------------------------- containers
+
+
+class TrainArrays(NamedTuple):
+    """The device pytree. K micro-batches, R rows, T slots per row, P patches per micro-batch.
+
+    tokens            int32   [K, R, T]     input token ids (0 on padding)
+    targets           int32   [K, R, T]     next token of the same sequence; 0 at a sequence's last slot / padding
+    positions         int32   [K, 3, R, T]  M-RoPE (t, h, w) ids, each segment from 0
+    segment_ids       int32   [K, R, T]     0 = padding, 1.. = sequence within the row
+    loss_mask         float32 [K, R, T]     1 where target is a model-generated token (aligned to targets)
+    rollout_logprobs  float32 [K, R, T]     engine log-prob of the target token (nats; 0 where mask is 0)
+    advantages        float32 [K, R, T]     the sample's advantage on every response target, else 0
+    token_weights     float32 [K, R, T]     global aggregation weight; sums to 1 over the batch (mean modes)
+    sequence_ids      int32   [K, R, T]     sequence index within the micro-batch, -1 on padding
+    vision            VisionInputs with leading K (P patches each), or None when no sample has images
+    """
+
+    tokens: np.ndarray
+    targets: np.ndarray
+    positions: np.ndarray
+    segment_ids: np.ndarray
+    loss_mask: np.ndarray
+    rollout_logprobs: np.ndarray
+    advantages: np.ndarray
+    token_weights: np.ndarray
+    sequence_ids: np.ndarray
+    vision: VisionInputs | None
+
+
+class Placement(NamedTuple):
+    """Where one input sample landed (host bookkeeping). `length` < `original_length` iff truncated."""
+
+    sample_position: int  # index in the input list
+    group_index: int
+    index: int
+    micro_batch: int
+    row: int
+    offset: int  # first slot of the sequence in its row
+    length: int  # tokens placed
+    original_length: int  # tokens in the sample
+    segment_id: int  # 1.. within the row
+    sequence_id: int  # 0.. within the micro-batch
+    patch_offset: int  # first patch row of its images in the micro-batch's pixel_values
+    num_patches: int  # patch rows placed
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """Host-side facts about a TrainBatch (never sent to the device)."""
+
+    placements: tuple[Placement, ...]  # in input order
+    shape_key: tuple[int, int, int, int]  # (K, R, T, P); P = 0 without vision
+    real_tokens: int
+    slots: int  # K * R * T
+    real_patches: int
+    patch_slots: int  # K * P
+    rows_used: int  # rows holding at least one sequence
+    sequences_per_micro_batch: tuple[int, ...]  # [K]
+    packing: bool
+
+    @property
+    def padding_efficiency(self) -> float:
+        """Real tokens / token slots (1.0 = no padding)."""
+        return self.real_tokens / self.slots if self.slots else 0.0
+
+    @property
+    def patch_efficiency(self) -> float:
+        """Real patches / patch slots (1.0 when there is no vision input)."""
+        return self.real_patches / self.patch_slots if self.patch_slots else 1.0
+
+    @property
+    def max_sequences_per_micro_batch(self) -> int:
+        """Upper bound for `LossConfig.num_sequences` (gspo's segment sums) for this batch."""
+        return max(self.sequences_per_micro_batch)
+
+    @property
+    def truncated(self) -> tuple[Placement, ...]:
+        return tuple(p for p in self.placements if p.length < p.original_length)
+
+
+@dataclass(frozen=True)
+class TrainBatch:
+    """`arrays` goes to the device (`jax.device_put(batch.arrays, ...)`); `layout` stays on the host."""
+
+    arrays: TrainArrays
+    layout: BatchLayout
+
+    @property
+    def shape_key(self) -> tuple[int, int, int, int]:
+        return self.layout.shape_key
+
+
+def describe_shapes(batches: Iterable[TrainBatch]) -> Counter[tuple[int, int, int, int]]:
+    """How many batches had each (K, R, T, P) shape; len() of it is the number of compiled programs."""
+    return Counter(b.shape_key for b in batches)
+
+
+# ----------------------------------------------------------------------------- buckets
+
+
+def micro_batch_bucket(n: int) -> int:
+    """Default K bucket: the smallest m * 2**e >= n with m in 8..15 (exact up to 16).
+
+    1..16, 18, 20, ..., 32, 36, 40, ...: eight sizes per octave, so padding micro-batches cost at
+    most 1/9 of the slots (powers of two would cost up to 1/2), while a run whose token count per
+    step drifts by a few percent still lands on one or two values of K.
+    """
+    if n < 1:
+        raise BatchingError(f"need at least one micro-batch, got {n}")
+    if n <= 16:
+        return n
+    step = 2 ** ((n - 1).bit_length() - 4)  # n in (8 * step, 16 * step]
+    return math.ceil(n / step) * step
+
+
+def _smallest_at_least(buckets: Sequence[int], n: int) -> int | None:
+    for b in buckets:
+        if b >= n:
+            return int(b)
+    return None
+
+
+def _check_buckets(name: str, buckets: Sequence[int], minimum: int) -> list[int]:
+    values = [int(b) for b in buckets]
+    if not values or values != sorted(set(values)) or values[0] < minimum:
+        raise BatchingError(f"{name} must be a non-empty strictly increasing list of ints >= {minimum}, got {list(buckets)}")
+    return values
+
+
+# ----------------------------------------------------------------------------- per-sample preparation
+
+
+@dataclass
+class _Seq:
+    """One sample as flat numpy arrays (after truncation). Per-token arrays are NOT shifted: [L]."""
+
+    position: int
+    sample: Sample
+    tokens: np.ndarray  # int32 [L]
+    mask: np.ndarray  # float32 [L]: 0 on prompt, loss_mask on response
+    logprobs: np.ndarray  # float32 [L]
+    response: np.ndarray  # bool [L]: token belongs to the response
+    grid: np.ndarray  # int64 [n_images, 3]
+    pixels: np.ndarray | None  # [patches, patch_dim]
+    original_length: int
+
+    @property
+    def length(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def num_patches(self) -> int:
+        return 0 if self.pixels is None else int(self.pixels.shape[0])
+
+
+def _prepare(position: int, sample: Sample, cfg: Qwen3VLConfig, max_len: int, overlong_policy: str) -> _Seq:
+    """Validate one sample (vectorized, O(L)) and cut it to `max_len` tokens if the policy allows."""
+    where = f"{sample.name} (position {position} in the batch)"
+    tokens = np.asarray(sample.tokens, dtype=np.int64).reshape(-1)
+    n = tokens.shape[0]
+    resp = int(sample.response_length)
+    if n == 0:
+        raise BatchingError(f"{where} has no tokens")
+    if not 0 <= resp <= n:
+        raise BatchingError(f"{where}: response_length {resp} outside [0, {n}]")
+    if resp == n and resp > 0:
+        raise BatchingError(f"{where} has no prompt token: its first response token has no context to be predicted from")
+    if (tokens < 0).any() or (tokens >= cfg.text.vocab_size).any():
+        bad = int(tokens[(tokens < 0) | (tokens >= cfg.text.vocab_size)][0])
+        raise BatchingError(f"{where}: token id {bad} outside the vocabulary [0, {cfg.text.vocab_size})")
+    if (tokens == cfg.video_token_id).any():
+        raise BatchingError(f"{where}: video tokens (id {cfg.video_token_id}) are not supported")
+    loss_mask = np.asarray(sample.loss_mask, dtype=np.float64).reshape(-1)
+    logprobs = np.asarray(sample.rollout_log_probs, dtype=np.float64).reshape(-1)
+    if loss_mask.shape[0] != resp or logprobs.shape[0] != resp:
+        raise BatchingError(
+            f"{where}: loss_mask has {loss_mask.shape[0]} and rollout_log_probs {logprobs.shape[0]} entries, "
+            f"response_length is {resp}"
+        )
+    if not np.isin(loss_mask, (0.0, 1.0)).all():
+        raise BatchingError(f"{where}: loss_mask must be 0/1")
+    if not np.isfinite(logprobs).all():
+        raise BatchingError(f"{where}: rollout_log_probs has non-finite values")
+
+    grid, pixels = _sample_images(sample, tokens, cfg, where)
+
+    mask = np.zeros(n, np.float32)
+    mask[n - resp :] = loss_mask
+    lp = np.zeros(n, np.float32)
+    lp[n - resp :] = logprobs
+    response = np.zeros(n, bool)
+    response[n - resp :] = True
+
+    if n > max_len:
+        if overlong_policy == "error":
+            raise BatchingError(
+                f"{where} has {n} tokens (prompt {n - resp}, response {resp}), more than the largest seq bucket "
+                f"{max_len}; add a larger bucket to seq_buckets or set overlong_policy='truncate'"
+            )
+        cut, n_images = _truncation_cut(tokens, grid, max_len, cfg, where)
+        tokens, mask, lp, response = tokens[:cut], mask[:cut], lp[:cut], response[:cut]
+        grid = grid[:n_images]
+        if pixels is not None:
+            kept = int(grid.prod(-1).sum())
+            pixels = pixels[:kept] if n_images else None
+    return _Seq(position, sample, tokens.astype(np.int32), mask, lp, response, grid, pixels, n)
+
+
+def _sample_images(sample: Sample, tokens: np.ndarray, cfg: Qwen3VLConfig, where: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """(image_grid_thw [N, 3], pixel_values [patches, patch_dim] or None), checked against the image pads."""
+    mm = sample.multimodal_train_inputs or {}
+    for key in _VIDEO_KEYS:
+        if key in mm:
+            raise BatchingError(f"{where}: multimodal_train_inputs[{key!r}]: videos are not supported")
+    n_pads = int((tokens == cfg.image_token_id).sum())
+    grid_raw, pixels = mm.get("image_grid_thw"), mm.get("pixel_values")
+    if grid_raw is None and pixels is None:
+        if n_pads:
+            raise BatchingError(
+                f"{where} has {n_pads} image-pad tokens but no multimodal_train_inputs (pixel_values, image_grid_thw)"
+            )
+        return np.zeros((0, 3), np.int64), None
+    if grid_raw is None or pixels is None:
+        missing = "image_grid_thw" if grid_raw is None else "pixel_values"
+        raise BatchingError(f"{where}: multimodal_train_inputs has no {missing!r}")
+    grid = np.asarray(grid_raw, dtype=np.int64)
+    if grid.ndim != 2 or grid.shape[1] != 3 or (grid <= 0).any():
+        raise BatchingError(f"{where}: image_grid_thw must be [images, 3] of positive ints, got {grid.tolist()}")
+    merge = cfg.vision.spatial_merge_size
+    if (grid[:, 1] % merge).any() or (grid[:, 2] % merge).any():
+        raise BatchingError(f"{where}: image_grid_thw {grid.tolist()} has h or w not a multiple of spatial_merge_size={merge}")
+    patches = int(grid.prod(-1).sum())
+    if patches // cfg.vision.merge_unit != n_pads:
+        raise BatchingError(
+            f"{where}: {n_pads} image-pad tokens (id {cfg.image_token_id}) but image_grid_thw {grid.tolist()} "
+            f"gives {patches // cfg.vision.merge_unit} merged tokens"
+        )
+    pixels = np.asarray(pixels)
+    if pixels.ndim != 2 or pixels.shape != (patches, cfg.vision.patch_dim):
+        raise BatchingError(
+            f"{where}: pixel_values shape {pixels.shape} != ({patches}, {cfg.vision.patch_dim}) "
+            "(patches of image_grid_thw, C*T*p*p)"
+        )
+    if len(grid) == 0:
+        return grid, None
+    return grid, pixels
+
+
+def _truncation_cut(tokens: np.ndarray, grid: np.ndarray, max_len: int, cfg: Qwen3VLConfig, where: str) -> tuple[int, int]:
+    """(tokens kept, images kept): cut at max_len, moved back before an image it would split."""
+    cut = max_len
+    n_images = 0
+    if len(grid):
+        per_image = grid.prod(-1) // cfg.vision.merge_unit  # merged tokens per image
+        bounds = np.concatenate([[0], np.cumsum(per_image)])  # image g = pad tokens [bounds[g], bounds[g+1])
+        pad_slots = np.flatnonzero(tokens == cfg.image_token_id)
+        pads_before = int(np.searchsorted(pad_slots, cut))
+        n_images = int(np.searchsorted(bounds, pads_before, side="right")) - 1
+        if bounds[n_images] < pads_before:  # the cut splits image n_images: drop all of it
+            cut = int(pad_slots[bounds[n_images]])
+    if cut < 1:
+        raise BatchingError(f"{where}: truncating to {max_len} tokens would leave nothing before its first image")
+    return cut, n_images
+
+
+# ----------------------------------------------------------------------------- packing
+
+
+def pack_rows(lengths: np.ndarray, patches: np.ndarray, capacity: int, patch_capacity: int) -> list[list[int]]:
+    """Best-fit decreasing: items (by length, longest first) into rows of `capacity` tokens.
+
+    An item goes to the feasible row with the least free tokens (patches also within
+    `patch_capacity`); a new row opens only when none fits. Returns item indices per row, in
+    placement order. O(items * rows) in vectorized numpy, not per token.
+    """
+    order = np.lexsort((np.arange(len(lengths)), -np.asarray(lengths)))
+    free_tok = np.empty(len(lengths), np.int64)
+    free_patch = np.empty(len(lengths), np.int64)
+    rows: list[list[int]] = []
+    for i in order:
+        length, p = int(lengths[i]), int(patches[i])
+        n = len(rows)
+        fits = np.flatnonzero((free_tok[:n] >= length) & (free_patch[:n] >= p))
+        if fits.size:
+            j = int(fits[np.argmin(free_tok[fits])])
+        else:
+            j = n
+            rows.append([])
+            free_tok[j], free_patch[j] = capacity, patch_capacity
+        rows[j].append(int(i))
+        free_tok[j] -= length
+        free_patch[j] -= p
+    return rows
+
+
+def assign_micro_batches(
+    row_patches: np.ndarray, row_tokens: np.ndarray, k: int, rows_per_mb: int, patch_capacity: int
+) -> list[list[int]] | None:
+    """Rows -> k micro-batches of at most `rows_per_mb` rows, patch load balanced (LPT).
+
+    Rows are taken by decreasing patches (then tokens) and each goes to the micro-batch with the
+    least patches (then tokens) that has a free row and room under `patch_capacity`.
+    None if some row does not fit (the caller tries a larger k).
+    """
+    order = np.lexsort((np.arange(len(row_patches)), -np.asarray(row_tokens), -np.asarray(row_patches)))
+    load_p = np.zeros(k, np.int64)
+    load_t = np.zeros(k, np.int64)
+    used = np.zeros(k, np.int64)
+    out: list[list[int]] = [[] for _ in range(k)]
+    for r in order:
+        ok = np.flatnonzero((used < rows_per_mb) & (load_p + row_patches[r] <= patch_capacity))
+        if not ok.size:
+            return None
+        best = int(ok[np.lexsort((ok, load_t[ok], load_p[ok]))[0]])
+        out[best].append(int(r))
+        load_p[best] += row_patches[r]
+        load_t[best] += row_tokens[r]
+        used[best] += 1
+    return out
+
+
+@dataclass(frozen=True)
+class _Plan:
+    seq_len: int
+    rows: list[list[int]]  # item indices per row
+    micro_batches: list[list[int]]  # row indices per micro-batch
+    rows_per_mb: int
+
+    @property
+    def slots(self) -> int:
+        return len(self.micro_batches) * self.rows_per_mb * self.seq_len
+
+
+def _plan(
+    lengths: np.ndarray,
+    patches: np.ndarray,
+    seq_len: int,
+    packing: bool,
+    row_choices: list[int],
+    fixed_rows: int | None,
+    k_bucket: Callable[[int], int],
+    patch_capacity: int,
+) -> _Plan:
+    """Rows for one row length, then (K, R) from the buckets, then rows onto micro-batches."""
+    if packing:
+        rows = pack_rows(lengths, patches, seq_len, patch_capacity)
+    else:
+        rows = [[i] for i in range(len(lengths))]
+    n_rows = len(rows)
+    if fixed_rows is not None:
+        r_mb, k = fixed_rows, k_bucket(math.ceil(n_rows / fixed_rows))
+    elif n_rows <= row_choices[-1]:
+        r_mb, k = _smallest_at_least(row_choices, n_rows), 1
+    else:  # accumulation is unavoidable: the fewest row slots, then the fewest micro-batches
+        options = [(k_bucket(math.ceil(n_rows / r)), r) for r in row_choices]
+        k, r_mb = min(options, key=lambda kr: (kr[0] * kr[1], kr[0]))
+    row_tokens = np.array([int(lengths[r].sum()) for r in map(np.asarray, rows)], np.int64)
+    row_patches = np.array([int(patches[r].sum()) for r in map(np.asarray, rows)], np.int64)
+    while True:
+        mbs = assign_micro_batches(row_patches, row_tokens, k, r_mb, patch_capacity)
+        if mbs is not None:
+            return _Plan(seq_len, rows, mbs, r_mb)
+        k = k_bucket(k + 1)  # patch capacity, not rows, was the limit: spread images over more micro-batches
+
+
+# ----------------------------------------------------------------------------- main entry
+
+
+def build_train_batch(
+    samples: Sequence[Sample],
+    advantages: np.ndarray,
+    model_cfg: Qwen3VLConfig,
+    *,
+    seq_buckets: Sequence[int],
+    row_buckets: Sequence[int],
+    patch_buckets: Sequence[int],
+    packing: bool,
+    micro_batch_rows: int | None,
+    row_multiple: int = 1,
+    aggregation: str,
+    aggregation_constant: float | None,
+    overlong_policy: str,
+    micro_batch_buckets: Sequence[int] | None = None,
+) -> TrainBatch:
+    """Lay `samples` out as fixed-shape [K, R, T] arrays (see the module docstring for alignment).
+
+    advantages: float [N], one per sample (broadcast to its response targets).
+    seq_buckets: allowed T (tokens per row); row_buckets: allowed R (rows per micro-batch), used when
+    `micro_batch_rows` is None: K = 1 if the rows fit in the largest usable bucket, else the (K, R)
+    with the fewest row slots.
+    micro_batch_rows: fixed R (gradient accumulation), K grows with the data.
+    row_multiple: R is always a multiple of it (data-parallel shard count of the batch axis).
+    patch_buckets: allowed P (patches per micro-batch), multiples of spatial_merge_size**2; the largest
+    also caps the patches of one micro-batch.
+    micro_batch_buckets: allowed K (default `micro_batch_bucket`, eight sizes per octave).
+    aggregation / aggregation_constant: as `rl.losses.aggregation_weights`, over the whole batch.
+    overlong_policy: "error" or "truncate" (cut the tail to the largest seq bucket, never through an
+    image; the mask follows; see `BatchLayout.truncated`).
+    """
+    n = len(samples)
+    if n == 0:
+        raise BatchingError("build_train_batch needs at least one sample")
+    if overlong_policy not in OVERLONG_POLICIES:
+        raise BatchingError(f"overlong_policy must be one of {OVERLONG_POLICIES}, got {overlong_policy!r}")
+    adv = np.asarray(advantages, dtype=np.float64)
+    if adv.shape != (n,):
+        raise BatchingError(f"advantages must have shape ({n},) (one per sample), got {adv.shape}")
+    if not np.isfinite(adv).all():
+        bad = int(np.flatnonzero(~np.isfinite(adv))[0])
+        raise BatchingError(f"advantage of {samples[bad].name} (position {bad}) is {adv[bad]}")
+    seq_choices = _check_buckets("seq_buckets", seq_buckets, 1)
+    if row_multiple < 1:
+        raise BatchingError(f"row_multiple must be >= 1, got {row_multiple}")
+    row_choices = [r for r in _check_buckets("row_buckets", row_buckets, 1) if r % row_multiple == 0]
+    fixed_rows = None
+    if micro_batch_rows is not None:
+        if micro_batch_rows < 1 or micro_batch_rows % row_multiple:
+            raise BatchingError(
+                f"micro_batch_rows={micro_batch_rows} must be a positive multiple of row_multiple={row_multiple} "
+                "(the data-parallel shards of the batch axis)"
+            )
+        fixed_rows = int(micro_batch_rows)
+    elif not row_choices:
+        raise BatchingError(f"no row bucket in {list(row_buckets)} is a multiple of row_multiple={row_multiple}")
+    patch_choices = _check_buckets("patch_buckets", patch_buckets, 0) if len(patch_buckets) else []
+    for p in patch_choices:
+        if p % model_cfg.vision.merge_unit:
+            raise BatchingError(f"patch bucket {p} is not a multiple of spatial_merge_size**2={model_cfg.vision.merge_unit}")
+    if micro_batch_buckets is None:
+        k_bucket = micro_batch_bucket
+    else:
+        k_choices = _check_buckets("micro_batch_buckets", micro_batch_buckets, 1)
+
+        def k_bucket(k: int) -> int:
+            b = _smallest_at_least(k_choices, k)
+            if b is None:
+                raise BatchingError(f"{k} micro-batches needed, more than the largest of micro_batch_buckets {k_choices}")
+            return b
+
+    seqs = [_prepare(i, s, model_cfg, seq_choices[-1], overlong_policy) for i, s in enumerate(samples)]
+    lengths = np.array([s.length for s in seqs], np.int64)
+    patches = np.array([s.num_patches for s in seqs], np.int64)
+    has_vision = bool(patches.sum())
+    patch_capacity = patch_choices[-1] if patch_choices else 0
+    if has_vision and patches.max() > patch_capacity:
+        i = int(np.argmax(patches))
+        raise BatchingError(
+            f"{seqs[i].sample.name} (position {i}) has {patches[i]} image patches, more than the largest patch bucket "
+            f"{patch_capacity}; add a larger bucket to patch_buckets"
+        )
+
+    feasible = [t for t in seq_choices if t >= lengths.max()]
+    candidates = feasible if packing else feasible[:1]
+    plans = [_plan(lengths, patches, t, packing, row_choices, fixed_rows, k_bucket, patch_capacity) for t in candidates]
+    plan = min(plans, key=lambda p: (p.slots, p.seq_len))
+    return _materialize(seqs, adv, plan, model_cfg, patch_choices, has_vision, packing, aggregation, aggregation_constant)
+
+
+def _materialize(
+    seqs: list[_Seq],
+    adv: np.ndarray,
+    plan: _Plan,
+    cfg: Qwen3VLConfig,
+    patch_choices: list[int],
+    has_vision: bool,
+    packing: bool,
+    aggregation: str,
+    aggregation_constant: float | None,
+) -> TrainBatch:
+    """Scatter the sequences into the planned slots; every per-token array is filled in O(total tokens)."""
+    k_n, r_n, t_n = len(plan.micro_batches), plan.rows_per_mb, plan.seq_len
+    placements: list[Placement | None] = [None] * len(seqs)
+    mb_items: list[list[int]] = []  # items per micro-batch in row-major order (images concatenate in this order)
+    for k, row_ids in enumerate(plan.micro_batches):
+        items: list[int] = []
+        seq_id, patch_off = 0, 0
+        for r, row in enumerate(row_ids):
+            offset = 0
+            for seg, i in enumerate(plan.rows[row], start=1):
+                s = seqs[i]
+                placements[i] = Placement(
+                    s.position, s.sample.group_index, s.sample.index, k, r, offset, s.length,
+                    s.original_length, seg, seq_id, patch_off, s.num_patches,
+                )
+                offset += s.length
+                seq_id += 1
+                patch_off += s.num_patches
+                items.append(i)
+        mb_items.append(items)
+    assert all(p is not None for p in placements)
+    places: list[Placement] = placements  # type: ignore[assignment]
+
+    lengths = np.array([s.length for s in seqs], np.int64)
+    total = int(lengths.sum())
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    base = np.array([(p.micro_batch * r_n + p.row) * t_n + p.offset for p in places], np.int64)
+    dest = np.repeat(base - starts, lengths) + np.arange(total)  # flat slot of every real token
+    is_last = np.zeros(total, bool)
+    is_last[starts + lengths - 1] = True
+
+    tok = np.concatenate([s.tokens for s in seqs])
+    mask = np.concatenate([s.mask for s in seqs])
+    lp = np.concatenate([s.logprobs for s in seqs])
+    resp_adv = np.concatenate([np.where(s.response, np.float32(a), np.float32(0)) for s, a in zip(seqs, adv)])
+
+    def shift(x: np.ndarray) -> np.ndarray:
+        """Value of token j+1 of the same sequence at j; 0 at each sequence's last token."""
+        out = np.zeros_like(x)
+        out[:-1] = x[1:]
+        out[is_last] = 0
+        return out
+
+    mask_t = shift(mask)
+    owner = np.repeat(np.arange(len(seqs)), lengths)
+    weights = aggregation_weights(mask_t, owner, aggregation, aggregation_constant, dtype=np.float64)
+
+    shape = (k_n, r_n, t_n)
+    size = k_n * r_n * t_n
+
+    def scatter(values: np.ndarray, dtype, fill=0) -> np.ndarray:
+        out = np.full(size, fill, dtype)
+        out[dest] = values
+        return out.reshape(shape)
+
+    local_ids = np.repeat(np.array([p.sequence_id for p in places], np.int64), lengths)
+    arrays_tokens = scatter(tok, np.int32)
+    segment_ids = scatter(np.repeat(np.array([p.segment_id for p in places]), lengths), np.int32)
+    targets = scatter(shift(tok), np.int32)
+    loss_mask = scatter(mask_t, np.float32)
+    rollout_lp = scatter(shift(lp), np.float32)
+    advantages = scatter(shift(resp_adv), np.float32)
+    token_weights = scatter(weights, np.float32)
+    sequence_ids = scatter(local_ids, np.int32, fill=-1)
+
+    # Images of each micro-batch in row-major token order: the order of `mb_items`.
+    grids = [
+        np.concatenate([seqs[i].grid for i in items]) if items else np.zeros((0, 3), np.int64) for items in mb_items
+    ]
+    positions = np.stack([get_rope_index_packed(arrays_tokens[k], segment_ids[k], grids[k], cfg)[0] for k in range(k_n)])
+
+    mb_patches = [sum(seqs[i].num_patches for i in items) for items in mb_items]
+    vision = None
+    p_n = 0
+    if has_vision:
+        p_n = _smallest_at_least(patch_choices, max(mb_patches))
+        assert p_n is not None  # guaranteed by the planner's patch capacity
+        dtype = np.result_type(*[s.pixels.dtype for s in seqs if s.pixels is not None])
+        per_mb = []
+        for k, items in enumerate(mb_items):
+            pix = [seqs[i].pixels for i in items if seqs[i].pixels is not None]
+            pixels = np.concatenate(pix).astype(dtype, copy=False) if pix else np.zeros((0, cfg.vision.patch_dim), dtype)
+            v = build_vision_inputs(pixels, grids[k], arrays_tokens[k], cfg, patch_bucket=p_n, token_valid=segment_ids[k] > 0)
+            per_mb.append(v._replace(pixel_values=v.pixel_values.astype(dtype, copy=False)))
+        vision = VisionInputs(*(np.stack(field) for field in zip(*per_mb)))
+
+    arrays = TrainArrays(
+        arrays_tokens, targets, positions, segment_ids, loss_mask, rollout_lp, advantages, token_weights, sequence_ids, vision
+    )
+    layout = BatchLayout(
+        placements=tuple(places),
+        shape_key=(k_n, r_n, t_n, p_n),
+        real_tokens=total,
+        slots=size,
+        real_patches=int(sum(mb_patches)),
+        patch_slots=k_n * p_n,
+        rows_used=len(plan.rows),
+        sequences_per_micro_batch=tuple(len(items) for items in mb_items),
+        packing=packing,
+    )
+    return TrainBatch(arrays, layout)
