@@ -12,6 +12,9 @@
   and resumed first in the next step (their old tokens optionally masked), otherwise they are dropped and
   counted;
 * stamps `rollout_id` into each sample's metadata.
+
+Prompts fetched from the source but not used in a step stay buffered (in the context's driver state) for the
+next step, so over-sampling never silently skips data.
 """
 
 from __future__ import annotations
@@ -62,16 +65,18 @@ class _Group:
 class _Prompts:
     """Hands out one prompt at a time from a batch-wise source, numbering groups globally."""
 
-    def __init__(self, source: PromptSource, first_group_index: int):
+    def __init__(self, source: PromptSource, first_group_index: int, buffer: list[Sample]):
         self.source = source
-        self.buffer: list[Sample] = []
+        # Shared with the context's driver state: prompts fetched but not used stay for the next step.
+        self.buffer = buffer
         self.next_group_index = first_group_index
 
     def take(self) -> tuple[int, Sample]:
         if not self.buffer:
-            self.buffer = list(self.source.next_batch())
-            if not self.buffer:
-                raise RuntimeError("the prompt source returned an empty batch")
+            batch = list(self.source.next_batch())
+            if not batch:
+                raise RuntimeError(f"the prompt source {type(self.source).__name__}.next_batch() returned an empty batch")
+            self.buffer.extend(batch)
         group_index = self.next_group_index
         self.next_group_index += 1
         return group_index, self.buffer.pop(0)
@@ -111,9 +116,35 @@ def _keep_group(group: list[Sample], dynamic_filter: str | None, result: Rollout
     return kept
 
 
-async def _run_group(generate_fn: Callable, args: Any, group: list[Sample]) -> list[Sample]:
+# A resumed group may hold episodes that already finished in an earlier step: they pass through unchanged.
+_RUNNABLE = (Status.PENDING, Status.ABORTED)
+
+
+async def _run_episode(generate_fn: Callable, args: Any, sample: Sample) -> Sample:
+    """One episode through the loaded function; a function that raises fails its sample, not the rollout."""
+    if sample.status not in _RUNNABLE:
+        return sample
     params = None  # the episode function derives sampling params from args
-    return list(await asyncio.gather(*(generate_fn(args, s, params) for s in group)))
+    try:
+        out = await generate_fn(args, sample, params)
+    except Exception as e:  # user code: record on the sample (the default loop never raises)
+        name = getattr(generate_fn, "__qualname__", repr(generate_fn))
+        logger.warning("%s: generate function %s raised %s: %s", sample.name, name, type(e).__name__, e)
+        # Set directly: the transition table has no ABORTED -> FAILED edge, but a resumed episode can fail too.
+        sample.status = Status.FAILED
+        sample.metadata["error"] = f"generate function {name} raised {type(e).__name__}: {e}"
+        sample.metadata["termination"] = "generate_exception"
+        return sample
+    if not isinstance(out, Sample):
+        raise TypeError(
+            f"--custom-generate-function-path {getattr(generate_fn, '__qualname__', generate_fn)!r} returned "
+            f"{type(out).__name__} for {sample.name}; it must return the Sample"
+        )
+    return out
+
+
+async def _run_group(generate_fn: Callable, args: Any, group: list[Sample]) -> list[Sample]:
+    return list(await asyncio.gather(*(_run_episode(generate_fn, args, s) for s in group)))
 
 
 async def generate_rollout(args: Any, rollout_id: int, data_source: PromptSource) -> RolloutResult:
@@ -126,47 +157,68 @@ async def generate_rollout(args: Any, rollout_id: int, data_source: PromptSource
     partial = bool(getattr(args, "partial_rollout", False))
     submit_batch = int(getattr(args, "over_sampling_batch_size", None) or target)
     result = RolloutResult(groups=[])
-    prompts = _Prompts(data_source, first_group_index=getattr(args, "_next_group_index", 0))
     ctx_state = ctx.driver_state
+    prompts = _Prompts(data_source, getattr(args, "_next_group_index", 0), ctx_state.setdefault("prompt_buffer", []))
 
     pending: list[_Group] = []
     # Groups suspended by the previous step go first, so partially generated work is not lost.
-    for samples in ctx_state["partial_groups"]:
+    for samples in ctx_state.get("partial_groups", []):
         if getattr(args, "mask_offpolicy_in_partial_rollout", False):
             for s in samples:
-                _mask_existing_response(s)
+                if s.status is Status.ABORTED:  # only episodes that continue; finished ones pass through
+                    _mask_existing_response(s)
         pending.append(_Group(samples=samples, resumed=True))
     ctx_state["partial_groups"] = []
+
+    running: list[_Group] = []
 
     def submit(group: _Group) -> None:
         group.task = asyncio.ensure_future(_run_group(generate_fn, args, group.samples))
         running.append(group)
         result.groups_submitted += 1
 
-    running: list[_Group] = []
     ctx.aborting = False
-    for group in pending:
-        submit(group)
-    while len(running) < submit_batch:
-        group_index, prompt = prompts.take()
-        submit(_Group(samples=make_group(prompt, group_index, n)))
-
-    max_groups = MAX_GROUPS_FACTOR * max(target, submit_batch) + len(pending)
-    while running and len(result.groups) < target:
-        done, _ = await asyncio.wait([g.task for g in running], return_when=asyncio.FIRST_COMPLETED)
-        for group in [g for g in running if g.task in done]:
-            running.remove(group)
-            samples = group.task.result()
-            for s in samples:
-                s.metadata["rollout_id"] = rollout_id
-            kept = _keep_group(samples, dynamic_filter, result)
-            if kept is not None and len(result.groups) < target:
-                result.groups.append(kept)
-        missing = target - len(result.groups) - len(running)
-        while missing > 0 and result.groups_submitted < max_groups:
+    try:
+        for group in pending:
+            submit(group)
+        while len(running) < submit_batch:
             group_index, prompt = prompts.take()
             submit(_Group(samples=make_group(prompt, group_index, n)))
-            missing -= 1
+
+        max_groups = MAX_GROUPS_FACTOR * max(target, submit_batch) + len(pending)
+        while running and len(result.groups) < target:
+            done, _ = await asyncio.wait([g.task for g in running], return_when=asyncio.FIRST_COMPLETED)
+            for group in [g for g in running if g.task in done]:
+                running.remove(group)
+                samples = group.task.result()
+                for s in samples:
+                    s.metadata["rollout_id"] = rollout_id
+                if len(result.groups) >= target:
+                    # Finished in the same wake-up as the group that filled the batch: keep it for the next
+                    # step under partial rollout, else it is surplus (counted, never silently lost).
+                    if partial:
+                        ctx_state["partial_groups"].append(samples)
+                        result.dropped["partial_group_carried"] += 1
+                    else:
+                        result.dropped["surplus_group"] += 1
+                        await _discard_aborted(ctx, samples)
+                    continue
+                kept = _keep_group(samples, dynamic_filter, result)
+                # An episode aborted by the engine inside a finished group is not resumed: release its env.
+                await _discard_aborted(ctx, samples)
+                if kept is not None:
+                    result.groups.append(kept)
+            missing = target - len(result.groups) - len(running)
+            while missing > 0 and result.groups_submitted < max_groups:
+                group_index, prompt = prompts.take()
+                submit(_Group(samples=make_group(prompt, group_index, n)))
+                missing -= 1
+    except BaseException:
+        # A bug (or cancellation) must not leave episodes running in the background.
+        for group in running:
+            group.task.cancel()
+        await asyncio.gather(*(g.task for g in running), return_exceptions=True)
+        raise
 
     if running:
         await _abort_stragglers(ctx, running, partial, result, ctx_state)
@@ -193,28 +245,48 @@ async def _abort_stragglers(ctx: Any, running: list[_Group], partial: bool, resu
             result.dropped["straggler_group_error"] += 1
             logger.warning("straggling group raised %s: %s", type(outcome).__name__, outcome)
             continue
-        if partial and any(s.status is Status.ABORTED for s in outcome):
+        if partial:
+            # Aborted episodes resume next step; episodes that finished while aborting pass through then.
             state["partial_groups"].append(outcome)
             result.dropped["partial_group_carried"] += 1
         else:
             result.dropped["straggler_group"] += 1
-            for s in outcome:
-                if s.status is Status.ABORTED:
-                    _discard_suspended(ctx, s)
+            await _discard_aborted(ctx, outcome)
 
 
-def _discard_suspended(ctx: Any, sample: Sample) -> None:
-    state = ctx.suspended.pop((sample.group_index, sample.index), None)
-    if state is not None:
+async def _discard_aborted(ctx: Any, samples: list[Sample]) -> None:
+    """Close the env of every suspended ABORTED episode of `samples` that will not be resumed."""
+    for sample in samples:
+        if sample.status is not Status.ABORTED:
+            continue
+        state = ctx.suspended.pop((sample.group_index, sample.index), None)
+        if state is None:
+            continue
         try:
-            state.env.close()
+            closing = state.env.close()
+            if asyncio.iscoroutine(closing):
+                await closing
         except Exception as e:  # best effort, but said
-            logger.warning("%s: env.close() raised %s", sample.name, e)
+            logger.warning("%s: env.close() raised %s: %s", sample.name, type(e).__name__, e)
 
 
 def _mask_existing_response(sample: Sample) -> None:
-    """Zero the loss mask of tokens sampled by older weights (they are off-policy after the update)."""
+    """Zero the loss mask of tokens sampled by older weights (they are off-policy after the update).
+
+    The positions of the model tokens masked here are kept in `metadata["offpolicy_masked_runs"]`
+    (`[[start, length], ...]` into the response, accumulated over resumptions), so debug dumps and metrics can
+    still tell model turns from observations.
+    """
     n = sample.response_length
+    runs = [list(r) for r in sample.metadata.get("offpolicy_masked_runs", [])]
+    start = None
+    for i, m in enumerate(sample.loss_mask[:n] + [0]):
+        if m == 1 and start is None:
+            start = i
+        elif m != 1 and start is not None:
+            runs.append([start, i - start])
+            start = None
+    sample.metadata["offpolicy_masked_runs"] = sorted(runs)
     sample.loss_mask[:n] = [0] * n
     sample.rollout_log_probs[:n] = [0.0] * n
     sample.metadata["offpolicy_masked_tokens"] = n

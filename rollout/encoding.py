@@ -188,11 +188,12 @@ class ChatEncoder:
     ) -> str:
         """Render the whole episode in one go: prompt, then per turn the model's text and its observation."""
         messages = list(prompt)
-        end_ids = set(self.vision.eos_ids)
         last_obs = True
         for model_ids, observation in turns:
             ids = list(model_ids)
-            if ids and ids[-1] in end_ids:
+            # Only <|im_end|> is the template's own turn end; another stop token (e.g. <|endoftext|>) the model
+            # sampled stays part of the turn's text, and the delta encoding closed the turn after it.
+            if ids and ids[-1] == self.vision.im_end:
                 ids = ids[:-1]
             messages.append({"role": "assistant", "content": self.tokenizer.decode(ids, skip_special_tokens=False)})
             last_obs = bool(observation)

@@ -42,6 +42,8 @@ GENERATE_KEYS = frozenset({
     "stream", "log_metrics", "modalities", "session_params", "session_id", "routing_key", "priority",
     "lora_path", "lora_id", "return_hidden_states", "return_routed_experts", "custom_logit_processor",
     "data_parallel_rank", "bootstrap_host", "bootstrap_port", "bootstrap_room",
+    # sgl-router 0.3.2 adds these to every body it forwards; SGLang accepts them.
+    "model", "background", "no_logs", "return_bytes", "return_entropy",
 })
 SAMPLING_KEYS = frozenset({
     "max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",

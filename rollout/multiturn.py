@@ -87,7 +87,6 @@ class EpisodeState:
     mm_chunks: list[dict[str, np.ndarray]] = field(default_factory=list)
     model_turns: list[list[int]] = field(default_factory=list)
     observations: list[list[dict[str, Any]] | None] = field(default_factory=list)
-    model_texts: list[str] = field(default_factory=list)
     routing_key: str = field(default_factory=lambda: uuid.uuid4().hex)
     # wire_ids index where the current (possibly resumed) model turn started: a resumed turn keeps growing it.
     open_turn: bool = False
@@ -170,6 +169,11 @@ async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any] | 
         else:
             await _finalize(ctx, args, sample, state)
     return sample
+
+
+def model_turn_text(tokenizer: Any, model_ids: list[int]) -> str:
+    """The model's own text of one turn, as the env and the reward see it (special tokens dropped)."""
+    return tokenizer.decode(model_ids, skip_special_tokens=True)
 
 
 def _fail(sample: Sample, message: str, cause: str, detail: str | None = None) -> None:
@@ -278,6 +282,8 @@ async def _run_turns(ctx: RolloutContext, args: Any, sample: Sample, state: Epis
         if status is Status.ABORTED:
             state.open_turn = True
             record.truncation_cause = "engine_abort"
+            record.error = f"engine abort: {result.finish_message}" if result.finish_message else "engine abort"
+            sample.metadata["abort_message"] = result.finish_message
             sample.turns.append(record)
             sample.set_status(Status.ABORTED)
             sample.metadata["termination"] = "abort"
@@ -288,8 +294,7 @@ async def _run_turns(ctx: RolloutContext, args: Any, sample: Sample, state: Epis
             return
 
         model_ids = state.model_turns[-1]
-        text = tokenizer.decode([t for t in model_ids if t not in vision.eos_ids], skip_special_tokens=True)
-        state.model_texts.append(text)
+        text = model_turn_text(tokenizer, model_ids)
 
         t_env = time.perf_counter()
         outcome = await _step_with_retries(args, state.env, text, record, sample)
@@ -313,7 +318,7 @@ async def _run_turns(ctx: RolloutContext, args: Any, sample: Sample, state: Epis
             return
 
         message = state.env.format_observation(observation)
-        seg = ctx.encoder.encode_observation([message], model_ended_turn=bool(model_ids) and model_ids[-1] in vision.eos_ids)
+        seg = ctx.encoder.encode_observation([message], model_ended_turn=bool(model_ids) and model_ids[-1] == vision.im_end)
         budget, binding = _turn_budget(args, sample)
         if len(seg.train_ids) >= budget:
             # The observation plus at least one generated token must fit; otherwise nothing could answer it.
@@ -380,14 +385,15 @@ async def _finalize(ctx: RolloutContext, args: Any, sample: Sample, state: Episo
         sample.multimodal_train_inputs = merge_multimodal_chunks(state.mm_chunks, sample.name)
         response_ids = sample.tokens[sample.prompt_length :]
         sample.response = ctx.encoder.tokenizer.decode(response_ids, skip_special_tokens=False)
-        sample.metadata["model_text"] = state.model_texts
+        model_texts = [model_turn_text(ctx.encoder.tokenizer, ids) for ids in state.model_turns]
+        sample.metadata["model_text"] = model_texts
         if sample.status is not Status.FAILED:
             rendered = ctx.encoder.rerender_conversation(
                 sample.prompt, list(zip(state.model_turns, state.observations)), tools=sample.metadata.get("tools")
             )
             mode = str(getattr(args, "delta_check", "strict"))
             sample.metadata["prefix_stable"] = check_prefix_stability(ctx.encoder, state.wire_ids, rendered, mode, sample.name)
-            await _assign_reward(ctx, sample, state)
+            await _assign_reward(ctx, sample, state, model_texts)
     except Exception as e:  # a finalize failure marks the sample, it does not kill the rollout
         _fail(sample, f"finalize: {type(e).__name__}: {e}", "finalize_error")
     finally:
@@ -398,7 +404,7 @@ async def _finalize(ctx: RolloutContext, args: Any, sample: Sample, state: Episo
             sample.metadata.setdefault("errors", []).append(f"env.close: {type(e).__name__}: {e}")
 
 
-async def _assign_reward(ctx: RolloutContext, sample: Sample, state: EpisodeState) -> None:
+async def _assign_reward(ctx: RolloutContext, sample: Sample, state: EpisodeState, model_texts: list[str]) -> None:
     """Reward from the env's verdict, else the module's reward_fn on the model's own text only."""
     verdict = await _maybe_await(state.env.verdict()) if hasattr(state.env, "verdict") else None
     if verdict is not None:
@@ -407,6 +413,6 @@ async def _assign_reward(ctx: RolloutContext, sample: Sample, state: EpisodeStat
         return
     if ctx.reward_fn is None:
         raise EpisodeError(f"{sample.name}: the env gave no verdict and its module has no reward_fn")
-    model_text = "\n".join(state.model_texts)
+    model_text = "\n".join(model_texts)
     sample.reward = float(await asyncio.to_thread(ctx.reward_fn, model_text, sample.label))
     sample.metadata["reward_source"] = "reward_fn"

@@ -320,3 +320,24 @@ def test_budget_property(encoder, make_test_image, reply_lens, obs_words, budget
     lp = np.array(s.rollout_log_probs)
     mask = np.array(s.loss_mask)
     assert np.all(lp[mask == 1] < 0) and np.all(lp[mask == 0] == 0)
+
+
+async def test_truncated_turn_text_still_reaches_the_reward(encoder, make_test_image):
+    # The only turn is cut by `length`: the env never steps, so the reward_fn grades the partial text.
+    env = ScriptedEnv([], make_test_image, verdict_value=None)
+    reply = Tokens(output_ids=tuple(encoder.tokenize("so the answer is 7 and")))
+    s, _ = await _run(encoder, env, _prompt_sample(make_test_image, with_image=False), generate_fn=lambda b: reply)
+    assert s.status is Status.TRUNCATED and s.reward == 1.0 and s.metadata["model_text"] == ["so the answer is 7 and"]
+
+
+async def test_model_stopping_with_endoftext_stays_on_template(encoder, tiny_tokenizer, make_test_image):
+    endoftext = tiny_tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    assert endoftext in encoder.vision.eos_ids and endoftext != encoder.vision.im_end
+    reply = Tokens(output_ids=tuple(encoder.tokenize("first try") + [endoftext]))
+    env = ScriptedEnv([("obs", "again", 0), ("done",)], make_test_image)
+    s, _ = await _run(encoder, env, _prompt_sample(make_test_image, with_image=False), generate_fn=lambda b: reply)
+    assert s.status is Status.COMPLETED and s.metadata["prefix_stable"] is True
+    # The sampled <|endoftext|> is kept (mask 1) and the delta closes the turn with <|im_end|> (mask 0).
+    k = s.tokens.index(endoftext)
+    assert s.tokens[k + 1] == encoder.vision.im_end
+    assert s.loss_mask[k - s.prompt_length] == 1 and s.loss_mask[k + 1 - s.prompt_length] == 0
