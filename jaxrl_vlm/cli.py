@@ -7,6 +7,7 @@ answers in well under a second.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from jaxrl_vlm.config import ConfigError, describe_options, load_config
@@ -22,6 +23,34 @@ def _cmd_config(ns: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
+def _cmd_train(ns: argparse.Namespace, rest: list[str]) -> int:
+    config_path, overrides = split_config_argv(rest)
+    cfg = load_config(config_path, overrides)
+    from jaxrl_vlm.rl.trainer import train
+
+    train(cfg)
+    print(f"run finished: metrics, plots, checkpoints and final_model under {cfg.train.output_dir}")
+    return 0
+
+
+def _cmd_rollout(ns: argparse.Namespace, rest: list[str]) -> int:
+    config_path, overrides = split_config_argv(rest)
+    cfg = load_config(config_path, overrides)
+    import asyncio
+
+    from jaxrl_vlm.rl.trainer import run_one_rollout
+
+    result = asyncio.run(run_one_rollout(cfg, ns.dump))
+    kept = len(result.samples)
+    print(f"rollout: {len(result.groups)} groups, {kept} samples kept, dropped {dict(result.dropped)}")
+    if ns.dump:
+        from rollout.dump import validate_dump
+
+        validate_dump(ns.dump)
+        print(f"dump written and validated: {ns.dump}")
+    return 0
+
+
 def _cmd_make_dataset(ns: argparse.Namespace, rest: list[str]) -> int:
     if rest:
         raise ConfigError(f"make-dataset: unexpected arguments {rest}")
@@ -29,6 +58,65 @@ def _cmd_make_dataset(ns: argparse.Namespace, rest: list[str]) -> int:
 
     path = make_dataset(ns.out, num_rows=ns.num_rows, seed=ns.seed, image_size=ns.image_size)
     print(f"wrote {ns.num_rows} synthetic geo3k rows to {path}")
+    return 0
+
+
+def _cmd_make_tiny(ns: argparse.Namespace, rest: list[str]) -> int:
+    if rest:
+        raise ConfigError(f"make-tiny: unexpected arguments {rest}")
+    from jaxrl_vlm.tiny import make_tiny, summarize
+
+    try:
+        out = make_tiny(ns.out, seed=ns.seed, vocab_size=ns.vocab_size, init=ns.init, dtype=ns.dtype)
+    except ValueError as e:
+        raise ConfigError(f"make-tiny: {e}") from e
+    print(summarize(out))
+    return 0
+
+
+def _cmd_dump_shardings(ns: argparse.Namespace, rest: list[str]) -> int:
+    """Parameter and input shardings of each layout as JSON (the goldens under tests/goldens/sharding/)."""
+    if rest:
+        raise ConfigError(f"dump-shardings: unexpected arguments {rest}")
+    if ns.out and len(ns.mesh_config) != 1:
+        raise ConfigError("dump-shardings: --out takes one --mesh-config; use --out-dir for several")
+    from pathlib import Path
+
+    from jaxrl_vlm.sharding import dump_shardings, format_dump
+
+    if ns.hf_checkpoint:
+        from jaxrl_vlm.models.hf_io import load_hf_config
+
+        model_cfg = load_hf_config(ns.hf_checkpoint)
+    else:
+        from jaxrl_vlm.tiny import tiny_model_config
+
+        model_cfg = tiny_model_config(ns.vocab_size)
+    for mesh_path in ns.mesh_config:
+        mesh_cfg = load_config(None, ["--mesh-config", mesh_path]).mesh
+        text = format_dump(dump_shardings(model_cfg, mesh_cfg, ns.num_devices))
+        target = Path(ns.out) if ns.out else Path(ns.out_dir) / f"{Path(mesh_path).stem}.json" if ns.out_dir else None
+        if target is None:
+            print(text, end="")
+        else:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(text)
+            print(f"wrote {target}", file=sys.stderr)
+    return 0
+
+
+def _cmd_serve(ns: argparse.Namespace, rest: list[str]) -> int:
+    """The embedded JAX engine behind SGLang's native HTTP API, in the foreground."""
+    if rest:
+        raise ConfigError(f"serve: unexpected arguments {rest}")
+    from jaxrl_vlm.engine import EngineConfig, serve
+
+    try:
+        config = EngineConfig(max_batch=ns.max_batch, max_seq_len=ns.max_seq_len, param_dtype=ns.dtype,
+                              compute_dtype=ns.dtype, seed=ns.seed)
+    except ValueError as e:
+        raise ConfigError(f"serve: {e}") from e
+    serve(ns.model, host=ns.host, port=ns.port, config=config, weight_version=ns.weight_version)
     return 0
 
 
@@ -53,16 +141,61 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--help-options", action="store_true", help="List every option with its flag, default and meaning.")
     p.set_defaults(func=_cmd_config)
 
+    p = sub.add_parser("train", help="Run the main RL job: rollout -> train -> weight sync, for --num-rollout steps.")
+    p.usage = "jaxrl-vlm train CONFIG.yaml [--flag value ...]"
+    p.set_defaults(func=_cmd_train)
+
+    p = sub.add_parser("rollout", help="Run one rollout step with the current weights (for debugging an environment).")
+    p.usage = "jaxrl-vlm rollout CONFIG.yaml [--flag value ...] [--dump FILE.jsonl]"
+    p.add_argument("--dump", default=None, help="Write every sample with per-turn decoded text to this JSONL file.")
+    p.set_defaults(func=_cmd_rollout)
+
     p = sub.add_parser("make-dataset", help="Write a synthetic Geometry3K-style parquet dataset with real diagrams.")
     p.add_argument("out", help="Output .parquet path.")
     p.add_argument("--num-rows", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--image-size", type=int, default=224)
     p.set_defaults(func=_cmd_make_dataset)
+
+    p = sub.add_parser("make-tiny", help="Write a tiny random Qwen3-VL checkpoint (our init + exporter) with tokenizer/processor.")
+    p.add_argument("out", help="Output directory (a valid --hf-checkpoint / --model-path afterwards).")
+    p.add_argument("--seed", type=int, default=0, help="Seed of the weight init.")
+    p.add_argument("--vocab-size", type=int, default=1024, help="Tokenizer and embedding size.")
+    p.add_argument("--init", choices=("scaled", "hf"), default="scaled", help="Fan-in scaled init, or HF's std 0.02.")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="Dtype of the safetensors.")
+    p.set_defaults(func=_cmd_make_tiny)
+
+    p = sub.add_parser("dump-shardings", help="Print/write each mesh layout's parameter and input shardings as JSON.")
+    p.usage = (
+        "jaxrl-vlm dump-shardings --mesh-config configs/mesh/fsdp.yaml [--out FILE | --out-dir DIR] "
+        "[--num-devices 8] [--hf-checkpoint DIR]"
+    )
+    p.add_argument("--mesh-config", action="append", required=True, help="Mesh layout YAML (repeatable).")
+    p.add_argument("--out", default=None, help="Write the JSON here (one layout).")
+    p.add_argument("--out-dir", default=None, help="Write <layout stem>.json here for each layout.")
+    p.add_argument("--num-devices", type=int, default=8, help="Devices of the (abstract) mesh.")
+    p.add_argument("--hf-checkpoint", default=None, help="Model config to lay out (default: the make-tiny model).")
+    p.add_argument("--vocab-size", type=int, default=1024, help="Vocabulary of the default tiny model.")
+    p.set_defaults(func=_cmd_dump_shardings)
+
+    p = sub.add_parser("serve", help="Serve a Qwen3-VL checkpoint with the embedded JAX engine (SGLang's native HTTP API).")
+    p.add_argument("--model", required=True, help="HF Qwen3-VL directory (safetensors, config, tokenizer, processor).")
+    p.add_argument("--host", default="127.0.0.1", help="Bind address (loopback by default).")
+    p.add_argument("--port", type=int, default=30000, help="Port (0 picks a free one).")
+    p.add_argument("--max-batch", type=int, default=32, help="KV-cache slots: requests decoded together.")
+    p.add_argument("--max-seq-len", type=int, default=4096, help="Tokens per slot: prompt (pads expanded) + output.")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="Parameter and compute dtype.")
+    p.add_argument("--seed", type=int, default=0, help="Seeds requests that carry no sampling_seed.")
+    p.add_argument("--weight-version", default="default", help="Initial weight_version reported by the server.")
+    p.set_defaults(func=_cmd_serve)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Our own progress messages at INFO; libraries (absl, orbax, jax) stay at WARNING.
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    for name in ("jaxrl_vlm", "rollout", "envs"):
+        logging.getLogger(name).setLevel(logging.INFO)
     parser = build_parser()
     ns, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     try:

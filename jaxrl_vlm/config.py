@@ -58,6 +58,7 @@ class ModelConfig:
     remat: str = opt("none", "Rematerialisation per decoder layer.", choices=("none", "full", "dots_saveable"))
     attention_impl: str = opt("xla", "Attention implementation.", choices=("xla",))
     logprob_chunk_size: int = opt(512, "Sequence chunk for log-prob computation (bounds fp32 vocab logits memory).")
+    make_tiny: bool = opt(False, "Create a tiny random Qwen3-VL at --hf-checkpoint if it has no config.json (CPU demo runs).")
 
 
 @dataclass
@@ -69,8 +70,10 @@ class DataConfig:
     on_bad_row: str = opt("error", "What to do with a malformed row: raise, or skip and count it.", choices=("error", "skip"))
     rollout_shuffle: bool = opt(True, "Shuffle prompts each epoch (deterministic by --seed).")
     system_prompt: str | None = opt(None, "System prompt prepended to every conversation (None: the task's default).")
+    prompt_style: str = opt("geo3k", "Task prompt: geo3k's tool-call instructions and tool schema, or the bare problem.", choices=("geo3k", "plain"))
     synthetic_rows: int = opt(256, "Rows of synthetic geo3k to generate when --prompt-data is missing and --make-data is on.")
     make_data: bool = opt(False, "Generate a synthetic geo3k dataset at --prompt-data if the file does not exist.")
+    synthetic_image_size: int = opt(224, "Side in pixels of generated synthetic diagrams.")
 
 
 @dataclass
@@ -162,16 +165,19 @@ class BatchingConfig:
 class EngineConfig:
     engine_url: str | None = opt(None, "URL of an SGLang server or router (None: start the embedded JAX engine).")
     engine_worker_urls: list[str] = opt([], "Worker URLs behind a router: control calls go to each directly.")
-    launch_sglang: bool = opt(False, "Spawn `python -m sglang.launch_server` from --sglang-python.")
+    launch_sglang: bool = opt(False, "Spawn `python -m sglang.launch_server` from --sglang-python (its own venv) and stop it at the end.")
     sglang_python: str | None = opt(None, "Interpreter of the separate SGLang venv.")
     sglang_args: list[str] = opt([], "Extra arguments for sglang.launch_server.")
     engine_host: str = opt("127.0.0.1", "Bind address of the embedded engine.")
     engine_port: int = opt(0, "Port of the embedded engine (0: a free port).")
     engine_max_batch: int = opt(32, "Decode slots of the embedded engine.")
+    engine_max_seq_len: int = opt(4096, "Tokens per decode slot of the embedded engine (prompt with expanded pads + response).")
     engine_request_timeout: float = opt(300.0, "Seconds per /generate request.")
+    engine_start_timeout: float = opt(900.0, "Seconds to wait for the engine (embedded, launched or external) to become healthy.")
     engine_max_retries: int = opt(3, "Retries of a /generate request on connection errors and 5xx.")
     weight_sync_dir: str | None = opt(None, "Directory for versioned weight exports (a RAM disk is best; None: under output_dir).")
     disable_weight_sync: bool = opt(False, "Do not push new weights to the engine (for ablations only).")
+    weight_sync_dtype: str | None = opt(None, "Dtype of exported weights (None: bfloat16 for --engine-url, the param dtype for the embedded engine).", choices=(None, "float32", "bfloat16"))
 
 
 @dataclass

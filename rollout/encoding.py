@@ -88,6 +88,7 @@ class ChatEncoder:
         self.vision = vision or VisionTokens.from_tokenizer(tokenizer)
         self.merge_size = int(getattr(image_processor, "merge_size", 2))
         self._separator_cache: str | None = None
+        self._base_render_cache: str | None = None
 
     # ---------------------------------------------------------------- rendering
     def render(self, messages: Sequence[dict[str, Any]], *, tools: list[dict] | None = None, add_generation_prompt: bool) -> str:
@@ -166,7 +167,9 @@ class ChatEncoder:
         `model_ended_turn`: whether the model's last token was `<|im_end|>`. If it stopped otherwise (a stop
         string or another stop id), the delta first closes the assistant turn, so the sequence stays on-template.
         """
-        prefix = self.render(_BASE_CONVERSATION, add_generation_prompt=False)
+        if self._base_render_cache is None:
+            self._base_render_cache = self.render(_BASE_CONVERSATION, add_generation_prompt=False)
+        prefix = self._base_render_cache
         full = self.render([*_BASE_CONVERSATION, *messages], add_generation_prompt=True)
         if not full.startswith(prefix):
             raise DeltaEncodingError(

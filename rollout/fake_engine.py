@@ -30,27 +30,14 @@ from typing import Any
 
 from aiohttp import web
 
+from rollout.sglang_wire import GENERATE_KEYS, SAMPLING_KEYS, loads_response
+
 DEFAULT_EOS_TOKEN_ID = 151645  # Qwen's <|im_end|>
 DEFAULT_IMAGE_TOKEN_ID = 151655  # Qwen-VL's <|image_pad|>
 FAKE_SGLANG_VERSION = "0.5.23"
 
-# GenerateReqInput / SamplingParams fields (sglang io_struct.py, sampling_params.py). The fake rejects
-# anything else with a 400 so that a typo in our client is caught by tests, not silently ignored.
-GENERATE_KEYS = frozenset({
-    "text", "input_ids", "input_embeds", "image_data", "video_data", "audio_data", "sampling_params", "rid",
-    "return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob", "return_text_in_logprobs",
-    "stream", "log_metrics", "modalities", "session_params", "session_id", "routing_key", "priority",
-    "lora_path", "lora_id", "return_hidden_states", "return_routed_experts", "custom_logit_processor",
-    "data_parallel_rank", "bootstrap_host", "bootstrap_port", "bootstrap_room",
-    # sgl-router 0.3.2 adds these to every body it forwards; SGLang accepts them.
-    "model", "background", "no_logs", "return_bytes", "return_entropy",
-})
-SAMPLING_KEYS = frozenset({
-    "max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
-    "presence_penalty", "repetition_penalty", "stop", "stop_token_ids", "stop_regex", "ignore_eos",
-    "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "n", "sampling_seed",
-    "custom_params", "logit_bias", "json_schema", "regex", "ebnf", "structural_tag", "stream_interval",
-})
+# The fake rejects fields outside rollout.sglang_wire's GENERATE_KEYS / SAMPLING_KEYS with a 400, so that a
+# typo in our client is caught by tests, not silently ignored.
 PAUSE_MODES = ("abort", "retract", "in_place")
 
 
@@ -595,24 +582,10 @@ class FakeSGLangServer:
     async def _loads(self, request: web.Request) -> web.Response:
         waiting = sum(1 for job in self._in_flight if job.waiting)
         running = len(self._in_flight) - waiting
-        return web.json_response({
-            "timestamp": time.time(),
-            "version": FAKE_SGLANG_VERSION,
-            "dp_rank_count": 1,
-            "loads": [{
-                "dp_rank": 0,
-                "num_running_reqs": running,
-                "num_waiting_reqs": waiting,
-                "num_total_reqs": running + waiting,
-                "num_used_tokens": 0,
-                "max_total_num_tokens": 1 << 20,
-                "token_usage": 0.0,
-                "gen_throughput": 0.0,
-                "cache_hit_rate": 0.0,
-                "utilization": 0.0,
-                "max_running_requests": self.max_running_requests,
-            }],
-        })
+        return web.json_response(loads_response(
+            version=FAKE_SGLANG_VERSION, running=running, waiting=waiting, used_tokens=0,
+            max_total_tokens=1 << 20, max_running_requests=self.max_running_requests,
+        ))
 
 
 def _respond(action: Respond) -> web.Response:

@@ -22,8 +22,10 @@ None of these raise: one bad episode never kills a rollout. `env.close()` always
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import inspect
 import logging
+import math
 import time
 import traceback
 import uuid
@@ -171,19 +173,27 @@ async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any] | 
     return sample
 
 
+def turn_seed(rollout_seed: int, sample: Sample, turn: int, request_index: int) -> int:
+    """Per-request sampling seed from (run seed, group, sample, turn): a resumed run samples exactly what an
+    uninterrupted one would, independent of request order or concurrency (group indices are global)."""
+    key = f"{rollout_seed}:{sample.group_index}:{sample.index}:{turn}:{request_index}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=4).digest(), "little") & 0x7FFFFFFF
+
+
 def model_turn_text(tokenizer: Any, model_ids: list[int]) -> str:
     """The model's own text of one turn, as the env and the reward see it (special tokens dropped)."""
     return tokenizer.decode(model_ids, skip_special_tokens=True)
 
 
 def _fail(sample: Sample, message: str, cause: str, detail: str | None = None) -> None:
-    if sample.status not in (Status.PENDING,):
-        # Already terminal (e.g. failure during finalize): keep the first cause, add this one.
+    """Mark the episode FAILED whatever it had reached (a failure in finalize overrides COMPLETED too).
+
+    The first error is kept in `error`/`termination`; later ones are appended to `errors`.
+    """
+    sample.status = Status.FAILED
+    if "error" in sample.metadata:
         sample.metadata.setdefault("errors", []).append(message)
-        if sample.status is not Status.FAILED and sample.status is not Status.COMPLETED:
-            sample.status = Status.FAILED
         return
-    sample.set_status(Status.FAILED)
     sample.metadata["error"] = message
     sample.metadata["termination"] = cause
     if detail:
@@ -233,15 +243,17 @@ async def _run_turns(ctx: RolloutContext, args: Any, sample: Sample, state: Epis
             _truncate(sample, record, binding, state)
             return
 
-        if ctx.aborting:
-            sample.turns.append(record)
-            record.truncation_cause = "rollout_abort"
-            sample.set_status(Status.ABORTED)
-            sample.metadata["termination"] = "abort"
-            return
         params = {**base_params, "max_new_tokens": max_new}
+        if "sampling_seed" not in base_params and getattr(args, "rollout_seed", None) is not None:
+            params["sampling_seed"] = turn_seed(int(args.rollout_seed), sample, turn, len(sample.turns))
         t0 = time.perf_counter()
         async with ctx.generate_slots:
+            if ctx.aborting:  # checked after the wait for a slot: the driver may have aborted meanwhile
+                record.truncation_cause = "rollout_abort"
+                sample.turns.append(record)
+                sample.set_status(Status.ABORTED)
+                sample.metadata["termination"] = "abort"
+                return
             try:
                 result = await ctx.client.generate(
                     state.wire_ids,
@@ -408,11 +420,14 @@ async def _assign_reward(ctx: RolloutContext, sample: Sample, state: EpisodeStat
     """Reward from the env's verdict, else the module's reward_fn on the model's own text only."""
     verdict = await _maybe_await(state.env.verdict()) if hasattr(state.env, "verdict") else None
     if verdict is not None:
-        sample.reward = float(verdict)
-        sample.metadata["reward_source"] = "env_verdict"
-        return
-    if ctx.reward_fn is None:
+        reward, source = float(verdict), "env_verdict"
+    elif ctx.reward_fn is None:
         raise EpisodeError(f"{sample.name}: the env gave no verdict and its module has no reward_fn")
-    model_text = "\n".join(model_texts)
-    sample.reward = float(await asyncio.to_thread(ctx.reward_fn, model_text, sample.label))
-    sample.metadata["reward_source"] = "reward_fn"
+    else:
+        model_text = "\n".join(model_texts)
+        reward, source = float(await asyncio.to_thread(ctx.reward_fn, model_text, sample.label)), "reward_fn"
+    if not math.isfinite(reward):
+        # One NaN reward would turn its whole group's advantages (and the loss) into NaN.
+        raise EpisodeError(f"{sample.name}: {source} returned a non-finite reward {reward!r}")
+    sample.reward = reward
+    sample.metadata["reward_source"] = source

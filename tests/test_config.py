@@ -212,3 +212,25 @@ def test_cli_config_dump_and_error_exit_code(tmp_path):
     )
     assert bad.returncode == 2
     assert "--rollout-batch-size" in bad.stderr
+
+
+def test_every_shipped_run_config_resolves():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    runs = [p for p in sorted((root / "configs").glob("*.yaml")) if "multiturn" not in p.name and "example" not in p.name]
+    assert runs, "no run configs shipped"
+    import os
+
+    cwd = os.getcwd()
+    os.chdir(root)  # configs name their custom config relative to the repository root
+    try:
+        for path in runs:
+            cfg = load_config(str(path))
+            assert cfg.multiturn.max_turns >= 1, path
+    finally:
+        os.chdir(cwd)
+    two_b = load_config(str(root / "configs/geo3k_qwen3vl_2b.yaml"), ["--custom-config-path", str(root / "configs/geo3k_multiturn.yaml")])
+    # The seed's run: GRPO, max_turns 3, 4096-token budget, n=8, lr 1e-6, eps 0.2/0.28.
+    assert (two_b.multiturn.max_turns, two_b.rollout.rollout_max_response_len, two_b.rollout.n_samples_per_prompt) == (3, 4096, 8)
+    assert (two_b.optim.lr, two_b.algo.eps_clip, two_b.algo.eps_clip_high, two_b.algo.advantage_estimator) == (1e-6, 0.2, 0.28, "grpo")

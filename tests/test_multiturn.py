@@ -341,3 +341,10 @@ async def test_model_stopping_with_endoftext_stays_on_template(encoder, tiny_tok
     k = s.tokens.index(endoftext)
     assert s.tokens[k + 1] == encoder.vision.im_end
     assert s.loss_mask[k - s.prompt_length] == 1 and s.loss_mask[k + 1 - s.prompt_length] == 0
+
+
+async def test_nonfinite_reward_fails_the_episode(encoder, make_test_image):
+    env = ScriptedEnv([("done",)], make_test_image, verdict_value=float("nan"))
+    s, _ = await _run(encoder, env, _prompt_sample(make_test_image, with_image=False))
+    assert s.status is Status.FAILED and s.metadata["termination"] == "finalize_error"
+    assert "non-finite reward nan" in s.metadata["error"] and s.reward is None and env.closed == 1

@@ -171,7 +171,7 @@ def _heads_out(key: str, n: int, h: int, d: int, path: Path_) -> _Link:
     )
 
 
-def _links(cfg: Qwen3VLConfig) -> list[_Link]:
+def weight_links(cfg: Qwen3VLConfig) -> list[_Link]:
     """Every HF tensor of `Qwen3VLForConditionalGeneration` and where it lives in our model."""
     t, v = cfg.text, cfg.vision
     d, n, kv, h, f = t.hidden_size, t.num_attention_heads, t.num_key_value_heads, t.head_dim, t.intermediate_size
@@ -286,7 +286,7 @@ def param_count(cfg: Qwen3VLConfig) -> int:
     return int(sum(int(np.prod(var.get_value().shape)) for _, var in nnx.to_flat_state(state)))
 
 
-def _check_keys(reader: SafetensorsReader, links: list[_Link], cfg: Qwen3VLConfig) -> None:
+def check_checkpoint_keys(reader: SafetensorsReader, links: list[_Link], cfg: Qwen3VLConfig) -> None:
     present = set(reader.keys())
     expected = {link.hf_key: link.hf_shape for link in links}
     tolerated = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
@@ -329,8 +329,8 @@ def from_hf(
     """
     cfg = load_hf_config(path)
     reader = SafetensorsReader(path)
-    links = _links(cfg)
-    _check_keys(reader, links, cfg)
+    links = weight_links(cfg)
+    check_checkpoint_keys(reader, links, cfg)
     abstract = abstract_model(cfg, param_dtype=param_dtype, **model_kwargs)
     graphdef, state = nnx.split(abstract)
     variables = dict(nnx.to_flat_state(state))
@@ -429,7 +429,7 @@ def to_hf(
     if np_dtype not in _ST_NAMES:
         raise ValueError(f"cannot export dtype {np_dtype}; use one of {sorted(_ST_NAMES.values(), key=str)}")
     params = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
-    links = _links(cfg)
+    links = weight_links(cfg)
 
     def fetch(link: _Link) -> np.ndarray:
         parts = [np.asarray(jax.device_get(params[p].get_value())) for p in link.ours]

@@ -1,0 +1,483 @@
+"""Continuous batching: one thread that admits, prefills, decodes and finishes requests.
+
+Every loop iteration (1) applies queued messages (new requests, aborts, control calls), (2) runs a
+pending weight update once nothing is decoding, (3) admits waiting requests into free KV slots
+(one prefill each, which samples their first token) and (4) runs ONE decode step for every active
+slot. Requests therefore join and leave between decode steps. Free slots are handed out lowest
+first, so the decode batch bucket stays as small as the live requests allow.
+
+Stop rules follow SGLang's `Req.check_finished`, in its order: abort, then `max_new_tokens`
+(length), then stop token ids / EOS ids (unless `ignore_eos`), then stop strings on the detokenized
+tail of the output.
+
+All methods except the `submit` / `abort` / `call` / `stop` entry points run on the scheduler
+thread; results leave through each request's `on_finish(GenerateOutput)` callback.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import os
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from jaxrl_vlm.engine.protocol import GenerateOutput, GenerateRequest
+from jaxrl_vlm.engine.runner import FLOAT_ROWS, INT_ROWS, ModelRunner
+
+logger = logging.getLogger(__name__)
+
+PAUSE_MODES = ("abort", "retract", "in_place")
+_I = {name: i for i, name in enumerate(INT_ROWS)}
+_F = {name: i for i, name in enumerate(FLOAT_ROWS)}
+
+
+@dataclass(eq=False)
+class ActiveRequest:
+    """A request while the engine holds it."""
+
+    request: GenerateRequest
+    on_finish: Callable[[GenerateOutput], None]
+    seed: int
+    arrival: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    slot: int | None = None
+    num_retractions: int = 0
+    stop_ids: frozenset[int] = frozenset()
+    max_new_tokens: int = 0
+    stop_window: int = 0  # output tokens decoded to look for stop strings
+
+    @property
+    def rid(self) -> str:
+        return self.request.rid
+
+
+@dataclass
+class EngineStats:
+    """Counters for tests and benchmarks (not timing): a batched engine has far fewer decode
+    steps than generated tokens."""
+
+    prefills: int = 0
+    decode_steps: int = 0
+    decode_rows: int = 0  # sum over decode steps of the number of active requests
+    max_decode_rows: int = 0
+    generated_tokens: int = 0
+    finished: int = 0
+    aborted: int = 0
+    weight_updates: int = 0
+
+
+@dataclass
+class _WeightUpdate:
+    model_path: str
+    weight_version: str | None
+    abort_all: bool
+    reply: Callable[[dict[str, Any]], None]
+
+
+class Scheduler:
+    """Owns the request queues and the slot table; drives a `ModelRunner` from its own thread."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        tokenizer: Any,
+        eos_ids: Sequence[int],
+        *,
+        weight_version: str = "default",
+    ):
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.eos_ids = frozenset(int(t) for t in eos_ids)
+        self.weight_version = weight_version
+        self.max_batch = runner.config.max_batch
+        self.max_seq_len = runner.config.max_seq_len
+        self.stats = EngineStats()
+        self._rng = np.random.default_rng(runner.config.seed)
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._waiting: deque[ActiveRequest] = deque()
+        self._held: deque[ActiveRequest] = deque()  # arrived while paused; not yet the scheduler's
+        self._running: dict[int, ActiveRequest] = {}
+        self._free: list[int] = list(range(self.max_batch))
+        heapq.heapify(self._free)
+        self._paused: str | None = None
+        self._updates: deque[_WeightUpdate] = deque()
+        self._ints = np.zeros((len(INT_ROWS), self.max_batch), np.int32)
+        self._floats = np.zeros((len(FLOAT_ROWS), self.max_batch), np.float32)
+        self._filtered = np.zeros((self.max_batch,), bool)
+        self._stop = False
+        self._closed = False
+        self.last_progress = time.monotonic()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="jaxrl-vlm-engine-scheduler", daemon=True)
+
+    # ------------------------------------------------------------------ thread-safe entry points
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Answer everything still held with `abort`, then end the thread (idempotent)."""
+        self._closed = True
+        if not self._thread.is_alive():
+            return
+        self._inbox.put(("stop", None))
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise RuntimeError(f"engine scheduler did not stop within {timeout_s} s")
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def submit(self, request: GenerateRequest, on_finish: Callable[[GenerateOutput], None]) -> None:
+        """Queue a request; `on_finish` is called once, from the scheduler thread."""
+        if self._closed or not self.alive:
+            reason = _abort_reason("The server is shutting down" if self._closed else "engine scheduler is not running")
+            on_finish(GenerateOutput(request.rid, [], [], reason, request.prompt.num_tokens, self.weight_version, 0.0))
+            return
+        self._inbox.put(("generate", (request, on_finish)))
+
+    def abort(self, rid: str | None, message: str = "Abort by /abort_request") -> None:
+        """Abort the request(s) with this rid, or every request when rid is None."""
+        self._inbox.put(("abort", (rid, message)))
+
+    def call(self, name: str, reply: Callable[[Any], None], *args: Any) -> None:
+        """Run control operation `name` ("pause", "continue", "flush", "loads", "update_weights")
+        on the scheduler thread between two steps; `reply(result)` receives its answer."""
+        if name not in ("pause", "continue", "flush", "loads", "update_weights"):
+            raise ValueError(f"unknown control operation {name!r}")
+        self._inbox.put((name, (reply, args)))
+
+    # ------------------------------------------------------------------ loop
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop:
+                self._drain_inbox(block=not self._has_work())
+                if self._stop:
+                    break
+                self._run_weight_updates()
+                self._admit()
+                if self._running and self._paused != "in_place":
+                    self._decode_step()
+        except BaseException as exc:  # the thread must not die silently: record it and fail everyone
+            logger.exception("engine scheduler crashed")
+            self.error = exc
+            self._fail_all(f"engine scheduler crashed: {type(exc).__name__}: {exc}")
+            raise
+        finally:
+            self._closed = True
+            for seq in [*self._running.values(), *self._waiting, *self._held]:
+                self._finish(seq, _abort_reason("The server is shutting down"))
+            self._waiting.clear()
+            self._held.clear()
+            self._drain_after_close()
+
+    def _drain_after_close(self) -> None:
+        """Answer what raced into the inbox during shutdown, so no caller waits forever."""
+        shutting_down = {"success": False, "message": "The server is shutting down", "num_paused_requests": 0}
+        for upd in self._updates:
+            upd.reply(shutting_down)
+        self._updates.clear()
+        while True:
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "generate":
+                request, on_finish = payload
+                self._finish(ActiveRequest(request, on_finish, seed=0), _abort_reason("The server is shutting down"))
+            elif kind == "update_weights":
+                payload[0](shutting_down)
+            elif kind not in ("stop", "abort"):
+                self._handle(kind, payload)
+
+    def _has_work(self) -> bool:
+        if self._running and self._paused != "in_place":
+            return True
+        if self._updates and (self._paused or not self._running):
+            return True
+        return bool(self._waiting) and not self._paused and not self._updates and bool(self._free)
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            msg = self._inbox.get(timeout=1.0) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(*msg)
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, kind: str, payload: Any) -> None:
+        if kind == "stop":
+            self._stop = True
+        elif kind == "generate":
+            request, on_finish = payload
+            self._enqueue(request, on_finish)
+        elif kind == "abort":
+            rid, message = payload
+            self._abort_matching(rid, message)
+        else:
+            reply, args = payload
+            if kind == "update_weights":
+                path, version, abort_all = args
+                self._updates.append(_WeightUpdate(path, version, abort_all, reply))
+                return
+            handler = {"pause": self._pause, "continue": self._continue, "flush": self._flush, "loads": self._loads}[kind]
+            reply(handler(*args))
+
+    # ------------------------------------------------------------------ requests
+
+    def _enqueue(self, request: GenerateRequest, on_finish: Callable[[GenerateOutput], None]) -> None:
+        params = request.params
+        seed = params.sampling_seed if params.sampling_seed is not None else int(self._rng.integers(0, 2**32))
+        seq = ActiveRequest(request, on_finish, seed=seed & 0xFFFFFFFF)
+        prompt_len = request.prompt.num_tokens
+        if prompt_len >= self.max_seq_len:
+            self._finish(seq, _abort_reason(
+                f"The input ({prompt_len} tokens) is longer than the model's context length "
+                f"({self.max_seq_len} tokens).", status_code=400, err_type="BadRequestError"))
+            return
+        # SGLang caps max_new_tokens to the context left.
+        seq.max_new_tokens = min(params.max_new_tokens, self.max_seq_len - prompt_len)
+        seq.stop_ids = frozenset() if params.ignore_eos else frozenset(params.stop_token_ids) | self.eos_ids
+        if params.stop:
+            # Byte-level BPE can spend up to 4 tokens on one character; 2 more cover a straddling token.
+            seq.stop_window = 4 * max(len(s) for s in params.stop) + 2
+        if seq.max_new_tokens == 0:  # prefill only: SGLang answers at once with length 0
+            self._finish(seq, {"type": "length", "length": 0})
+            return
+        (self._held if self._paused else self._waiting).append(seq)
+
+    def _admit(self) -> None:
+        if self._paused or self._updates:
+            return
+        admitted = 0
+        while self._waiting and self._free and admitted < self.runner.config.max_prefills_per_step:
+            seq = self._waiting.popleft()
+            slot = heapq.heappop(self._free)
+            try:
+                self._prefill(seq, slot)
+            except Exception as exc:  # a failed prefill fails that request, not the server
+                logger.exception("prefill of %s failed", seq.rid)
+                self._release(slot)
+                self._finish(seq, None, error=f"prefill failed: {type(exc).__name__}: {exc}")
+            admitted += 1
+
+    def _prefill(self, seq: ActiveRequest, slot: int) -> None:
+        req, params = seq.request, seq.request.params
+        prompt = req.prompt
+        ids, positions = prompt.input_ids, prompt.positions
+        resumed = bool(seq.output_ids)
+        if resumed:  # a retracted request: rebuild the cache of prompt + outputs but the last (not cached yet)
+            extra = np.asarray(seq.output_ids[:-1], np.int32)
+            start = prompt.num_tokens
+            extra_pos = np.arange(start, start + extra.size, dtype=np.int32) + prompt.rope_delta
+            ids = np.concatenate([ids, extra])
+            positions = np.concatenate([positions, np.broadcast_to(extra_pos, (3, extra.size))], axis=1)
+        self._ints[:, slot] = 0
+        self._ints[_I["top_k"], slot] = params.top_k
+        self._ints[_I["step"], slot] = len(seq.output_ids)
+        self._ints[_I["seed"], slot] = np.array(seq.seed, np.uint32).view(np.int32)
+        self._ints[_I["rope_delta"], slot] = prompt.rope_delta
+        self._floats[_F["temperature"], slot] = params.temperature
+        self._floats[_F["top_p"], slot] = params.top_p
+        self._floats[_F["min_p"], slot] = params.min_p
+        self._filtered[slot] = params.needs_filter
+        bias_row = None
+        if params.logit_bias:
+            bias_row = np.zeros((self.runner.vocab_size,), np.float32)
+            for token, value in params.logit_bias:
+                bias_row[token] += value
+        token, logprob = self.runner.prefill(
+            slot, ids, positions, prompt.pixel_values, prompt.image_grid_thw, bias_row,
+            self._ints[:, slot], self._floats[:, slot],
+        )
+        self.stats.prefills += 1
+        seq.slot = slot
+        self._running[slot] = seq
+        if resumed:
+            self._set_next(seq, seq.output_ids[-1])
+        else:
+            self._append(seq, token, logprob)
+
+    def _decode_step(self) -> None:
+        slots = sorted(self._running)
+        width = next(b for b in self.runner.config.batch_buckets if b > slots[-1])
+        lengths = self._ints[_I["length"], slots]
+        try:
+            ids, lps = self.runner.decode(
+                self._ints[:, :width], self._floats[:, :width], int(lengths.max()), bool(self._filtered[slots].any())
+            )
+        except Exception as exc:
+            logger.exception("decode step failed")
+            for slot in slots:
+                seq = self._running.pop(slot)
+                self._release(slot)
+                self._finish(seq, None, error=f"decode failed: {type(exc).__name__}: {exc}")
+            return
+        self.stats.decode_steps += 1
+        self.stats.decode_rows += len(slots)
+        self.stats.max_decode_rows = max(self.stats.max_decode_rows, len(slots))
+        for slot in slots:
+            self._append(self._running[slot], int(ids[slot]), float(lps[slot]))
+
+    def _append(self, seq: ActiveRequest, token: int, logprob: float) -> None:
+        seq.output_ids.append(token)
+        seq.output_logprobs.append(logprob)
+        self.stats.generated_tokens += 1
+        self.last_progress = time.monotonic()
+        reason = self._check_finished(seq)
+        if reason is not None:
+            self._finish(seq, reason)
+        else:
+            self._set_next(seq, token)
+
+    def _set_next(self, seq: ActiveRequest, token: int) -> None:
+        slot = seq.slot
+        self._ints[_I["token"], slot] = token
+        self._ints[_I["length"], slot] = seq.request.prompt.num_tokens + len(seq.output_ids) - 1
+        self._ints[_I["step"], slot] = len(seq.output_ids)
+
+    def _check_finished(self, seq: ActiveRequest) -> dict[str, Any] | None:
+        if len(seq.output_ids) >= seq.max_new_tokens:
+            return {"type": "length", "length": seq.max_new_tokens}
+        last = seq.output_ids[-1]
+        if last in seq.stop_ids:
+            return {"type": "stop", "matched": last}
+        if seq.stop_window:
+            tail = self.tokenizer.decode(seq.output_ids[-seq.stop_window :])
+            for stop in seq.request.params.stop:
+                if stop in tail:
+                    return {"type": "stop", "matched": stop}
+        return None
+
+    # ------------------------------------------------------------------ finishing
+
+    def _release(self, slot: int) -> None:
+        self._ints[:, slot] = 0
+        self._floats[:, slot] = 0.0
+        self._filtered[slot] = False
+        heapq.heappush(self._free, slot)
+
+    def _finish(self, seq: ActiveRequest, reason: dict[str, Any] | None, error: str | None = None) -> None:
+        if seq.slot is not None:
+            if self._running.get(seq.slot) is seq:
+                del self._running[seq.slot]
+                self._release(seq.slot)
+            seq.slot = None
+        if reason is not None and reason.get("type") == "abort":
+            self.stats.aborted += 1
+        self.stats.finished += 1
+        out = GenerateOutput(
+            rid=seq.rid,
+            output_ids=list(seq.output_ids),
+            output_logprobs=list(seq.output_logprobs),
+            finish_reason=reason or _abort_reason(error or "engine error"),
+            prompt_tokens=seq.request.prompt.num_tokens,
+            weight_version=self.weight_version,
+            e2e_latency=time.monotonic() - seq.arrival,
+            num_retractions=seq.num_retractions,
+            error=error,
+        )
+        try:
+            seq.on_finish(out)
+        except Exception:  # a broken callback must not take the scheduler down
+            logger.exception("on_finish callback of %s failed", seq.rid)
+
+    def _abort_matching(self, rid: str | None, message: str) -> None:
+        for queue_ in (self._waiting, self._held):
+            keep = deque()
+            for seq in queue_:
+                if rid is None or seq.rid == rid:
+                    self._finish(seq, _abort_reason(message))
+                else:
+                    keep.append(seq)
+            queue_.clear()
+            queue_.extend(keep)
+        for seq in list(self._running.values()):
+            if rid is None or seq.rid == rid:
+                self._finish(seq, _abort_reason(message))
+
+    def _fail_all(self, message: str) -> None:
+        for seq in [*self._running.values(), *self._waiting, *self._held]:
+            self._finish(seq, None, error=message)
+        self._waiting.clear()
+        self._held.clear()
+
+    # ------------------------------------------------------------------ control
+
+    def _pause(self, mode: str) -> dict[str, Any]:
+        if mode == "abort":
+            self._abort_matching(None, "Abort by pause_generation")
+        elif mode == "retract":
+            for slot in sorted(self._running, reverse=True):
+                seq = self._running.pop(slot)
+                self._release(slot)
+                seq.slot = None
+                seq.num_retractions += 1
+                self._waiting.appendleft(seq)
+        self._paused = mode
+        return {"status": "ok", "message": "Generation paused successfully."}
+
+    def _continue(self) -> dict[str, Any]:
+        self._paused = None
+        self._waiting.extend(self._held)
+        self._held.clear()
+        return {"status": "ok", "message": "Generation continued successfully."}
+
+    def _flush(self) -> bool:
+        """True (flushed) when nothing is running or waiting. There is no prefix cache to drop, but
+        the answer must be SGLang's: requests held by a pause are not the scheduler's yet."""
+        busy = len(self._running) + (0 if self._paused else len(self._waiting))
+        return busy == 0
+
+    def _loads(self) -> dict[str, Any]:
+        return {
+            "paused": self._paused,
+            "num_running_reqs": len(self._running),
+            "num_waiting_reqs": len(self._waiting) + len(self._held),
+            "num_used_tokens": int(sum(s.request.prompt.num_tokens + len(s.output_ids) for s in self._running.values())),
+            "max_total_num_tokens": self.max_batch * self.max_seq_len,
+        }
+
+    def _run_weight_updates(self) -> None:
+        while self._updates:
+            upd = self._updates[0]
+            if upd.abort_all:
+                self._abort_matching(None, "Abort by update_weights_from_disk(abort_all_requests=true)")
+            elif self._running and not self._paused:
+                return  # SGLang's writer lock: wait for in-flight generations to finish
+            self._updates.popleft()
+            upd.reply(self._load_weights(upd))
+
+    def _load_weights(self, upd: _WeightUpdate) -> dict[str, Any]:
+        paused = len(self._running) + len(self._waiting) + len(self._held)
+        started = time.monotonic()
+        try:
+            self.runner.load_weights(upd.model_path)
+        except (OSError, ValueError, RuntimeError, KeyError) as exc:
+            logger.warning("update_weights_from_disk(%s) failed: %s", upd.model_path, exc)
+            return {"success": False, "message": f"Failed to update weights from {upd.model_path}: {exc}",
+                    "num_paused_requests": paused}
+        if upd.weight_version is not None:
+            self.weight_version = upd.weight_version
+        self.stats.weight_updates += 1
+        return {"success": True, "num_paused_requests": paused,
+                "message": f"Succeeded to update model weights ({os.fspath(upd.model_path)}, "
+                           f"{time.monotonic() - started:.2f} s)."}
+
+
+def _abort_reason(message: str, status_code: int | None = None, err_type: str | None = None) -> dict[str, Any]:
+    return {"type": "abort", "message": message, "status_code": status_code, "err_type": err_type}

@@ -1,0 +1,456 @@
+"""SGLang's native HTTP API over the embedded engine (aiohttp), and ways to run it.
+
+* `build_app(engine)`: the aiohttp application (endpoints of `reference/sglang_api.md` §1-2).
+* `EmbeddedEngine(model_dir, ...)`: in-process handle for the trainer and tests; `start()` loads the
+  model, starts the scheduler thread and an HTTP server on its own event loop in a background thread
+  and returns the URL; `stop()` aborts what is in flight and joins both threads.
+* `serve(model_dir, host, port, ...)`: the blocking server behind `jaxrl-vlm serve`.
+
+The server binds loopback by default. Malformed requests get HTTP 400 with SGLang's error object
+`{"error": {"message": ...}}` and the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.metadata
+import json
+import logging
+import signal
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Awaitable, Callable
+
+from aiohttp import web
+
+from rollout.sglang_wire import loads_response
+
+from jaxrl_vlm.engine.config import EngineConfig
+from jaxrl_vlm.engine.core import Engine
+from jaxrl_vlm.engine.protocol import (
+    GenerateOutput,
+    GenerateRequest,
+    RawGenerate,
+    RequestError,
+    SamplingParams,
+    error_body,
+    parse_generate,
+    response_body,
+)
+from jaxrl_vlm.engine.scheduler import PAUSE_MODES
+
+logger = logging.getLogger(__name__)
+
+
+def _package_version() -> str:
+    try:
+        return importlib.metadata.version("jaxrl-vlm")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+VERSION = f"jaxrl-vlm-embedded-{_package_version()}"
+
+HEALTH_TIMEOUT_S = 20.0  # SGLang's /health_generate waits this long for scheduler output
+_FLUSH_OK = "Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting requests, the operation will not be performed.)\n"
+_FLUSH_BUSY = "Cache not flushed. Please check backend logs for more details. (When there are running or waiting requests, the operation will not be performed.)\n"
+_ENGINE = web.AppKey("engine", Engine)
+_SERVER = web.AppKey("server_args", dict)
+_EXECUTOR = web.AppKey("executor", ThreadPoolExecutor)
+
+
+def _bad(message: str, status: int = 400) -> web.Response:
+    return web.json_response(error_body(message), status=status)
+
+
+async def _json_body(request: web.Request, *, optional: bool = False) -> Any:
+    raw = await request.read()
+    if not raw.strip():
+        if optional:
+            return {}
+        raise RequestError(f"{request.path}: empty request body, expected a JSON object")
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RequestError(f"{request.path}: request body is not valid JSON ({e})") from e
+
+
+async def _scheduler_call(engine: Engine, name: str, *args: Any) -> Any:
+    """Run a control operation on the scheduler thread and await its answer."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+    engine.scheduler.call(name, _threadsafe_setter(loop, future), *args)
+    return await future
+
+
+def _threadsafe_setter(loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any]) -> Callable[[Any], None]:
+    def deliver(value: Any) -> None:
+        if not future.done():
+            future.set_result(value)
+
+    return lambda value: loop.call_soon_threadsafe(deliver, value)
+
+
+async def _run_request(engine: Engine, req: GenerateRequest) -> GenerateOutput:
+    """Submit one request and wait for it; a cancelled handler (client gone) aborts it, as SGLang does."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[GenerateOutput] = loop.create_future()
+    engine.scheduler.submit(req, _threadsafe_setter(loop, future))
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        engine.scheduler.abort(req.rid, "Abort because the client disconnected")
+        raise
+
+
+# ---------------------------------------------------------------------------- handlers
+
+
+async def generate(request: web.Request) -> web.Response:
+    engine = request.app[_ENGINE]
+    try:
+        body = await _json_body(request)
+        raws, is_batch = parse_generate(body, engine.cfg.text.vocab_size)
+        loop = asyncio.get_running_loop()
+        executor = request.app[_EXECUTOR]
+        # Tokenizing and image preprocessing are CPU work: keep them off the event loop.
+        prepared = await asyncio.gather(*(loop.run_in_executor(executor, engine.preparer.prepare, r) for r in raws))
+        for req in prepared:
+            if req.prompt.num_tokens >= engine.config.max_seq_len:
+                raise RequestError(
+                    f"The input ({req.prompt.num_tokens} tokens, image pads expanded) is longer than the model's "
+                    f"context length ({engine.config.max_seq_len} tokens)."
+                )
+    except RequestError as e:
+        return _bad(str(e))
+    outputs = await asyncio.gather(*(_run_request(engine, req) for req in prepared))
+    failed = [o.error for o in outputs if o.error is not None]
+    if failed:
+        return _bad(f"generation failed: {failed[0]}", status=500)
+    bodies = [response_body(req, out, engine.tokenizer) for req, out in zip(prepared, outputs)]
+    return web.json_response(bodies if is_batch else bodies[0])
+
+
+async def health(request: web.Request) -> web.Response:
+    engine = request.app[_ENGINE]
+    return web.Response(status=200 if engine.scheduler.alive else 503)
+
+
+async def health_generate(request: web.Request) -> web.Response:
+    """200 once the scheduler produces output: a busy engine counts as alive if it made progress in
+    the last HEALTH_TIMEOUT_S, a paused one if its thread runs, an idle one must answer a 1-token probe."""
+    engine = request.app[_ENGINE]
+    sched = engine.scheduler
+    if not sched.alive:
+        return web.Response(status=503, text="engine scheduler is not running")
+    loads = await _scheduler_call(engine, "loads")
+    if loads["paused"]:  # paused on purpose (weight sync): a probe would only wait for continue
+        return web.Response(status=200)
+    if loads["num_running_reqs"] or loads["num_waiting_reqs"]:
+        recent = time.monotonic() - sched.last_progress < HEALTH_TIMEOUT_S
+        return web.Response(status=200 if recent else 503)
+    probe_id = engine.eos_ids[0] if engine.eos_ids else 0
+    raw = RawGenerate(f"HEALTH_CHECK_{time.monotonic_ns()}", None, [probe_id], [],
+                      SamplingParams(max_new_tokens=1, temperature=0.0), False, False)
+    try:
+        out = await asyncio.wait_for(_run_request(engine, engine.preparer.prepare(raw)), HEALTH_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        return web.Response(status=503, text=f"no generation within {HEALTH_TIMEOUT_S:g} s")
+    ok = out.error is None and out.finish_reason.get("type") != "abort"
+    return web.Response(status=200 if ok else 503)
+
+
+async def model_info(request: web.Request) -> web.Response:
+    engine = request.app[_ENGINE]
+    return web.json_response({
+        "model_path": engine.model_path,
+        "tokenizer_path": engine.model_path,
+        "is_generation": True,
+        "preferred_sampling_params": None,
+        "weight_version": engine.scheduler.weight_version,
+        "has_image_understanding": engine.has_image_understanding,
+        "has_audio_understanding": False,
+        "model_type": "qwen3_vl",
+        "architectures": engine.architectures,
+        "load_format": "safetensors",
+    })
+
+
+async def server_info(request: web.Request) -> web.Response:
+    engine = request.app[_ENGINE]
+    cfg = engine.config
+    loads = await _scheduler_call(engine, "loads")
+    return web.json_response({
+        **request.app[_SERVER],
+        "model_path": engine.model_path,
+        "tokenizer_path": engine.model_path,
+        "context_length": cfg.max_seq_len,
+        "max_running_requests": cfg.max_batch,
+        "dtype": cfg.param_dtype,
+        "compute_dtype": cfg.compute_dtype,
+        "weight_version": engine.scheduler.weight_version,
+        "internal_states": [{
+            "max_req_input_len": cfg.max_seq_len - 1,
+            "max_total_num_tokens": loads["max_total_num_tokens"],
+            "num_compiled_programs": engine.runner.num_programs,
+        }],
+        "version": VERSION,
+        "embedded_engine": True,
+    })
+
+
+async def get_weight_version(request: web.Request) -> web.Response:
+    return web.json_response({"weight_version": request.app[_ENGINE].scheduler.weight_version})
+
+
+async def flush_cache(request: web.Request) -> web.Response:
+    flushed = await _scheduler_call(request.app[_ENGINE], "flush")
+    return web.Response(status=200 if flushed else 400, text=_FLUSH_OK if flushed else _FLUSH_BUSY)
+
+
+async def pause_generation(request: web.Request) -> web.Response:
+    try:
+        body = await _json_body(request, optional=True)
+    except RequestError as e:
+        return _bad(str(e))
+    if not isinstance(body, dict):
+        return _bad("pause_generation body must be a JSON object")
+    mode = body.get("mode", "abort") or "abort"
+    if mode not in PAUSE_MODES:
+        return _bad(f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
+    return web.json_response(await _scheduler_call(request.app[_ENGINE], "pause", mode))
+
+
+async def continue_generation(request: web.Request) -> web.Response:
+    try:
+        await _json_body(request, optional=True)
+    except RequestError as e:
+        return _bad(str(e))
+    return web.json_response(await _scheduler_call(request.app[_ENGINE], "continue"))
+
+
+async def abort_request(request: web.Request) -> web.Response:
+    try:
+        body = await _json_body(request)
+    except RequestError as e:
+        return _bad(str(e))
+    if not isinstance(body, dict):
+        return _bad("abort_request body must be a JSON object with 'rid' or 'abort_all'")
+    rid, abort_all = body.get("rid"), bool(body.get("abort_all", False))
+    if not abort_all and not isinstance(rid, str):
+        return _bad("abort_request needs a string 'rid' or 'abort_all': true")
+    request.app[_ENGINE].scheduler.abort(None if abort_all else rid)
+    return web.Response(status=200)
+
+
+async def update_weights_from_disk(request: web.Request) -> web.Response:
+    try:
+        body = await _json_body(request)
+    except RequestError as e:
+        return _bad(str(e))
+    if not isinstance(body, dict) or not isinstance(body.get("model_path"), str) or not body["model_path"]:
+        return _bad("update_weights_from_disk needs a non-empty string 'model_path'")
+    fmt = body.get("load_format")
+    if fmt not in (None, "auto", "safetensors"):
+        return web.json_response({"success": False, "num_paused_requests": 0,
+                                  "message": f"load_format={fmt!r} is not supported (safetensors only)"}, status=400)
+    version = body.get("weight_version")
+    result = await _scheduler_call(request.app[_ENGINE], "update_weights", body["model_path"],
+                                   None if version is None else str(version), bool(body.get("abort_all_requests", False)))
+    return web.json_response(result, status=200 if result["success"] else 400)
+
+
+async def loads(request: web.Request) -> web.Response:
+    engine = request.app[_ENGINE]
+    state = await _scheduler_call(engine, "loads")
+    stats = engine.scheduler.stats
+    running, waiting = state["num_running_reqs"], state["num_waiting_reqs"]
+    return web.json_response(loads_response(
+        version=VERSION, running=running, waiting=waiting, used_tokens=state["num_used_tokens"],
+        max_total_tokens=state["max_total_num_tokens"], max_running_requests=engine.config.max_batch,
+        decode_steps=stats.decode_steps,
+    ))
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    """Unexpected failures answer 500 with an error object; the server keeps serving."""
+    try:
+        return await handler(request)
+    except web.HTTPException:
+        raise
+    except (asyncio.CancelledError, KeyboardInterrupt):
+        raise
+    except Exception as exc:
+        logger.exception("%s %s failed", request.method, request.path)
+        return _bad(f"{request.path}: internal error: {type(exc).__name__}: {exc}", status=500)
+
+
+def build_app(engine: Engine, *, host: str = "127.0.0.1", port: int | None = None, prepare_workers: int = 4) -> web.Application:
+    """The aiohttp application; the caller starts `engine` and cleans up the app."""
+    app = web.Application(middlewares=[_errors], client_max_size=1 << 30)
+    app[_ENGINE] = engine
+    app[_SERVER] = {"host": host, "port": port}
+    executor = ThreadPoolExecutor(max_workers=prepare_workers, thread_name_prefix="jaxrl-vlm-prepare")
+    app[_EXECUTOR] = executor
+
+    async def _close_executor(_: web.Application) -> None:
+        executor.shutdown(wait=False, cancel_futures=True)
+
+    app.on_cleanup.append(_close_executor)
+    get, post = ("GET",), ("POST",)
+    routes: list[tuple[tuple[str, ...], str, Callable[[web.Request], Awaitable[web.StreamResponse]]]] = [
+        (("POST", "PUT"), "/generate", generate),
+        (get, "/health", health),
+        (get, "/health_generate", health_generate),
+        (get, "/get_model_info", model_info),
+        (get, "/model_info", model_info),
+        (get, "/get_server_info", server_info),
+        (get, "/server_info", server_info),
+        (get, "/get_weight_version", get_weight_version),
+        (("GET", "POST"), "/flush_cache", flush_cache),
+        (post, "/pause_generation", pause_generation),
+        (post, "/continue_generation", continue_generation),
+        (post, "/abort_request", abort_request),
+        (post, "/update_weights_from_disk", update_weights_from_disk),
+        (get, "/v1/loads", loads),
+    ]
+    for methods, path, handler in routes:
+        for method in methods:
+            app.router.add_route(method, path, handler)
+    return app
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot bind the engine server to {host}:{port}: {e}") from e
+    return sock
+
+
+class EmbeddedEngine:
+    """The engine and its HTTP server inside this process, for the trainer and tests.
+
+        with EmbeddedEngine(model_dir, config=EngineConfig(max_batch=8)) as engine:
+            client = SGLangClient(engine.url)
+
+    `port=0` picks a free port. The HTTP server runs on its own event loop in a background thread,
+    the model on the scheduler thread; `stop()` aborts in-flight requests and joins both.
+    """
+
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        config: EngineConfig | None = None,
+        weight_version: str = "default",
+    ):
+        self.model_dir = str(model_dir)
+        self.host = host
+        self.requested_port = port
+        self.config = config or EngineConfig()
+        self.weight_version = weight_version
+        self.engine: Engine | None = None
+        self.port: int | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        if self.port is None:
+            raise RuntimeError("EmbeddedEngine is not started; call start()")
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def start(self, timeout_s: float = 120.0) -> str:
+        """Load the model, start scheduler and HTTP server; return the base URL once it listens."""
+        if self._thread is not None:
+            raise RuntimeError("EmbeddedEngine already started")
+        self.engine = Engine(self.model_dir, self.config, weight_version=self.weight_version)
+        self.engine.start()
+        sock = _bind(self.host, self.requested_port)
+        self.port = sock.getsockname()[1]
+        ready = threading.Event()
+        failure: list[BaseException] = []
+        self._loop = asyncio.new_event_loop()
+
+        def run() -> None:
+            asyncio.set_event_loop(self._loop)
+            try:
+                app = build_app(self.engine, host=self.host, port=self.port)
+                self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
+                self._loop.run_until_complete(self._runner.setup())
+                self._loop.run_until_complete(web.SockSite(self._runner, sock, backlog=1024).start())
+            except BaseException as exc:  # reported to start(), which raises it
+                failure.append(exc)
+                ready.set()
+                return
+            ready.set()
+            self._loop.run_forever()
+            self._loop.run_until_complete(self._runner.cleanup())
+            self._loop.close()
+
+        self._thread = threading.Thread(target=run, name="jaxrl-vlm-engine-http", daemon=True)
+        self._thread.start()
+        if not ready.wait(timeout_s) or failure:
+            self.stop()
+            raise RuntimeError(f"embedded engine HTTP server did not start on {self.host}:{self.port}") from (
+                failure[0] if failure else None
+            )
+        logger.info("embedded engine serving %s at %s", self.model_dir, self.url)
+        return self.url
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Abort in-flight requests (they answer `abort`), stop the HTTP server and the scheduler."""
+        # Scheduler first: it answers every request it holds with `abort`, then HTTP delivers those answers.
+        if self.engine is not None:
+            self.engine.stop()
+        if self._thread is not None and self._loop is not None:
+            if self._loop.is_running():
+                self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                raise RuntimeError(f"embedded engine HTTP thread did not stop within {timeout_s} s")
+        self._thread = None
+        self._loop = None
+
+    @property
+    def stats(self) -> Any:
+        """The scheduler's counters (decode steps, rows, prefills, ...)."""
+        if self.engine is None:
+            raise RuntimeError("EmbeddedEngine is not started")
+        return self.engine.scheduler.stats
+
+    def __enter__(self) -> EmbeddedEngine:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def serve(model_dir: str, *, host: str = "127.0.0.1", port: int = 30000, config: EngineConfig | None = None,
+          weight_version: str = "default") -> None:
+    """Run the engine server in the foreground until SIGINT or SIGTERM."""
+    engine = EmbeddedEngine(model_dir, host=host, port=port, config=config, weight_version=weight_version)
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        url = engine.start()
+        print(f"jaxrl-vlm engine serving {model_dir} at {url}", flush=True)
+        while not stop.wait(1.0):
+            if not engine.engine.scheduler.alive:
+                raise RuntimeError("engine scheduler stopped unexpectedly") from engine.engine.scheduler.error
+    finally:
+        engine.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

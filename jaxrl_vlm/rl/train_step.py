@@ -1,0 +1,195 @@
+"""The compiled GRPO-family train step: micro-batch scan, loss registry, clipping, AdamW, NaN guard.
+
+One `jax.jit` per batch shape, with explicit in/out shardings on the configured mesh:
+
+* the batch carries a leading micro-batch axis K; gradients and metrics are accumulated over it with
+  `lax.scan` inside the program (no host round trip between micro-batches);
+* the loss weights were computed on the host over the global batch (`aggregation_weights`), so the summed
+  micro-batch gradients equal the unsplit batch's gradient exactly;
+* old log-probs: with one optimizer step per rollout they are the current policy's own (detached) log-probs,
+  as slime does, so the ratio is exactly 1; with several steps they are computed once before the first step
+  (`compute_logprobs`) and passed in;
+* a non-finite loss or gradient skips the update (params and optimizer state unchanged) and is reported in
+  the metrics (`train/skipped_nonfinite`), never written into the weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from jaxrl_vlm.models.qwen3_vl import Qwen3VL, token_logprobs
+from jaxrl_vlm.rl.losses import LossConfig, LossInputs, accumulate_metrics, finalize_metrics, get_loss
+
+
+class TrainState(NamedTuple):
+    """Everything that changes during training (a pytree; checkpointed as a whole)."""
+
+    params: Any  # nnx.State of the policy's nnx.Param variables
+    opt_state: Any
+    step: jax.Array  # int32 scalar: optimizer updates applied
+    rng: jax.Array  # uint32 key data
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    """Static (hashable) settings of the compiled step."""
+
+    loss_name: str
+    loss: LossConfig
+    logprob_chunk_size: int = 512
+    need_entropy: bool = False
+    old_from_current: bool = True  # one optimizer step per rollout: old log-probs = detached current ones
+
+
+def make_optimizer(optim: Any, total_steps: int) -> optax.GradientTransformation:
+    """AdamW with the configured schedule, global-norm clipping first (slime's order)."""
+    warmup = int(optim.lr_warmup_iters)
+    decay_steps = max(1, total_steps - warmup)
+    if optim.lr_decay_style == "constant":
+        decay = optax.constant_schedule(optim.lr)
+    elif optim.lr_decay_style == "linear":
+        decay = optax.linear_schedule(optim.lr, optim.min_lr, decay_steps)
+    elif optim.lr_decay_style == "cosine":
+        decay = optax.cosine_decay_schedule(optim.lr, decay_steps, alpha=optim.min_lr / optim.lr if optim.lr else 0.0)
+    else:
+        raise ValueError(f"unknown lr_decay_style {optim.lr_decay_style!r}")
+    schedule = optax.join_schedules([optax.linear_schedule(0.0, optim.lr, warmup), decay], [warmup]) if warmup else decay
+    parts = []
+    if optim.clip_grad and optim.clip_grad > 0:
+        parts.append(optax.clip_by_global_norm(optim.clip_grad))
+    parts.append(
+        optax.adamw(schedule, b1=optim.adam_beta1, b2=optim.adam_beta2, eps=optim.adam_eps, weight_decay=optim.weight_decay)
+    )
+    return optax.chain(*parts)
+
+
+def _micro(tree: Any, k: jax.Array | int) -> Any:
+    return jax.tree.map(lambda x: x[k], tree)
+
+
+def policy_logprobs(graphdef: nnx.GraphDef, params: Any, mb: Any, *, chunk_size: int, need_entropy: bool):
+    """Per-token log-probs (and entropy) of `mb.targets` under `params` for one micro-batch [R, T]."""
+    model: Qwen3VL = nnx.merge(graphdef, params)
+    hidden = model(mb.tokens, mb.positions, mb.segment_ids, mb.vision)
+    return token_logprobs(model, hidden, mb.targets, chunk_size=chunk_size, return_entropy=need_entropy)
+
+
+def _loss_inputs(mb: Any, logprobs, entropy, old, ref) -> LossInputs:
+    return LossInputs(
+        logprobs=logprobs,
+        old_logprobs=old,
+        advantages=mb.advantages,
+        loss_mask=mb.loss_mask,
+        sequence_ids=mb.sequence_ids,
+        token_weights=mb.token_weights,
+        ref_logprobs=ref,
+        rollout_logprobs=mb.rollout_logprobs,
+        entropy=entropy,
+    )
+
+
+def train_step(
+    graphdef: nnx.GraphDef,
+    tx: optax.GradientTransformation,
+    cfg: StepConfig,
+    state: TrainState,
+    batch: Any,
+    old_logprobs: jax.Array | None,
+    ref_logprobs: jax.Array | None,
+) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One optimizer update from a [K, R, T] batch (K micro-batches, accumulated in a scan)."""
+    loss_fn = get_loss(cfg.loss_name)
+    num_micro = batch.tokens.shape[0]
+
+    def micro_loss(params, k):
+        mb = _micro(batch, k)
+        lp, ent = policy_logprobs(graphdef, params, mb, chunk_size=cfg.logprob_chunk_size, need_entropy=cfg.need_entropy)
+        old = jax.lax.stop_gradient(lp) if cfg.old_from_current else old_logprobs[k]
+        ref = None if ref_logprobs is None else ref_logprobs[k]
+        loss, metrics = loss_fn(_loss_inputs(mb, lp, ent, old, ref), cfg.loss)
+        return loss, metrics
+
+    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+
+    def body(carry, k):
+        grads_acc, loss_acc, metrics_acc = carry
+        (loss, metrics), grads = grad_fn(state.params, k)
+        grads_acc = jax.tree.map(jnp.add, grads_acc, grads)
+        return (grads_acc, loss_acc + loss, accumulate_metrics(metrics_acc, metrics)), None
+
+    zeros = jax.tree.map(jnp.zeros_like, state.params)
+    # The metrics pytree structure comes from one abstract evaluation, so the scan carry is fixed-shape.
+    (_, metrics_shape), _ = jax.eval_shape(grad_fn, state.params, 0)
+    metrics0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metrics_shape)
+    (grads, loss, metrics_acc), _ = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32), metrics0), jnp.arange(num_micro))
+
+    finite = jnp.isfinite(loss) & jnp.all(jnp.array([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
+    grad_norm = optax.global_norm(grads)
+    updates, new_opt_state = tx.update(grads, state.opt_state, state.params)
+    new_params = optax.apply_updates(state.params, updates)
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
+    new_state = TrainState(
+        params=keep(new_params, state.params),
+        opt_state=keep(new_opt_state, state.opt_state),
+        step=state.step + finite.astype(jnp.int32),
+        rng=state.rng,
+    )
+    metrics = finalize_metrics(metrics_acc)
+    metrics = {f"train/{k}": v for k, v in metrics.items()}
+    metrics["train/loss_total"] = loss
+    metrics["train/grad_norm"] = grad_norm
+    metrics["train/skipped_nonfinite"] = 1.0 - finite.astype(jnp.float32)
+    return new_state, metrics
+
+
+def compute_logprobs(graphdef: nnx.GraphDef, params: Any, batch: Any, *, chunk_size: int) -> jax.Array:
+    """Log-probs [K, R, T] of the batch targets under `params` (old or reference policy), no gradient."""
+
+    def one(k):
+        lp, _ = policy_logprobs(graphdef, params, _micro(batch, k), chunk_size=chunk_size, need_entropy=False)
+        return lp
+
+    return jax.lax.map(one, jnp.arange(batch.tokens.shape[0]))
+
+
+def compile_train_step(
+    graphdef: nnx.GraphDef,
+    tx: optax.GradientTransformation,
+    cfg: StepConfig,
+    *,
+    state_shardings: Any = None,
+    batch_shardings: Callable[[Any], Any] | None = None,
+) -> Callable[..., tuple[TrainState, dict[str, jax.Array]]]:
+    """A jitted `step(state, batch, old_logprobs, ref_logprobs)`; the state buffer is donated.
+
+    With shardings, `jax.jit` gets explicit in/out shardings: state as placed, batch rows over (data, fsdp),
+    metrics replicated. jit caches one executable per batch shape (a bounded set, from the buckets).
+    """
+    fn = partial(train_step, graphdef, tx, cfg)
+    if state_shardings is None:
+        return jax.jit(fn, donate_argnums=(0,))
+    cache: dict[Any, Callable] = {}
+
+    def step(state, batch, old_logprobs=None, ref_logprobs=None):
+        key = (jax.tree.structure(batch), tuple(x.shape for x in jax.tree.leaves(batch)), old_logprobs is None, ref_logprobs is None)
+        if key not in cache:
+            b_sh = batch_shardings(batch)
+            lp_sh = None if old_logprobs is None else batch_shardings(old_logprobs)
+            ref_sh = None if ref_logprobs is None else batch_shardings(ref_logprobs)
+            cache[key] = jax.jit(
+                fn,
+                in_shardings=(state_shardings, b_sh, lp_sh, ref_sh),
+                out_shardings=(state_shardings, None),
+                donate_argnums=(0,),
+            )
+        return cache[key](state, batch, old_logprobs, ref_logprobs)
+
+    step.cache = cache  # type: ignore[attr-defined]
+    return step

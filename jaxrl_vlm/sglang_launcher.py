@@ -1,0 +1,93 @@
+"""`--launch-sglang`: run `python -m sglang.launch_server` from SGLang's own interpreter, as a child process.
+
+SGLang pins CUDA torch and its own transformers, so it never shares this venv: `--sglang-python` names the
+interpreter of its venv. The child gets its own process group (stopped as a whole), its output goes to a log
+file under the run directory, and a child that exits during start-up is reported with the tail of that log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+from pathlib import Path
+from typing import Any
+
+
+class SGLangLaunchError(RuntimeError):
+    """The SGLang server could not be started; the message has its command and the end of its log."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class SGLangProcess:
+    def __init__(self, python: str, model_path: str, *, host: str = "127.0.0.1", port: int = 0,
+                 extra_args: list[str] | None = None, log_path: str | Path):
+        if not python:
+            raise SGLangLaunchError("--launch-sglang needs --sglang-python (the interpreter of SGLang's own venv)")
+        self.python = python
+        self.model_path = str(model_path)
+        self.host = host
+        self.port = port or free_port(host)
+        self.extra_args = list(extra_args or [])
+        self.log_path = Path(log_path)
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def command(self) -> list[str]:
+        return [self.python, "-m", "sglang.launch_server", "--model-path", self.model_path,
+                "--host", self.host, "--port", str(self.port), *self.extra_args]
+
+    def start(self) -> str:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("ab")
+        try:
+            self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                            start_new_session=True)
+        except OSError as e:
+            raise SGLangLaunchError(f"cannot run {self.command[0]!r}: {e}") from e
+        finally:
+            log.close()
+        return self.url
+
+    def log_tail(self, chars: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return "(no log)"
+
+    async def wait_ready(self, client: Any, timeout_s: float) -> None:
+        """Poll health until the server answers; fail at once if the child exits."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while loop.time() < deadline:
+            if self.process is not None and self.process.poll() is not None:
+                raise SGLangLaunchError(
+                    f"SGLang exited with code {self.process.returncode} during start-up: {' '.join(self.command)}\n"
+                    f"--- {self.log_path} ---\n{self.log_tail()}"
+                )
+            if await client.health():
+                return
+            await asyncio.sleep(1.0)
+        raise SGLangLaunchError(f"SGLang did not become healthy within {timeout_s:g} s at {self.url}\n{self.log_tail()}")
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        pgid = os.getpgid(self.process.pid)
+        os.killpg(pgid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(pgid, signal.SIGKILL)
+            self.process.wait()

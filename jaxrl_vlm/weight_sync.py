@@ -1,0 +1,143 @@
+"""Push new policy weights to the engine(s): versioned HF export + SGLang's disk-reload sequence.
+
+Each version is exported as an HF safetensors directory of its own (`weights_v000012/`), written under a
+temporary name and renamed when complete, so an engine never reads a half-written version. Then every
+engine (every worker behind a router) runs pause -> flush (retried while busy) -> `/update_weights_from_disk`
+with the `weight_version` -> continue (`SGLangClient.sync_weights_from_disk`). Older versions are deleted only
+after the engines acknowledged the new one. A sync that still fails after the retries stops the run with a
+clear error: training on by stale rollouts silently is worse than stopping.
+
+Multi-host export is not implemented yet (`push` refuses to run with several processes rather than
+writing a partial checkpoint); on one host any number of local devices works.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from rollout.client import EngineError, SGLangClient, WeightSyncError
+
+logger = logging.getLogger(__name__)
+
+VERSION_PREFIX = "weights_v"
+
+
+class WeightSyncFailed(RuntimeError):
+    """The engines did not accept a new weight version after all retries; the run must stop."""
+
+
+@dataclass
+class SyncReport:
+    version: int
+    path: Path
+    export_s: float
+    sync_s: float
+    bytes_written: int
+    attempts: int
+    errors: list[str] = field(default_factory=list)
+
+
+def version_dir(root: Path, version: int) -> Path:
+    return root / f"{VERSION_PREFIX}{version:06d}"
+
+
+def export_version(model: Any, root: Path, version: int, *, dtype: Any = jnp.bfloat16, copy_from: str | None = None,
+                   max_shard_bytes: int = 5 * 1024**3) -> Path:
+    """Export `model` (a `Qwen3VL`) to `root/weights_vNNNNNN/` atomically (temp dir + rename)."""
+    from jaxrl_vlm.models.hf_io import to_hf
+
+    final = version_dir(root, version)
+    tmp = final.with_name(final.name + ".partial")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    root.mkdir(parents=True, exist_ok=True)
+    to_hf(model, tmp, dtype=dtype, copy_from=copy_from, max_shard_bytes=max_shard_bytes)
+    if final.exists():
+        shutil.rmtree(final)
+    tmp.rename(final)
+    return final
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+
+
+class WeightSyncer:
+    """Exports each new version and makes every engine load it.
+
+    `copy_from`: the original HF checkpoint directory; its config, tokenizer and processor files are copied
+    into every version so each one is also a valid `--model-path` for a cold start.
+    """
+
+    def __init__(
+        self,
+        client: SGLangClient | None,
+        root: str | Path,
+        *,
+        copy_from: str | None = None,
+        dtype: Any = jnp.bfloat16,
+        retries: int = 2,
+        retry_wait_s: float = 2.0,
+        keep_versions: int = 1,
+        flush_timeout_s: float = 60.0,
+    ):
+        self.client = client
+        self.root = Path(root)
+        self.copy_from = copy_from
+        self.dtype = dtype
+        self.retries = retries
+        self.retry_wait_s = retry_wait_s
+        self.keep_versions = max(1, keep_versions)
+        self.flush_timeout_s = flush_timeout_s
+        self.history: list[SyncReport] = []
+
+    async def push(self, model: Any, version: int) -> SyncReport:
+        """Export `model` as `version` and load it into every engine (all of them, or none: see WeightSyncFailed)."""
+        if jax.process_count() > 1:
+            raise NotImplementedError(
+                "multi-host weight export (gather each tensor across processes, process 0 writes) is not implemented yet; "
+                "run the trainer as a single process (one host, any number of local devices)"
+            )
+        t0 = time.perf_counter()
+        path = export_version(model, self.root, version, dtype=self.dtype, copy_from=self.copy_from)
+        export_s = time.perf_counter() - t0
+        report = SyncReport(version=version, path=path, export_s=export_s, sync_s=0.0, bytes_written=_dir_bytes(path), attempts=0)
+        t1 = time.perf_counter()
+        if self.client is not None:
+            await self._sync(report)
+        report.sync_s = time.perf_counter() - t1
+        self._delete_old_versions(keep=version)
+        self.history.append(report)
+        return report
+
+    async def _sync(self, report: SyncReport) -> None:
+        for attempt in range(1, self.retries + 2):
+            report.attempts = attempt
+            try:
+                await self.client.sync_weights_from_disk(str(report.path), str(report.version), flush_timeout_s=self.flush_timeout_s)
+                return
+            except (WeightSyncError, EngineError) as e:
+                report.errors.append(f"attempt {attempt}: {e}")
+                logger.warning("weight sync of version %d failed (attempt %d): %s", report.version, attempt, e)
+                if attempt <= self.retries:
+                    await asyncio.sleep(self.retry_wait_s)
+        raise WeightSyncFailed(
+            f"engines did not load weight version {report.version} from {report.path} after {report.attempts} attempts; "
+            f"stopping rather than training on stale rollouts. Errors: {report.errors}"
+        )
+
+    def _delete_old_versions(self, keep: int) -> None:
+        """Remove versions older than the newest `keep_versions` ones (only ever after a successful sync)."""
+        versions = sorted(p for p in self.root.glob(f"{VERSION_PREFIX}*") if p.is_dir() and not p.name.endswith(".partial"))
+        for path in versions[: -self.keep_versions]:
+            if path.name != version_dir(self.root, keep).name:
+                shutil.rmtree(path, ignore_errors=False)

@@ -1,0 +1,204 @@
+"""One process of the 2-process CPU training test (`tests/test_multihost.py`); also its single-process reference.
+
+Run as a script by the test, once per process, with the job in the environment:
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu
+    JAXRL_COORDINATOR=127.0.0.1:<port> JAXRL_NUM_PROCESSES=2 JAXRL_PROCESS_ID=<0|1>
+    python tests/_multihost_worker.py --model-dir D --work-dir W
+
+What one process does, in the order a multi-host trainer would:
+  1. joins the job (`jaxrl_vlm.distributed.initialize_from_env_or_config`);
+  2. process 0 builds the samples (standing in for the rollout), `broadcast_samples` gives them to all;
+  3. `Trainer.build_policy` loads the tiny model straight into its shards on the global 8-device FSDP mesh;
+  4. the host batch becomes global arrays (`global_batch`: each process uploads its own rows) and ONE
+     GRPO step runs through the real `compile_train_step`;
+  5. the updated parameters are gathered (`gather_tree`), the policy is exported (`export_hf`: process 0
+     writes) and checkpointed with orbax (every process writes its shards) and restored;
+  6. writes `result_<pid>.json` (metrics, per-parameter checksums, checks) and `params_<pid>.npz`.
+
+The test imports `make_samples` and `train_one_step` to compute the same step in its own process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+MESH_CONFIG = ROOT / "configs" / "mesh" / "fsdp.yaml"
+
+
+def _image(seed: int, width: int, height: int) -> Any:
+    """Deterministic RGB test picture: smooth gradients plus seeded noise (PIL image)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:height, 0:width].astype(np.float32)
+    phase, freq = rng.uniform(0, 2 * np.pi, 3), rng.uniform(0.02, 0.2, (3, 2))
+    base = np.stack([127.5 + 90 * np.sin(freq[c, 0] * xx + freq[c, 1] * yy + phase[c]) for c in range(3)], -1)
+    noise = rng.integers(-30, 31, (height, width, 3))
+    return Image.fromarray(np.clip(base + noise, 0, 255).astype(np.uint8))
+
+
+def make_samples(model_dir: Path) -> list[Any]:
+    """Two groups of 4 multi-turn samples (one group with an image), fixed tokens, log-probs and rewards."""
+    from rollout.encoding import ChatEncoder
+    from rollout.processing import image_to_data_url, load_image_processor, load_tokenizer
+    from rollout.sample import Sample, Status
+
+    enc = ChatEncoder(load_tokenizer(model_dir), load_image_processor(model_dir))
+    rng = np.random.default_rng(0)
+    samples = []
+    for g in range(2):
+        content: list[dict[str, Any]] = [{"type": "text", "text": f"Find x in figure {g}."}]
+        if g == 0:
+            content.insert(0, {"type": "image", "image": image_to_data_url(_image(g, 64, 96))})
+        prompt = [{"role": "user", "content": content}]
+        for i in range(4):
+            seg = enc.encode_prompt(prompt)
+            s = Sample(group_index=g, index=i, prompt=prompt, label="1")
+            s.set_prompt_tokens(seg.train_ids)
+            s.image_data = seg.image_data
+            s.multimodal_train_inputs = seg.mm_inputs
+            n = 5 + 3 * i + g
+            s.append_model_tokens(rng.integers(10, 900, size=n).tolist(), (-rng.uniform(0.1, 3.0, size=n)).tolist())
+            s.append_observation_tokens(enc.encode_observation([{"role": "user", "content": "more"}]).train_ids)
+            s.append_model_tokens([enc.vision.im_end], [-0.2])
+            s.reward = float((i + g) % 3)
+            s.set_status(Status.COMPLETED)
+            samples.append(s)
+    return samples
+
+
+def train_config(model_dir: Path, output_dir: Path) -> Any:
+    from jaxrl_vlm.config import load_config
+
+    return load_config(None, [
+        "--hf-checkpoint", str(model_dir), "--output-dir", str(output_dir), "--mesh-config", str(MESH_CONFIG),
+        "--lr", "1e-3", "--weight-decay", "0.01", "--entropy-coef", "0.01",
+        "--seq-buckets", "256,512", "--row-buckets", "8,16", "--patch-buckets", "0,64,128", "--logprob-chunk-size", "64",
+    ])
+
+
+def train_one_step(model_dir: Path, output_dir: Path, samples: list[Any], devices: list[Any],
+                   place_batch: Callable[[Any, Any], Any]) -> tuple[Any, dict[str, float]]:
+    """(trainer after one GRPO update, its metrics): `Trainer.build_policy` on `devices`, then the steps of
+    `Trainer.train_on` with the batch placed by `place_batch(host_arrays, trainer)`."""
+    import jax
+
+    from jaxrl_vlm.batching import build_train_batch
+    from jaxrl_vlm.rl.train_step import StepConfig, compile_train_step
+    from jaxrl_vlm.rl.trainer import Trainer, aggregation_constant, loss_config, sample_advantages, sequences_bucket
+    from jaxrl_vlm.sharding import batch_shardings, row_multiple
+
+    cfg = train_config(model_dir, output_dir)
+    trainer = Trainer(cfg, devices=devices)
+    trainer.build_policy(model_dir)
+    advantages = sample_advantages(samples, cfg)
+    batch = build_train_batch(
+        samples, advantages.astype(np.float32), trainer.model_cfg,
+        seq_buckets=cfg.batching.seq_buckets, row_buckets=cfg.batching.row_buckets,
+        patch_buckets=cfg.batching.patch_buckets, packing=cfg.batching.packing,
+        micro_batch_rows=cfg.train.micro_batch_size, row_multiple=row_multiple(trainer.mesh, trainer.rules),
+        aggregation=cfg.algo.loss_aggregation, aggregation_constant=aggregation_constant(cfg),
+        overlong_policy=cfg.batching.overlong_policy,
+    )
+    device_batch = place_batch(batch.arrays, trainer)
+    step_cfg = StepConfig(
+        loss_name=cfg.algo.policy_loss, loss=loss_config(cfg, sequences_bucket(batch.layout.max_sequences_per_micro_batch)),
+        logprob_chunk_size=cfg.model.logprob_chunk_size, need_entropy=cfg.algo.entropy_coef > 0,
+    )
+    step = compile_train_step(trainer.graphdef, trainer.tx, step_cfg, state_shardings=trainer.state_shardings,
+                              batch_shardings=lambda tree: batch_shardings(tree, trainer.mesh, trainer.rules))
+    trainer.state, metrics = step(trainer.state, device_batch)
+    return trainer, {k: float(np.asarray(v)) for k, v in jax.device_get(metrics).items()}
+
+
+def flat_params(params: Any, to_numpy: Callable[[Any], np.ndarray]) -> dict[str, np.ndarray]:
+    """{"path.to.param": array} of an nnx param state, each value through `to_numpy` (in tree order)."""
+    from flax import nnx
+
+    return {".".join(map(str, path)): to_numpy(var.get_value()) for path, var in nnx.to_flat_state(params)}
+
+
+def checksums(params: dict[str, np.ndarray]) -> dict[str, list[float]]:
+    """Per parameter [sum, sum of squares, sum weighted by position] in float64 (order-sensitive)."""
+    out = {}
+    for k, v in params.items():
+        x = v.astype(np.float64).ravel()
+        out[k] = [float(x.sum()), float((x * x).sum()), float((x * np.linspace(-1, 1, x.size)).sum())]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-dir", type=Path, required=True)
+    parser.add_argument("--work-dir", type=Path, required=True, help="shared by all processes: exports, checkpoints")
+    args = parser.parse_args(argv)
+    t0 = time.perf_counter()
+
+    from jaxrl_vlm import distributed
+
+    info = distributed.initialize_from_env_or_config()  # before anything touches a device
+    # Idempotent: a second call with the same environment is a no-op returning the same facts.
+    assert distributed.initialize_from_env_or_config() == info
+    import jax
+
+    pid = info.process_id
+    samples = distributed.broadcast_samples(make_samples(args.model_dir) if distributed.is_main_process() else None)
+
+    uploaded: dict[str, list[int]] = {}
+
+    def place(arrays: Any, trainer: Any) -> Any:
+        from jaxrl_vlm.sharding import batch_shardings
+
+        shardings = batch_shardings(arrays, trainer.mesh, trainer.rules)
+        rows = distributed.process_local_index(shardings.tokens, arrays.tokens.shape)[1]
+        uploaded["token_rows"] = list(range(arrays.tokens.shape[1])) if isinstance(rows, slice) else rows.tolist()
+        return distributed.global_batch(arrays, trainer.mesh, shardings)
+
+    trainer, metrics = train_one_step(args.model_dir, args.work_dir / f"run_{pid}", samples, jax.devices(), place)
+    params = flat_params(trainer.state.params, distributed.gather_for_export)
+
+    export_dir = distributed.export_hf(trainer.policy_model(), args.work_dir / "export", dtype=np.float32)
+
+    from jaxrl_vlm.checkpoint import CheckpointStore, abstract_like
+
+    store = CheckpointStore(args.work_dir / "checkpoints", keep=1)
+    store.save(1, trainer.state, {"note": "multihost test", "process_count": info.num_processes})
+    step, restored, meta = store.restore(abstract_like(trainer.state))
+    store.close()
+    restored_params = flat_params(restored.params, distributed.gather_for_export)
+    restore_exact = all(np.array_equal(restored_params[k], params[k]) for k in params)
+    distributed.barrier("multihost-test-done")
+
+    result = {
+        "process_id": pid,
+        "process_count": jax.process_count(),
+        "local_devices": jax.local_device_count(),
+        "global_devices": jax.device_count(),
+        "mesh": {k: int(v) for k, v in trainer.mesh.shape.items()},
+        "num_samples": len(samples),
+        "sample_rewards": [s.reward for s in samples],
+        "metrics": metrics,
+        "checksums": checksums(params),
+        "export_dir": str(export_dir),
+        "checkpoint": {"step": step, "meta": meta, "restore_exact": restore_exact},
+        "uploaded_token_rows": uploaded["token_rows"],
+        "wall_s": time.perf_counter() - t0,
+    }
+    buf = io.BytesIO()
+    np.savez(buf, **params)
+    (args.work_dir / f"params_{pid}.npz").write_bytes(buf.getvalue())
+    (args.work_dir / f"result_{pid}.json").write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

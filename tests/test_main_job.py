@@ -1,0 +1,120 @@
+"""The README's main command: `jaxrl-vlm train configs/geo3k_tiny.yaml` runs to the end on CPU, and a run killed
+with SIGKILL resumes from its last checkpoint with `--load` and continues exactly like the uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from jaxrl_vlm.run_log import read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = "configs/geo3k_tiny.yaml"
+
+
+def _cmd(tmp: Path, out: str, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "jaxrl_vlm.cli", "train", CONFIG,
+        "--hf-checkpoint", str(tmp / "tiny"), "--prompt-data", str(tmp / "geo3k.parquet"),
+        "--output-dir", str(tmp / out), *extra,
+    ]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)  # the CLI runs like a user's: one CPU device
+    return env
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("main_job")
+    done = subprocess.run(_cmd(tmp, "full"), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return tmp, done
+
+
+@pytest.mark.slow
+def test_tiny_config_runs_to_the_end_and_writes_everything(full_run):
+    tmp, done = full_run
+    out = tmp / "full"
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(6))  # num_rollout: 6
+    for r in records:
+        assert r["rollout/samples"] > 0 and r["weight_version"] == r["step"] + 1
+        assert 0.0 <= r["batch/padding_efficiency"] <= 1.0
+    assert sorted(p.name for p in (out / "plots").glob("*.png")) == sorted(
+        ["reward.png", "response_length.png", "turns.png", "truncation.png", "entropy_kl.png", "step_time.png"]
+    )
+    assert sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == [4, 6]  # keep 2
+    final = out / "final_model"
+    config = json.loads((final / "config.json").read_text())
+    assert config["model_type"] == "qwen3_vl" and (final / "model.safetensors").stat().st_size > 0
+    assert (final / "tokenizer.json").exists() and (final / "preprocessor_config.json").exists()
+    # Only the newest synced version is kept on disk.
+    assert [p.name for p in (out / "weights").iterdir()] == ["weights_v000006"]
+    assert "run finished" in done.stdout
+
+
+@pytest.mark.slow
+def test_sigkill_then_load_resumes_like_an_uninterrupted_run(full_run):
+    tmp, _ = full_run
+    killed = tmp / "killed"
+    proc = subprocess.Popen(_cmd(tmp, "killed"), cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 600
+    metrics = killed / "metrics.jsonl"
+    try:
+        while time.monotonic() < deadline:
+            if metrics.exists() and len(read_metrics(metrics)) >= 3:  # checkpoint 2 is complete, step 2 logged
+                break
+            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+            time.sleep(0.2)
+        else:
+            pytest.fail("the run did not reach step 3 in time")
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert len(read_metrics(metrics)) < 6, "the run finished before it could be killed"
+
+    resumed = subprocess.run(
+        _cmd(tmp, "killed", "--load", str(killed / "checkpoints")), cwd=ROOT, env=_env(),
+        capture_output=True, text=True, timeout=900,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stderr and "at step" in resumed.stderr
+    full = {r["step"]: r for r in read_metrics(tmp / "full" / "metrics.jsonl")}
+    after = {r["step"]: r for r in read_metrics(metrics)}
+    assert sorted(after) == list(range(6))
+    # Steps 2.. ran again from checkpoint 2 and match the uninterrupted run.
+    for step in range(2, 6):
+        for key in ("rollout/raw_reward", "rollout/response_len/mean", "train/loss_total", "train/grad_norm"):
+            assert after[step][key] == pytest.approx(full[step][key], rel=1e-4, abs=1e-6), (step, key)
+
+
+@pytest.mark.slow
+def test_rollout_command_on_synthetic_geo3k_writes_a_valid_dump(full_run):
+    from rollout.dump import validate_dump
+
+    tmp, _ = full_run
+    dump = tmp / "rollout.jsonl"
+    done = subprocess.run(
+        [sys.executable, "-m", "jaxrl_vlm.cli", "rollout", CONFIG, "--hf-checkpoint", str(tmp / "tiny"),
+         "--prompt-data", str(tmp / "geo3k.parquet"), "--output-dir", str(tmp / "rollout_run"),
+         "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--dump", str(dump)],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "dump written and validated" in done.stdout
+    records = validate_dump(dump)
+    assert len(records) == 4
+    for rec in records:
+        assert rec["status"] in ("completed", "truncated")
+        assert 1 <= len(rec["turns"]) <= 3  # max_turns: 3 from configs/geo3k_multiturn.yaml
+        assert rec["turns"][0]["model_tokens"] > 0

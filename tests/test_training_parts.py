@@ -1,0 +1,180 @@
+"""Parts of the training loop: NaN guard, checkpoint atomicity under SIGKILL, weight-sync failure policy,
+and `--launch-sglang` starting SGLang from its own interpreter."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from _train_samples import train_samples
+
+from jaxrl_vlm.checkpoint import CheckpointStore, abstract_like
+from jaxrl_vlm.config import load_config
+from jaxrl_vlm.rl.trainer import Trainer
+from jaxrl_vlm.sglang_launcher import SGLangLaunchError, SGLangProcess
+from jaxrl_vlm.weight_sync import WeightSyncer, WeightSyncFailed, version_dir
+from rollout.client import RetryPolicy, SGLangClient
+from rollout.fake_engine import FakeSGLangServer, Respond
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from jaxrl_vlm.tiny import make_tiny
+
+    return make_tiny(tmp_path_factory.mktemp("tiny") / "model", seed=5)
+
+
+@pytest.fixture(scope="module")
+def trainer(tiny_dir):
+    cfg = load_config(None, [
+        "--hf-checkpoint", str(tiny_dir), "--lr", "1e-3", "--seq-buckets", "256,512", "--row-buckets", "8,16",
+        "--patch-buckets", "0,64,128", "--logprob-chunk-size", "64", "--mesh-data", "1",
+    ])
+    t = Trainer(cfg, devices=jax.devices()[:1])
+    t.build_policy(tiny_dir)
+    return t
+
+
+# ------------------------------------------------------------------------------------------- NaN guard
+def test_nonfinite_loss_skips_the_update(trainer, tiny_dir, make_test_image):
+    samples = train_samples(tiny_dir, make_test_image)
+    # The step donates its input state, so keep an independent copy to restore from.
+    clean = jax.tree.map(jax.numpy.copy, trainer.state)
+    clean_step = int(clean.step)
+    # Inputs are checked upstream (rewards, advantages); a NaN can still come from the numerics (a diverged
+    # weight, an overflow): poison one weight of the final norm and the loss is NaN.
+    leaves, treedef = jax.tree.flatten(clean.params)
+    shapes = [leaf.shape for leaf in leaves]
+    k = next(i for i, shp in enumerate(shapes) if len(shp) == 1)
+    poisoned = list(leaves)
+    poisoned[k] = leaves[k].at[0].set(np.nan)
+    trainer.state = jax.tree.map(jax.numpy.copy, clean)._replace(params=jax.tree.unflatten(treedef, poisoned))
+    before = [np.asarray(x) for x in poisoned]
+    metrics = trainer.train_on(samples)
+    assert metrics["train/skipped_nonfinite"] == 1.0
+    after = [np.asarray(x) for x in jax.tree.leaves(trainer.state.params)]
+    assert all(np.array_equal(a, b, equal_nan=True) for a, b in zip(before, after))  # nothing written
+    assert int(trainer.state.step) == clean_step
+    # With clean weights the same batch trains normally.
+    clean_values = [np.asarray(x) for x in leaves]
+    trainer.state = clean
+    metrics = trainer.train_on(samples)
+    assert metrics["train/skipped_nonfinite"] == 0.0 and int(trainer.state.step) == clean_step + 1
+    assert any(not np.array_equal(a, np.asarray(b)) for a, b in zip(clean_values, jax.tree.leaves(trainer.state.params)))
+
+
+# ------------------------------------------------------------------------------------------- checkpoints
+_SAVER = textwrap.dedent(
+    """
+    import sys, numpy as np, jax.numpy as jnp
+    from jaxrl_vlm.checkpoint import CheckpointStore
+    store = CheckpointStore(sys.argv[1], keep=5)
+    store.save(1, {"w": jnp.arange(4.0)}, {"note": "small"})
+    print("saved 1", flush=True)
+    big = {"w": jnp.ones((160_000_000,), jnp.float32)}  # ~640 MB: long enough to be killed mid-write
+    store.save(2, big, {"note": "big"})
+    print("saved 2", flush=True)
+    """
+)
+
+
+def test_checkpoint_killed_mid_write_is_never_restored(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    proc = subprocess.Popen([sys.executable, "-c", _SAVER, str(ckpt)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=ROOT)
+    try:
+        assert proc.stdout.readline().decode().strip() == "saved 1", proc.stderr.read().decode()[-2000:]
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not any(".orbax-checkpoint-tmp" in p.name for p in ckpt.iterdir()):
+            time.sleep(0.005)
+        partial = [p.name for p in ckpt.iterdir() if ".orbax-checkpoint-tmp" in p.name]
+        assert partial, f"step 2 was never seen in progress: {[p.name for p in ckpt.iterdir()]}"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    store = CheckpointStore(ckpt, keep=5, read_only=True)
+    assert store.steps() == [1]
+    step, state, meta = store.restore(abstract_like({"w": jax.numpy.zeros(4)}))
+    assert step == 1 and meta == {"note": "small"} and np.array_equal(state["w"], np.arange(4.0))
+    # A new writer cleans the leftover temporary directory up and continues from step 1.
+    writer = CheckpointStore(ckpt, keep=5)
+    writer.save(2, {"w": jax.numpy.ones(4)}, {"note": "again"})
+    assert writer.steps() == [1, 2]
+    assert not any(".orbax-checkpoint-tmp" in p.name for p in ckpt.iterdir())
+
+
+# ------------------------------------------------------------------------------------------- weight sync
+async def test_weight_sync_keeps_old_version_until_success_and_stops_on_failure(trainer, tmp_path, tiny_dir):
+    model = trainer.policy_model()
+    async with FakeSGLangServer() as server:
+        async with SGLangClient(server.url, retry=RetryPolicy(max_retries=0)) as client:
+            syncer = WeightSyncer(client, tmp_path / "weights", copy_from=str(tiny_dir), retries=1, retry_wait_s=0.0)
+            report = await syncer.push(model, 1)
+            assert server.weight_version == "1" and report.path == version_dir(tmp_path / "weights", 1)
+            assert server.paths[-4:] == ["/pause_generation", "/flush_cache", "/update_weights_from_disk", "/continue_generation"]
+            await syncer.push(model, 2)
+            assert [p.name for p in (tmp_path / "weights").iterdir()] == ["weights_v000002"]  # v1 deleted after success
+
+            failure = Respond(400, {"success": False, "message": "Failed to load weights: boom"})
+            server.enqueue(failure, failure, path="/update_weights_from_disk")
+            with pytest.raises(WeightSyncFailed, match=r"version 3 .*after 2 attempts.*boom"):
+                await syncer.push(model, 3)
+            assert server.weight_version == "2"
+            # The last acknowledged version stays on disk; the engine was resumed after each failed attempt.
+            assert version_dir(tmp_path / "weights", 2).is_dir()
+            assert server.paths.count("/continue_generation") == 2 + 2
+
+
+# ------------------------------------------------------------------------------------------- --launch-sglang
+def _fake_sglang_package(root: Path, body: str) -> None:
+    pkg = root / "sglang"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "launch_server.py").write_text(body)
+
+
+async def test_launch_sglang_runs_its_module_from_the_given_interpreter(tmp_path, monkeypatch):
+    # A stand-in `sglang.launch_server` on the child's path that serves SGLang's API (our scripted fake).
+    _fake_sglang_package(tmp_path, textwrap.dedent(
+        """
+        import argparse, sys
+        from rollout.fake_engine import main
+        p = argparse.ArgumentParser(); p.add_argument("--model-path"); p.add_argument("--host"); p.add_argument("--port")
+        p.add_argument("--mem-fraction-static")
+        a = p.parse_args()
+        sys.exit(main(["--host", a.host, "--port", a.port, "--weight-version", "launched:" + a.model_path]))
+        """
+    ))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), str(ROOT)]))
+    proc = SGLangProcess(sys.executable, "/models/demo", extra_args=["--mem-fraction-static", "0.6"], log_path=tmp_path / "sglang.log")
+    url = proc.start()
+    try:
+        async with SGLangClient(url) as client:
+            await proc.wait_ready(client, timeout_s=60)
+            assert await client.get_weight_version() == "launched:/models/demo"
+    finally:
+        proc.stop()
+    assert proc.process.poll() is not None
+
+
+async def test_launch_sglang_that_dies_reports_its_log(tmp_path, monkeypatch):
+    _fake_sglang_package(tmp_path, "raise SystemExit('CUDA error: no kernel image is available')\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    proc = SGLangProcess(sys.executable, "/models/demo", log_path=tmp_path / "sglang.log")
+    proc.start()
+    async with SGLangClient(proc.url) as client:
+        with pytest.raises(SGLangLaunchError, match=r"(?s)exited with code 1.*no kernel image"):
+            await proc.wait_ready(client, timeout_s=60)
+    with pytest.raises(SGLangLaunchError, match="--sglang-python"):
+        SGLangProcess("", "/m", log_path=tmp_path / "x.log")
