@@ -178,3 +178,20 @@ async def test_launch_sglang_that_dies_reports_its_log(tmp_path, monkeypatch):
             await proc.wait_ready(client, timeout_s=60)
     with pytest.raises(SGLangLaunchError, match="--sglang-python"):
         SGLangProcess("", "/m", log_path=tmp_path / "x.log")
+
+
+def test_global_batch_size_splits_the_rollout_into_optimizer_steps(tiny_dir, make_test_image):
+    samples = train_samples(tiny_dir, make_test_image)  # 8 samples in 2 groups
+    cfg = load_config(None, [
+        "--hf-checkpoint", str(tiny_dir), "--lr", "1e-3", "--seq-buckets", "256,512", "--row-buckets", "4,8,16",
+        "--patch-buckets", "0,64,128", "--logprob-chunk-size", "64", "--mesh-data", "1",
+        "--global-batch-size", "4", "--num-steps-per-rollout", "2",
+    ])
+    t = Trainer(cfg, devices=jax.devices()[:1])
+    t.build_policy(tiny_dir)
+    metrics = t.train_on(samples)
+    # 2 optimizer batches of 4 samples, each trained twice.
+    assert metrics["train/optimizer_steps"] == 4.0 and int(t.state.step) == 4
+    # Old log-probs come from the weights before the first update, so the first step sees ratio 1 and the
+    # later ones do not.
+    assert metrics["train/ratio_max"] > 1.0 + 1e-6

@@ -233,22 +233,23 @@ class Trainer:
         self.state = jax.device_put(state, self.state_shardings)
         self.ref_params = jax.tree.map(jnp.copy, params) if cfg.algo.use_kl_loss else None
 
-    def _step_fn(self, num_sequences: int):
+    def _step_fn(self, num_sequences: int, old_from_current: bool):
         from jaxrl_vlm.rl.train_step import StepConfig, compile_train_step
         from jaxrl_vlm.sharding import batch_shardings
 
-        if num_sequences not in self._step_fns:
+        key = (num_sequences, old_from_current)
+        if key not in self._step_fns:
             cfg = self.cfg
             step_cfg = StepConfig(
                 loss_name=cfg.algo.policy_loss, loss=loss_config(cfg, num_sequences),
                 logprob_chunk_size=cfg.model.logprob_chunk_size, need_entropy=cfg.algo.entropy_coef > 0,
-                old_from_current=cfg.train.num_steps_per_rollout == 1,
+                old_from_current=old_from_current,
             )
-            self._step_fns[num_sequences] = compile_train_step(
+            self._step_fns[key] = compile_train_step(
                 self.graphdef, self.tx, step_cfg, state_shardings=self.state_shardings,
                 batch_shardings=lambda tree: batch_shardings(tree, self.mesh, self.rules),
             )
-        return self._step_fns[num_sequences]
+        return self._step_fns[key]
 
     def _logprobs(self, params: Any, device_batch: Any) -> jax.Array:
         from jaxrl_vlm.rl.train_step import compute_logprobs
@@ -260,14 +261,11 @@ class Trainer:
     def compiled_programs(self) -> int:
         return sum(len(getattr(f, "cache", {})) for f in self._step_fns.values())
 
-    # -------------------------------------------------------------------------- one update
-    def train_on(self, samples: list[Sample]) -> dict[str, float]:
-        """Advantages -> fixed-shape batch -> compiled step(s). One host sync (the metrics) per call."""
+    def _batch(self, samples: list[Sample], advantages: np.ndarray) -> tuple[Any, Any]:
         from jaxrl_vlm.batching import build_train_batch
         from jaxrl_vlm.sharding import batch_shardings, row_multiple
 
         cfg = self.cfg
-        advantages = sample_advantages(samples, cfg)
         batch = build_train_batch(
             samples, advantages.astype(np.float32), self.model_cfg,
             seq_buckets=cfg.batching.seq_buckets, row_buckets=cfg.batching.row_buckets,
@@ -276,15 +274,38 @@ class Trainer:
             aggregation=cfg.algo.loss_aggregation, aggregation_constant=aggregation_constant(cfg),
             overlong_policy=cfg.batching.overlong_policy,
         )
-        device_batch = jax.device_put(batch.arrays, batch_shardings(batch.arrays, self.mesh, self.rules))
-        step_fn = self._step_fn(sequences_bucket(batch.layout.max_sequences_per_micro_batch))
-        ref_lp = None if self.ref_params is None else self._logprobs(self.ref_params, device_batch)
-        old_lp = self._logprobs(self.state.params, device_batch) if cfg.train.num_steps_per_rollout > 1 else None
+        return batch, jax.device_put(batch.arrays, batch_shardings(batch.arrays, self.mesh, self.rules))
+
+    # -------------------------------------------------------------------------- one update
+    def train_on(self, samples: list[Sample]) -> dict[str, float]:
+        """Advantages -> fixed-shape batches -> compiled optimizer steps. One host sync (the metrics) per call.
+
+        Advantages are computed over the whole rollout (grouped by `group_index`). The samples are then cut into
+        optimizer batches of `--global-batch-size` (slime's meaning: samples per optimizer step), and each is
+        trained `--num-steps-per-rollout` times. With one batch and one step the old log-probs are the current
+        policy's own (the ratio is exactly 1, as in slime); otherwise they are computed for every batch with the
+        pre-update weights before the first update.
+        """
+        cfg = self.cfg
+        advantages = sample_advantages(samples, cfg)
+        size = cfg.train.global_batch_size or len(samples)
+        chunks = [(samples[i : i + size], advantages[i : i + size]) for i in range(0, len(samples), size)]
+        batches = [self._batch(chunk, adv) for chunk, adv in chunks]
+        single = len(batches) == 1 and cfg.train.num_steps_per_rollout == 1
+        old = [None if single else self._logprobs(self.state.params, dev) for _, dev in batches]
+        ref = [None if self.ref_params is None else self._logprobs(self.ref_params, dev) for _, dev in batches]
+        updates = []
         for _ in range(cfg.train.num_steps_per_rollout):
-            self.state, train_metrics = step_fn(self.state, device_batch, old_lp, ref_lp)
-        metrics = {k: float(v) for k, v in jax.device_get(train_metrics).items()}
-        metrics["batch/padding_efficiency"] = batch.layout.padding_efficiency
-        metrics["batch/real_tokens"] = float(batch.layout.real_tokens)
+            for (batch, device_batch), old_lp, ref_lp in zip(batches, old, ref):
+                step_fn = self._step_fn(sequences_bucket(batch.layout.max_sequences_per_micro_batch), single)
+                self.state, step_metrics = step_fn(self.state, device_batch, old_lp, ref_lp)
+                updates.append(step_metrics)
+        # Metrics of the optimizer steps of this rollout, averaged (one device->host transfer).
+        per_step = jax.device_get(updates)
+        metrics = {k: float(np.mean([m[k] for m in per_step])) for k in per_step[0]}
+        metrics["train/optimizer_steps"] = float(len(per_step))
+        metrics["batch/padding_efficiency"] = float(np.mean([b.layout.padding_efficiency for b, _ in batches]))
+        metrics["batch/real_tokens"] = float(sum(b.layout.real_tokens for b, _ in batches))
         metrics["batch/compiled_programs"] = float(self.compiled_programs())
         metrics["rollout/advantage_abs_mean"] = float(np.abs(advantages).mean())
         return metrics
