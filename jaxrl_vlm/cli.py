@@ -26,6 +26,9 @@ def _cmd_config(ns: argparse.Namespace, rest: list[str]) -> int:
 def _cmd_train(ns: argparse.Namespace, rest: list[str]) -> int:
     config_path, overrides = split_config_argv(rest)
     cfg = load_config(config_path, overrides)
+    from jaxrl_vlm.distributed import initialize_from_env_or_config
+
+    initialize_from_env_or_config(cfg.distributed)  # before anything touches a JAX backend
     from jaxrl_vlm.rl.trainer import train
 
     train(cfg)
@@ -188,6 +191,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="Seeds requests that carry no sampling_seed.")
     p.add_argument("--weight-version", default="default", help="Initial weight_version reported by the server.")
     p.set_defaults(func=_cmd_serve)
+
+    from jaxrl_vlm.bench.cli_args import add_bench_parser
+
+    add_bench_parser(sub)  # `jaxrl-vlm bench sharding ...` (parser only; jax is imported when it runs)
     return parser
 
 

@@ -55,7 +55,7 @@ class ModelConfig:
     hf_checkpoint: str | None = opt(None, "HF Qwen3-VL checkpoint directory (safetensors + config + tokenizer + processor).")
     param_dtype: str = opt("float32", "Dtype of the trainable parameters.", choices=("float32", "bfloat16"))
     compute_dtype: str = opt("float32", "Dtype of activations/matmuls (bfloat16 on GPU/TPU).", choices=("float32", "bfloat16"))
-    remat: str = opt("none", "Rematerialisation per decoder layer.", choices=("none", "full", "dots_saveable"))
+    remat: str = opt("none", "Rematerialisation per decoder layer.", choices=("none", "full"))
     attention_impl: str = opt("xla", "Attention implementation.", choices=("xla",))
     logprob_chunk_size: int = opt(512, "Sequence chunk for log-prob computation (bounds fp32 vocab logits memory).")
     make_tiny: bool = opt(False, "Create a tiny random Qwen3-VL at --hf-checkpoint if it has no config.json (CPU demo runs).")
@@ -119,7 +119,6 @@ class AlgoConfig:
     use_kl_loss: bool = opt(False, "Add a KL(policy || reference) loss term.")
     kl_loss_coef: float = opt(0.0, "Coefficient of the KL loss term.")
     kl_loss_type: str = opt("low_var_kl", "KL estimator.", choices=("k1", "k2", "k3", "low_var_kl"))
-    kl_coef: float = opt(0.0, "KL penalty folded into the reward (reward shaping).")
     entropy_coef: float = opt(0.0, "Entropy bonus coefficient.")
     use_tis: bool = opt(False, "Truncated importance sampling against rollout log-probs.")
     tis_clip: float = opt(2.0, "Upper clip of TIS weights.")
@@ -135,7 +134,6 @@ class TrainConfig:
     num_steps_per_rollout: int = opt(1, "Optimizer steps per rollout (>1 recomputes old log-probs).")
     seed: int = opt(1234, "Seed of parameter init, data order and the trainer RNG.")
     output_dir: str = opt("runs/default", "Where metrics, plots, exports and checkpoints go.")
-    log_interval: int = opt(1, "Steps between metric lines.")
 
 
 @dataclass
@@ -197,6 +195,15 @@ class CheckpointConfig:
     keep_checkpoints: int = opt(3, "How many recent checkpoints to keep.")
 
 
+@dataclass
+class DistributedConfig:
+    coordinator_address: str | None = opt(None, "host:port of process 0's jax.distributed coordinator (or env JAXRL_COORDINATOR).")
+    num_processes: int | None = opt(None, "Processes in the job (or env JAXRL_NUM_PROCESSES).")
+    process_id: int | None = opt(None, "This process's id, 0..num_processes-1 (or env JAXRL_PROCESS_ID).")
+    local_device_ids: list[int] = opt([], "Local devices this process uses (default all; or env JAXRL_LOCAL_DEVICE_IDS).")
+    distributed_auto: bool = opt(False, "Let jax detect the cluster: TPU pod, SLURM, Open MPI (or env JAXRL_DISTRIBUTED=auto).")
+
+
 SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "data": DataConfig,
@@ -209,6 +216,7 @@ SECTIONS: dict[str, type] = {
     "engine": EngineConfig,
     "mesh": MeshConfig,
     "checkpoint": CheckpointConfig,
+    "distributed": DistributedConfig,
 }
 
 
@@ -225,6 +233,7 @@ class Config:
     engine: EngineConfig = field(default_factory=EngineConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
     # Keys declared by the loaded env / generate module (CONFIG_KEYS) and set via --custom-config-path.
     extra: dict[str, Any] = field(default_factory=dict)
 

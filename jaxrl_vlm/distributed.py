@@ -133,7 +133,7 @@ def _check_address(address: str, name: str, where: str) -> str:
 
 def resolve_settings(config: Any = None, environ: Mapping[str, str] | None = None) -> DistributedSettings:
     """Settings from `config` (an object or mapping with `coordinator_address`, `num_processes`,
-    `process_id`, `local_device_ids`, `auto`) over the JAXRL_* environment (see the module docstring).
+    `process_id`, `local_device_ids`, `auto` or `distributed_auto`) over the JAXRL_* environment (see the module docstring).
 
     Pure: reads only its arguments (`environ` defaults to `os.environ`). A partial explicit setting
     (e.g. an address without a process id) is an error naming what is missing.
@@ -176,7 +176,7 @@ def resolve_settings(config: Any = None, environ: Mapping[str, str] | None = Non
         return DistributedSettings("explicit", address, num, pid, _parse_device_ids(local_ids, ids_name, where), where)
 
     mode = str(env.get(ENV_MODE, "")).strip().lower()
-    if _get(config, "auto") or mode == "auto":
+    if _get(config, "auto") or _get(config, "distributed_auto") or mode == "auto":
         return DistributedSettings("auto", source=f"{ENV_MODE}=auto" if mode == "auto" else "distributed config: auto")
     if mode not in ("", "off"):
         raise DistributedConfigError(f"environment: {ENV_MODE}={env.get(ENV_MODE)!r}; use 'auto' or 'off'")
@@ -189,9 +189,11 @@ def resolve_settings(config: Any = None, environ: Mapping[str, str] | None = Non
 def _backend_started() -> bool:
     # jax.distributed.initialize must run before the XLA backend exists; jax raises otherwise, but only
     # after it has half-configured its global state, so we check first to give an actionable message.
+    # Private API; if a jax version drops it we skip the early check and jax's own RuntimeError is raised.
     from jax._src import xla_bridge
 
-    return bool(xla_bridge.backends_are_initialized())
+    started = getattr(xla_bridge, "backends_are_initialized", None)
+    return bool(started()) if started is not None else False
 
 
 def process_info() -> ProcessInfo:

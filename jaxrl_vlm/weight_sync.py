@@ -7,8 +7,8 @@ with the `weight_version` -> continue (`SGLangClient.sync_weights_from_disk`). O
 after the engines acknowledged the new one. A sync that still fails after the retries stops the run with a
 clear error: training on by stale rollouts silently is worse than stopping.
 
-Multi-host export is not implemented yet (`push` refuses to run with several processes rather than
-writing a partial checkpoint); on one host any number of local devices works.
+Multi-host: every process calls `push` (gathering a sharded parameter is a collective); only process 0
+writes files and talks to the engines.
 """
 
 from __future__ import annotations
@@ -52,18 +52,25 @@ def version_dir(root: Path, version: int) -> Path:
 
 def export_version(model: Any, root: Path, version: int, *, dtype: Any = jnp.bfloat16, copy_from: str | None = None,
                    max_shard_bytes: int = 5 * 1024**3) -> Path:
-    """Export `model` (a `Qwen3VL`) to `root/weights_vNNNNNN/` atomically (temp dir + rename)."""
-    from jaxrl_vlm.models.hf_io import to_hf
+    """Export `model` (a `Qwen3VL`) to `root/weights_vNNNNNN/` atomically (temp dir + rename).
+
+    A collective with several processes: every process gathers each tensor, process 0 writes.
+    """
+    from jaxrl_vlm.distributed import barrier, export_hf, is_main_process
 
     final = version_dir(root, version)
     tmp = final.with_name(final.name + ".partial")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    root.mkdir(parents=True, exist_ok=True)
-    to_hf(model, tmp, dtype=dtype, copy_from=copy_from, max_shard_bytes=max_shard_bytes)
-    if final.exists():
-        shutil.rmtree(final)
-    tmp.rename(final)
+    main = is_main_process()
+    if main:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        root.mkdir(parents=True, exist_ok=True)
+    export_hf(model, tmp, dtype=dtype, copy_from=copy_from, max_shard_bytes=max_shard_bytes)
+    if main:
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+    barrier(f"export_version:{final.name}")
     return final
 
 
@@ -102,20 +109,18 @@ class WeightSyncer:
 
     async def push(self, model: Any, version: int) -> SyncReport:
         """Export `model` as `version` and load it into every engine (all of them, or none: see WeightSyncFailed)."""
-        if jax.process_count() > 1:
-            raise NotImplementedError(
-                "multi-host weight export (gather each tensor across processes, process 0 writes) is not implemented yet; "
-                "run the trainer as a single process (one host, any number of local devices)"
-            )
         t0 = time.perf_counter()
         path = export_version(model, self.root, version, dtype=self.dtype, copy_from=self.copy_from)
         export_s = time.perf_counter() - t0
-        report = SyncReport(version=version, path=path, export_s=export_s, sync_s=0.0, bytes_written=_dir_bytes(path), attempts=0)
+        main = jax.process_index() == 0
+        report = SyncReport(version=version, path=path, export_s=export_s, sync_s=0.0,
+                            bytes_written=_dir_bytes(path) if main else 0, attempts=0)
         t1 = time.perf_counter()
-        if self.client is not None:
+        if self.client is not None and main:
             await self._sync(report)
         report.sync_s = time.perf_counter() - t1
-        self._delete_old_versions(keep=version)
+        if main:
+            self._delete_old_versions(keep=version)
         self.history.append(report)
         return report
 

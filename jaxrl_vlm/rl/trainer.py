@@ -102,7 +102,7 @@ async def rollout_session(cfg: Config, model_dir: Path, serve_dir: Path, args: A
     Yields the SGLangClient; `args.rollout_context` is set for the episode functions. `serve_dir` holds the
     weights the embedded engine starts from (the resumed version after `--load`).
     """
-    from rollout.client import SGLangClient
+    from rollout.client import RetryPolicy, SGLangClient
     from rollout.driver import close_suspended
     from rollout.encoding import ChatEncoder
     from rollout.loading import load_module
@@ -112,10 +112,10 @@ async def rollout_session(cfg: Config, model_dir: Path, serve_dir: Path, args: A
     engine = None
     launched = None
     client: SGLangClient | None = None
+    client_options = dict(timeout_s=cfg.engine.engine_request_timeout, retry=RetryPolicy(max_retries=cfg.engine.engine_max_retries))
     try:
         if cfg.engine.engine_url:
-            client = SGLangClient(cfg.engine.engine_url, worker_urls=cfg.engine.engine_worker_urls or None,
-                                  timeout_s=cfg.engine.engine_request_timeout)
+            client = SGLangClient(cfg.engine.engine_url, worker_urls=cfg.engine.engine_worker_urls or None, **client_options)
         elif cfg.engine.launch_sglang:
             from jaxrl_vlm.sglang_launcher import SGLangProcess
 
@@ -123,7 +123,7 @@ async def rollout_session(cfg: Config, model_dir: Path, serve_dir: Path, args: A
                 cfg.engine.sglang_python or "", str(serve_dir), host=cfg.engine.engine_host, port=cfg.engine.engine_port,
                 extra_args=cfg.engine.sglang_args, log_path=Path(cfg.train.output_dir) / "sglang.log",
             )
-            client = SGLangClient(launched.start(), timeout_s=cfg.engine.engine_request_timeout)
+            client = SGLangClient(launched.start(), **client_options)
             await launched.wait_ready(client, timeout_s=cfg.engine.engine_start_timeout)
         else:
             from jaxrl_vlm.engine import EmbeddedEngine
@@ -134,7 +134,7 @@ async def rollout_session(cfg: Config, model_dir: Path, serve_dir: Path, args: A
                 param_dtype=cfg.model.param_dtype, compute_dtype=cfg.model.compute_dtype, seed=cfg.rollout.rollout_seed,
             )
             engine = EmbeddedEngine(str(serve_dir), host=cfg.engine.engine_host, port=cfg.engine.engine_port, config=engine_cfg)
-            client = SGLangClient(engine.start(), timeout_s=cfg.engine.engine_request_timeout)
+            client = SGLangClient(engine.start(), **client_options)
         await client.wait_healthy(timeout_s=cfg.engine.engine_start_timeout)
         encoder = ChatEncoder(load_tokenizer(model_dir), load_image_processor(model_dir))
         env_module = load_module(cfg.rollout.rollout_interaction_env_path, "--rollout-interaction-env-path")
@@ -211,6 +211,7 @@ class Trainer:
         model = from_hf(
             str(model_dir), param_dtype=jnp.dtype(cfg.model.param_dtype), shardings_for=placement,
             compute_dtype=jnp.dtype(cfg.model.compute_dtype), remat=cfg.model.remat != "none",
+            attention_impl=cfg.model.attention_impl,
         )
         self.model_cfg = model.cfg
         self.graphdef, params = nnx.split(model, nnx.Param)
@@ -263,7 +264,8 @@ class Trainer:
 
     def _batch(self, samples: list[Sample], advantages: np.ndarray) -> tuple[Any, Any]:
         from jaxrl_vlm.batching import build_train_batch
-        from jaxrl_vlm.sharding import batch_shardings, row_multiple
+        from jaxrl_vlm.distributed import global_batch
+        from jaxrl_vlm.sharding import row_multiple
 
         cfg = self.cfg
         batch = build_train_batch(
@@ -274,7 +276,9 @@ class Trainer:
             aggregation=cfg.algo.loss_aggregation, aggregation_constant=aggregation_constant(cfg),
             overlong_policy=cfg.batching.overlong_policy,
         )
-        return batch, jax.device_put(batch.arrays, batch_shardings(batch.arrays, self.mesh, self.rules))
+        # Each process uploads only the rows its devices hold (plain device_put would first gather and compare
+        # the whole batch across processes).
+        return batch, global_batch(batch.arrays, self.mesh, rules=self.rules)
 
     # -------------------------------------------------------------------------- one update
     def train_on(self, samples: list[Sample]) -> dict[str, float]:
@@ -315,15 +319,21 @@ class Trainer:
 
     # -------------------------------------------------------------------------- loop
     async def run(self) -> dict[str, Any]:
+        """The whole job. With several processes, process 0 runs the rollout (and logs, plots, talks to the
+        engine); every process trains on the broadcast samples, checkpoints its shards and joins the exports."""
         from jaxrl_vlm.checkpoint import CheckpointStore, abstract_like
         from jaxrl_vlm.data.geo3k import PromptIterator
-        from jaxrl_vlm.models.hf_io import to_hf
+        from jaxrl_vlm.distributed import barrier, broadcast_samples, export_hf, is_main_process
         from jaxrl_vlm.run_log import RunLog, plot_run
         from jaxrl_vlm.weight_sync import WeightSyncer
         from rollout.loading import load_function
         from rollout.metrics import rollout_metrics
 
         cfg = self.cfg
+        main = is_main_process()
+        if main:
+            prepare_assets(cfg)  # created once, by process 0 (a shared filesystem is assumed across hosts)
+        barrier("jaxrl_vlm.assets")
         model_dir, data_path = prepare_assets(cfg)
         prompts = PromptIterator(load_dataset(cfg, data_path), cfg.rollout.rollout_batch_size,
                                  shuffle=cfg.data.rollout_shuffle, seed=cfg.train.seed)
@@ -346,20 +356,21 @@ class Trainer:
         # A resumed run's engine must start from the resumed weights, not the original checkpoint.
         serve_dir = (await syncer.push(self.policy_model(), version)).path if start_step > 0 else model_dir
         rollout_fn = load_function(cfg.rollout.rollout_function_path, "--rollout-function-path")
-        log = RunLog(self.out_dir, total_steps=cfg.rollout.num_rollout)
+        log = RunLog(self.out_dir, total_steps=cfg.rollout.num_rollout) if main else None
+        session = rollout_session(cfg, model_dir, serve_dir, args) if main else contextlib.nullcontext()
         last: dict[str, Any] = {}
         try:
-            async with rollout_session(cfg, model_dir, serve_dir, args) as client:
+            async with session as client:
                 syncer.client = client
                 for step in range(start_step, cfg.rollout.num_rollout):
                     t0 = time.perf_counter()
-                    result = await rollout_fn(args, step, prompts)
-                    t_rollout = time.perf_counter() - t0
-                    metrics: dict[str, Any] = dict(rollout_metrics(result.samples, result))
-                    metrics["time/rollout_s"] = t_rollout
-                    if result.samples:
+                    result = await rollout_fn(args, step, prompts) if main else None
+                    samples = broadcast_samples(result.samples if main else None)
+                    metrics: dict[str, Any] = dict(rollout_metrics(result.samples, result)) if main else {}
+                    metrics["time/rollout_s"] = time.perf_counter() - t0
+                    if samples:
                         t1 = time.perf_counter()
-                        metrics.update(self.train_on(result.samples))
+                        metrics.update(self.train_on(samples))
                         metrics["time/train_s"] = time.perf_counter() - t1
                         version += 1
                         t2 = time.perf_counter()
@@ -368,11 +379,12 @@ class Trainer:
                             metrics["sync/export_s"] = report.export_s
                             metrics["sync/gbytes"] = report.bytes_written / 1e9
                         metrics["time/sync_s"] = time.perf_counter() - t2
-                    else:
+                    elif main:
                         logger.warning("step %d: no trainable samples (dropped %s); no update", step, dict(result.dropped))
                     metrics["time/step_s"] = time.perf_counter() - t0
                     metrics["weight_version"] = version
-                    log.log(step, metrics)
+                    if log is not None:
+                        log.log(step, metrics)
                     last = metrics
                     done = step + 1
                     if done == cfg.rollout.num_rollout or (cfg.checkpoint.save_interval and done % cfg.checkpoint.save_interval == 0):
@@ -380,11 +392,13 @@ class Trainer:
                             "prompt_iterator": prompts.state_dict(), "weight_version": version,
                             "next_group_index": int(getattr(args, "_next_group_index", 0)), "config": cfg.to_dict(),
                         })
-            to_hf(self.policy_model(), self.out_dir / "final_model", copy_from=str(model_dir))
-            plot_run(log.path, self.out_dir / "plots")
+            export_hf(self.policy_model(), self.out_dir / "final_model", copy_from=str(model_dir))
+            if log is not None:
+                plot_run(log.path, self.out_dir / "plots")
             return last
         finally:
-            log.close()
+            if log is not None:
+                log.close()
             ckpt.close()
 
 
