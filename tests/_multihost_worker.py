@@ -35,46 +35,13 @@ ROOT = Path(__file__).resolve().parents[1]
 MESH_CONFIG = ROOT / "configs" / "mesh" / "fsdp.yaml"
 
 
-def _image(seed: int, width: int, height: int) -> Any:
-    """Deterministic RGB test picture: smooth gradients plus seeded noise (PIL image)."""
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    yy, xx = np.mgrid[0:height, 0:width].astype(np.float32)
-    phase, freq = rng.uniform(0, 2 * np.pi, 3), rng.uniform(0.02, 0.2, (3, 2))
-    base = np.stack([127.5 + 90 * np.sin(freq[c, 0] * xx + freq[c, 1] * yy + phase[c]) for c in range(3)], -1)
-    noise = rng.integers(-30, 31, (height, width, 3))
-    return Image.fromarray(np.clip(base + noise, 0, 255).astype(np.uint8))
-
-
 def make_samples(model_dir: Path) -> list[Any]:
     """Two groups of 4 multi-turn samples (one group with an image), fixed tokens, log-probs and rewards."""
-    from rollout.encoding import ChatEncoder
-    from rollout.processing import image_to_data_url, load_image_processor, load_tokenizer
-    from rollout.sample import Sample, Status
+    from conftest import _test_image
 
-    enc = ChatEncoder(load_tokenizer(model_dir), load_image_processor(model_dir))
-    rng = np.random.default_rng(0)
-    samples = []
-    for g in range(2):
-        content: list[dict[str, Any]] = [{"type": "text", "text": f"Find x in figure {g}."}]
-        if g == 0:
-            content.insert(0, {"type": "image", "image": image_to_data_url(_image(g, 64, 96))})
-        prompt = [{"role": "user", "content": content}]
-        for i in range(4):
-            seg = enc.encode_prompt(prompt)
-            s = Sample(group_index=g, index=i, prompt=prompt, label="1")
-            s.set_prompt_tokens(seg.train_ids)
-            s.image_data = seg.image_data
-            s.multimodal_train_inputs = seg.mm_inputs
-            n = 5 + 3 * i + g
-            s.append_model_tokens(rng.integers(10, 900, size=n).tolist(), (-rng.uniform(0.1, 3.0, size=n)).tolist())
-            s.append_observation_tokens(enc.encode_observation([{"role": "user", "content": "more"}]).train_ids)
-            s.append_model_tokens([enc.vision.im_end], [-0.2])
-            s.reward = float((i + g) % 3)
-            s.set_status(Status.COMPLETED)
-            samples.append(s)
-    return samples
+    from _train_samples import train_samples
+
+    return train_samples(model_dir, _test_image)
 
 
 def train_config(model_dir: Path, output_dir: Path) -> Any:
@@ -90,38 +57,24 @@ def train_config(model_dir: Path, output_dir: Path) -> Any:
     ])
 
 
-def train_one_step(model_dir: Path, output_dir: Path, samples: list[Any], devices: list[Any],
-                   place_batch: Callable[[Any, Any], Any]) -> tuple[Any, dict[str, float]]:
-    """(trainer after one GRPO update, its metrics): `Trainer.build_policy` on `devices`, then the steps of
-    `Trainer.train_on` with the batch placed by `place_batch(host_arrays, trainer)`."""
-    import jax
-
-    from jaxrl_vlm.batching import build_train_batch
-    from jaxrl_vlm.rl.train_step import StepConfig, compile_train_step
-    from jaxrl_vlm.rl.trainer import Trainer, aggregation_constant, loss_config, sample_advantages, sequences_bucket
-    from jaxrl_vlm.sharding import batch_shardings, row_multiple
+def train_one_step(model_dir: Path, output_dir: Path, samples: list[Any], devices: list[Any]) -> tuple[Any, dict[str, float]]:
+    """(trainer after one GRPO update, its metrics): `Trainer.build_policy` on `devices`, then `Trainer.train_on`
+    (whose batch becomes global arrays from each process's own rows)."""
+    from jaxrl_vlm.rl.trainer import Trainer
 
     cfg = train_config(model_dir, output_dir)
     trainer = Trainer(cfg, devices=devices)
     trainer.build_policy(model_dir)
-    advantages = sample_advantages(samples, cfg)
-    batch = build_train_batch(
-        samples, advantages.astype(np.float32), trainer.model_cfg,
-        seq_buckets=cfg.batching.seq_buckets, row_buckets=cfg.batching.row_buckets,
-        patch_buckets=cfg.batching.patch_buckets, packing=cfg.batching.packing,
-        micro_batch_rows=cfg.train.micro_batch_size, row_multiple=row_multiple(trainer.mesh, trainer.rules),
-        aggregation=cfg.algo.loss_aggregation, aggregation_constant=aggregation_constant(cfg),
-        overlong_policy=cfg.batching.overlong_policy,
-    )
-    device_batch = place_batch(batch.arrays, trainer)
-    step_cfg = StepConfig(
-        loss_name=cfg.algo.policy_loss, loss=loss_config(cfg, sequences_bucket(batch.layout.max_sequences_per_micro_batch)),
-        logprob_chunk_size=cfg.model.logprob_chunk_size, need_entropy=cfg.algo.entropy_coef > 0,
-    )
-    step = compile_train_step(trainer.graphdef, trainer.tx, step_cfg, state_shardings=trainer.state_shardings,
-                              batch_shardings=lambda tree: batch_shardings(tree, trainer.mesh, trainer.rules))
-    trainer.state, metrics = step(trainer.state, device_batch)
-    return trainer, {k: float(np.asarray(v)) for k, v in jax.device_get(metrics).items()}
+    return trainer, trainer.train_on(samples)
+
+
+def uploaded_token_rows(trainer: Any, num_rows: int) -> list[int]:
+    """Rows of a [K, R, T] batch array that this process's devices hold (what `global_batch` uploads)."""
+    from jaxrl_vlm import distributed
+    from jaxrl_vlm.sharding import batch_sharding
+
+    rows = distributed.process_local_index(batch_sharding(trainer.mesh, trainer.rules), (1, num_rows, 1))[1]
+    return list(range(num_rows)) if isinstance(rows, slice) else rows.tolist()
 
 
 def flat_params(params: Any, to_numpy: Callable[[Any], np.ndarray]) -> dict[str, np.ndarray]:
@@ -181,17 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     chunked = distributed.broadcast_bytes(blob if distributed.is_main_process() else None, max_chunk_bytes=1024)
     lap("samples_and_broadcast")
 
-    uploaded: dict[str, list[int]] = {}
-
-    def place(arrays: Any, trainer: Any) -> Any:
-        from jaxrl_vlm.sharding import batch_shardings
-
-        shardings = batch_shardings(arrays, trainer.mesh, trainer.rules)
-        rows = distributed.process_local_index(shardings.tokens, arrays.tokens.shape)[1]
-        uploaded["token_rows"] = list(range(arrays.tokens.shape[1])) if isinstance(rows, slice) else rows.tolist()
-        return distributed.global_batch(arrays, trainer.mesh, shardings)
-
-    trainer, metrics = train_one_step(args.model_dir, args.work_dir / f"run_{pid}", samples, jax.devices(), place)
+    trainer, metrics = train_one_step(args.model_dir, args.work_dir / f"run_{pid}", samples, jax.devices())
+    uploaded = {"token_rows": uploaded_token_rows(trainer, int(metrics["batch/rows_per_micro_batch"]))}
     lap("build_and_train_step")
     params = flat_params(trainer.state.params, distributed.gather_for_export)
     lap("gather")

@@ -189,7 +189,6 @@ def test_two_processes_train_step_equals_single_process(tmp_path):
     from safetensors.numpy import load_file
 
     from jaxrl_vlm.models.hf_io import from_hf, to_hf
-    from jaxrl_vlm.sharding import put_batch
     from jaxrl_vlm.tiny import make_tiny
 
     model_dir = make_tiny(tmp_path / "model", seed=3)
@@ -201,8 +200,7 @@ def test_two_processes_train_step_equals_single_process(tmp_path):
         # The single-process reference runs while the workers start up.
         assert len(jax.devices()) == NUM_PROCESSES * LOCAL_DEVICES
         samples = worker.make_samples(model_dir)
-        ref, ref_metrics = worker.train_one_step(model_dir, tmp_path / "ref", samples, jax.devices(),
-                                                 lambda arrays, t: put_batch(arrays, t.mesh, t.rules))
+        ref, ref_metrics = worker.train_one_step(model_dir, tmp_path / "ref", samples, jax.devices())
         ref_params = worker.flat_params(ref.state.params, np.asarray)
         to_hf(ref.policy_model(), tmp_path / "ref_export", dtype=np.float32)
         init_params = worker.flat_params(nnx.state(from_hf(str(model_dir)), nnx.Param), np.asarray)

@@ -309,6 +309,7 @@ class Trainer:
         metrics = {k: float(np.mean([m[k] for m in per_step])) for k in per_step[0]}
         metrics["train/optimizer_steps"] = float(len(per_step))
         metrics["batch/padding_efficiency"] = float(np.mean([b.layout.padding_efficiency for b, _ in batches]))
+        metrics["batch/rows_per_micro_batch"] = float(batches[0][0].arrays.tokens.shape[1])
         metrics["batch/real_tokens"] = float(sum(b.layout.real_tokens for b, _ in batches))
         metrics["batch/compiled_programs"] = float(self.compiled_programs())
         metrics["rollout/advantage_abs_mean"] = float(np.abs(advantages).mean())
