@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from _hf_tiny import spread_weights
 from flax import nnx
 
 from jaxrl_vlm.engine import EmbeddedEngine, EngineConfig
@@ -43,18 +44,8 @@ GREEDY = {"temperature": 0.0, "max_new_tokens": 24}
 
 
 def _spread_weights(model: torch.nn.Module, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for key, p in model.named_parameters():
-            if key.endswith("norm.weight") or "norm1.weight" in key or "norm2.weight" in key or "layernorm.weight" in key:
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
-            elif key.endswith(".bias"):
-                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
-            elif "embed_tokens" in key or "pos_embed" in key:
-                # Small tied embeddings: large ones make the model copy its last input token forever.
-                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) / np.sqrt(int(np.prod(p.shape[1:]))))
+    # Small tied embeddings: large ones make the model copy its last input token forever.
+    spread_weights(model, seed, embed_std=0.1)
 
 
 @pytest.fixture(scope="module")
