@@ -1,0 +1,104 @@
+"""Model shapes the benchmark accepts, and the analytic FLOPs of one train step.
+
+Why analytic FLOPs: XLA's `compiled.cost_analysis()` counts a `while` body once, whatever its trip
+count (measured: a 16-step `lax.scan` of matmuls reports the FLOPs of one step), and the train step
+has two loops (micro-batch scan, chunked log-prob map). MFU is therefore computed from model FLOPs
+(PaLM's convention), which also leave out rematerialisation; the raw cost-analysis number is reported
+next to it.
+
+Model FLOPs of one step over a (K, R, T, P) batch, forward x 3 (backward = 2 x forward):
+  text    2 * K*R*T * (per-layer matmul weights * L + lm head D*V)
+          + 4 * K*R*T*T * H*hd * L              (QK^T and PV over every row's full T x T, as computed)
+  vision  2 * K*P * (patch embed + per-block weights * depth) + 2 * K*P/m * merger weights * (1 + deepstack)
+          + 4 * K*P*P * Hv*hdv * depth          (full P x P per micro-batch, masked by image)
+Padding slots are computed, so they are counted: this is the work the program does, not the work a
+perfectly packed batch would need (`batching` reports padding efficiency separately).
+"""
+
+from __future__ import annotations
+
+from jaxrl_vlm.models.config import Qwen3VLConfig, TextConfig, VisionConfig
+
+MODEL_SHAPES: tuple[str, ...] = ("tiny", "small", "qwen3_vl_2b")
+
+
+def small_model_config() -> Qwen3VLConfig:
+    """A few layers at hidden 256 (4 heads of 64, GQA 2): compiles in seconds, shards over 8 devices."""
+    vocab = 8192
+    return Qwen3VLConfig(
+        text=TextConfig(
+            vocab_size=vocab,
+            hidden_size=256,
+            intermediate_size=768,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            mrope_section=(12, 10, 10),  # Qwen3-VL's 24:20:20 split of the rotary half (32)
+        ),
+        vision=VisionConfig(
+            depth=2,
+            hidden_size=128,
+            intermediate_size=512,
+            num_heads=2,
+            out_hidden_size=256,
+            num_position_embeddings=256,
+            deepstack_visual_indexes=(0, 1),
+        ),
+        image_token_id=vocab - 4,
+        video_token_id=vocab - 3,
+        vision_start_token_id=vocab - 2,
+        vision_end_token_id=vocab - 1,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+
+
+def model_config(name: str) -> Qwen3VLConfig:
+    """`tiny` (the make-tiny model), `small` (hidden 256) or `qwen3_vl_2b` (the real 2B architecture)."""
+    if name == "tiny":
+        from jaxrl_vlm.tiny import tiny_model_config
+
+        return tiny_model_config()
+    if name == "small":
+        return small_model_config()
+    if name == "qwen3_vl_2b":
+        from jaxrl_vlm.models.config import qwen3_vl_2b_instruct
+
+        return qwen3_vl_2b_instruct()
+    raise ValueError(f"unknown model shape {name!r}; choose one of {MODEL_SHAPES}")
+
+
+def text_layer_weights(t: TextConfig) -> int:
+    """Matmul weights of one decoder layer: q, k, v, o projections and the gated MLP."""
+    attn = t.hidden_size * t.head_dim * (2 * t.num_attention_heads + 2 * t.num_key_value_heads)
+    return attn + 3 * t.hidden_size * t.intermediate_size
+
+
+def vision_block_weights(v: VisionConfig) -> int:
+    """Matmul weights of one ViT block: q, k, v, o (each D x D) and fc1/fc2."""
+    return 4 * v.hidden_size * v.hidden_size + 2 * v.hidden_size * v.intermediate_size
+
+
+def merger_weights(cfg: Qwen3VLConfig) -> int:
+    m = cfg.vision.hidden_size * cfg.vision.merge_unit
+    return m * m + m * cfg.vision.out_hidden_size
+
+
+def forward_flops(cfg: Qwen3VLConfig, shape_key: tuple[int, int, int, int]) -> dict[str, float]:
+    """Forward FLOPs of one step's batch, split into text and vision matmuls and attention."""
+    k, r, t, p = shape_key
+    tc, vc = cfg.text, cfg.vision
+    slots = k * r * t
+    text_mm = 2.0 * slots * (text_layer_weights(tc) * tc.num_hidden_layers + tc.hidden_size * tc.vocab_size)
+    text_attn = 4.0 * k * r * t * t * tc.num_attention_heads * tc.head_dim * tc.num_hidden_layers
+    patches = k * p
+    vision_mm = 2.0 * patches * (vc.patch_dim * vc.hidden_size + vision_block_weights(vc) * vc.depth)
+    vision_mm += 2.0 * (patches // vc.merge_unit) * merger_weights(cfg) * (1 + len(vc.deepstack_visual_indexes))
+    vision_attn = 4.0 * k * p * p * vc.num_heads * vc.head_dim * vc.depth
+    return {"text_matmul": text_mm, "text_attention": text_attn, "vision_matmul": vision_mm, "vision_attention": vision_attn}
+
+
+def train_step_flops(cfg: Qwen3VLConfig, shape_key: tuple[int, int, int, int]) -> float:
+    """Model FLOPs of one optimizer step (forward + backward, no recompute) over the whole batch."""
+    return 3.0 * sum(forward_flops(cfg, shape_key).values())
