@@ -95,6 +95,12 @@ def _count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
+def _flop(n: float | None) -> str:
+    if n is None:
+        return "n/a"
+    return f"{n / 1e12:.2f} TFLOP" if n >= 1e11 else f"{n / 1e9:.2f} GFLOP"
+
+
 def _gib(n: float | None) -> str:
     return "n/a" if n is None else f"{n / 2**30:.1f} GiB"
 
@@ -143,9 +149,9 @@ def train_step_stage(args: argparse.Namespace, devices: list) -> Stage:
     stage.status = "pass"
     stage.lines += [
         f"step time {r.step_ms:.1f} ms (median of {args.steps}; compile {r.compile_s:.1f} s), {r.tokens_per_s:,.0f} real tokens/s",
-        f"model FLOPs {r.model_flops / 1e12:.2f} TFLOP/step -> {r.tflops_per_device:.1f} TFLOP/s "
-        f"(XLA cost analysis {0 if r.hlo_flops is None else r.hlo_flops / 1e12:.2f} TFLOP, loop bodies once)",
-        "MFU " + (f"{100 * r.mfu:.1f}% of the measured matmul peak ({r.peak_tflops_measured:.0f} TFLOP/s), " if r.mfu else "")
+        f"model FLOPs {_flop(r.model_flops)}/step -> {_flop(achieved)}/s "
+        f"(XLA cost analysis {_flop(r.hlo_flops)}, which counts loop bodies once)",
+        "MFU " + (f"{100 * r.mfu:.1f}% of the measured matmul peak ({_flop(r.peak_tflops_measured * 1e12)}/s), " if r.mfu else "")
         + f"{100 * mfu_989:.1f}% of 989 TFLOP/s (H100/H200 bf16 dense)"
         + ("" if args.dry_run else f"; target >= {100 * MFU_TARGET:.0f}%: {'met' if mfu_989 >= MFU_TARGET else 'NOT met'}"),
         f"memory per device: compiled {_gib(r.peak_bytes)} (arguments {_gib(r.arg_bytes)}, temporaries {_gib(r.temp_bytes)}), "
