@@ -16,7 +16,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import jax
-import numpy as np
 import pytest
 
 from jaxrl_vlm.bench import flops as flops_lib

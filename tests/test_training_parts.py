@@ -3,7 +3,6 @@ and `--launch-sglang` starting SGLang from its own interpreter."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import subprocess
