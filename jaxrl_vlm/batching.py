@@ -36,7 +36,7 @@ import numpy as np
 from jaxrl_vlm.models.config import Qwen3VLConfig
 from jaxrl_vlm.models.rope import get_rope_index_packed
 from jaxrl_vlm.models.vision import VisionInputs, build_vision_inputs
-from jaxrl_vlm.rl.losses import aggregation_weights
+from jaxrl_vlm.rl.aggregation import aggregation_weights
 from rollout.sample import Sample
 
 OVERLONG_POLICIES = ("error", "truncate")
