@@ -526,3 +526,11 @@ def test_bench_script_runs_and_packing_beats_padding(capsys):
     for packed, plain in zip(results["packing"], results["padding"]):
         assert packed.layout.real_tokens == plain.layout.real_tokens
         assert packed.layout.padding_efficiency > plain.layout.padding_efficiency
+
+
+def test_batching_is_host_only_and_imports_no_jax():
+    import subprocess
+    import sys
+
+    code = "import sys, jaxrl_vlm.batching, jaxrl_vlm.rl.advantages; assert 'jax' not in sys.modules, 'jax imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,42 +1,27 @@
-"""Flax NNX Qwen3-VL: config, host-side positions, model, HF checkpoint import/export."""
+"""Flax NNX Qwen3-VL: config, host-side positions, model, HF checkpoint import/export.
 
-from jaxrl_vlm.models.config import (
-    ConfigError,
-    Qwen3VLConfig,
-    TextConfig,
-    VisionConfig,
-    from_hf_dict,
-    qwen3_vl_2b_instruct,
-)
-from jaxrl_vlm.models.hf_io import CheckpointError, from_hf, load_hf_config, param_count, to_hf
-from jaxrl_vlm.models.qwen3_vl import Qwen3VL, attention, token_logprobs
-from jaxrl_vlm.models.rope import (
-    get_rope_index,
-    get_rope_index_packed,
-    vision_pos_embed_interp,
-    vision_rotary_positions,
-)
-from jaxrl_vlm.models.vision import VisionInputs, build_vision_inputs
+Names are resolved lazily (PEP 562) so that the numpy-only submodules (`config`, `rope`, `vision`) can be
+imported by host-side code (batching, rollout hosts) without importing jax.
+"""
 
-__all__ = [
-    "CheckpointError",
-    "ConfigError",
-    "Qwen3VL",
-    "Qwen3VLConfig",
-    "TextConfig",
-    "VisionConfig",
-    "VisionInputs",
-    "attention",
-    "build_vision_inputs",
-    "from_hf",
-    "from_hf_dict",
-    "get_rope_index",
-    "get_rope_index_packed",
-    "load_hf_config",
-    "param_count",
-    "qwen3_vl_2b_instruct",
-    "to_hf",
-    "token_logprobs",
-    "vision_pos_embed_interp",
-    "vision_rotary_positions",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "ConfigError": "config", "Qwen3VLConfig": "config", "TextConfig": "config", "VisionConfig": "config",
+    "from_hf_dict": "config", "qwen3_vl_2b_instruct": "config",
+    "CheckpointError": "hf_io", "from_hf": "hf_io", "load_hf_config": "hf_io", "param_count": "hf_io", "to_hf": "hf_io",
+    "Qwen3VL": "qwen3_vl", "attention": "qwen3_vl", "token_logprobs": "qwen3_vl",
+    "get_rope_index": "rope", "get_rope_index_packed": "rope", "vision_pos_embed_interp": "rope",
+    "vision_rotary_positions": "rope",
+    "VisionInputs": "vision", "build_vision_inputs": "vision",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'jaxrl_vlm.models' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"jaxrl_vlm.models.{_EXPORTS[name]}"), name)

@@ -1,45 +1,27 @@
-"""RL math of the trainer: advantage estimators (host, numpy) and the policy-loss registry (jnp)."""
+"""RL math of the trainer: advantage estimators and aggregation (host, numpy) and the loss registry (jnp).
 
-from jaxrl_vlm.rl.advantages import (
-    compute_advantages,
-    get_advantage_estimator,
-    kl_reward_penalty,
-    register_advantage,
-    registered_advantage_estimators,
-)
-from jaxrl_vlm.rl.losses import (
-    AGGREGATION_MODES,
-    KL_TYPES,
-    METRIC_KINDS,
-    LossConfig,
-    LossInputs,
-    accumulate_metrics,
-    aggregation_weights,
-    check_loss_inputs,
-    finalize_metrics,
-    get_loss,
-    kl_estimate,
-    register_loss,
-    registered_losses,
-)
+Names are resolved lazily (PEP 562): importing a numpy-only submodule (`advantages`, `aggregation`) never
+imports jax.
+"""
 
-__all__ = [
-    "AGGREGATION_MODES",
-    "KL_TYPES",
-    "METRIC_KINDS",
-    "LossConfig",
-    "LossInputs",
-    "accumulate_metrics",
-    "aggregation_weights",
-    "check_loss_inputs",
-    "compute_advantages",
-    "finalize_metrics",
-    "get_advantage_estimator",
-    "get_loss",
-    "kl_estimate",
-    "kl_reward_penalty",
-    "register_advantage",
-    "register_loss",
-    "registered_advantage_estimators",
-    "registered_losses",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    **dict.fromkeys(
+        ["compute_advantages", "get_advantage_estimator", "kl_reward_penalty", "register_advantage",
+         "registered_advantage_estimators"], "advantages"),
+    **dict.fromkeys(["AGGREGATION_MODES", "aggregation_weights"], "aggregation"),
+    **dict.fromkeys(
+        ["KL_TYPES", "METRIC_KINDS", "LossConfig", "LossInputs", "accumulate_metrics", "check_loss_inputs",
+         "finalize_metrics", "get_loss", "kl_estimate", "register_loss", "registered_losses"], "losses"),
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'jaxrl_vlm.rl' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"jaxrl_vlm.rl.{_EXPORTS[name]}"), name)
