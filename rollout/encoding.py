@@ -56,6 +56,16 @@ class EncodedSegment:
     text: str = ""
 
 
+def compact_pad_runs(ids: Sequence[int], pad: int) -> list[int]:
+    """Every run of `pad` in `ids` collapsed to a single `pad` (expanded image placeholders -> compact)."""
+    out: list[int] = []
+    for token in ids:
+        if token == pad and out and out[-1] == pad:
+            continue
+        out.append(int(token))
+    return out
+
+
 def message_images(messages: Sequence[dict[str, Any]]) -> list[Any]:
     """Image items of chat messages, in the order the template places their placeholders."""
     images = []
@@ -122,13 +132,7 @@ class ChatEncoder:
 
     def compact_image_pads(self, expanded_ids: Sequence[int]) -> list[int]:
         """Training view -> wire view: every run of pads collapses to one pad."""
-        pad = self.vision.image_pad
-        out: list[int] = []
-        for token in expanded_ids:
-            if token == pad and out and out[-1] == pad:
-                continue
-            out.append(int(token))
-        return out
+        return compact_pad_runs(expanded_ids, self.vision.image_pad)
 
     def _encode_images(self, items: list[Any]) -> tuple[list[str], dict[str, np.ndarray] | None]:
         if not items:

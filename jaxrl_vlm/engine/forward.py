@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_vlm.models.config import Qwen3VLConfig
-from jaxrl_vlm.models.qwen3_vl import Qwen3VL, attention, mrope_cos_sin
+from jaxrl_vlm.models.qwen3_vl import Qwen3VL, add_at_slots, attention, mrope_cos_sin
 from jaxrl_vlm.models.vision import VisionInputs
 
 
@@ -66,14 +66,7 @@ def prefill(
     attended to and masks everything after it, so that garbage is never read.
     """
     _, t = tokens_1t.shape
-    d = model.cfg.text.hidden_size
-    x = model.embed(tokens_1t)
-    deepstack: list[jax.Array] = []
-    image_slots = None
-    if vision is not None:
-        merged, deepstack = model.visual(vision)
-        image_slots = jnp.where(vision.image_token_index < 0, t, vision.image_token_index)
-        x = x.reshape(t, d).at[image_slots].set(merged.astype(x.dtype), mode="drop").reshape(1, t, d)
+    x, deepstack, image_slots = model.embed_inputs(tokens_1t, vision)
     cos, sin = mrope_cos_sin(positions_31t, model.cfg, model.compute_dtype)
     idx = jnp.arange(t)
     causal = (idx[:, None] >= idx[None, :])[None]
@@ -85,7 +78,7 @@ def prefill(
         x = x + layer.attn.output(attention(q, k, v, causal, layer.attn.scale))
         x = x + layer.mlp(layer.post_attn_norm(x))
         if i < len(deepstack):
-            x = x.reshape(t, d).at[image_slots].add(deepstack[i].astype(x.dtype), mode="drop").reshape(1, t, d)
+            x = add_at_slots(x, image_slots, deepstack[i])
     hidden = model.final_norm(x)[0]
     last = jax.lax.dynamic_slice_in_dim(hidden, length - 1, 1, axis=0)
     return KVCache(k_all, v_all), _logits(model, last)[0]

@@ -15,13 +15,13 @@ from __future__ import annotations
 import math
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import numpy as np
 
 from jaxrl_vlm.models.config import Qwen3VLConfig
 from jaxrl_vlm.models.rope import get_rope_index
-from rollout.encoding import ChatEncoder
+from rollout.encoding import ChatEncoder, compact_pad_runs
 from rollout.sglang_wire import GENERATE_KEYS, SAMPLING_KEYS
 from rollout.processing import ImageDecodeError, load_image, process_images
 
@@ -333,23 +333,13 @@ class PromptPreparer:
         self.cfg = cfg
         self.encoder = ChatEncoder(tokenizer, image_processor) if image_processor is not None else None
 
-    def _compact(self, ids: Sequence[int]) -> list[int]:
-        """Every run of image pads becomes one pad (SGLang's legacy path accepts both forms)."""
-        pad = self.cfg.image_token_id
-        out: list[int] = []
-        for t in ids:
-            if t == pad and out and out[-1] == pad:
-                continue
-            out.append(int(t))
-        return out
-
     def prepare(self, raw: RawGenerate) -> GenerateRequest:
         ids = list(self.tokenizer.encode(raw.text)) if raw.text is not None else list(raw.input_ids or [])
         if not ids:
             raise RequestError("the prompt is empty after tokenization")
         if self.cfg.video_token_id in ids:
             raise RequestError(f"input contains video pad tokens (id {self.cfg.video_token_id}); video input is not supported")
-        compact = self._compact(ids)
+        compact = compact_pad_runs(ids, self.cfg.image_token_id)  # SGLang's legacy path accepts both forms
         n_pads = sum(1 for t in compact if t == self.cfg.image_token_id)
         if n_pads != len(raw.image_data):
             raise RequestError(

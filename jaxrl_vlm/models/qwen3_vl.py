@@ -408,16 +408,7 @@ class Qwen3VL(nnx.Module):
         vision: VisionInputs | None = None,
     ) -> jax.Array:
         b, t = tokens.shape
-        d = self.cfg.text.hidden_size
-        x = self.embed(tokens)
-        deepstack: list[jax.Array] = []
-        slots = None
-        if vision is not None:
-            merged, deepstack = self.visual(vision)
-            slots = vision.image_token_index
-            slots = jnp.where(slots < 0, b * t, slots)  # out of range -> dropped by the scatter
-            x = x.reshape(b * t, d).at[slots].set(merged.astype(x.dtype), mode="drop").reshape(b, t, d)
-
+        x, deepstack, slots = self.embed_inputs(tokens, vision)
         cos, sin = mrope_cos_sin(positions, self.cfg, self.compute_dtype)
         idx = jnp.arange(t)
         mask = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (idx[:, None] >= idx[None, :])[None]
@@ -425,13 +416,37 @@ class Qwen3VL(nnx.Module):
         for i, layer in enumerate(self.layers):
             x = run(layer, x, cos, sin, mask)
             if i < len(deepstack):
-                x = x.reshape(b * t, d).at[slots].add(deepstack[i].astype(x.dtype), mode="drop").reshape(b, t, d)
+                x = add_at_slots(x, slots, deepstack[i])
         return self.final_norm(x)
+
+    def embed_inputs(
+        self, tokens_bt: jax.Array, vision: VisionInputs | None
+    ) -> tuple[jax.Array, list[jax.Array], jax.Array | None]:
+        """Token embeddings [B, T, D] with the merged image features written at the image-pad slots.
+
+        Also returns the deepstack features (added after decoder layer k) and the flat [B*T] slots they go to;
+        padding slots point past the end and are dropped by the scatters.
+        """
+        b, t = tokens_bt.shape
+        x = self.embed(tokens_bt)
+        if vision is None:
+            return x, [], None
+        merged, deepstack = self.visual(vision)
+        slots = jnp.where(vision.image_token_index < 0, b * t, vision.image_token_index)
+        d = x.shape[-1]
+        x = x.reshape(b * t, d).at[slots].set(merged.astype(x.dtype), mode="drop").reshape(b, t, d)
+        return x, deepstack, slots
 
     def logits(self, hidden_btd: jax.Array) -> jax.Array:
         """Full-vocabulary logits [B, T, V] in fp32 (use `token_logprobs` for training)."""
         kernel = self.lm_head_kernel().astype(self.compute_dtype)
         return jnp.einsum("btd,dv->btv", hidden_btd.astype(self.compute_dtype), kernel, preferred_element_type=jnp.float32)
+
+
+def add_at_slots(x_btd: jax.Array, slots: jax.Array, values: jax.Array) -> jax.Array:
+    """x with `values` [M, D] added at the flat [B*T] positions `slots` (out-of-range slots dropped)."""
+    b, t, d = x_btd.shape
+    return x_btd.reshape(b * t, d).at[slots].add(values.astype(x_btd.dtype), mode="drop").reshape(b, t, d)
 
 
 def token_logprobs(
