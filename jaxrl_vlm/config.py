@@ -185,6 +185,11 @@ class MeshConfig:
     mesh_fsdp: int = opt(1, "Size of the fsdp axis (-1: fill).")
     mesh_tensor: int = opt(1, "Size of the tensor axis (-1: fill).")
     sharding_rules: dict[str, Any] = opt({}, "Logical axis name -> mesh axis (or list of axes, or null) overrides.")
+    activation_constraints: bool = opt(
+        True,
+        "Constrain activations to batch-row sharding at every layer, so FSDP gathers weights instead of "
+        "all-reducing activations; false leaves the choice to XLA's sharding propagation.",
+    )
 
 
 @dataclass

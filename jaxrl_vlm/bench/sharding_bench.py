@@ -48,6 +48,7 @@ from jaxrl_vlm.models.config import Qwen3VLConfig
 from jaxrl_vlm.models.qwen3_vl import Qwen3VL
 from jaxrl_vlm.sharding import (
     MESH_AXES,
+    Rules,
     ShardingError,
     batch_shardings,
     build_mesh,
@@ -319,8 +320,9 @@ def bench_batch(samples: list[Sample], model_cfg: Qwen3VLConfig, cfg: Config, op
     )
 
 
-def step_config(cfg: Config, batch: TrainBatch) -> Any:
-    """The trainer's StepConfig for this batch (loss registry entry, loss options, chunking)."""
+def step_config(cfg: Config, batch: TrainBatch, mesh: jax.sharding.Mesh, rules: Rules) -> Any:
+    """The trainer's StepConfig for this batch (loss registry entry, loss options, chunking, activation constraints)."""
+    from jaxrl_vlm.models.activation_sharding import ActivationSharding
     from jaxrl_vlm.rl.train_step import StepConfig
     from jaxrl_vlm.rl.trainer import loss_config, sequences_bucket
 
@@ -331,6 +333,7 @@ def step_config(cfg: Config, batch: TrainBatch) -> Any:
         logprob_chunk_size=cfg.model.logprob_chunk_size,
         need_entropy=cfg.algo.entropy_coef > 0,
         old_from_current=cfg.train.num_steps_per_rollout == 1,
+        activations=ActivationSharding.from_config(cfg.mesh, mesh, rules),
     )
 
 
@@ -417,7 +420,7 @@ def bench_layout(
 
     plan = plan_state(model_cfg, cfg, mesh, rules)
     res.param_bytes = param_bytes_per_device(plan.abstract.params, mesh, rules)
-    fn = partial(train_step, plan.graphdef, plan.tx, step_config(cfg, batch))
+    fn = partial(train_step, plan.graphdef, plan.tx, step_config(cfg, batch, mesh, rules))
     jitted = jax.jit(fn, in_shardings=(plan.shardings, b_sh, None, None), out_shardings=(plan.shardings, None), donate_argnums=(0,))
     abstract_batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch.arrays)
     t0 = time.perf_counter()

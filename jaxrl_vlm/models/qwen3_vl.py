@@ -24,6 +24,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxrl_vlm.models.activation_sharding import (
+    PATCH_HEADS,
+    PATCH_HIDDEN,
+    PATCH_LOGITS,
+    PATCH_MLP,
+    ROWS_HIDDEN,
+    ROWS_KV,
+    ROWS_MLP,
+    ROWS_Q,
+    ROWS_VOCAB,
+    constrain,
+)
 from jaxrl_vlm.models.config import Qwen3VLConfig
 from jaxrl_vlm.models.rope import mrope_frequency_axis, rope_inv_freq
 from jaxrl_vlm.models.vision import VisionInputs
@@ -86,17 +98,27 @@ def mrope_cos_sin(positions_3bt: jax.Array, cfg: Qwen3VLConfig, dtype: jnp.dtype
     return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float) -> jax.Array:
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array,
+    scale: float,
+    logits_names: tuple[str | None, ...] | None = None,
+) -> jax.Array:
     """Grouped-query softmax attention (XLA einsums, softmax in fp32).
 
     q [B, Tq, N, H], k/v [B, Tk, K, H] with N = K * G (query head n uses kv head n // G),
     mask bool [B, Tq, Tk] (True = may attend). Returns [B, Tq, N, H] in q's dtype.
+    `logits_names`: logical names of the [B, K, G, Tq, Tk] logits, to pin their sharding (see `constrain`).
     """
     b, tq, n, h = q.shape
     kv = k.shape[2]
     qg = q.reshape(b, tq, kv, n // kv, h)
     logits = jnp.einsum("bqkgh,bskh->bkgqs", qg, k, preferred_element_type=jnp.float32) * scale
     logits = jnp.where(mask[:, None, None], logits, _NEG_INF)
+    if logits_names is not None:
+        logits = constrain(logits, logits_names)
     probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgqs,bskh->bqkgh", probs, v)
     return out.reshape(b, tq, n, h)
@@ -155,16 +177,17 @@ class TextAttention(nnx.Module):
         """x [B, T, D] -> roped q [B, T, N, H], roped k [B, T, K, H], v [B, T, K, H]."""
         cd = self.compute_dtype
         x = x_btd.astype(cd)
-        q = jnp.einsum("btd,dnh->btnh", x, self.q_kernel_dnh[...].astype(cd))
-        k = jnp.einsum("btd,dkh->btkh", x, self.k_kernel_dkh[...].astype(cd))
-        v = jnp.einsum("btd,dkh->btkh", x, self.v_kernel_dkh[...].astype(cd))
+        q = constrain(jnp.einsum("btd,dnh->btnh", x, self.q_kernel_dnh[...].astype(cd)), ROWS_Q)
+        k = constrain(jnp.einsum("btd,dkh->btkh", x, self.k_kernel_dkh[...].astype(cd)), ROWS_KV)
+        v = constrain(jnp.einsum("btd,dkh->btkh", x, self.v_kernel_dkh[...].astype(cd)), ROWS_KV)
         q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = cos[:, :, None, :], sin[:, :, None, :]
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
     def output(self, o_btnh: jax.Array) -> jax.Array:
         cd = self.compute_dtype
-        return jnp.einsum("btnh,nhd->btd", o_btnh.astype(cd), self.o_kernel_nhd[...].astype(cd))
+        o = constrain(o_btnh.astype(cd), ROWS_Q)
+        return constrain(jnp.einsum("btnh,nhd->btd", o, self.o_kernel_nhd[...].astype(cd)), ROWS_HIDDEN)
 
     def __call__(self, x_btd: jax.Array, cos: jax.Array, sin: jax.Array, mask_btt: jax.Array) -> jax.Array:
         q, k, v = self.project(x_btd, cos, sin)
@@ -185,9 +208,10 @@ class TextMLP(nnx.Module):
     def __call__(self, x_btd: jax.Array) -> jax.Array:
         cd = self.compute_dtype
         x = x_btd.astype(cd)
-        gate = jnp.einsum("btd,df->btf", x, self.gate_kernel_df[...].astype(cd))
-        up = jnp.einsum("btd,df->btf", x, self.up_kernel_df[...].astype(cd))
-        return jnp.einsum("btf,fd->btd", _activation(self.act_name)(gate) * up, self.down_kernel_fd[...].astype(cd))
+        gate = constrain(jnp.einsum("btd,df->btf", x, self.gate_kernel_df[...].astype(cd)), ROWS_MLP)
+        up = constrain(jnp.einsum("btd,df->btf", x, self.up_kernel_df[...].astype(cd)), ROWS_MLP)
+        hidden = _activation(self.act_name)(gate) * up
+        return constrain(jnp.einsum("btf,fd->btd", hidden, self.down_kernel_fd[...].astype(cd)), ROWS_HIDDEN)
 
 
 class DecoderLayer(nnx.Module):
@@ -199,8 +223,9 @@ class DecoderLayer(nnx.Module):
         self.mlp = TextMLP(cfg, rngs=rngs, param_dtype=param_dtype, compute_dtype=compute_dtype)
 
     def __call__(self, x_btd: jax.Array, cos: jax.Array, sin: jax.Array, mask_btt: jax.Array) -> jax.Array:
+        x_btd = constrain(x_btd, ROWS_HIDDEN)
         x = x_btd + self.attn(self.input_norm(x_btd), cos, sin, mask_btt)
-        return x + self.mlp(self.post_attn_norm(x))
+        return constrain(x + self.mlp(self.post_attn_norm(x)), ROWS_HIDDEN)
 
 
 def _run_layer(layer: DecoderLayer, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array) -> jax.Array:
@@ -247,18 +272,23 @@ class VisionBlock(nnx.Module):
 
     def __call__(self, x_pd: jax.Array, cos: jax.Array, sin: jax.Array, mask_pp: jax.Array) -> jax.Array:
         cd = self.compute_dtype
+        x_pd = constrain(x_pd, PATCH_HIDDEN)
         y = self.norm1(x_pd).astype(cd)
-        q = jnp.einsum("pd,dnh->pnh", y, self.q_kernel_dnh[...].astype(cd)) + self.q_bias_nh[...].astype(cd)
-        k = jnp.einsum("pd,dnh->pnh", y, self.k_kernel_dnh[...].astype(cd)) + self.k_bias_nh[...].astype(cd)
-        v = jnp.einsum("pd,dnh->pnh", y, self.v_kernel_dnh[...].astype(cd)) + self.v_bias_nh[...].astype(cd)
+        q = constrain(jnp.einsum("pd,dnh->pnh", y, self.q_kernel_dnh[...].astype(cd)), PATCH_HEADS) + self.q_bias_nh[...].astype(cd)
+        k = constrain(jnp.einsum("pd,dnh->pnh", y, self.k_kernel_dnh[...].astype(cd)), PATCH_HEADS) + self.k_bias_nh[...].astype(cd)
+        v = constrain(jnp.einsum("pd,dnh->pnh", y, self.v_kernel_dnh[...].astype(cd)), PATCH_HEADS) + self.v_bias_nh[...].astype(cd)
         # transformers rotates vision q/k in fp32 then casts back.
         q = apply_rotary(q.astype(jnp.float32), cos, sin).astype(cd)
         k = apply_rotary(k.astype(jnp.float32), cos, sin).astype(cd)
-        o = attention(q[None], k[None], v[None], mask_pp[None], self.scale)[0]
-        x = x_pd + jnp.einsum("pnh,nhd->pd", o, self.o_kernel_nhd[...].astype(cd)) + self.o_bias_d[...].astype(cd)
+        o = attention(q[None], k[None], v[None], mask_pp[None], self.scale, logits_names=PATCH_LOGITS)
+        o = constrain(o[0], PATCH_HEADS)
+        x = x_pd + constrain(jnp.einsum("pnh,nhd->pd", o, self.o_kernel_nhd[...].astype(cd)), PATCH_HIDDEN)
+        x = x + self.o_bias_d[...].astype(cd)
         y = self.norm2(x).astype(cd)
-        hmid = _activation(self.act_name)(jnp.einsum("pd,df->pf", y, self.fc1_kernel_df[...].astype(cd)) + self.fc1_bias_f[...].astype(cd))
-        return x + jnp.einsum("pf,fd->pd", hmid, self.fc2_kernel_fd[...].astype(cd)) + self.fc2_bias_d[...].astype(cd)
+        hmid = constrain(jnp.einsum("pd,df->pf", y, self.fc1_kernel_df[...].astype(cd)), PATCH_MLP)
+        hmid = _activation(self.act_name)(hmid + self.fc1_bias_f[...].astype(cd))
+        out = constrain(jnp.einsum("pf,fd->pd", hmid, self.fc2_kernel_fd[...].astype(cd)), PATCH_HIDDEN)
+        return x + out + self.fc2_bias_d[...].astype(cd)
 
 
 class PatchMerger(nnx.Module):
@@ -291,10 +321,11 @@ class PatchMerger(nnx.Module):
             x = self.norm(x_pd.reshape(-1, self.merged_dim))
         else:
             x = self.norm(x_pd).reshape(-1, self.merged_dim)
-        x = x.astype(cd)
-        hmid = jnp.einsum("mi,if->mf", x, self.fc1_kernel_mf[...].astype(cd)) + self.fc1_bias_f[...].astype(cd)
-        hmid = jax.nn.gelu(hmid, approximate=False)  # torch nn.GELU(): exact erf
-        return jnp.einsum("mf,fd->md", hmid, self.fc2_kernel_fd[...].astype(cd)) + self.fc2_bias_d[...].astype(cd)
+        x = constrain(x.astype(cd), PATCH_HIDDEN)
+        hmid = constrain(jnp.einsum("mi,if->mf", x, self.fc1_kernel_mf[...].astype(cd)), PATCH_MLP)
+        hmid = jax.nn.gelu(hmid + self.fc1_bias_f[...].astype(cd), approximate=False)  # torch nn.GELU(): exact erf
+        out = constrain(jnp.einsum("mf,fd->md", hmid, self.fc2_kernel_fd[...].astype(cd)), PATCH_HIDDEN)
+        return out + self.fc2_bias_d[...].astype(cd)
 
 
 class VisionTower(nnx.Module):
@@ -398,7 +429,7 @@ class Qwen3VL(nnx.Module):
         return self.lm_head_dv[...]
 
     def embed(self, tokens_bt: jax.Array) -> jax.Array:
-        return jnp.take(self.embed_vd[...], tokens_bt, axis=0).astype(self.compute_dtype)
+        return constrain(jnp.take(self.embed_vd[...], tokens_bt, axis=0).astype(self.compute_dtype), ROWS_HIDDEN)
 
     def __call__(
         self,
@@ -435,7 +466,7 @@ class Qwen3VL(nnx.Module):
         slots = jnp.where(vision.image_token_index < 0, b * t, vision.image_token_index)
         d = x.shape[-1]
         x = x.reshape(b * t, d).at[slots].set(merged.astype(x.dtype), mode="drop").reshape(b, t, d)
-        return x, deepstack, slots
+        return constrain(x, ROWS_HIDDEN), deepstack, slots
 
     def logits(self, hidden_btd: jax.Array) -> jax.Array:
         """Full-vocabulary logits [B, T, V] in fp32 (use `token_logprobs` for training)."""
@@ -477,7 +508,8 @@ def token_logprobs(
     @jax.checkpoint
     def chunk(args: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         hc, yc = args
-        logits = jnp.einsum("bcd,dv->bcv", hc.astype(cd), kernel, preferred_element_type=jnp.float32)
+        hc = constrain(hc.astype(cd), ROWS_HIDDEN)
+        logits = constrain(jnp.einsum("bcd,dv->bcv", hc, kernel, preferred_element_type=jnp.float32), ROWS_VOCAB)
         lse = jax.nn.logsumexp(logits, axis=-1)
         picked = jnp.take_along_axis(logits, yc[..., None].astype(jnp.int32), axis=-1)[..., 0]
         ent = lse - jnp.sum(jax.nn.softmax(logits, axis=-1) * logits, axis=-1) if return_entropy else jnp.zeros_like(lse)

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jaxrl_vlm.models.activation_sharding import ActivationSharding, activation_sharding
 from jaxrl_vlm.models.qwen3_vl import Qwen3VL, token_logprobs
 from jaxrl_vlm.rl.losses import LossConfig, LossInputs, accumulate_metrics, finalize_metrics, get_loss
 
@@ -46,6 +47,8 @@ class StepConfig:
     logprob_chunk_size: int = 512
     need_entropy: bool = False
     old_from_current: bool = True  # one optimizer step per rollout: old log-probs = detached current ones
+    # Mesh + rules for the model's activation constraints (None: let XLA propagate from the inputs alone).
+    activations: ActivationSharding | None = None
 
 
 def make_optimizer(optim: Any, total_steps: int) -> optax.GradientTransformation:
@@ -105,6 +108,11 @@ def train_step(
     ref_logprobs: jax.Array | None,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer update from a [K, R, T] batch (K micro-batches, accumulated in a scan)."""
+    with activation_sharding(cfg.activations):
+        return _train_step(graphdef, tx, cfg, state, batch, old_logprobs, ref_logprobs)
+
+
+def _train_step(graphdef, tx, cfg: StepConfig, state: TrainState, batch, old_logprobs, ref_logprobs):
     loss_fn = get_loss(cfg.loss_name)
     num_micro = batch.tokens.shape[0]
 
@@ -149,14 +157,17 @@ def train_step(
     return new_state, metrics
 
 
-def compute_logprobs(graphdef: nnx.GraphDef, params: Any, batch: Any, *, chunk_size: int) -> jax.Array:
+def compute_logprobs(
+    graphdef: nnx.GraphDef, params: Any, batch: Any, *, chunk_size: int, activations: ActivationSharding | None = None
+) -> jax.Array:
     """Log-probs [K, R, T] of the batch targets under `params` (old or reference policy), no gradient."""
 
     def one(k):
         lp, _ = policy_logprobs(graphdef, params, _micro(batch, k), chunk_size=chunk_size, need_entropy=False)
         return lp
 
-    return jax.lax.map(one, jnp.arange(batch.tokens.shape[0]))
+    with activation_sharding(activations):
+        return jax.lax.map(one, jnp.arange(batch.tokens.shape[0]))
 
 
 def compile_train_step(

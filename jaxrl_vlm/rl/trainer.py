@@ -235,6 +235,7 @@ class Trainer:
         self.ref_params = jax.tree.map(jnp.copy, params) if cfg.algo.use_kl_loss else None
 
     def _step_fn(self, num_sequences: int, old_from_current: bool):
+        from jaxrl_vlm.models.activation_sharding import ActivationSharding
         from jaxrl_vlm.rl.train_step import StepConfig, compile_train_step
         from jaxrl_vlm.sharding import batch_shardings
 
@@ -245,6 +246,7 @@ class Trainer:
                 loss_name=cfg.algo.policy_loss, loss=loss_config(cfg, num_sequences),
                 logprob_chunk_size=cfg.model.logprob_chunk_size, need_entropy=cfg.algo.entropy_coef > 0,
                 old_from_current=old_from_current,
+                activations=ActivationSharding.from_config(cfg.mesh, self.mesh, self.rules),
             )
             self._step_fns[key] = compile_train_step(
                 self.graphdef, self.tx, step_cfg, state_shardings=self.state_shardings,
@@ -253,11 +255,17 @@ class Trainer:
         return self._step_fns[key]
 
     def _logprobs(self, params: Any, device_batch: Any) -> jax.Array:
+        from jaxrl_vlm.models.activation_sharding import ActivationSharding
         from jaxrl_vlm.rl.train_step import compute_logprobs
 
         if self._logprob_fn is None:
-            self._logprob_fn = jax.jit(compute_logprobs, static_argnums=(0,), static_argnames=("chunk_size",))
-        return self._logprob_fn(self.graphdef, params, device_batch, chunk_size=self.cfg.model.logprob_chunk_size)
+            self._logprob_fn = jax.jit(
+                compute_logprobs, static_argnums=(0,), static_argnames=("chunk_size", "activations")
+            )
+        return self._logprob_fn(
+            self.graphdef, params, device_batch, chunk_size=self.cfg.model.logprob_chunk_size,
+            activations=ActivationSharding.from_config(self.cfg.mesh, self.mesh, self.rules),
+        )
 
     def compiled_programs(self) -> int:
         return sum(len(getattr(f, "cache", {})) for f in self._step_fns.values())

@@ -1,0 +1,90 @@
+"""Sharding constraints on activations, so XLA gathers FSDP weights instead of reducing activations.
+
+Why: under FSDP a matrix is sharded along its model ("embed") dimension and batch rows are sharded
+over the same mesh axis. Given only the parameter and input shardings, XLA's propagation may choose
+to shard the activation's embed dimension to match the weight and all-reduce the partial products
+(the log-prob projection's [B, C, V] fp32 logits, the MLP's [B, T, F] hidden) instead of
+all-gathering the (much smaller, per layer) weight. `jaxrl-vlm bench sharding` measured exactly that.
+Constraining the activations to "rows over the batch axes, model dimension whole" at each layer
+boundary leaves gathering the weight as the only cheap plan (MaxText does the same with its
+logical-constraint annotations).
+
+The model calls `constrain(x, names)` with logical names (`batch` for rows, `heads`/`kv_heads`/
+`mlp`/`vocab` for tensor-parallel dims, None for dims that are never split). Outside an
+`activation_sharding(...)` context (the engine, eager use, tests of the math) it returns `x`
+unchanged. The train step enters the context while it is traced, from its static `StepConfig`, so a
+compiled program always matches the layout it was built for; the context is a trace-time setting,
+not state that outlives a call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+
+from jaxrl_vlm.sharding import MeshAxes, spec_with_notes
+
+
+@dataclass(frozen=True)
+class ActivationSharding:
+    """Mesh + logical rules for activation constraints; hashable, so it can live in a static config."""
+
+    mesh: Mesh
+    rules: tuple[tuple[str, MeshAxes], ...]
+
+    @classmethod
+    def create(cls, mesh: Mesh, rules: Mapping[str, MeshAxes]) -> "ActivationSharding":
+        return cls(mesh, tuple(sorted(rules.items())))
+
+    @classmethod
+    def from_config(cls, mesh_cfg: object, mesh: Mesh, rules: Mapping[str, MeshAxes]) -> "ActivationSharding | None":
+        """The constraints a run uses: None when `mesh.activation_constraints` is off."""
+        return cls.create(mesh, rules) if getattr(mesh_cfg, "activation_constraints", True) else None
+
+    def sharding(self, names: Sequence[str | None], shape: Sequence[int]) -> NamedSharding:
+        """The NamedSharding of an activation of `shape` with logical `names` (same resolution as parameters:
+        size-1 axes dropped, non-dividing dimensions replicated)."""
+        spec, _ = spec_with_notes(names, shape, dict(self.rules), self.mesh)
+        return NamedSharding(self.mesh, spec)
+
+
+_CURRENT: contextvars.ContextVar[ActivationSharding | None] = contextvars.ContextVar("activation_sharding", default=None)
+
+
+@contextlib.contextmanager
+def activation_sharding(spec: ActivationSharding | None) -> Iterator[None]:
+    """Within the block, `constrain` applies `spec` (None: constraints off)."""
+    token = _CURRENT.set(spec)
+    try:
+        yield
+    finally:
+        _CURRENT.reset(token)
+
+
+def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+    """`x` constrained to the sharding its logical `names` resolve to; `x` itself when no context is active."""
+    spec = _CURRENT.get()
+    if spec is None:
+        return x
+    if len(names) != x.ndim:
+        raise ValueError(f"activation names {tuple(names)} do not match shape {x.shape}")
+    return jax.lax.with_sharding_constraint(x, spec.sharding(names, x.shape))
+
+
+# Logical names of the activations the model constrains (one place, so the layout is reviewable).
+ROWS_HIDDEN = ("batch", None, None)  # [B, T, D]: rows split, model dimension whole
+ROWS_Q = ("batch", None, "heads", None)  # [B, T, N, H]
+ROWS_KV = ("batch", None, "kv_heads", None)  # [B, T, K, H]
+ROWS_MLP = ("batch", None, "mlp")  # [B, T, F]
+ROWS_VOCAB = ("batch", None, "vocab")  # [B, C, V] log-prob logits chunk
+# Vision patches of a micro-batch [P, ...]: split over the batch axes too, so the vision tower runs
+# data-parallel instead of on every device (attention gathers the other shards' keys and values).
+PATCH_HIDDEN = ("batch", None)  # [P, D_vision]
+PATCH_HEADS = ("batch", "vision_heads", None)  # [P, N, H]
+PATCH_MLP = ("batch", "vision_mlp")  # [P, F_vision]
+PATCH_LOGITS = (None, "vision_heads", None, "batch", None)  # attention logits [1, N, 1, P (queries), P (keys)]
