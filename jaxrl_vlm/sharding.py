@@ -470,11 +470,13 @@ GOLDEN_BATCH_LEAVES: dict[str, tuple[str, ...]] = {
 
 
 def dump_shardings(model_cfg: Any, mesh_cfg: Any, num_devices: int = 8) -> dict[str, Any]:
-    """JSON-able layout of every parameter and of the batch inputs, for `model_cfg` under `mesh_cfg`.
+    """JSON-able layout of every parameter, of the batch inputs and of the constrained activations, for
+    `model_cfg` under `mesh_cfg`.
 
     Resolved on an abstract mesh of `num_devices` (no devices or memory needed). Checked in as
     goldens under tests/goldens/sharding/ so a change that silently re-shards a tensor fails a test.
     """
+    from jaxrl_vlm.models.activation_sharding import ACTIVATIONS
     from jaxrl_vlm.models.hf_io import abstract_model
 
     mesh = abstract_mesh(mesh_cfg, num_devices)
@@ -494,6 +496,11 @@ def dump_shardings(model_cfg: Any, mesh_cfg: Any, num_devices: int = 8) -> dict[
     for name, dims in GOLDEN_BATCH_LEAVES.items():
         axis = default_row_axis(tuple(name.split(".")), len(dims))
         inputs[name] = {"dims": list(dims), "spec": spec_to_json(batch_spec(len(dims), axis, mesh, rules), len(dims))}
+    # Activation constraints (when `activation_constraints` is on), for dimensions the mesh divides.
+    activations = {}
+    for name, (dims, names) in ACTIVATIONS.items() if getattr(mesh_cfg, "activation_constraints", True) else ():
+        spec, _ = spec_with_notes(names, None, rules, mesh)
+        activations[name] = {"dims": list(dims), "logical": list(names), "spec": spec_to_json(spec, len(dims))}
     return {
         "num_devices": num_devices,
         "mesh": dict(mesh.shape),
@@ -501,6 +508,7 @@ def dump_shardings(model_cfg: Any, mesh_cfg: Any, num_devices: int = 8) -> dict[
         "param_bytes_per_device": param_bytes_per_device(model, mesh, rules),
         "params": params,
         "inputs": inputs,
+        "activations": activations,
     }
 
 

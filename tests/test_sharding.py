@@ -319,6 +319,31 @@ def test_batch_tree_shardings_split_rows_only():
     assert S.batch_sharding(mesh, rows_on_data).spec == P(None, "data")
 
 
+def test_activation_constraints_apply_only_inside_their_context():
+    from jaxrl_vlm.models.activation_sharding import ROWS_MLP, ActivationSharding, activation_sharding, constrain
+
+    mesh = S.build_mesh(_sizes(data=2, fsdp=2, tensor=2))
+    spec = ActivationSharding.create(mesh, S.resolve_rules())
+    x = jax.device_put(np.ones((8, 4, 6), np.float32), NamedSharding(mesh, P()))
+    assert constrain(x, ROWS_MLP) is x  # no context: the engine and eager code are untouched
+
+    def f(a):
+        with activation_sharding(spec):
+            return constrain(a * 2.0, ROWS_MLP)
+
+    out = jax.jit(f)(x)
+    assert out.sharding.spec == P(("data", "fsdp"), None, "tensor")
+    assert out.addressable_shards[0].data.shape == (2, 4, 3)
+    np.testing.assert_array_equal(np.asarray(out), 2.0)
+    # a dimension the mesh does not divide falls back to replicated, as for parameters
+    odd = jax.jit(f)(jax.device_put(np.ones((6, 4, 5), np.float32), NamedSharding(mesh, P())))
+    assert odd.sharding.spec == P()
+    with activation_sharding(spec), pytest.raises(ValueError, match="do not match shape"):
+        constrain(x, ("batch", None))
+    off = load_config(None, ["--mesh-config", str(REPO / "configs/mesh/fsdp.yaml"), "--activation-constraints", "false"])
+    assert ActivationSharding.from_config(off.mesh, mesh, S.resolve_rules()) is None
+
+
 # ----------------------------------------------------------------------------- goldens
 
 

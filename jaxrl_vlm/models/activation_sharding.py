@@ -88,3 +88,16 @@ PATCH_HIDDEN = ("batch", None)  # [P, D_vision]
 PATCH_HEADS = ("batch", "vision_heads", None)  # [P, N, H]
 PATCH_MLP = ("batch", "vision_mlp")  # [P, F_vision]
 PATCH_LOGITS = (None, "vision_heads", None, "batch", None)  # attention logits [1, N, 1, P (queries), P (keys)]
+
+# name -> (dims, logical names), for the sharding goldens (`jaxrl_vlm.sharding.dump_shardings`).
+ACTIVATIONS: dict[str, tuple[tuple[str, ...], tuple[str | None, ...]]] = {
+    "hidden": (("B", "T", "D"), ROWS_HIDDEN),
+    "q": (("B", "T", "N", "H"), ROWS_Q),
+    "kv": (("B", "T", "K", "H"), ROWS_KV),
+    "mlp": (("B", "T", "F"), ROWS_MLP),
+    "logprob_logits": (("B", "C", "V"), ROWS_VOCAB),
+    "patch_hidden": (("P", "D_vision"), PATCH_HIDDEN),
+    "patch_heads": (("P", "N_vision", "H_vision"), PATCH_HEADS),
+    "patch_mlp": (("P", "F_vision"), PATCH_MLP),
+    "patch_logits": (("1", "N_vision", "1", "P", "P"), PATCH_LOGITS),
+}
