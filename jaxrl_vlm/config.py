@@ -56,7 +56,12 @@ class ModelConfig:
     param_dtype: str = opt("float32", "Dtype of the trainable parameters.", choices=("float32", "bfloat16"))
     compute_dtype: str = opt("float32", "Dtype of activations/matmuls (bfloat16 on GPU/TPU).", choices=("float32", "bfloat16"))
     remat: str = opt("none", "Rematerialisation per decoder layer.", choices=("none", "full"))
-    attention_impl: str = opt("xla", "Attention implementation.", choices=("xla",))
+    attention_impl: str = opt(
+        "xla",
+        "Attention of the training forward: xla (einsums, dense masks) or pallas_gpu (fused segment-aware flash "
+        "kernel for GPUs; O(T) memory; seq/patch buckets must be multiples of 16, ideally 128; interpreted on CPU).",
+        choices=("xla", "pallas_gpu"),
+    )
     logprob_chunk_size: int = opt(512, "Sequence chunk for log-prob computation (bounds fp32 vocab logits memory).")
     make_tiny: bool = opt(False, "Create a tiny random Qwen3-VL at --hf-checkpoint if it has no config.json (CPU demo runs).")
 

@@ -522,6 +522,7 @@ def run_sharding_bench(
         "param_dtype": base.model.param_dtype,
         "compute_dtype": base.model.compute_dtype,
         "remat": base.model.remat,
+        "attention_impl": base.model.attention_impl,
         "samples": len(samples),
         "sample_tokens": sum(len(s.tokens) for s in samples),
         "rows": opts.rows,
@@ -580,7 +581,7 @@ def format_table(report: BenchReport) -> str:
     i = report.info
     out.insert(0, (
         f"model {i['model']} ({i['params'] / 1e6:.1f}M params, {i['param_dtype']} params, {i['compute_dtype']} compute, "
-        f"remat {i['remat']}) on {i['devices']} x {i['device_kind']}; {i['samples']} synthetic episodes, "
+        f"remat {i['remat']}, {i.get('attention_impl', 'xla')} attention) on {i['devices']} x {i['device_kind']}; {i['samples']} synthetic episodes, "
         f"{i['rows']} rows x {i['seq_len']} tokens; matmul peak {_num(i['peak_tflops_measured'], '.3f')} TFLOP/s/dev measured"
         + (f", {i['peak_tflops_known']:.0f} datasheet" if i.get("peak_tflops_known") else "")
     ))

@@ -66,6 +66,11 @@ def activation_sharding(spec: ActivationSharding | None) -> Iterator[None]:
         _CURRENT.reset(token)
 
 
+def current() -> ActivationSharding | None:
+    """The active constraints (None outside an `activation_sharding` context)."""
+    return _CURRENT.get()
+
+
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     """`x` constrained to the sharding its logical `names` resolve to; `x` itself when no context is active."""
     spec = _CURRENT.get()
@@ -88,6 +93,7 @@ PATCH_HIDDEN = ("batch", None)  # [P, D_vision]
 PATCH_HEADS = ("batch", "vision_heads", None)  # [P, N, H]
 PATCH_MLP = ("batch", "vision_mlp")  # [P, F_vision]
 PATCH_LOGITS = (None, "vision_heads", None, "batch", None)  # attention logits [1, N, 1, P (queries), P (keys)]
+PATCH_HEADS_WHOLE = (None, None, "vision_heads", None)  # [1, P, N, H] for a fused kernel: every patch on each shard
 
 # name -> (dims, logical names), for the sharding goldens (`jaxrl_vlm.sharding.dump_shardings`).
 ACTIVATIONS: dict[str, tuple[tuple[str, ...], tuple[str | None, ...]]] = {

@@ -17,7 +17,7 @@ Inputs are fixed-shape host-prepared arrays (see `rope.py`, `vision.py`):
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +26,7 @@ from flax import nnx
 
 from jaxrl_vlm.models.activation_sharding import (
     PATCH_HEADS,
+    PATCH_HEADS_WHOLE,
     PATCH_HIDDEN,
     PATCH_LOGITS,
     PATCH_MLP,
@@ -37,10 +38,11 @@ from jaxrl_vlm.models.activation_sharding import (
     constrain,
 )
 from jaxrl_vlm.models.config import Qwen3VLConfig
+from jaxrl_vlm.models.flash_attention import flash_attention
 from jaxrl_vlm.models.rope import mrope_frequency_axis, rope_inv_freq
 from jaxrl_vlm.models.vision import VisionInputs
 
-ATTENTION_IMPLS = ("xla",)
+ATTENTION_IMPLS = ("xla", "pallas_gpu")
 _NEG_INF = float(np.finfo(np.float32).min)
 
 
@@ -124,6 +126,30 @@ def attention(
     return out.reshape(b, tq, n, h)
 
 
+class AttentionMask(NamedTuple):
+    """Who may attend to whom. `segment_ids` always ([B, T] text rows, [P] patches); `dense` ([B, T, T] /
+    [P, P] bool) only for the XLA attention — a fused kernel derives the mask from the segment ids in tiles."""
+
+    segment_ids: jax.Array
+    dense: jax.Array | None
+
+
+def text_mask(segment_ids_bt: jax.Array, attention_impl: str) -> AttentionMask:
+    """Causal AND same-segment attention for packed rows."""
+    if attention_impl != "xla":
+        return AttentionMask(segment_ids_bt, None)
+    idx = jnp.arange(segment_ids_bt.shape[1])
+    same = segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :]
+    return AttentionMask(segment_ids_bt, same & (idx[:, None] >= idx[None, :])[None])
+
+
+def patch_mask(segment_ids_p: jax.Array, attention_impl: str) -> AttentionMask:
+    """Bidirectional attention within one image frame."""
+    if attention_impl != "xla":
+        return AttentionMask(segment_ids_p, None)
+    return AttentionMask(segment_ids_p, segment_ids_p[:, None] == segment_ids_p[None, :])
+
+
 class RMSNorm(nnx.Module):
     """RMSNorm over the last axis; statistics in fp32 (as transformers)."""
 
@@ -189,9 +215,11 @@ class TextAttention(nnx.Module):
         o = constrain(o_btnh.astype(cd), ROWS_Q)
         return constrain(jnp.einsum("btnh,nhd->btd", o, self.o_kernel_nhd[...].astype(cd)), ROWS_HIDDEN)
 
-    def __call__(self, x_btd: jax.Array, cos: jax.Array, sin: jax.Array, mask_btt: jax.Array) -> jax.Array:
+    def __call__(self, x_btd: jax.Array, cos: jax.Array, sin: jax.Array, mask: AttentionMask) -> jax.Array:
         q, k, v = self.project(x_btd, cos, sin)
-        return self.output(attention(q, k, v, mask_btt, self.scale))
+        if mask.dense is not None:
+            return self.output(attention(q, k, v, mask.dense, self.scale))
+        return self.output(flash_attention(q, k, v, mask.segment_ids, scale=self.scale, causal=True))
 
 
 class TextMLP(nnx.Module):
@@ -222,20 +250,20 @@ class DecoderLayer(nnx.Module):
         self.post_attn_norm = RMSNorm(cfg.text.hidden_size, eps, param_dtype=param_dtype)
         self.mlp = TextMLP(cfg, rngs=rngs, param_dtype=param_dtype, compute_dtype=compute_dtype)
 
-    def __call__(self, x_btd: jax.Array, cos: jax.Array, sin: jax.Array, mask_btt: jax.Array) -> jax.Array:
+    def __call__(self, x_btd: jax.Array, cos: jax.Array, sin: jax.Array, mask: AttentionMask) -> jax.Array:
         x_btd = constrain(x_btd, ROWS_HIDDEN)
-        x = x_btd + self.attn(self.input_norm(x_btd), cos, sin, mask_btt)
+        x = x_btd + self.attn(self.input_norm(x_btd), cos, sin, mask)
         return constrain(x + self.mlp(self.post_attn_norm(x)), ROWS_HIDDEN)
 
 
-def _run_layer(layer: DecoderLayer, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array) -> jax.Array:
+def _run_layer(layer: DecoderLayer, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: AttentionMask) -> jax.Array:
     return layer(x, cos, sin, mask)
 
 
 _run_layer_remat = nnx.remat(_run_layer)
 
 
-def _run_block(block: "VisionBlock", x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array) -> jax.Array:
+def _run_block(block: "VisionBlock", x: jax.Array, cos: jax.Array, sin: jax.Array, mask: AttentionMask) -> jax.Array:
     return block(x, cos, sin, mask)
 
 
@@ -270,7 +298,7 @@ class VisionBlock(nnx.Module):
         self.fc2_kernel_fd = _param(rngs, (f, d), ("vision_mlp", "vision_embed"), param_dtype)
         self.fc2_bias_d = _param(None, (d,), ("vision_embed",), param_dtype, init="zeros")
 
-    def __call__(self, x_pd: jax.Array, cos: jax.Array, sin: jax.Array, mask_pp: jax.Array) -> jax.Array:
+    def __call__(self, x_pd: jax.Array, cos: jax.Array, sin: jax.Array, mask: AttentionMask) -> jax.Array:
         cd = self.compute_dtype
         x_pd = constrain(x_pd, PATCH_HIDDEN)
         y = self.norm1(x_pd).astype(cd)
@@ -280,7 +308,13 @@ class VisionBlock(nnx.Module):
         # transformers rotates vision q/k in fp32 then casts back.
         q = apply_rotary(q.astype(jnp.float32), cos, sin).astype(cd)
         k = apply_rotary(k.astype(jnp.float32), cos, sin).astype(cd)
-        o = attention(q[None], k[None], v[None], mask_pp[None], self.scale, logits_names=PATCH_LOGITS)
+        if mask.dense is not None:
+            o = attention(q[None], k[None], v[None], mask.dense[None], self.scale, logits_names=PATCH_LOGITS)
+        else:
+            o = flash_attention(
+                q[None], k[None], v[None], mask.segment_ids[None], scale=self.scale, causal=False,
+                q_names=PATCH_HEADS_WHOLE, kv_names=PATCH_HEADS_WHOLE,
+            )
         o = constrain(o[0], PATCH_HEADS)
         x = x_pd + constrain(jnp.einsum("pnh,nhd->pd", o, self.o_kernel_nhd[...].astype(cd)), PATCH_HIDDEN)
         x = x + self.o_bias_d[...].astype(cd)
@@ -344,11 +378,13 @@ class VisionTower(nnx.Module):
         param_dtype: jnp.dtype,
         compute_dtype: jnp.dtype,
         remat: bool = False,
+        attention_impl: str = "xla",
     ):
         v = cfg.vision
         self.cfg = cfg
         self.compute_dtype = compute_dtype
         self.remat = remat
+        self.attention_impl = attention_impl
         self.patch_kernel_cd = _param(rngs, (v.patch_dim, v.hidden_size), ("vision_patch", "vision_embed"), param_dtype)
         self.patch_bias_d = _param(None, (v.hidden_size,), ("vision_embed",), param_dtype, init="zeros")
         self.pos_embed_sd = _param(rngs, (v.num_position_embeddings, v.hidden_size), ("vision_pos", "vision_embed"), param_dtype)
@@ -377,7 +413,7 @@ class VisionTower(nnx.Module):
         x = x + pos
         cos, sin = self.rotary_cos_sin(vis.patch_rotary_pos)
         seg = vis.patch_segment_ids
-        mask = seg[:, None] == seg[None, :]
+        mask = patch_mask(seg, self.attention_impl)
         deepstack = []
         ds_index = {layer: j for j, layer in enumerate(self.cfg.vision.deepstack_visual_indexes)}
         run = _run_block_remat if self.remat else _run_block
@@ -406,7 +442,8 @@ class Qwen3VL(nnx.Module):
         attention_impl: str = "xla",
     ):
         """remat: recompute each decoder layer and vision block in the backward pass (activation
-        memory ~ one layer); attention_impl: switch point for fused kernels (only "xla" today)."""
+        memory ~ one layer); attention_impl: "xla" (einsums, dense masks) or "pallas_gpu" (the fused
+        segment-aware kernel of `flash_attention.py`, for GPUs; interpreted on CPU)."""
         if attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"attention_impl={attention_impl!r} is not available; choose one of {ATTENTION_IMPLS}")
         t = cfg.text
@@ -420,7 +457,7 @@ class Qwen3VL(nnx.Module):
         self.final_norm = RMSNorm(t.hidden_size, t.rms_norm_eps, param_dtype=param_dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head_dv = _param(rngs, (t.hidden_size, t.vocab_size), ("embed", "vocab"), param_dtype)
-        self.visual = VisionTower(cfg, remat=remat, **kw)
+        self.visual = VisionTower(cfg, remat=remat, attention_impl=attention_impl, **kw)
 
     def lm_head_kernel(self) -> jax.Array:
         """Output projection [D, V] (the transposed embedding when tied)."""
@@ -438,11 +475,9 @@ class Qwen3VL(nnx.Module):
         segment_ids: jax.Array,
         vision: VisionInputs | None = None,
     ) -> jax.Array:
-        b, t = tokens.shape
         x, deepstack, slots = self.embed_inputs(tokens, vision)
         cos, sin = mrope_cos_sin(positions, self.cfg, self.compute_dtype)
-        idx = jnp.arange(t)
-        mask = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (idx[:, None] >= idx[None, :])[None]
+        mask = text_mask(segment_ids, self.attention_impl)
         run = _run_layer_remat if self.remat else _run_layer
         for i, layer in enumerate(self.layers):
             x = run(layer, x, cos, sin, mask)

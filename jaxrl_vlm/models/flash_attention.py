@@ -1,0 +1,98 @@
+"""Fused, segment-aware (flash) attention for the training forward: `attention_impl: pallas_gpu`.
+
+Why: the XLA attention materializes fp32 logits [B, heads, T, T] per layer (for the 2B config at 8 x 4096
+tokens that is ~8.6 GB, read and written several times with remat), and the vision tower's [heads, P, P]
+over all patches of a micro-batch is worse. A flash kernel keeps O(T) memory and runs at matmul speed.
+
+The kernel is jax's Pallas/Triton `mha` (jax.experimental.pallas.ops.gpu.attention): causal or not, with
+segment ids (a token attends only within its segment — packing for text, one image per segment for
+vision), forward and backward. Grouped-query heads are expanded to one key/value head per query head
+before the call. On a CPU backend the same kernel runs in Pallas' interpreter (slow; used by the tests
+to check it against the XLA attention, and usable to debug a GPU config on a laptop).
+
+Pallas calls cannot be split by XLA's sharding propagation, so under a mesh (`activation_sharding`
+context) the call is wrapped in `shard_map`: rows split over the batch axes and heads over `tensor`,
+the same layout the activation constraints give q/k/v, so no data moves. Vision patches are attended
+whole (keys of one image may sit in another batch shard): inside the vision tower rows are gathered
+for the attention call and split again after it.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from jaxrl_vlm.models import activation_sharding as act
+
+BLOCK_CANDIDATES = (128, 64, 32, 16)
+
+
+def block_size(length: int) -> int:
+    """The largest kernel block that divides `length` (the kernel tiles the sequence exactly)."""
+    for b in BLOCK_CANDIDATES:
+        if length % b == 0:
+            return b
+    raise ValueError(
+        f"attention_impl=pallas_gpu needs sequence lengths divisible by {BLOCK_CANDIDATES[-1]}, got {length}; "
+        "use seq/patch buckets that are multiples of 128 (or attention_impl: xla)"
+    )
+
+
+def _kernel(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, scale: float, causal: bool) -> jax.Array:
+    """q [B, T, N, H], k/v [B, T, K, H], segment_ids [B, T] -> [B, T, N, H] on one device's block."""
+    from jax.experimental.pallas.ops.gpu import attention as pallas_attention
+
+    n, kv = q.shape[2], k.shape[2]
+    if n != kv:  # grouped-query attention: query head i uses kv head i // (n // kv)
+        k = jnp.repeat(k, n // kv, axis=2)
+        v = jnp.repeat(v, n // kv, axis=2)
+    block = block_size(q.shape[1])
+    sizes = pallas_attention.BlockSizes(
+        block_q=block, block_k=block, block_q_dkv=block, block_kv_dkv=block, block_q_dq=block, block_kv_dq=block
+    )
+    return pallas_attention.mha(
+        q, k, v, segment_ids.astype(jnp.int32), sm_scale=scale, causal=causal, block_sizes=sizes,
+        interpret=jax.default_backend() == "cpu",
+    )
+
+
+def flash_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array,
+    *,
+    scale: float,
+    causal: bool,
+    q_names: tuple[str | None, ...] = act.ROWS_Q,
+    kv_names: tuple[str | None, ...] = act.ROWS_KV,
+) -> jax.Array:
+    """Softmax attention of q [B, T, N, H] over k/v [B, T, K, H] within segments (and causal if asked).
+
+    `q_names` / `kv_names`: logical names of q and k/v (rows, -, heads, -) that give the shard_map layout
+    under an `activation_sharding` context; outside one the kernel is called directly.
+    """
+    fn = partial(_kernel, scale=scale, causal=causal)
+    spec = act.current()
+    if spec is None:
+        return fn(q, k, v, segment_ids)
+    q_spec = spec.sharding(q_names, q.shape).spec
+    kv_spec = spec.sharding(kv_names, k.shape).spec
+    q_entries = tuple(q_spec) + (None,) * (4 - len(q_spec))
+    kv_entries = tuple(kv_spec) + (None,) * (4 - len(kv_spec))
+    if q_entries[2] != kv_entries[2]:
+        # The kv heads cannot be split like the query heads (e.g. 2 kv heads on 4 tensor shards): keep
+        # every head whole on each device rather than pair query heads with the wrong kv heads.
+        q_entries = q_entries[:2] + (None, None)
+        kv_entries = kv_entries[:2] + (None, None)
+    if q_entries[0] != kv_entries[0]:
+        q_entries = (None,) + q_entries[1:]
+        kv_entries = (None,) + kv_entries[1:]
+    seg_spec = PartitionSpec(q_entries[0], None)
+    q_p, kv_p = PartitionSpec(*q_entries), PartitionSpec(*kv_entries)
+    return jax.shard_map(
+        fn, mesh=spec.mesh, in_specs=(q_p, kv_p, kv_p, seg_spec), out_specs=q_p, check_vma=False
+    )(q, k, v, segment_ids)
