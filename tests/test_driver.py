@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 import types
@@ -15,17 +16,27 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import pytest
 
 from envs.base import BaseInteractionEnv
 from rollout.client import RetryPolicy, SGLangClient
-from rollout.driver import MAX_GROUPS_FACTOR, RolloutResult, close_suspended, generate_rollout
+from rollout.driver import (
+    DRIVER_STATE_VERSION,
+    MAX_GROUPS_FACTOR,
+    DriverStateError,
+    RolloutResult,
+    close_suspended,
+    driver_checkpoint_state,
+    generate_rollout,
+    restore_driver_state,
+)
 from rollout.dump import dump_samples, validate_dump
 from rollout.encoding import ChatEncoder
 from rollout.fake_engine import FakeSGLangServer, Hang, RecordedRequest, Tokens
 from rollout.loading import LoadError
-from rollout.multiturn import RolloutContext
-from rollout.sample import Sample, Status
+from rollout.multiturn import RolloutContext, turn_seed
+from rollout.sample import Sample, Status, TurnRecord
 
 
 # ----------------------------------------------------------------------------- scripted pieces
@@ -76,6 +87,7 @@ class PlannedEnv(BaseInteractionEnv):
 class EnvLog:
     envs: dict[tuple[int, int], list[PlannedEnv]] = field(default_factory=dict)
     intervals: list[tuple[float, float]] = field(default_factory=list)
+    created: list[PlannedEnv] = field(default_factory=list)  # in build order
 
     def all(self) -> list[PlannedEnv]:
         return [e for envs in self.envs.values() for e in envs]
@@ -85,6 +97,7 @@ def env_module(plan: Callable[[Sample], EnvSpec], log: EnvLog) -> types.ModuleTy
     def build_env(sample: Sample, args: Any) -> PlannedEnv:
         env = PlannedEnv(sample, plan(sample), log)
         log.envs.setdefault(env.key, []).append(env)
+        log.created.append(env)
         return env
 
     module = types.ModuleType("planned_env")
@@ -95,9 +108,9 @@ def env_module(plan: Callable[[Sample], EnvSpec], log: EnvLog) -> types.ModuleTy
 class PromptSource:
     """Batches of `batch` text prompts numbered 0, 1, 2, ... (label = the number as text)."""
 
-    def __init__(self, batch: int = 4):
+    def __init__(self, batch: int = 4, start: int = 0):
         self.batch = batch
-        self.served = 0
+        self.served = start  # the data cursor a checkpoint saves: a resumed source starts here
         self.calls = 0
 
     def next_batch(self) -> list[Sample]:
@@ -322,7 +335,7 @@ async def test_partial_rollout_resumes_aborted_episodes_first(encoder, mask_offp
         assert first.dropped["partial_group_carried"] == 1
         assert set(h.ctx.suspended) == {(1, 1)}
         carried = h.ctx.driver_state["partial_groups"][0]
-        done_before, aborted_before = carried
+        done_before, aborted_before = carried.samples
         assert done_before.status is Status.COMPLETED and aborted_before.status is Status.ABORTED
         old_done_tokens = list(done_before.tokens)
         old_tokens, old_mask = list(aborted_before.tokens), list(aborted_before.loss_mask)
@@ -363,6 +376,252 @@ async def test_partial_rollout_resumes_aborted_episodes_first(encoder, mask_offp
     assert rec["turns"][0]["weight_version"] == "v1" and rec["turns"][1]["weight_version"] == "v2"
     masked_first = rec["turns"][0]["offpolicy_masked_tokens"]
     assert masked_first == (rec["turns"][0]["model_tokens"] if mask_offpolicy else 0)
+
+
+# ----------------------------------------------------------------------------- checkpoint and resume
+def checkpoint(h: Harness) -> dict[str, Any]:
+    """What the trainer saves between steps: the driver state after the JSON trip the checkpoint meta makes."""
+    return json.loads(json.dumps(driver_checkpoint_state(h.args)))
+
+
+def built_since(log: EnvLog, start: int) -> list[tuple[tuple[int, int], int]]:
+    """(group, index) and prompt number of every env built after the first `start`: the episodes a step ran."""
+    return sorted((env.key, prompt_number(env.sample)) for env in log.created[start:])
+
+
+def kept_groups(result: RolloutResult) -> list[tuple[int, int]]:
+    return sorted((g[0].group_index, prompt_number(g[0])) for g in result.groups)
+
+
+def first_seeds(server: FakeSGLangServer) -> dict[tuple[int, int, int], int]:
+    """Sampling seed of the first /generate request of each (group, index, turn), parsed from the request id."""
+    seeds: dict[tuple[int, int, int], int] = {}
+    for record in server.requests_to("/generate"):
+        g, s, t = (int(part[1:]) for part in rid_of(record).split("-")[:3])
+        seeds.setdefault((g, s, t), record.body["sampling_params"]["sampling_seed"])
+    return seeds
+
+
+async def test_buffered_prompts_survive_checkpoint_and_resume(encoder):
+    # Prompts 0 and 3 give zero-std groups: step 0 drops group 0 and over-samples prompt 2, leaving prompts 3
+    # and 4 of the first batch buffered; step 1 starts with them, drops 3 and over-samples from the next batch.
+    def plan(s: Sample) -> EnvSpec:
+        return EnvSpec(turns=1, reward=1.0 if prompt_number(s) in (0, 3) else float(s.index))
+
+    options = dict(dynamic_filter="zero_std", rollout_batch_size=2)
+    source = PromptSource(batch=5)
+    async with harness(encoder, plan, **options) as h:
+        first = await run(h, 0, source)
+        state, next_index, cursor = checkpoint(h), h.args._next_group_index, source.served
+        start = len(h.log.created)
+        uninterrupted = await run(h, 1, source)
+        want_built, want_state = built_since(h.log, start), checkpoint(h)
+    assert kept_groups(first) == [(1, 1), (2, 2)] and first.dropped["zero_std_group"] == 1
+    assert [int(d["label"]) for d in state["prompt_buffer"]] == [3, 4] and (next_index, cursor) == (3, 5)
+
+    async with harness(encoder, plan, **options) as fresh:  # a new process: fresh args, context and source
+        fresh.args._next_group_index = next_index
+        restore_driver_state(fresh.args, state)
+        assert checkpoint(fresh) == state  # restored exactly
+        resumed = await run(fresh, 1, PromptSource(batch=5, start=cursor))
+        got_built, got_state = built_since(fresh.log, 0), checkpoint(fresh)
+
+    # The resumed step runs exactly the uninterrupted step's prompts under the same group indices (without the
+    # restore it would have skipped prompts 3 and 4 and numbered prompts 5 and 6 as groups 3 and 4).
+    assert want_built == [((g, i), g) for g in (3, 4, 5) for i in (0, 1)]
+    assert got_built == want_built
+    assert kept_groups(resumed) == kept_groups(uninterrupted) == [(4, 4), (5, 5)]
+    assert [s.tokens for s in resumed.samples] == [s.tokens for s in uninterrupted.samples]
+    assert fresh.args._next_group_index == h.args._next_group_index == 6
+    assert got_state == want_state and [int(d["label"]) for d in got_state["prompt_buffer"]] == [6, 7, 8, 9]
+    check_accounting(resumed)
+
+
+async def test_carried_partial_groups_restart_on_resume_with_their_group_index(encoder):
+    hang_enabled = True
+
+    def select(record: RecordedRequest):
+        # Episode (group 1, index 1) hangs in its second turn while step 0 runs, so group 1 is carried.
+        return Hang() if hang_enabled and rid_of(record).startswith("g1-s1-t1-") else None
+
+    def plan(s: Sample) -> EnvSpec:
+        # Group 1 is fast, so in step 1 it fills the batch and the new group 2 is carried on.
+        return EnvSpec(turns=2, reward=float(s.index), step_sleep_s=0.0 if s.group_index == 1 else 0.4)
+
+    options = dict(select=select, rollout_batch_size=1, over_sampling_batch_size=2, partial_rollout=True,
+                   rollout_seed=7)
+    source = PromptSource(batch=2)
+    async with harness(encoder, plan, **options) as h:
+        await run(h, 0, source)
+        state, next_index, cursor = checkpoint(h), h.args._next_group_index, source.served
+        step0_seeds = first_seeds(h.server)
+        done_before = h.ctx.driver_state["partial_groups"][0].samples[0].to_dict()  # step 1 stamps its rollout_id
+        hang_enabled = False
+        h.server.weight_version = "v2"
+        uninterrupted = await run(h, 1, source)
+        want_state = checkpoint(h)
+        await close_suspended(h.args)
+    [carried] = state["partial_groups"]
+    assert (carried["group_index"], carried["restart"], carried["prompt"]["label"]) == (1, [1], "1")
+    assert [(d["index"], d["status"]) for d in carried["finished"]] == [(0, "completed")]
+    assert carried["finished"][0] == done_before
+
+    async with harness(encoder, plan, **options) as fresh:
+        fresh.server.weight_version = "v2"
+        fresh.args._next_group_index = next_index
+        restore_driver_state(fresh.args, state)
+        [restored] = fresh.ctx.driver_state["partial_groups"]
+        assert restored.group_index == 1 and [s.status for s in restored.samples] == [Status.COMPLETED, Status.PENDING]
+        resumed = await run(fresh, 1, PromptSource(batch=2, start=cursor))
+        got_state = checkpoint(fresh)
+        restart_seeds = first_seeds(fresh.server)
+        await close_suspended(fresh.args)
+
+    # Same groups kept and carried as the uninterrupted run; the carried group 2 checkpoints identically.
+    assert [g[0].group_index for g in resumed.groups] == [g[0].group_index for g in uninterrupted.groups] == [1]
+    assert fresh.args._next_group_index == h.args._next_group_index == 3
+    assert got_state == want_state and [g["group_index"] for g in got_state["partial_groups"]] == [2]
+    assert got_state["partial_groups"][0]["restart"] == [0, 1]
+    # The finished episode is kept exactly as the uninterrupted run kept it, and never touched an env again.
+    done, restarted = resumed.groups[0]
+    assert done.to_dict() == uninterrupted.groups[0][0].to_dict() and (1, 0) not in fresh.log.envs
+    # The unfinished episode restarted from the prompt in a new env, with a fresh episode's sampling seeds.
+    assert restarted.status is Status.COMPLETED and restarted.metadata["restarted_on_resume"] is True
+    assert restarted.weight_versions == ["v2"] and [t.turn for t in restarted.turns] == [0, 1]
+    restarted.validate(image_token_id=encoder.vision.image_pad, vision_start_token_id=encoder.vision.vision_start)
+    assert restarted.metadata["prompt_index"] == 1 and restarted.label == "1"
+    assert len(fresh.log.envs[(1, 1)]) == 1 and fresh.log.envs[(1, 1)][0].closed == 1
+    fresh_episode = Sample(group_index=1, index=1)
+    want_seeds = {(1, 1, t): turn_seed(7, fresh_episode, t, t) for t in (0, 1)}
+    assert {k: v for k, v in restart_seeds.items() if k[:2] == (1, 1)} == want_seeds
+    assert {k: v for k, v in step0_seeds.items() if k[:2] == (1, 1)} == want_seeds
+    check_accounting(resumed)
+
+
+def offline_args(**extra: Any) -> types.SimpleNamespace:
+    """Args with a rollout context that is never used to run episodes (no engine, no env)."""
+    ctx = RolloutContext(client=None, encoder=None, env_module=None, generate_slots=asyncio.Semaphore(1))
+    return types.SimpleNamespace(rollout_context=ctx, **extra)
+
+
+def rich_driver_state() -> tuple[types.SimpleNamespace, Sample, Sample, Sample]:
+    """A context holding a buffered prompt and a carried group (one finished episode with image tensors, one
+    aborted); returns the args, the prompt, the finished and the aborted sample."""
+    from rollout.driver import CarriedGroup, make_group
+
+    url = "data:image/png;base64,iVBORw0KGgo="
+    prompt = Sample(prompt=[{"role": "user", "content": [{"type": "image", "image": url}, {"type": "text", "text": "?"}]}],
+                    label="42", index=9, metadata={"tools": [{"name": "calc"}], "weights": np.arange(3, dtype=np.int16)})
+    finished, aborted = make_group(prompt, 5, 2)
+    finished.set_prompt_tokens([1, 2, 3])
+    finished.append_model_tokens([4, 5], [-0.5, -0.125])
+    finished.append_observation_tokens([6])
+    finished.multimodal_train_inputs = {"pixel_values": np.linspace(0, 1, 24, dtype=np.float32).reshape(4, 6),
+                                        "image_grid_thw": np.array([[1, 2, 2]], dtype=np.int64)}
+    finished.turns = [TurnRecord(turn=0, generated_tokens=2, finish_reason="stop", weight_version="v1")]
+    finished.weight_versions, finished.reward = ["v1"], 0.5
+    finished.set_status(Status.COMPLETED)
+    aborted.set_prompt_tokens([1, 2, 3])
+    aborted.append_model_tokens([7], [-1.0])
+    aborted.set_status(Status.ABORTED)
+    args = offline_args(_next_group_index=6)
+    args.rollout_context.driver_state.update(prompt_buffer=[prompt],
+                                             partial_groups=[CarriedGroup(5, prompt, [finished, aborted])])
+    return args, prompt, finished, aborted
+
+
+def test_driver_state_json_round_trip_keeps_every_field():
+    args, prompt, finished, aborted = rich_driver_state()
+    text = json.dumps(driver_checkpoint_state(args))
+    state = json.loads(text)
+    assert state["version"] == DRIVER_STATE_VERSION
+    # Only the restart index of the aborted episode is saved, not its partial tokens.
+    assert state["partial_groups"][0]["restart"] == [1] and len(state["partial_groups"][0]["finished"]) == 1
+    assert aborted.tokens == [1, 2, 3, 7]  # checkpointing only reads: the live run keeps its episode
+
+    fresh = offline_args(_next_group_index=6)
+    restore_driver_state(fresh, state)
+    assert json.dumps(driver_checkpoint_state(fresh)) == text
+    driver = fresh.rollout_context.driver_state
+    [buffered] = driver["prompt_buffer"]
+    [carried] = driver["partial_groups"]
+    assert buffered.to_dict() == prompt.to_dict() and carried.prompt.to_dict() == prompt.to_dict()
+    assert buffered.metadata["weights"].dtype == np.int16 and buffered.metadata["weights"].tolist() == [0, 1, 2]
+    got_finished, restarted = carried.samples
+    assert got_finished.to_dict() == finished.to_dict() and got_finished.turns == finished.turns
+    for key, value in finished.multimodal_train_inputs.items():
+        got = got_finished.multimodal_train_inputs[key]
+        assert got.dtype == value.dtype and np.array_equal(got, value)
+    assert (restarted.group_index, restarted.index, restarted.status) == (5, 1, Status.PENDING)
+    assert restarted.tokens == [] and restarted.response_length == 0 and restarted.turns == []
+    assert restarted.metadata["prompt_index"] == 9 and restarted.prompt == prompt.prompt
+
+
+def _set(path: tuple, value: Any) -> Callable[[dict], Any]:
+    def mutate(state: dict) -> dict:
+        target = state
+        for key in path[:-1]:
+            target = target[key]
+        target[path[-1]] = value
+        return state
+    return mutate
+
+
+def _delete(key: str) -> Callable[[dict], Any]:
+    return lambda state: {k: v for k, v in state.items() if k != key}
+
+
+@pytest.mark.parametrize(
+    ("mutate", "expected"),
+    [
+        (lambda state: [state], "driver state must be a dict, got list"),
+        (_delete("version"), "driver state has no 'version'"),
+        (_set(("version",), 2), "driver state version 2 is not supported (this driver reads version 1)"),
+        (_delete("partial_groups"), "driver state: missing keys ['partial_groups'], unknown keys []"),
+        (_set(("extra",), 1), "unknown keys ['extra']"),
+        (_set(("prompt_buffer",), {}), "driver state.prompt_buffer must be a list, got dict"),
+        (_set(("prompt_buffer", 0, "bogus"), 1),
+         "prompt_buffer[0] is not a valid Sample dict: SampleError: Sample.from_dict: unknown keys ['bogus']"),
+        (_set(("prompt_buffer", 0, "loss_mask"), [1]), "prompt_buffer[0] is not a valid Sample dict: SampleError"),
+        (_set(("prompt_buffer", 0, "status"), "resting"), "prompt_buffer[0] is not a valid Sample dict: ValueError"),
+        (_set(("partial_groups", 0, "group_index"), -1), "partial_groups[0].group_index must be a non-negative int, got -1"),
+        (_set(("partial_groups", 0, "restart"), [0, 1]), "(group 5): sample indices [0] appear more than once"),
+        (_set(("partial_groups", 0, "restart"), ["1"]), "(group 5).restart[0] must be a non-negative int, got '1'"),
+        (_set(("partial_groups", 0, "finished", 0, "status"), "aborted"), "finished sample(group=5, index=0) has status aborted"),
+        (_set(("partial_groups", 0, "finished", 0, "group_index"), 4), "finished sample(group=4, index=0) belongs to group 4"),
+        (lambda state: {**state, "partial_groups": state["partial_groups"] * 2}, "carries group indices [5] more than once"),
+        (_set(("partial_groups", 0, "prompt"), "?"), "partial_groups[0] (group 5).prompt must be a Sample dict, got str"),
+    ],
+)
+def test_malformed_driver_state_is_refused_with_what_is_wrong(mutate, expected):
+    args, *_ = rich_driver_state()
+    state = mutate(json.loads(json.dumps(driver_checkpoint_state(args))))
+    fresh = offline_args(_next_group_index=6)
+    with pytest.raises(DriverStateError) as info:
+        restore_driver_state(fresh, state)
+    assert expected in str(info.value)
+    assert fresh.rollout_context.driver_state == {"partial_groups": []}  # nothing half-restored
+
+
+def test_driver_state_restore_refuses_a_foreign_counter_or_a_used_context():
+    args, *_ = rich_driver_state()
+    state = driver_checkpoint_state(args)
+    with pytest.raises(DriverStateError, match=r"carries groups \[5\] but args._next_group_index is 5"):
+        restore_driver_state(offline_args(_next_group_index=5), state)
+    with pytest.raises(DriverStateError, match="already holds driver state .'partial_groups': 1, 'prompt_buffer': 1"):
+        restore_driver_state(args, state)
+    suspended = offline_args(_next_group_index=6)
+    suspended.rollout_context.suspended[(5, 1)] = object()
+    with pytest.raises(DriverStateError, match="already holds driver state {} and 1 suspended episodes"):
+        restore_driver_state(suspended, state)
+
+
+def test_unserializable_prompt_is_named_at_checkpoint_time():
+    args = offline_args()
+    args.rollout_context.driver_state["prompt_buffer"] = [Sample(prompt=[{"role": "user", "content": object()}], index=3)]
+    with pytest.raises(TypeError, match=r"prompt_buffer\[0\] \(sample\(group=0, index=3\)\) is not JSON-serializable"):
+        driver_checkpoint_state(args)
+
 
 
 # ----------------------------------------------------------------------------- failures
