@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+import re
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -13,9 +18,12 @@ from jaxrl_vlm.models import (
     from_hf_dict,
     get_rope_index,
     get_rope_index_packed,
+    qwen3_vl_2b_instruct,
     vision_pos_embed_interp,
     vision_rotary_positions,
 )
+from jaxrl_vlm.models.config import Qwen3VLConfig
+from jaxrl_vlm.models.rope import _sequence_positions
 
 
 @pytest.fixture(scope="module")
@@ -158,3 +166,308 @@ def test_build_vision_inputs_pads_to_the_bucket_and_validates(cfg):
         build_vision_inputs(batch.pixel_values, batch.image_grid_thw, batch.input_ids, cfg, patch_bucket=30)
     with pytest.raises(ValueError, match="image-pad tokens"):
         build_vision_inputs(batch.pixel_values, batch.image_grid_thw, batch.input_ids[:, :5], cfg)
+
+
+# --- Vectorized host positions vs a straightforward reference --------------------------------------
+# The reference is the earlier implementation (a Python walk over the tokens), kept here unchanged
+# (scripts/bench_rope.py times it as the baseline): the vectorized code must give the same ids and the
+# same first error for every input.
+
+
+def ref_sequence_positions(ids: np.ndarray, grids: list[np.ndarray], cfg: Qwen3VLConfig, where: str) -> np.ndarray:
+    """Walk the tokens in order; at an image token, the next grid takes the next t*(h/merge)*(w/merge) tokens."""
+    merge = cfg.vision.spatial_merge_size
+    is_image = ids == cfg.image_token_id
+    if (ids == cfg.video_token_id).any():
+        raise ValueError(f"{where}: video tokens (id {cfg.video_token_id}) are not supported")
+    out = np.empty((3, ids.shape[0]), np.int64)
+    pos = i = g = 0
+    n = ids.shape[0]
+    while i < n:
+        if not is_image[i]:
+            j = i
+            while j < n and not is_image[j]:
+                j += 1
+            out[:, i:j] = np.arange(pos, pos + j - i)[None, :]
+            pos += j - i
+            i = j
+            continue
+        if g >= len(grids):
+            raise ValueError(f"{where}: more image-token runs than image_grid_thw rows ({len(grids)})")
+        t, h, w = (int(x) for x in grids[g])
+        lh, lw = h // merge, w // merge
+        count = t * lh * lw
+        if i + count > n or not is_image[i : i + count].all():
+            run = int(np.argmin(np.append(is_image[i:], False)))
+            raise ValueError(
+                f"{where}: image {g} with grid (t={t}, h={h}, w={w}) needs {count} consecutive image tokens, "
+                f"found {run} at token {i}"
+            )
+        tt, hh, ww = np.meshgrid(np.arange(t), np.arange(lh), np.arange(lw), indexing="ij")
+        out[0, i : i + count] = tt.reshape(-1) + pos
+        out[1, i : i + count] = hh.reshape(-1) + pos
+        out[2, i : i + count] = ww.reshape(-1) + pos
+        pos += max(h, w) // merge
+        i += count
+        g += 1
+    if g != len(grids):
+        raise ValueError(f"{where}: {len(grids)} image grids given but only {g} images found in the tokens")
+    return out
+
+
+def ref_split_grids(seqs: list[np.ndarray], grid: np.ndarray, cfg: Qwen3VLConfig) -> list[list[np.ndarray]]:
+    """Hand each sequence grid rows, in order, until they hold its image tokens."""
+    sizes = grid.prod(-1) // cfg.vision.merge_unit if len(grid) else np.zeros((0,), np.int64)
+    out: list[list[np.ndarray]] = []
+    g = 0
+    for seq_idx, ids in enumerate(seqs):
+        need = int((ids == cfg.image_token_id).sum())
+        mine: list[np.ndarray] = []
+        have = 0
+        while have < need:
+            if g >= len(grid):
+                raise ValueError(
+                    f"sequence {seq_idx} has {need} image tokens but image_grid_thw ran out after {len(grid)} rows"
+                )
+            mine.append(grid[g])
+            have += int(sizes[g])
+            g += 1
+        if have != need:
+            raise ValueError(f"sequence {seq_idx}: {need} image tokens do not match its grids' {have} merged tokens")
+        out.append(mine)
+    if g != len(grid):
+        raise ValueError(f"image_grid_thw has {len(grid)} rows but the tokens only use {g}")
+    return out
+
+
+def ref_get_rope_index(
+    ids: np.ndarray, grid: np.ndarray, mask: np.ndarray, cfg: Qwen3VLConfig
+) -> tuple[np.ndarray, np.ndarray]:
+    rows = [ids[b][mask[b]] for b in range(ids.shape[0])]
+    grids = ref_split_grids(rows, grid, cfg)
+    positions = np.zeros((3,) + ids.shape, np.int32)
+    deltas = np.zeros((ids.shape[0],), np.int32)
+    for b, row in enumerate(rows):
+        if row.size:
+            pos = ref_sequence_positions(row, grids[b], cfg, where=f"batch row {b}")
+            positions[:, b, mask[b]] = pos
+            deltas[b] = int(pos.max()) + 1 - row.size
+    return positions, deltas
+
+
+def ref_get_rope_index_packed(
+    tokens: np.ndarray, seg: np.ndarray, grid: np.ndarray, cfg: Qwen3VLConfig
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per row, per segment in order of first appearance: mask out its tokens and walk them."""
+    order: list[tuple[int, int]] = []
+    seqs: list[np.ndarray] = []
+    for b in range(tokens.shape[0]):
+        firsts = sorted((int(np.argmax(seg[b] == k)), int(k)) for k in np.unique(seg[b]) if k > 0)
+        for _, k in firsts:
+            order.append((b, k))
+            seqs.append(tokens[b][seg[b] == k])
+    grids = ref_split_grids(seqs, grid, cfg)
+    positions = np.zeros((3,) + tokens.shape, np.int32)
+    deltas = np.zeros((tokens.shape[0], int(seg.max()) if seg.size else 0), np.int32)
+    for (b, k), ids, gr in zip(order, seqs, grids):
+        pos = ref_sequence_positions(ids, gr, cfg, where=f"row {b} segment {k}")
+        positions[:, b, seg[b] == k] = pos
+        deltas[b, k - 1] = int(pos.max()) + 1 - ids.size
+    return positions, deltas
+
+
+def merge_cfg(merge: int) -> Qwen3VLConfig:
+    cfg = qwen3_vl_2b_instruct()
+    return dataclasses.replace(cfg, vision=dataclasses.replace(cfg.vision, spatial_merge_size=merge))
+
+
+def outcome(fn: Callable[..., Any], *args: Any) -> Any:
+    """The function's result, or its ValueError message: the two implementations must agree on either."""
+    try:
+        return fn(*args)
+    except ValueError as e:
+        return str(e)
+
+
+def assert_same_outcome(got: Any, want: Any) -> str:
+    """Assert equal results (arrays or tuples of arrays) or equal messages; returns the kind of outcome."""
+    if isinstance(want, str) or isinstance(got, str):
+        assert got == want
+        return error_kind(want)
+    for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+        assert g.dtype == w.dtype
+        np.testing.assert_array_equal(g, w)
+    return "ok"
+
+
+ERROR_KINDS = {
+    "video": "video tokens",
+    "more_runs": "more image-token runs",
+    "run_too_short": "consecutive image tokens, found",
+    "fewer_images": "images found in the tokens",
+    "split_ran_out": "ran out after",
+    "split_mismatch": "do not match its grids'",
+    "split_unused": "but the tokens only use",
+}
+
+
+def error_kind(message: str) -> str:
+    kinds = [k for k, text in ERROR_KINDS.items() if text in message]
+    assert len(kinds) == 1, message
+    return kinds[0]
+
+
+def random_grid(rng: np.random.Generator, merge: int) -> np.ndarray:
+    """t in 1..2, h, w in merge..3*merge; sometimes not a multiple of merge (positions floor like transformers)."""
+    t, h, w = int(rng.integers(1, 3)), merge * int(rng.integers(1, 4)), merge * int(rng.integers(1, 4))
+    if merge > 1 and rng.random() < 0.1:
+        h += int(rng.integers(1, merge))
+    return np.array([t, h, w])
+
+
+def random_sequence(rng: np.random.Generator, cfg: Qwen3VLConfig) -> tuple[np.ndarray, np.ndarray]:
+    """Text runs (possibly empty, so images can open or close the sequence) around groups of 1-3
+    ADJACENT images (one run of image tokens); no images at all a fifth of the time."""
+    merge = cfg.vision.spatial_merge_size
+    parts: list[np.ndarray] = []
+    grids: list[np.ndarray] = []
+    for _ in range(int(rng.integers(0, 4)) if rng.random() > 0.2 else 0):
+        parts.append(rng.integers(0, 1000, size=int(rng.integers(0, 4))))
+        for _ in range(int(rng.integers(1, 4))):
+            g = random_grid(rng, merge)
+            grids.append(g)
+            parts.append(np.full(g[0] * (g[1] // merge) * (g[2] // merge), cfg.image_token_id))
+    parts.append(rng.integers(0, 1000, size=int(rng.integers(0 if grids else 1, 4))))
+    return np.concatenate(parts).astype(np.int64), np.array(grids, np.int64).reshape(-1, 3)
+
+
+def corrupt(rng: np.random.Generator, ids: np.ndarray, grid: np.ndarray, cfg: Qwen3VLConfig):
+    """One random defect (or none): a video token, a grid dropped / added / redrawn, a token flipped, or
+    two tokens swapped (same image-token count, so the grids still split but an image may break)."""
+    ids, grid = ids.copy(), grid.copy()
+    kind = rng.choice(["none", "video", "drop_grid", "extra_grid", "redraw_grid", "flip_token", "swap_tokens"])
+    if kind == "video":
+        ids[rng.integers(ids.size)] = cfg.video_token_id
+    elif kind == "drop_grid" and len(grid):
+        grid = np.delete(grid, rng.integers(len(grid)), axis=0)
+    elif kind == "extra_grid":
+        grid = np.insert(grid, rng.integers(len(grid) + 1), random_grid(rng, cfg.vision.spatial_merge_size), axis=0)
+    elif kind == "redraw_grid" and len(grid):
+        grid[rng.integers(len(grid))] = random_grid(rng, cfg.vision.spatial_merge_size)
+    elif kind == "flip_token":
+        j = rng.integers(ids.size)
+        ids[j] = 7 if ids[j] == cfg.image_token_id else cfg.image_token_id
+    elif kind == "swap_tokens":
+        j = rng.integers(ids.size, size=2)
+        ids[j] = ids[j[::-1]]
+    return ids, grid
+
+
+@pytest.mark.parametrize("merge", [1, 2, 3])
+def test_sequence_positions_match_reference_on_random_sequences(merge):
+    cfg = merge_cfg(merge)
+    rng = np.random.default_rng(merge)
+    seen: dict[str, int] = {}
+    for _ in range(600):
+        ids, grid = corrupt(rng, *random_sequence(rng, cfg), cfg)
+        got = outcome(_sequence_positions, ids, grid, cfg, "seq")
+        kind = assert_same_outcome(got, outcome(ref_sequence_positions, ids, list(grid), cfg, "seq"))
+        if kind == "ok" and len(grid) > 1 and (np.diff(np.flatnonzero(ids == cfg.image_token_id)) == 1).all():
+            kind = "ok_adjacent"  # several images, all in one run of image tokens
+        seen[kind] = seen.get(kind, 0) + 1
+    # Every outcome the single-sequence walk can have was exercised, and plenty of successes.
+    assert set(seen) == {"ok", "ok_adjacent", "video", "more_runs", "run_too_short", "fewer_images"}, seen
+    assert seen["ok"] >= 100 and seen["ok_adjacent"] >= 10, seen
+
+
+def test_adjacent_images_split_one_run_of_image_tokens():
+    """Two images with no text between them: the run is split by grid sizes (hand-computed ids)."""
+    cfg = merge_cfg(2)
+    img = cfg.image_token_id
+    ids = np.array([7, img, img, img, img, 8])
+    grid = np.array([[1, 2, 4], [1, 4, 2]])  # 1x2 merged tokens, then 2x1; each advances by 2
+    want = [[0, 1, 1, 3, 3, 5], [0, 1, 1, 3, 4, 5], [0, 1, 2, 3, 3, 5]]
+    np.testing.assert_array_equal(_sequence_positions(ids, grid, cfg, "seq"), want)
+    np.testing.assert_array_equal(ref_sequence_positions(ids, list(grid), cfg, "seq"), want)
+    # One image covering the same four tokens is a different layout.
+    assert not np.array_equal(_sequence_positions(ids, np.array([[1, 4, 4]]), cfg, "seq"), want)
+
+
+I, V = qwen3_vl_2b_instruct().image_token_id, qwen3_vl_2b_instruct().video_token_id
+MORE_RUNS = "s: more image-token runs than image_grid_thw rows (1)"
+NEEDS_4 = "s: image {} with grid (t=1, h=4, w=4) needs 4 consecutive image tokens, found {} at token {}"
+BAD_SEQUENCES = {  # tokens, grids (merge 2), the exact message
+    "video": ([1, V, 2], [], f"s: video tokens (id {V}) are not supported"),
+    "more_runs_than_grids": ([1, I, I, I, I, 2, I, I, I, I], [[1, 4, 4]], MORE_RUNS),
+    "run_shorter_than_grid": ([1, I, I, I, 2], [[1, 4, 4]], NEEDS_4.format(0, 3, 1)),
+    "run_longer_than_grid": ([1, I, I, I, I, I, 2], [[1, 4, 4]], MORE_RUNS),
+    "adjacent_overrun": ([I, I, I, I, I, I], [[1, 4, 4], [1, 4, 4]], NEEDS_4.format(1, 2, 4)),
+    "fewer_images_than_grids": ([1, I, I, I, I, 2], [[1, 4, 4], [1, 2, 2]],
+                                "s: 2 image grids given but only 1 images found in the tokens"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_SEQUENCES))
+def test_sequence_positions_errors_name_the_cause(case):
+    ids, grid, message = BAD_SEQUENCES[case]
+    cfg, ids, grid = merge_cfg(2), np.array(ids), np.array(grid, np.int64).reshape(-1, 3)
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        _sequence_positions(ids, grid, cfg, "s")
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        ref_sequence_positions(ids, list(grid), cfg, "s")
+
+
+def random_packed(rng: np.random.Generator, cfg: Qwen3VLConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows of random sequences; a row's segments are contiguous or interleaved in chunks, then padding."""
+    rows, width = int(rng.integers(1, 4)), 40
+    tokens = np.zeros((rows, width), np.int64)
+    seg = np.zeros((rows, width), np.int32)
+    grids: list[np.ndarray] = []
+    for b in range(rows):
+        seqs = [random_sequence(rng, cfg) for _ in range(int(rng.integers(0, 4)))]
+        while sum(s.size for s, _ in seqs) > width:
+            seqs.pop()
+        owners = np.concatenate([np.full(s.size, k + 1) for k, (s, _) in enumerate(seqs)] + [np.zeros(0, int)])
+        if rng.random() < 0.5:  # interleave: any order of the tokens that keeps each sequence's own order
+            owners = owners[rng.permutation(owners.size)]
+        cursor = [0] * len(seqs)
+        for j, k in enumerate(owners):
+            tokens[b, j] = seqs[k - 1][0][cursor[k - 1]]
+            cursor[k - 1] += 1
+        seg[b, : owners.size] = owners
+        # Images are listed in token order: segments in order of first appearance.
+        appearance = list(dict.fromkeys(owners.tolist()))
+        grids += [seqs[k - 1][1] for k in appearance]
+    return tokens, seg, np.concatenate(grids + [np.zeros((0, 3), np.int64)])
+
+
+@pytest.mark.parametrize("merge", [1, 2])
+def test_packed_and_batched_positions_match_reference_on_random_batches(merge):
+    cfg = merge_cfg(merge)
+    rng = np.random.default_rng(10 + merge)
+    seen: dict[str, int] = {}
+    for _ in range(300):
+        tokens, seg, grid = random_packed(rng, cfg)
+        flat_ids, grid = corrupt(rng, tokens.reshape(-1), grid, cfg)
+        tokens = flat_ids.reshape(tokens.shape)
+        got = outcome(get_rope_index_packed, tokens, seg, grid, cfg)
+        kind = assert_same_outcome(got, outcome(ref_get_rope_index_packed, tokens, seg, grid, cfg))
+        seen[kind] = seen.get(kind, 0) + 1
+        # The same rows as a padded batch: segment ids > 0 become the attention mask (holes allowed).
+        mask = seg > 0
+        got = outcome(get_rope_index, tokens, grid, mask, cfg)
+        assert_same_outcome(got, outcome(ref_get_rope_index, tokens, grid, mask, cfg))
+    # (more image runs than grids cannot pass the split with grids that are multiples of merge)
+    assert {"ok", "video", "run_too_short", "split_mismatch", "split_ran_out", "split_unused"} <= set(seen), seen
+    assert seen["ok"] >= 100, seen
+
+
+def test_vision_positions_match_transformers_on_random_grids():
+    rng = np.random.default_rng(0)
+    for merge in (1, 2, 3):
+        grid = np.stack([rng.integers(1, 3, 6), merge * rng.integers(1, 6, 6), merge * rng.integers(1, 6, 6)], 1)
+        want = vision_utils.get_vision_position_ids(torch.tensor(grid), merge).numpy()
+        np.testing.assert_array_equal(vision_rotary_positions(grid, merge), want)
+    assert vision_rotary_positions(np.zeros((0, 3), np.int64), 2).shape == (0, 2)
+    with pytest.raises(ValueError, match=r"^image 1: grid h=4, w=6 must be multiples of spatial_merge_size=4$"):
+        vision_rotary_positions(np.array([[1, 8, 8], [1, 4, 6], [1, 3, 3]]), 4)

@@ -25,73 +25,91 @@ def _as_grid(image_grid_thw: np.ndarray | None) -> np.ndarray:
     return grid
 
 
-def _sequence_positions(ids: np.ndarray, grids: list[np.ndarray], cfg: Qwen3VLConfig, where: str) -> np.ndarray:
-    """M-RoPE ids [3, L] for one unpadded sequence `ids` [L] whose images use `grids` (in order)."""
-    merge = cfg.vision.spatial_merge_size
-    is_image = ids == cfg.image_token_id
+def _sequence_positions(ids: np.ndarray, grid: np.ndarray, cfg: Qwen3VLConfig, where: str) -> np.ndarray:
+    """M-RoPE ids [3, L] for one unpadded sequence `ids` [L] whose images use the rows of `grid` [N, 3] in order.
+
+    Vectorized (the trainer runs this for every sample of every step): image k takes the next
+    t * (h // merge) * (w // merge) image tokens, so adjacent images may share one run of image tokens,
+    but an image may not cross the end of a run. Text continues at the previous image's start
+    position + max(h, w) // merge, as in transformers' `get_rope_index`.
+    """
     if (ids == cfg.video_token_id).any():
         raise ValueError(f"{where}: video tokens (id {cfg.video_token_id}) are not supported")
-    out = np.empty((3, ids.shape[0]), np.int64)
-    pos = 0  # next position id
-    i = 0
-    g = 0
+    merge = cfg.vision.spatial_merge_size
+    is_image = ids == cfg.image_token_id
+    img = np.flatnonzero(is_image)  # token index of every image token
+    m = img.size
+    lh, lw = grid[:, 1] // merge, grid[:, 2] // merge
+    plane = lh * lw
+    counts = grid[:, 0] * plane
+    ends = np.cumsum(counts)
+    first = ends - counts  # image k's first token, as an index into `img`
+    # Images are laid out in order: image k fits iff its tokens stay inside the run holding its first one.
+    run_ends = np.append(np.flatnonzero(img[1:] - img[:-1] != 1) + 1, m)
+    room = run_ends[np.minimum(np.searchsorted(run_ends, first, side="right"), run_ends.size - 1)] - first
+    bad = (first >= m) | (counts > room)
+    if bad.any():
+        k = int(np.argmax(bad))
+        if first[k] >= m:
+            raise ValueError(f"{where}: {len(grid)} image grids given but only {k} images found in the tokens")
+        t, h, w = grid[k].tolist()
+        raise ValueError(
+            f"{where}: image {k} with grid (t={t}, h={h}, w={w}) needs {int(counts[k])} consecutive image tokens, "
+            f"found {int(room[k])} at token {int(img[first[k]])}"
+        )
+    if (ends[-1] if len(grid) else 0) < m:
+        raise ValueError(f"{where}: more image-token runs than image_grid_thw rows ({len(grid)})")
+
     n = ids.shape[0]
-    while i < n:
-        if not is_image[i]:
-            j = i
-            while j < n and not is_image[j]:
-                j += 1
-            out[:, i:j] = np.arange(pos, pos + j - i)[None, :]
-            pos += j - i
-            i = j
-            continue
-        if g >= len(grids):
-            raise ValueError(f"{where}: more image-token runs than image_grid_thw rows ({len(grids)})")
-        t, h, w = (int(x) for x in grids[g])
-        lh, lw = h // merge, w // merge
-        count = t * lh * lw
-        if i + count > n or not is_image[i : i + count].all():
-            run = int(np.argmin(np.append(is_image[i:], False)))
+    if m == 0:
+        return np.repeat(np.arange(n)[None], 3, axis=0)
+    advance = np.maximum(grid[:, 1], grid[:, 2]) // merge
+    advanced = np.concatenate([[0], np.cumsum(advance)])  # position shift after the first k images
+    # Text token j sits at j - (image tokens before j) + (advance of the images started before j). Both
+    # terms are constant between the ends of image runs: one np.repeat over the runs gives every token
+    # its text position; image tokens are overwritten below.
+    shift = np.concatenate([[0], advanced[np.searchsorted(first, run_ends)] - run_ends])
+    out = np.empty((3, n), np.int64)
+    stretch = np.concatenate([[0], img[run_ends - 1] + 1, [n]])  # text stretch r ends after image run r
+    out[:] = np.arange(n) + np.repeat(shift, stretch[1:] - stretch[:-1])
+    origin = img[first] - first + advanced[:-1]  # position of each image's (0, 0, 0) token
+    owner = np.searchsorted(ends, np.arange(m), side="right")  # image of each image token (skips empty grids)
+    local = np.arange(m) - first[owner]
+    base = origin[owner]
+    out[0, img] = base + local // plane[owner]
+    out[1, img] = base + local // lw[owner] % lh[owner]
+    out[2, img] = base + local % lw[owner]
+    return out
+
+
+def _split_grids(need: np.ndarray, grid: np.ndarray, cfg: Qwen3VLConfig) -> np.ndarray:
+    """Grid-row bounds [S + 1]: sequence i (holding `need[i]` image tokens) uses rows bounds[i]:bounds[i + 1].
+
+    Rows are taken in order until they hold the sequence's image tokens (t*h*w / merge^2 each).
+    Vectorized with running totals: while every earlier sequence matched exactly, sequence i's last
+    row is the first whose running total reaches sum(need[:i + 1]).
+    """
+    sizes = grid.prod(-1) // cfg.vision.merge_unit if len(grid) else np.zeros((0,), np.int64)
+    have = np.cumsum(sizes)
+    want = np.cumsum(need)
+    last = np.searchsorted(have, want, side="left")
+    reached = np.append(have, -1)[last]
+    out_of_rows = (need > 0) & (last >= len(grid))
+    bad = (need > 0) & (out_of_rows | (reached != want))
+    if bad.any():
+        i = int(np.argmax(bad))
+        if out_of_rows[i]:
             raise ValueError(
-                f"{where}: image {g} with grid (t={t}, h={h}, w={w}) needs {count} consecutive image tokens, "
-                f"found {run} at token {i}"
+                f"sequence {i} has {int(need[i])} image tokens but image_grid_thw ran out after {len(grid)} rows"
             )
-        tt, hh, ww = np.meshgrid(np.arange(t), np.arange(lh), np.arange(lw), indexing="ij")
-        out[0, i : i + count] = tt.reshape(-1) + pos
-        out[1, i : i + count] = hh.reshape(-1) + pos
-        out[2, i : i + count] = ww.reshape(-1) + pos
-        pos += max(h, w) // merge
-        i += count
-        g += 1
-    if g != len(grids):
-        raise ValueError(f"{where}: {len(grids)} image grids given but only {g} images found in the tokens")
-    return out
-
-
-def _split_grids(tokens_in_order: list[np.ndarray], grid: np.ndarray, cfg: Qwen3VLConfig) -> list[list[np.ndarray]]:
-    """Assign consecutive grid rows to each sequence by the number of image tokens it holds."""
-    merge2 = cfg.vision.merge_unit
-    sizes = grid.prod(-1) // merge2 if len(grid) else np.zeros((0,), np.int64)
-    out: list[list[np.ndarray]] = []
-    g = 0
-    for seq_idx, ids in enumerate(tokens_in_order):
-        need = int((ids == cfg.image_token_id).sum())
-        mine: list[np.ndarray] = []
-        have = 0
-        while have < need:
-            if g >= len(grid):
-                raise ValueError(
-                    f"sequence {seq_idx} has {need} image tokens but image_grid_thw ran out after {len(grid)} rows"
-                )
-            mine.append(grid[g])
-            have += int(sizes[g])
-            g += 1
-        if have != need:
-            raise ValueError(f"sequence {seq_idx}: {need} image tokens do not match its grids' {have} merged tokens")
-        out.append(mine)
-    if g != len(grid):
-        raise ValueError(f"image_grid_thw has {len(grid)} rows but the tokens only use {g}")
-    return out
+        raise ValueError(
+            f"sequence {i}: {int(need[i])} image tokens do not match its grids' "
+            f"{int(reached[i] - want[i] + need[i])} merged tokens"
+        )
+    bounds = np.concatenate([[0], np.maximum.accumulate(np.where(need > 0, last + 1, 0))]).astype(np.int64)
+    if bounds[-1] != len(grid):
+        raise ValueError(f"image_grid_thw has {len(grid)} rows but the tokens only use {int(bounds[-1])}")
+    return bounds
 
 
 def get_rope_index(
@@ -114,17 +132,50 @@ def get_rope_index(
     if mask.shape != ids.shape:
         raise ValueError(f"attention_mask shape {mask.shape} != input_ids shape {ids.shape}")
     grid = _as_grid(image_grid_thw)
-    rows = [ids[b][mask[b]] for b in range(ids.shape[0])]
-    grids = _split_grids(rows, grid, cfg)
+    bounds = _split_grids(((ids == cfg.image_token_id) & mask).sum(1), grid, cfg)
     positions = np.zeros((3,) + ids.shape, np.int32)
     deltas = np.zeros((ids.shape[0],), np.int32)
-    for b, row in enumerate(rows):
+    for b in range(ids.shape[0]):
+        row = ids[b][mask[b]]
         if row.size == 0:
             continue
-        pos = _sequence_positions(row, grids[b], cfg, where=f"batch row {b}")
+        pos = _sequence_positions(row, grid[bounds[b] : bounds[b + 1]], cfg, where=f"batch row {b}")
         positions[:, b, mask[b]] = pos
         deltas[b] = int(pos.max()) + 1 - row.size
     return positions, deltas
+
+
+def _segment_gather(seg: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Read order of the segments of a packed [B, T] batch, from its runs of equal segment id.
+
+    Returns `gather` [N] (flat token indices: each (row, segment) in order of first appearance, its
+    tokens in order), `bounds` [S + 1] (segment i is gather[bounds[i]:bounds[i + 1]]) and the row and
+    id [S] of each segment. Python work is O(1); numpy work is O(B * T) plus a sort of the runs.
+    """
+    flat = seg.reshape(-1)
+    empty = np.zeros((0,), np.int64)
+    if flat.size == 0:
+        return empty, np.zeros((1,), np.int64), empty, empty
+    cut = np.ones(flat.size, bool)
+    cut[1:] = flat[1:] != flat[:-1]
+    cut[:: seg.shape[1]] = True  # a run never continues into the next row
+    starts = np.flatnonzero(cut)
+    stops = np.append(starts[1:], flat.size)
+    real = flat[starts] > 0
+    starts, stops = starts[real], stops[real]
+    width = int(flat.max()) + 1
+    key = starts // seg.shape[1] * width + flat[starts]
+    keys, first_run, run_key = np.unique(key, return_index=True, return_inverse=True)
+    by_first = np.argsort(first_run)  # runs are in row-major order, so this is first-appearance order
+    rank = np.empty_like(by_first)
+    rank[by_first] = np.arange(by_first.size)
+    run_rank = rank[run_key.reshape(-1)]
+    order = np.argsort(run_rank, kind="stable")
+    lengths = (stops - starts)[order]
+    done = np.concatenate([[0], np.cumsum(lengths)])
+    gather = np.repeat(starts[order] - done[:-1], lengths) + np.arange(done[-1])
+    bounds = done[np.append(np.searchsorted(run_rank[order], np.arange(keys.size)), order.size)]
+    return gather, bounds, keys[by_first] // width, keys[by_first] % width
 
 
 def get_rope_index_packed(
@@ -148,42 +199,46 @@ def get_rope_index_packed(
         raise ValueError("segment_ids must be >= 0 (0 = padding)")
     grid = _as_grid(image_grid_thw)
     n_seg = int(seg.max()) if seg.size else 0
-    order: list[tuple[int, int]] = []
-    seqs: list[np.ndarray] = []
-    for b in range(tokens.shape[0]):
-        # Segments are visited in order of first appearance, which is the token (row-major) order of their images.
-        firsts = sorted((int(np.argmax(seg[b] == k)), k) for k in np.unique(seg[b]) if k > 0)
-        for _, k in firsts:
-            order.append((b, int(k)))
-            seqs.append(tokens[b][seg[b] == k])
-    grids = _split_grids(seqs, grid, cfg)
+    # Segments are read in order of first appearance, which is the token (row-major) order of their images.
+    gather, bounds, rows, ks = _segment_gather(seg)
+    stream = tokens.reshape(-1)[gather]
+    images_before = np.concatenate([[0], np.cumsum(stream == cfg.image_token_id)])
+    grid_bounds = _split_grids(images_before[bounds[1:]] - images_before[bounds[:-1]], grid, cfg)
+    stream_pos = np.empty((3, stream.size), np.int32)
+    for i, (b, k) in enumerate(zip(rows.tolist(), ks.tolist())):
+        lo, hi = bounds[i], bounds[i + 1]
+        stream_pos[:, lo:hi] = _sequence_positions(
+            stream[lo:hi], grid[grid_bounds[i] : grid_bounds[i + 1]], cfg, where=f"row {b} segment {k}"
+        )
     positions = np.zeros((3,) + tokens.shape, np.int32)
+    for axis in range(3):  # one 1-D scatter per axis: numpy's fast path, unlike a [:, gather] scatter
+        positions[axis].reshape(-1)[gather] = stream_pos[axis]
     deltas = np.zeros((tokens.shape[0], n_seg), np.int32)
-    for (b, k), ids, gr in zip(order, seqs, grids):
-        pos = _sequence_positions(ids, gr, cfg, where=f"row {b} segment {k}")
-        positions[:, b, seg[b] == k] = pos
-        deltas[b, k - 1] = int(pos.max()) + 1 - ids.size
+    if rows.size:
+        deltas[rows, ks - 1] = np.maximum.reduceat(stream_pos.max(0), bounds[:-1]) + 1 - np.diff(bounds)
     return positions, deltas
 
 
 def _merge_order_rows_cols(grid_thw: np.ndarray, merge: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(row, col, image_index) per patch [P], patches in the processor's merge-window order."""
+    """(row, col, image_index) per patch [P], patches in the processor's merge-window order.
+
+    Vectorized over all patches of all images (no per-image loop): within a frame, patch q lies in
+    merge window q // merge^2 (windows row-major, w // merge per row) at offset q % merge^2 (row-major).
+    """
     grid = _as_grid(grid_thw)
-    rows, cols, owner = [], [], []
-    for n, (t, h, w) in enumerate(grid.tolist()):
-        if h % merge or w % merge:
-            raise ValueError(f"image {n}: grid h={h}, w={w} must be multiples of spatial_merge_size={merge}")
-        hh, ww = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
-        block = (h // merge, merge, w // merge, merge)
-        r = hh.reshape(block).transpose(0, 2, 1, 3).reshape(-1)
-        c = ww.reshape(block).transpose(0, 2, 1, 3).reshape(-1)
-        rows.append(np.tile(r, t))
-        cols.append(np.tile(c, t))
-        owner.append(np.full(t * h * w, n))
-    if not rows:
-        z = np.zeros((0,), np.int64)
-        return z, z, z
-    return np.concatenate(rows), np.concatenate(cols), np.concatenate(owner)
+    h, w = grid[:, 1], grid[:, 2]
+    uneven = (h % merge != 0) | (w % merge != 0)
+    if uneven.any():
+        n = int(np.argmax(uneven))
+        raise ValueError(f"image {n}: grid h={h[n]}, w={w[n]} must be multiples of spatial_merge_size={merge}")
+    frame = h * w
+    sizes = grid[:, 0] * frame
+    owner = np.repeat(np.arange(len(grid)), sizes)
+    local = np.arange(int(sizes.sum())) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+    window, offset = np.divmod(local % frame[owner], merge * merge)
+    window_row, window_col = np.divmod(window, (w // merge)[owner])
+    offset_row, offset_col = np.divmod(offset, merge)
+    return window_row * merge + offset_row, window_col * merge + offset_col, owner
 
 
 def vision_rotary_positions(grid_thw: np.ndarray, spatial_merge_size: int) -> np.ndarray:
