@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -22,6 +19,7 @@ import jax
 import numpy as np
 import pytest
 
+from _launch import Launched, killed_on_exit, launch_job, wait_all
 from jaxrl_vlm import distributed
 from jaxrl_vlm.distributed import DistributedConfigError, resolve_settings
 
@@ -137,48 +135,9 @@ def test_process_local_rows_follow_block_order():
 # ----------------------------------------------------------------------------- 2 processes x 4 devices
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _log_tail(path: Path, lines: int = 60) -> str:
-    text = path.read_text(errors="replace") if path.exists() else "<no output>"
-    kept = [ln for ln in text.splitlines() if not ln.startswith("[Gloo]")]
-    return "\n".join(kept[-lines:])
-
-
-def _launch(model_dir: Path, work_dir: Path) -> list[tuple[subprocess.Popen, Path]]:
-    port = _free_port()
-    procs = []
-    for pid in range(NUM_PROCESSES):
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COORDINATOR", "JAXRL_"))}
-        env.update({
-            "XLA_FLAGS": f"--xla_force_host_platform_device_count={LOCAL_DEVICES}",  # replaces conftest's 8
-            "JAX_PLATFORMS": "cpu",
-            "JAXRL_COORDINATOR": f"127.0.0.1:{port}",
-            "JAX_COORDINATOR_BIND_ADDRESS": f"127.0.0.1:{port}",  # listen on loopback only
-            "JAXRL_NUM_PROCESSES": str(NUM_PROCESSES),
-            "JAXRL_PROCESS_ID": str(pid),
-        })
-        log = work_dir / f"worker_{pid}.log"
-        with open(log, "wb") as out:
-            proc = subprocess.Popen([sys.executable, str(WORKER), "--model-dir", str(model_dir), "--work-dir", str(work_dir)],
-                                    cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
-        procs.append((proc, log))
-    return procs
-
-
-def _wait(procs: list[tuple[subprocess.Popen, Path]], deadline: float) -> None:
-    for pid, (proc, log) in enumerate(procs):
-        try:
-            rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"worker {pid} still running after {TIMEOUT_S} s; its output:\n{_log_tail(log)}")
-        if rc != 0:
-            logs = "\n".join(f"--- worker {i} (rc={p.poll()}) ---\n{_log_tail(lg)}" for i, (p, lg) in enumerate(procs))
-            pytest.fail(f"worker {pid} exited with {rc}\n{logs}")
+def _launch(model_dir: Path, work_dir: Path) -> list[Launched]:
+    argv = [sys.executable, str(WORKER), "--model-dir", str(model_dir), "--work-dir", str(work_dir)]
+    return launch_job(argv, work_dir, num_processes=NUM_PROCESSES, local_devices=LOCAL_DEVICES)
 
 
 @pytest.mark.slow
@@ -194,9 +153,8 @@ def test_two_processes_train_step_equals_single_process(tmp_path):
     model_dir = make_tiny(tmp_path / "model", seed=3)
     work_dir = tmp_path / "work"
     work_dir.mkdir()
-    procs = _launch(model_dir, work_dir)
     deadline = time.monotonic() + TIMEOUT_S
-    try:
+    with killed_on_exit(_launch(model_dir, work_dir)) as procs:
         # The single-process reference runs while the workers start up.
         assert len(jax.devices()) == NUM_PROCESSES * LOCAL_DEVICES
         samples = worker.make_samples(model_dir)
@@ -204,12 +162,7 @@ def test_two_processes_train_step_equals_single_process(tmp_path):
         ref_params = worker.flat_params(ref.state.params, np.asarray)
         to_hf(ref.policy_model(), tmp_path / "ref_export", dtype=np.float32)
         init_params = worker.flat_params(nnx.state(from_hf(str(model_dir)), nnx.Param), np.asarray)
-        _wait(procs, deadline)
-    finally:
-        for proc, _ in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=30)
+        wait_all(procs, deadline)
 
     results = [json.loads((work_dir / f"result_{pid}.json").read_text()) for pid in range(NUM_PROCESSES)]
     params = [dict(np.load(work_dir / f"params_{pid}.npz")) for pid in range(NUM_PROCESSES)]
