@@ -1,6 +1,8 @@
-"""Decode throughput of the embedded engine against transformers' `generate` (batch 1), in one run.
+"""Decode throughput of the embedded engine against transformers' `generate` (batch 1), and multi-turn
+episodes with the prefix cache on against off, in one run.
 
     python scripts/bench_engine.py [--size tiny|small] [--new-tokens 64] [--concurrency 1 8 32]
+                                   [--cases decode multiturn] [--episodes 8] [--turns 4]
 
 Builds a random Qwen3-VL checkpoint of the chosen size (transformers, saved with `save_pretrained`,
 with the tiny tokenizer and processor files), then measures on the same machine and prompt:
@@ -11,7 +13,14 @@ with the tiny tokenizer and processor files), then measures on the same machine 
 
 Both timings include the prompt's prefill (short next to N tokens). Printed: tokens/s, ratio to
 transformers, decode steps per token and the compiled-program count (compile time and host
-overhead are reported, not hidden). `--json FILE` also writes the numbers.
+overhead are reported, not hidden).
+
+Multi-turn case: E concurrent episodes of T turns each, as the rollout runs them: the first prompt
+has a long text and an image, every turn generates N tokens and appends an observation (a new image
+every other turn), and the next request re-sends the whole conversation. Timed on two engines that
+differ only in `prefix_cache`, after an untimed warm-up episode set and a cache flush: wall time,
+prefilled and cached prompt tokens, vision-tower images, and the off/on time ratio.
+`--json FILE` also writes the numbers.
 """
 
 from __future__ import annotations
@@ -49,7 +58,8 @@ def build_checkpoint(size: str, out: Path) -> Path:
     from jaxrl_vlm.tiny_assets import save_tiny_processing, tiny_qwen3_vl_hf_config
     from rollout.processing import load_tokenizer
 
-    proc = save_tiny_processing(out / "processing", seed=0)
+    # Images up to 256x256 pixels (64 merged tokens each), so the vision tower is not negligible.
+    proc = save_tiny_processing(out / "processing", seed=0, max_pixels=256 * 256)
     config = tiny_qwen3_vl_hf_config(load_tokenizer(proc), **SIZES[size])
     torch.manual_seed(0)
     model = Qwen3VLForConditionalGeneration(Qwen3VLConfig(**config)).to(torch.float32).eval()
@@ -114,6 +124,82 @@ def bench_engine(model_dir: Path, prompt: list[int], new_tokens: int, concurrenc
     return rows
 
 
+def _picture(seed: int) -> Any:
+    """A deterministic 256x224 test picture (smooth gradients plus blocky noise)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:224, 0:256].astype(np.float32)
+    freq = rng.uniform(0.02, 0.2, size=(3, 2))
+    base = np.stack([127.5 + 90.0 * np.sin(freq[c, 0] * xx + freq[c, 1] * yy + c) for c in range(3)], axis=-1)
+    noise = rng.integers(-30, 31, size=(28, 32, 3)).repeat(8, 0).repeat(8, 1)
+    return Image.fromarray(np.clip(base + noise, 0, 255).astype(np.uint8))
+
+
+async def _episodes(url: str, encoder: Any, episodes: int, turns: int, new_tokens: int, seed: int) -> tuple[int, float]:
+    """Run `episodes` concurrent episodes of `turns` turns; returns (generated tokens, wall seconds)."""
+    from rollout.client import SGLangClient
+
+    params = {"temperature": 0.0, "max_new_tokens": new_tokens, "ignore_eos": True}
+    question = "Read the figure and the statement carefully. " * 12
+
+    async def one(client: SGLangClient, e: int) -> int:
+        image = {"type": "image", "image": _picture(seed + 100 * e)}
+        seg = encoder.encode_prompt([{"role": "user", "content": [{"type": "text", "text": f"Problem {e}. {question}"}, image,
+                                                                  {"type": "text", "text": "Find x."}]}])
+        ids, images, produced = list(seg.wire_ids), list(seg.image_data), 0
+        for t in range(turns):
+            result = await client.generate(ids, image_data=images, sampling_params=params)
+            produced += len(result.output_ids)
+            content: list[dict[str, Any]] = [{"type": "text", "text": f"Turn {t}: that is not right, look again at the angles."}]
+            if t % 2 == 0:
+                content.insert(0, {"type": "image", "image": _picture(seed + 100 * e + t + 1)})
+            obs = encoder.encode_observation([{"role": "user", "content": content}], model_ended_turn=False)
+            ids += result.output_ids + obs.wire_ids
+            images += obs.image_data
+        return produced
+
+    async with SGLangClient(url, timeout_s=600) as client:
+        start = time.perf_counter()
+        tokens = await asyncio.gather(*(one(client, e) for e in range(episodes)))
+        return sum(tokens), time.perf_counter() - start
+
+
+async def _flush(url: str) -> None:
+    from rollout.client import SGLangClient
+
+    async with SGLangClient(url) as client:
+        if not await client.flush_cache():
+            raise RuntimeError("flush_cache refused on an idle engine")
+
+
+def bench_multiturn(model_dir: Path, encoder: Any, episodes: int, turns: int, new_tokens: int, repeats: int) -> dict[str, Any]:
+    """The same episodes on an engine with the prefix cache and one without (same config otherwise)."""
+    from jaxrl_vlm.engine import EmbeddedEngine, EngineConfig
+
+    rows: dict[str, Any] = {}
+    for name, enabled in (("off", False), ("on", True)):
+        config = EngineConfig(max_batch=max(episodes, 1), max_seq_len=2048, min_kv_bucket=256, prefix_cache=enabled)
+        with EmbeddedEngine(str(model_dir), config=config) as engine:
+            warm_start = time.perf_counter()
+            asyncio.run(_episodes(engine.url, encoder, episodes, turns, new_tokens, seed=10_000))  # compiles
+            warmup_s = time.perf_counter() - warm_start
+            best: dict[str, Any] | None = None
+            for r in range(repeats):
+                asyncio.run(_flush(engine.url))  # every timed round starts from an empty cache
+                s = engine.stats
+                before = (s.prefilled_tokens, s.cached_tokens, s.encoded_images, s.prefix_hits)
+                tokens, elapsed = asyncio.run(_episodes(engine.url, encoder, episodes, turns, new_tokens, seed=r))
+                if best is None or elapsed < best["seconds"]:
+                    best = {"seconds": elapsed, "tokens": tokens, "prefilled_tokens": s.prefilled_tokens - before[0],
+                            "cached_tokens": s.cached_tokens - before[1], "encoded_images": s.encoded_images - before[2],
+                            "prefix_hits": s.prefix_hits - before[3]}
+            rows[name] = {**best, "warmup_s": warmup_s, "compiled_programs": engine.engine.runner.num_programs}
+    rows["speedup"] = rows["off"]["seconds"] / rows["on"]["seconds"]
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", choices=sorted(SIZES), default="tiny")
@@ -121,27 +207,48 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--torch-threads", type=int, default=max(1, os.cpu_count() or 1))
+    p.add_argument("--cases", nargs="+", choices=("decode", "multiturn"), default=["decode", "multiturn"])
+    p.add_argument("--episodes", type=int, default=8, help="Concurrent episodes of the multi-turn case.")
+    p.add_argument("--turns", type=int, default=4, help="Turns per episode of the multi-turn case.")
+    p.add_argument("--turn-tokens", type=int, default=32, help="New tokens per turn of the multi-turn case.")
     p.add_argument("--json", default=None, help="Also write the results to this file.")
     ns = p.parse_args(argv)
 
+    out: dict[str, Any] = {"size": ns.size}
     with tempfile.TemporaryDirectory(prefix="bench_engine_") as tmp:
         model_dir = build_checkpoint(ns.size, Path(tmp))
         from rollout.encoding import ChatEncoder
         from rollout.processing import load_image_processor, load_tokenizer
 
         encoder = ChatEncoder(load_tokenizer(model_dir), load_image_processor(model_dir))
-        prompt = encoder.encode_prompt([{"role": "user", "content": "Find the area of the triangle with base 6."}]).wire_ids
-        hf = bench_transformers(model_dir, prompt, ns.new_tokens, ns.repeats, ns.torch_threads)
-        rows = bench_engine(model_dir, prompt, ns.new_tokens, ns.concurrency, ns.repeats)
+        if "decode" in ns.cases:
+            prompt = encoder.encode_prompt([{"role": "user", "content": "Find the area of the triangle with base 6."}]).wire_ids
+            hf = bench_transformers(model_dir, prompt, ns.new_tokens, ns.repeats, ns.torch_threads)
+            rows = bench_engine(model_dir, prompt, ns.new_tokens, ns.concurrency, ns.repeats)
+            out.update(new_tokens=ns.new_tokens, transformers=hf, engine=rows)
+        if "multiturn" in ns.cases:
+            out["multiturn"] = bench_multiturn(model_dir, encoder, ns.episodes, ns.turns, ns.turn_tokens, ns.repeats)
 
-    print(f"\nsize={ns.size} prompt={len(prompt)} tokens, {ns.new_tokens} new tokens per request, greedy, EOS ignored")
-    print(f"transformers generate (batch 1): {hf['tokens_per_s']:.1f} tok/s")
-    print(f"{'concurrent':>10} {'engine tok/s':>13} {'vs HF':>7} {'steps':>6} {'ms/step':>8} {'warm-up s':>10} {'programs':>9}")
-    for r in rows:
-        print(f"{r['concurrency']:>10} {r['tokens_per_s']:>13.1f} {r['tokens_per_s'] / hf['tokens_per_s']:>6.2f}x "
-              f"{r['decode_steps']:>6} {r['ms_per_decode_step']:>8.2f} {r['warmup_s']:>10.2f} {r['compiled_programs']:>9}")
+    if "decode" in ns.cases:
+        print(f"\nsize={ns.size} prompt={len(prompt)} tokens, {ns.new_tokens} new tokens per request, greedy, EOS ignored")
+        print(f"transformers generate (batch 1): {hf['tokens_per_s']:.1f} tok/s")
+        print(f"{'concurrent':>10} {'engine tok/s':>13} {'vs HF':>7} {'steps':>6} {'ms/step':>8} {'warm-up s':>10} {'programs':>9}")
+        for r in rows:
+            print(f"{r['concurrency']:>10} {r['tokens_per_s']:>13.1f} {r['tokens_per_s'] / hf['tokens_per_s']:>6.2f}x "
+                  f"{r['decode_steps']:>6} {r['ms_per_decode_step']:>8.2f} {r['warmup_s']:>10.2f} {r['compiled_programs']:>9}")
+    if "multiturn" in ns.cases:
+        mt = out["multiturn"]
+        print(f"\nmulti-turn: {ns.episodes} concurrent episodes x {ns.turns} turns, {ns.turn_tokens} new tokens per turn, "
+              f"an image in the prompt and every other observation, greedy")
+        print(f"{'prefix cache':>12} {'seconds':>8} {'prefilled tok':>14} {'cached tok':>11} {'hits':>5} {'images':>7} "
+              f"{'warm-up s':>10} {'programs':>9}")
+        for name in ("off", "on"):
+            r = mt[name]
+            print(f"{name:>12} {r['seconds']:>8.2f} {r['prefilled_tokens']:>14} {r['cached_tokens']:>11} {r['prefix_hits']:>5} "
+                  f"{r['encoded_images']:>7} {r['warmup_s']:>10.2f} {r['compiled_programs']:>9}")
+        print(f"speed-up with the prefix cache (off / on wall time): {mt['speedup']:.2f}x")
     if ns.json:
-        Path(ns.json).write_text(json.dumps({"size": ns.size, "new_tokens": ns.new_tokens, "transformers": hf, "engine": rows}, indent=2))
+        Path(ns.json).write_text(json.dumps(out, indent=2))
     return 0
 
 

@@ -1,7 +1,8 @@
 """Embedded JAX inference engine serving SGLang's native HTTP API (see `server.py`).
 
 Slotted KV cache (`forward.py`), per-row sampling (`sampling.py`), compiled programs per shape bucket
-(`runner.py`), continuous batching (`scheduler.py`), SGLang wire format (`protocol.py`).
+(`runner.py`), continuous batching (`scheduler.py`), prefix caching across turns (`prefix_cache.py`),
+SGLang wire format (`protocol.py`).
 """
 
 from jaxrl_vlm.engine.config import EngineConfig

@@ -1,8 +1,9 @@
 """Embedded-engine settings: slot count, context length, shape buckets, dtypes.
 
 Every device program is compiled for a bucket, so the number of programs is bounded by the bucket
-lists here: prefill per (prompt bucket, patch bucket or none), decode per (batch bucket, kv-length
-bucket, filtered), "filtered" being whether any row of the batch uses top-k / top-p / min-p.
+lists here: prefill per (prompt bucket, patch bucket or none), extend (a prefill after a cached
+prefix) per (suffix bucket, kv-length bucket, patch bucket or none), decode per (batch bucket,
+kv-length bucket, filtered), "filtered" being whether any row of the batch uses top-k / top-p / min-p.
 """
 
 from __future__ import annotations
@@ -42,6 +43,11 @@ class EngineConfig:
     decode (default: powers of two up to max_batch). param_dtype / compute_dtype: "float32" or
     "bfloat16"; the cache uses compute_dtype. seed: draws the seed of requests without
     `sampling_seed`. max_prefills_per_step: admissions between two decode steps.
+    prefix_cache: keep the K/V of finished requests in their (now free) slots and let a new request
+    whose prompt starts with the same tokens and images reuse it, prefilling only the rest (the next
+    turn of a multi-turn episode re-sends the whole conversation). prefix_cache_min_tokens: the
+    shortest prefix worth reusing: a shorter match (a chat-template header) rarely shrinks the
+    padded prefill bucket, so it is not worth taking a warm slot or copying its rows.
     """
 
     max_batch: int = 32
@@ -54,6 +60,8 @@ class EngineConfig:
     compute_dtype: str = "float32"
     seed: int = 0
     max_prefills_per_step: int = 64
+    prefix_cache: bool = True
+    prefix_cache_min_tokens: int = 32
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
@@ -71,6 +79,8 @@ class EngineConfig:
                 raise ValueError(f"decode_batch_sizes={self.decode_batch_sizes} must be positive and end at max_batch={self.max_batch}")
         if self.max_prefills_per_step < 1:
             raise ValueError(f"max_prefills_per_step must be >= 1, got {self.max_prefills_per_step}")
+        if self.prefix_cache_min_tokens < 1:
+            raise ValueError(f"prefix_cache_min_tokens must be >= 1, got {self.prefix_cache_min_tokens}")
 
     @property
     def jnp_param_dtype(self) -> jnp.dtype:

@@ -19,6 +19,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from jaxrl_vlm.engine.prefix_cache import ImageSpan, image_spans
 from jaxrl_vlm.models.config import Qwen3VLConfig
 from jaxrl_vlm.models.rope import get_rope_index
 from rollout.encoding import ChatEncoder, compact_pad_runs
@@ -295,7 +296,8 @@ class PreparedPrompt:
 
     input_ids int32 [L] (image pads expanded), positions int32 [3, L] (M-RoPE), rope_delta (decode
     positions continue at index + rope_delta), pixel_values float32 [P, C*T*p*p] and image_grid_thw
-    int64 [N, 3] (None without images).
+    int64 [N, 3] (None without images). images: where each image's pads are and a digest of its
+    pixels, for the prefix cache (None: not computed yet; the scheduler computes it then).
     """
 
     input_ids: np.ndarray
@@ -303,6 +305,7 @@ class PreparedPrompt:
     rope_delta: int
     pixel_values: np.ndarray | None = None
     image_grid_thw: np.ndarray | None = None
+    images: tuple[ImageSpan, ...] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -369,7 +372,9 @@ class PromptPreparer:
             positions, deltas = get_rope_index(input_ids[None], grid, None, self.cfg)
         except ValueError as e:
             raise RequestError(f"cannot place the images in the prompt: {e}") from e
-        prompt = PreparedPrompt(input_ids, positions[:, 0], int(deltas[0]), pixel_values, grid)
+        # Hashing the pixels here keeps it off the scheduler thread.
+        images = image_spans(input_ids, pixel_values, grid, self.cfg.image_token_id, self.cfg.vision.spatial_merge_size)
+        prompt = PreparedPrompt(input_ids, positions[:, 0], int(deltas[0]), pixel_values, grid, images)
         return GenerateRequest(raw.rid, prompt, raw.params, raw.return_logprob, raw.return_text_in_logprobs)
 
 
@@ -386,6 +391,7 @@ class GenerateOutput:
     e2e_latency: float
     num_retractions: int = 0
     error: str | None = None  # an engine failure (HTTP 500), not a finish reason
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 def response_body(req: GenerateRequest, out: GenerateOutput, tokenizer: Any) -> dict[str, Any]:
@@ -405,7 +411,7 @@ def response_body(req: GenerateRequest, out: GenerateOutput, tokenizer: Any) -> 
         "finish_reason": out.finish_reason,
         "prompt_tokens": out.prompt_tokens,
         "completion_tokens": len(out.output_ids),
-        "cached_tokens": 0,
+        "cached_tokens": out.cached_tokens,
         "reasoning_tokens": 0,
         "weight_version": out.weight_version,
         "num_retractions": out.num_retractions,

@@ -21,6 +21,7 @@ from jaxrl_vlm.engine import forward
 from jaxrl_vlm.engine.config import EngineConfig, bucket_for
 from jaxrl_vlm.engine.sampling import SamplingRows, sample_tokens
 from jaxrl_vlm.engine.weights import load_params_state
+from jaxrl_vlm.models.config import Qwen3VLConfig
 from jaxrl_vlm.models.qwen3_vl import Qwen3VL
 from jaxrl_vlm.models.vision import VisionInputs, build_vision_inputs
 
@@ -45,11 +46,33 @@ def _rows(ints: jax.Array, floats: jax.Array) -> SamplingRows:
     )
 
 
+def images_after(
+    input_ids: np.ndarray, start: int, pixel_values: np.ndarray | None, image_grid_thw: np.ndarray | None, cfg: Qwen3VLConfig
+) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """pixel_values / image_grid_thw of the images whose pad tokens lie in input_ids[start:], or
+    (None, None). An image cut by `start` is an error: its merged tokens cannot be split."""
+    if pixel_values is None or image_grid_thw is None or len(image_grid_thw) == 0:
+        return None, None
+    grid = np.asarray(image_grid_thw, np.int64).reshape(-1, 3)
+    if start == 0:
+        return pixel_values, grid
+    merged = np.cumsum(grid.prod(-1) // cfg.vision.merge_unit)
+    before = int(np.count_nonzero(input_ids[:start] == cfg.image_token_id))
+    done = int(np.searchsorted(merged, before, side="right"))  # images wholly before `start`
+    if before != (merged[done - 1] if done else 0):
+        raise ValueError(f"prefix of {start} tokens ends inside image {done} (its pads are split)")
+    if done == len(grid):
+        return None, None
+    first_patch = int(grid[:done].prod(-1).sum())
+    return pixel_values[first_patch:], grid[done:]
+
+
 class ModelRunner:
     """Compiled prefill/decode over a slotted KV cache for one model on the default device.
 
     `banned_ids`: token ids that can never be sampled (Qwen-VL's vision special tokens).
-    `program_calls` counts calls per compiled-program key, e.g. ("decode", batch, kv_len, filtered).
+    `program_calls` counts calls per compiled-program key: ("prefill", bucket, patch_bucket),
+    ("extend", bucket, kv_len, patch_bucket), ("copy", rows), ("decode", batch, kv_len, filtered).
     """
 
     def __init__(self, model: Qwen3VL, config: EngineConfig, banned_ids: Sequence[int]):
@@ -68,24 +91,25 @@ class ModelRunner:
         banned_v = jnp.asarray(banned)
         graphdef = self._graphdef
 
-        def prefill_program(params, cache, bias, slot, tokens, positions, length, vision, bias_row, ints, floats):
+        def prefill_program(params, cache, bias, slot, start, tokens, positions, length, vision, bias_row, ints, floats, *, kv_len):
             model = nnx.merge(graphdef, params)
-            cache, logits = forward.prefill(model, cache, slot, tokens, positions, length, vision)
+            cache, logits = forward.prefill(model, cache, slot, start, tokens, positions, length, vision, kv_len)
             bias = bias.at[slot].set(bias_row)
             # Always the filtered sampler: sorting one row is cheap next to a prefill, and it halves the programs.
             ids, lps = sample_tokens(logits[None], bias_row[None], banned_v, _rows(ints, floats), filtered=True)
             return cache, bias, ids[0], lps[0]
 
-        def decode_program(params, cache, bias, ints, floats, *, kv_len, filtered):
+        def decode_program(params, cache, bias, slots, ints, floats, *, kv_len, filtered):
             model = nnx.merge(graphdef, params)
-            cache, logits = forward.decode(model, cache, ints[_I["token"]], ints[_I["length"]], ints[_I["rope_delta"]], kv_len)
-            b = ints.shape[1]
-            ids, lps = sample_tokens(logits, bias[:b], banned_v, _rows(ints, floats), filtered=filtered)
+            cache, logits = forward.decode(model, cache, slots, ints[_I["token"]], ints[_I["length"]], ints[_I["rope_delta"]], kv_len)
+            ids, lps = sample_tokens(logits, bias[slots], banned_v, _rows(ints, floats), filtered=filtered)
             return cache, ids, lps
 
-        self._prefill = jax.jit(prefill_program, donate_argnames=("cache", "bias"))
+        self._prefill = jax.jit(prefill_program, static_argnames=("kv_len",), donate_argnames=("cache", "bias"))
         self._decode = jax.jit(decode_program, static_argnames=("kv_len", "filtered"), donate_argnames=("cache",))
+        self._copy = jax.jit(forward.copy_rows, static_argnames=("rows",), donate_argnames=("cache",))
         self.program_calls: collections.Counter[tuple[Any, ...]] = collections.Counter()
+        self.encoded_images = 0  # images run through the vision tower (a reused prefix skips its images)
 
     # ------------------------------------------------------------------ programs
 
@@ -104,48 +128,79 @@ class ModelRunner:
         bias_row: np.ndarray | None,
         ints: np.ndarray,
         floats: np.ndarray,
+        *,
+        start: int = 0,
     ) -> tuple[int, float]:
         """Prefill `input_ids` [L] (positions [3, L]) into `slot` and sample its next token.
 
+        start > 0 ("extend"): rows [0, start) of the slot already hold the K/V of input_ids[:start]
+        (a reused prefix, whose images must lie wholly inside it); only [start, L) is computed and the
+        vision tower runs only on the images there. start + the suffix's prefill bucket must fit in
+        max_seq_len (`prefix_cache.fit_start`).
         ints int32 [6] / floats float32 [3]: the slot's row of INT_ROWS / FLOAT_ROWS (token,
         length and rope_delta are unused here). bias_row float32 [V] or None (no bias).
         Returns (token id, its log-prob).
         """
-        length = int(input_ids.shape[0])
+        total = int(input_ids.shape[0])
+        if not 0 <= start < total:
+            raise ValueError(f"prefill start={start} must lie in [0, {total}) (the last prompt token is always computed)")
+        length = total - start
         t = bucket_for(length, self.config.prefill_buckets, "prompt tokens")
+        if start + t > self.config.max_seq_len:
+            raise ValueError(f"extend of {length} tokens after {start} cached ones pads to {t} and runs past max_seq_len")
+        kv_len = t if start == 0 else bucket_for(total, self.config.kv_buckets, "cached tokens")
         tokens = np.zeros((1, t), np.int32)
-        tokens[0, :length] = input_ids
+        tokens[0, :length] = input_ids[start:]
         pos = np.zeros((3, 1, t), np.int32)
-        pos[:, 0, :length] = positions
+        pos[:, 0, :length] = positions[:, start:]
+        pixel_values, image_grid_thw = images_after(input_ids, start, pixel_values, image_grid_thw, self.cfg)
         vision: VisionInputs | None = None
         patch_bucket = None
-        if pixel_values is not None and len(pixel_values):
+        if pixel_values is not None:
             patch_bucket = self.config.patch_bucket(int(pixel_values.shape[0]))
             valid = np.zeros((1, t), bool)
             valid[0, :length] = True
             vision = build_vision_inputs(pixel_values, image_grid_thw, tokens, self.cfg, patch_bucket=patch_bucket, token_valid=valid)
             vision = VisionInputs(*(np.asarray(a) for a in vision))
+            self.encoded_images += len(image_grid_thw)
         row = np.zeros((self.vocab_size,), np.float32) if bias_row is None else bias_row.astype(np.float32)
-        self.program_calls[("prefill", t, patch_bucket)] += 1
+        key = ("prefill", t, patch_bucket) if start == 0 else ("extend", t, kv_len, patch_bucket)
+        self.program_calls[key] += 1
         self.cache, self.bias, tok, lp = self._prefill(
-            self.params, self.cache, self.bias, np.int32(slot), tokens, pos, np.int32(length), vision, row,
-            ints[:, None], floats[:, None],
+            self.params, self.cache, self.bias, np.int32(slot), np.int32(start), tokens, pos, np.int32(length), vision, row,
+            ints[:, None], floats[:, None], kv_len=kv_len,
         )
         tok, lp = jax.device_get((tok, lp))
         return int(tok), float(lp)
 
-    def decode(self, ints: np.ndarray, floats: np.ndarray, max_length: int, filtered: bool) -> tuple[np.ndarray, np.ndarray]:
-        """One decode step for slots [0, B) where B = ints.shape[1] is a batch bucket.
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Copy the K/V of the first `n` tokens of slot `src` into slot `dst` (rows past `n`, up to the
+        kv bucket, come along as garbage that `dst`'s next prefill overwrites or masks)."""
+        rows = bucket_for(n, self.config.kv_buckets, "cached tokens")
+        self.program_calls[("copy", rows)] += 1
+        self.cache = self._copy(self.cache, np.int32(src), np.int32(dst), rows=rows)
 
-        ints int32 [6, B], floats float32 [3, B] (INT_ROWS / FLOAT_ROWS); max_length: the largest
-        cached length among active slots. Returns ids int32 [B] and log-probs float32 [B].
+    def decode(self, slots: np.ndarray, ints: np.ndarray, floats: np.ndarray, filtered: bool) -> tuple[np.ndarray, np.ndarray]:
+        """One decode step for the running requests in `slots` [n], padded to a batch bucket.
+
+        ints int32 [6, n], floats float32 [3, n]: their columns of INT_ROWS / FLOAT_ROWS. Returns ids
+        int32 [n] and log-probs float32 [n].
         """
-        b = ints.shape[1]
-        kv_len = bucket_for(max_length + 1, self.config.kv_buckets, "cached tokens")
+        n = int(slots.shape[0])
+        b = bucket_for(n, self.config.batch_buckets, "running requests")
+        kv_len = bucket_for(int(ints[_I["length"]].max()) + 1, self.config.kv_buckets, "cached tokens")
+        batch_slots = np.zeros((b,), np.int32)
+        batch_slots[:n] = slots
+        batch_ints = np.zeros((ints.shape[0], b), np.int32)
+        batch_ints[:, :n] = ints
+        batch_ints[_I["length"], n:] = self.config.max_seq_len  # padding rows: K/V writes dropped
+        batch_floats = np.zeros((floats.shape[0], b), np.float32)
+        batch_floats[:, :n] = floats
         self.program_calls[("decode", b, kv_len, filtered)] += 1
-        self.cache, ids, lps = self._decode(self.params, self.cache, self.bias, ints, floats, kv_len=kv_len, filtered=filtered)
+        self.cache, ids, lps = self._decode(self.params, self.cache, self.bias, batch_slots, batch_ints, batch_floats,
+                                            kv_len=kv_len, filtered=filtered)
         ids, lps = jax.device_get((ids, lps))
-        return np.asarray(ids), np.asarray(lps)
+        return np.asarray(ids)[:n], np.asarray(lps)[:n]
 
     # ------------------------------------------------------------------ weights
 

@@ -3,8 +3,16 @@
 Every loop iteration (1) applies queued messages (new requests, aborts, control calls), (2) runs a
 pending weight update once nothing is decoding, (3) admits waiting requests into free KV slots
 (one prefill each, which samples their first token) and (4) runs ONE decode step for every active
-slot. Requests therefore join and leave between decode steps. Free slots are handed out lowest
-first, so the decode batch bucket stays as small as the live requests allow.
+slot. Requests therefore join and leave between decode steps. A decode batch holds only the running
+slots (padded to a batch bucket), wherever they sit in the cache.
+
+Prefix cache (`EngineConfig.prefix_cache`): a finished request leaves its slot *warm* (free, its K/V
+kept, see `prefix_cache.py`). Admission finds the warm slot holding the longest reusable prefix of
+the prompt (if at least `prefix_cache_min_tokens`) and prefills only the rest: in that slot when the
+request continues its whole content, else after copying the prefix into an empty slot. Without a
+match a request gets an empty slot, else the least recently used warm slot. Warm slots are dropped whenever their K/V may no
+longer be what the serving weights compute: new weights, `/flush_cache`, a failed device program; a
+request that was running across a weight update never leaves its slot warm.
 
 Stop rules follow SGLang's `Req.check_finished`, in its order: abort, then `max_new_tokens`
 (length), then stop token ids / EOS ids (unless `ignore_eos`), then stop strings on the detokenized
@@ -28,6 +36,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from jaxrl_vlm.engine.prefix_cache import ImageSpan, Match, PrefixCache, fit_start, image_spans
 from jaxrl_vlm.engine.protocol import GenerateOutput, GenerateRequest
 from jaxrl_vlm.engine.runner import FLOAT_ROWS, INT_ROWS, ModelRunner
 
@@ -53,6 +62,8 @@ class ActiveRequest:
     stop_ids: frozenset[int] = frozenset()
     max_new_tokens: int = 0
     stop_window: int = 0  # output tokens decoded to look for stop strings
+    cached_tokens: int = 0  # tokens served from the prefix cache, summed over admissions (SGLang's count)
+    cache_epoch: int = -1  # the scheduler's cache epoch when its K/V was computed
 
     @property
     def rid(self) -> str:
@@ -72,6 +83,13 @@ class EngineStats:
     finished: int = 0
     aborted: int = 0
     weight_updates: int = 0
+    prefix_hits: int = 0  # admissions that reused a warm slot's prefix
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    prefilled_tokens: int = 0  # prompt tokens computed by prefill / extend (padding not counted)
+    encoded_images: int = 0  # images run through the vision tower
+    prefix_copies: int = 0  # hits on a prefix shared with a warm slot that was copied, not taken
+    prefix_evictions: int = 0  # warm slots given to a request that could not reuse them
+    prefix_invalidations: int = 0  # times every warm slot was dropped (weights, flush, failures)
 
 
 @dataclass
@@ -105,8 +123,11 @@ class Scheduler:
         self._waiting: deque[ActiveRequest] = deque()
         self._held: deque[ActiveRequest] = deque()  # arrived while paused; not yet the scheduler's
         self._running: dict[int, ActiveRequest] = {}
-        self._free: list[int] = list(range(self.max_batch))
+        self._free: list[int] = list(range(self.max_batch))  # empty slots (a heap)
         heapq.heapify(self._free)
+        self._prefix = PrefixCache()  # warm slots: free, with reusable K/V
+        self._prefix_on = runner.config.prefix_cache
+        self._cache_epoch = 0  # bumped whenever cached K/V stops matching the serving weights
         self._paused: str | None = None
         self._updates: deque[_WeightUpdate] = deque()
         self._ints = np.zeros((len(INT_ROWS), self.max_batch), np.int32)
@@ -205,7 +226,10 @@ class Scheduler:
             return True
         if self._updates and (self._paused or not self._running):
             return True
-        return bool(self._waiting) and not self._paused and not self._updates and bool(self._free)
+        return bool(self._waiting) and not self._paused and not self._updates and self._has_free_slot()
+
+    def _has_free_slot(self) -> bool:
+        return bool(self._free) or len(self._prefix) > 0
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -264,28 +288,88 @@ class Scheduler:
         if self._paused or self._updates:
             return
         admitted = 0
-        while self._waiting and self._free and admitted < self.runner.config.max_prefills_per_step:
+        while self._waiting and self._has_free_slot() and admitted < self.runner.config.max_prefills_per_step:
             seq = self._waiting.popleft()
-            slot = heapq.heappop(self._free)
+            slot = None
             try:
-                self._prefill(seq, slot)
+                slot, start, source = self._take_slot(seq)
+                self._prefill(seq, slot, start, source)
             except Exception as exc:  # a failed prefill fails that request, not the server
                 logger.exception("prefill of %s failed", seq.rid)
-                self._release(slot)
+                if slot is not None:
+                    self._release(slot)
+                # The cache was donated to the failed program: no warm slot can be trusted any more.
+                self._invalidate_prefix_cache()
                 self._finish(seq, None, error=f"prefill failed: {type(exc).__name__}: {exc}")
             admitted += 1
 
-    def _prefill(self, seq: ActiveRequest, slot: int) -> None:
+    def _take_slot(self, seq: ActiveRequest) -> tuple[int, int, int | None]:
+        """(slot, tokens of cached K/V to reuse, slot to copy them from or None) for `seq`.
+
+        The warm slot with the longest reusable prefix (at least `prefix_cache_min_tokens`) is taken
+        when the request continues its whole content; when they only share a prefix, that prefix is
+        copied into an empty slot (else into the least recently used warm one), so the warm slot keeps
+        serving its own conversation. Without a match: an empty slot, else the least recently used
+        warm slot. Needs `_has_free_slot()`; changes nothing if it raises.
+        """
+        match: Match | None = None
+        if len(self._prefix):
+            ids = self._cached_sequence(seq)
+            images = self._images(seq)
+            found = self._prefix.best(ids, images)
+            if found is not None:
+                cfg = self.runner.config
+                reuse = fit_start(found.reuse, ids.shape[0], images, cfg.prefill_buckets, cfg.max_seq_len)
+                if reuse >= cfg.prefix_cache_min_tokens:
+                    match = found._replace(reuse=reuse)
+        if match is not None and match.lost <= 1:  # the next turn of the slot's own conversation
+            self._prefix.take(match.slot)
+            return match.slot, match.reuse, None
+        if self._free:
+            slot = heapq.heappop(self._free)
+        else:
+            slot = self._prefix.lru()
+            assert slot is not None, "_take_slot needs a free slot"
+            self._prefix.take(slot)
+            if match is None or slot != match.slot:
+                self.stats.prefix_evictions += 1
+        if match is None:
+            return slot, 0, None
+        if slot == match.slot:  # the shared prefix sits in the slot about to be reused anyway
+            return slot, match.reuse, None
+        self._prefix.touch(match.slot)
+        return slot, match.reuse, match.slot
+
+    def _cached_sequence(self, seq: ActiveRequest) -> np.ndarray:
+        """Token ids whose K/V the request's slot holds while it runs or once it stops: prompt +
+        outputs but the last (sampled, never fed). A retracted request is readmitted with exactly
+        these as its prompt, so they are also what its admission must put in the cache."""
+        prompt = seq.request.prompt.input_ids
+        done = seq.output_ids[:-1]
+        if not done:
+            return prompt
+        return np.concatenate([prompt, np.asarray(done, np.int32)])
+
+    def _images(self, seq: ActiveRequest) -> tuple[ImageSpan, ...]:
+        prompt = seq.request.prompt
+        if prompt.images is None:  # prepared without identities (PromptPreparer computes them off-thread)
+            cfg = self.runner.cfg
+            prompt.images = image_spans(prompt.input_ids, prompt.pixel_values, prompt.image_grid_thw,
+                                        cfg.image_token_id, cfg.vision.spatial_merge_size)
+        return prompt.images
+
+    def _prefill(self, seq: ActiveRequest, slot: int, start: int = 0, source: int | None = None) -> None:
+        """Admit `seq` into `slot`: reuse the K/V of its first `start` tokens (copied from warm slot
+        `source` first, or already in `slot`), prefill the rest and sample its first token."""
         req, params = seq.request, seq.request.params
         prompt = req.prompt
         ids, positions = prompt.input_ids, prompt.positions
         resumed = bool(seq.output_ids)
         if resumed:  # a retracted request: rebuild the cache of prompt + outputs but the last (not cached yet)
-            extra = np.asarray(seq.output_ids[:-1], np.int32)
-            start = prompt.num_tokens
-            extra_pos = np.arange(start, start + extra.size, dtype=np.int32) + prompt.rope_delta
-            ids = np.concatenate([ids, extra])
-            positions = np.concatenate([positions, np.broadcast_to(extra_pos, (3, extra.size))], axis=1)
+            ids = self._cached_sequence(seq)
+            first = prompt.num_tokens
+            extra_pos = np.arange(first, ids.shape[0], dtype=np.int32) + prompt.rope_delta
+            positions = np.concatenate([positions, np.broadcast_to(extra_pos, (3, extra_pos.size))], axis=1)
         self._ints[:, slot] = 0
         self._ints[_I["top_k"], slot] = params.top_k
         self._ints[_I["step"], slot] = len(seq.output_ids)
@@ -300,11 +384,20 @@ class Scheduler:
             bias_row = np.zeros((self.runner.vocab_size,), np.float32)
             for token, value in params.logit_bias:
                 bias_row[token] += value
+        if source is not None:
+            self.runner.copy_prefix(source, slot, start)
+            self.stats.prefix_copies += 1
         token, logprob = self.runner.prefill(
             slot, ids, positions, prompt.pixel_values, prompt.image_grid_thw, bias_row,
-            self._ints[:, slot], self._floats[:, slot],
+            self._ints[:, slot], self._floats[:, slot], start=start,
         )
         self.stats.prefills += 1
+        self.stats.prefix_hits += int(start > 0)
+        self.stats.cached_tokens += start
+        self.stats.prefilled_tokens += ids.shape[0] - start
+        self.stats.encoded_images = self.runner.encoded_images
+        seq.cached_tokens += start
+        seq.cache_epoch = self._cache_epoch
         seq.slot = slot
         self._running[slot] = seq
         if resumed:
@@ -314,14 +407,13 @@ class Scheduler:
 
     def _decode_step(self) -> None:
         slots = sorted(self._running)
-        width = next(b for b in self.runner.config.batch_buckets if b > slots[-1])
-        lengths = self._ints[_I["length"], slots]
         try:
             ids, lps = self.runner.decode(
-                self._ints[:, :width], self._floats[:, :width], int(lengths.max()), bool(self._filtered[slots].any())
+                np.asarray(slots, np.int32), self._ints[:, slots], self._floats[:, slots], bool(self._filtered[slots].any())
             )
         except Exception as exc:
             logger.exception("decode step failed")
+            self._invalidate_prefix_cache()  # the donated cache cannot be trusted
             for slot in slots:
                 seq = self._running.pop(slot)
                 self._release(slot)
@@ -330,8 +422,8 @@ class Scheduler:
         self.stats.decode_steps += 1
         self.stats.decode_rows += len(slots)
         self.stats.max_decode_rows = max(self.stats.max_decode_rows, len(slots))
-        for slot in slots:
-            self._append(self._running[slot], int(ids[slot]), float(lps[slot]))
+        for row, slot in enumerate(slots):
+            self._append(self._running[slot], int(ids[row]), float(lps[row]))
 
     def _append(self, seq: ActiveRequest, token: int, logprob: float) -> None:
         seq.output_ids.append(token)
@@ -365,17 +457,34 @@ class Scheduler:
 
     # ------------------------------------------------------------------ finishing
 
-    def _release(self, slot: int) -> None:
+    def _release(self, slot: int, seq: ActiveRequest | None = None) -> None:
+        """Free `slot`. With `seq` (the request that ran there, its K/V intact) and the prefix cache
+        on, the slot stays warm, unless the weights changed since its K/V was computed."""
         self._ints[:, slot] = 0
         self._floats[:, slot] = 0.0
         self._filtered[slot] = False
-        heapq.heappush(self._free, slot)
+        ids = None
+        if seq is not None and self._prefix_on and seq.cache_epoch == self._cache_epoch:
+            ids = self._cached_sequence(seq)
+        if ids is not None and ids.shape[0] >= self.runner.config.prefix_cache_min_tokens:  # else never reusable
+            self._prefix.put(slot, ids, self._images(seq))
+        else:
+            heapq.heappush(self._free, slot)
+
+    def _invalidate_prefix_cache(self) -> None:
+        """Forget every warm slot, and make running requests' K/V non-reusable (e.g. new weights)."""
+        self._cache_epoch += 1
+        dropped = self._prefix.clear()
+        if dropped:
+            self.stats.prefix_invalidations += 1
+        for slot in dropped:
+            heapq.heappush(self._free, slot)
 
     def _finish(self, seq: ActiveRequest, reason: dict[str, Any] | None, error: str | None = None) -> None:
         if seq.slot is not None:
             if self._running.get(seq.slot) is seq:
                 del self._running[seq.slot]
-                self._release(seq.slot)
+                self._release(seq.slot, seq if error is None else None)
             seq.slot = None
         if reason is not None and reason.get("type") == "abort":
             self.stats.aborted += 1
@@ -389,6 +498,7 @@ class Scheduler:
             weight_version=self.weight_version,
             e2e_latency=time.monotonic() - seq.arrival,
             num_retractions=seq.num_retractions,
+            cached_tokens=seq.cached_tokens,
             error=error,
         )
         try:
@@ -411,6 +521,7 @@ class Scheduler:
                 self._finish(seq, _abort_reason(message))
 
     def _fail_all(self, message: str) -> None:
+        self._invalidate_prefix_cache()
         for seq in [*self._running.values(), *self._waiting, *self._held]:
             self._finish(seq, None, error=message)
         self._waiting.clear()
@@ -424,7 +535,7 @@ class Scheduler:
         elif mode == "retract":
             for slot in sorted(self._running, reverse=True):
                 seq = self._running.pop(slot)
-                self._release(slot)
+                self._release(slot, seq)  # warm: its own readmission usually gets the slot back
                 seq.slot = None
                 seq.num_retractions += 1
                 self._waiting.appendleft(seq)
@@ -438,9 +549,11 @@ class Scheduler:
         return {"status": "ok", "message": "Generation continued successfully."}
 
     def _flush(self) -> bool:
-        """True (flushed) when nothing is running or waiting. There is no prefix cache to drop, but
-        the answer must be SGLang's: requests held by a pause are not the scheduler's yet."""
+        """Drop the prefix cache and answer True when nothing is running or waiting (SGLang's rule:
+        requests held by a pause are not the scheduler's yet); otherwise change nothing, False."""
         busy = len(self._running) + (0 if self._paused else len(self._waiting))
+        if busy == 0:
+            self._invalidate_prefix_cache()
         return busy == 0
 
     def _loads(self) -> dict[str, Any]:
@@ -471,6 +584,8 @@ class Scheduler:
             logger.warning("update_weights_from_disk(%s) failed: %s", upd.model_path, exc)
             return {"success": False, "message": f"Failed to update weights from {upd.model_path}: {exc}",
                     "num_paused_requests": paused}
+        # Cached K/V was computed by the old weights (a failed load above changed nothing).
+        self._invalidate_prefix_cache()
         if upd.weight_version is not None:
             self.weight_version = upd.weight_version
         self.stats.weight_updates += 1
