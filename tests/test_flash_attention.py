@@ -1,10 +1,11 @@
-"""`attention_impl: pallas_gpu`: the fused segment-aware kernel (run by Pallas' interpreter on this CPU) against
-the XLA attention — the kernel alone (GQA, packing, padding, causal or not, gradients), under shard_map on a
-mesh, and the whole Qwen3-VL forward with images. The train-step trajectory under fsdp_tp is in
+"""`attention_impl: pallas_gpu | pallas_tpu`: the fused segment-aware kernels (run by Pallas' interpreters on this
+CPU) against the XLA attention — the kernel alone (GQA, packing, padding, causal or not, gradients), under
+shard_map on a mesh, and the whole Qwen3-VL forward with images. The train-step trajectory under fsdp_tp is in
 test_train_layouts.py."""
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 
 import jax
@@ -12,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.experimental.pallas import tpu as pltpu
 
 from jaxrl_vlm import sharding as S
 from jaxrl_vlm.models import build_vision_inputs, get_rope_index
@@ -20,16 +22,22 @@ from jaxrl_vlm.models.flash_attention import block_size, flash_attention
 from jaxrl_vlm.models.qwen3_vl import Qwen3VL, attention
 from jaxrl_vlm.tiny import tiny_model_config
 
-B, T, N, KV, H = 4, 48, 4, 2, 16
+B, T, N, KV, H = 4, 128, 4, 2, 16
+IMPLS = ["pallas_gpu", "pallas_tpu"]
+
+
+def interpreted(impl: str):
+    """The TPU kernel runs on CPU only with Pallas' TPU interpreter active while programs are compiled."""
+    return pltpu.force_tpu_interpret_mode() if impl == "pallas_tpu" else contextlib.nullcontext()
 
 
 def _inputs(seed: int = 0):
     rng = np.random.default_rng(seed)
     q, k, v = (jnp.asarray(rng.normal(size=(B, T, n, H)), jnp.float32) for n in (N, KV, KV))
     seg = np.zeros((B, T), np.int32)
-    seg[0, :20], seg[0, 20:41] = 1, 2  # two packed sequences, then padding
+    seg[0, :50], seg[0, 50:101] = 1, 2  # two packed sequences, then padding
     seg[1, :] = 1
-    seg[2, :7], seg[2, 7:9], seg[2, 9:30] = 1, 2, 3
+    seg[2, :7], seg[2, 7:9], seg[2, 9:80] = 1, 2, 3
     seg[3, :33] = 1
     return q, k, v, jnp.asarray(seg)
 
@@ -39,51 +47,66 @@ def _dense_mask(seg: jax.Array, causal: bool) -> jax.Array:
     return same & (jnp.arange(T)[:, None] >= jnp.arange(T)[None, :])[None] if causal else same
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
-def test_kernel_equals_xla_attention_with_gradients(causal):
+def test_kernel_equals_xla_attention_with_gradients(impl, causal):
     q, k, v, seg = _inputs()
     valid = (seg > 0)[..., None, None]  # padding rows attend among themselves in both; compare real tokens
     w = jnp.asarray(np.random.default_rng(1).normal(size=(B, T, N, H)), jnp.float32)
 
     def fused(q, k, v):
-        return flash_attention(q, k, v, seg, scale=H**-0.5, causal=causal)
+        return flash_attention(q, k, v, seg, impl=impl, scale=H**-0.5, causal=causal)
 
     def xla(q, k, v):
         return attention(q, k, v, _dense_mask(seg, causal), H**-0.5)
 
-    np.testing.assert_allclose(np.where(valid, fused(q, k, v), 0), np.where(valid, xla(q, k, v), 0), atol=2e-6)
     loss = lambda f: lambda *a: jnp.sum(jnp.where(valid, f(*a), 0.0) * w)  # noqa: E731
-    got = jax.grad(loss(fused), argnums=(0, 1, 2))(q, k, v)
+    with interpreted(impl):
+        out = fused(q, k, v)
+        got = jax.grad(loss(fused), argnums=(0, 1, 2))(q, k, v)
+    np.testing.assert_allclose(np.where(valid, out, 0), np.where(valid, xla(q, k, v), 0), atol=2e-6)
     want = jax.grad(loss(xla), argnums=(0, 1, 2))(q, k, v)
     for name, a, b in zip("qkv", got, want):
         np.testing.assert_allclose(a, b, atol=2e-5, err_msg=f"d{name}")
 
 
-def test_kernel_under_a_mesh_splits_rows_and_heads_like_the_activations():
+# The shard_map wrapper is the same for both kernels; it is run with the GPU kernel only, because jax's TPU
+# interpreter (which simulates every device's memory with barriers) hangs on CPU when an 8-device run follows
+# single-device runs in one process.
+@pytest.mark.parametrize("impl", ["pallas_gpu"])
+def test_kernel_under_a_mesh_splits_rows_and_heads_like_the_activations(impl):
     q, k, v, seg = _inputs(2)
-    want = flash_attention(q, k, v, seg, scale=0.25, causal=True)
+    with interpreted(impl):
+        want = flash_attention(q, k, v, seg, impl=impl, scale=0.25, causal=True)
     mesh = S.build_mesh(SimpleNamespace(mesh_data=2, mesh_fsdp=2, mesh_tensor=2))
     spec = ActivationSharding.create(mesh, S.resolve_rules())
 
     @jax.jit
     def run(q, k, v, seg):
         with activation_sharding(spec):
-            return flash_attention(q, k, v, seg, scale=0.25, causal=True)
+            return flash_attention(q, k, v, seg, impl=impl, scale=0.25, causal=True)
 
     text = str(jax.make_jaxpr(run)(q, k, v, seg))
     assert "shard_map" in text and "pallas_call" in text
-    got = run(q, k, v, seg)
+    with interpreted(impl):
+        got = run(q, k, v, seg)
     assert got.sharding.spec[0] == ("data", "fsdp") and got.addressable_shards[0].data.shape == (1, T, N // 2, H)
     np.testing.assert_allclose(got, want, atol=1e-6)
 
 
 def test_block_size_must_tile_the_sequence():
     assert block_size(4096) == 128 and block_size(48) == 16 and block_size(192) == 64
-    with pytest.raises(ValueError, match="divisible by 16.*multiples of 128"):
+    assert block_size(4096, "pallas_tpu") == 512 and block_size(384, "pallas_tpu") == 128
+    with pytest.raises(ValueError, match="pallas_gpu needs sequence lengths divisible by 16.*multiples of 128"):
         block_size(40)
+    with pytest.raises(ValueError, match="pallas_tpu needs sequence lengths divisible by 128"):
+        block_size(192, "pallas_tpu")
+    with pytest.raises(ValueError, match="unknown fused attention"):
+        flash_attention(*_inputs(), impl="cudnn", scale=1.0, causal=True)
 
 
-def test_model_forward_with_images_equals_xla():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_model_forward_with_images_equals_xla(impl):
     """Text rows with two images (vision tower: per-image bidirectional attention) through both implementations."""
     cfg = tiny_model_config()
     rng = np.random.default_rng(3)
@@ -92,15 +115,17 @@ def test_model_forward_with_images_equals_xla():
     rows = []
     for n_img in merged:
         ids = np.concatenate([rng.integers(10, 500, 5), np.full(n_img, cfg.image_token_id), rng.integers(10, 500, 7)])
-        rows.append(np.pad(ids, (0, 32 - ids.size)))
+        rows.append(np.pad(ids, (0, 128 - ids.size)))
     tokens = np.stack(rows).astype(np.int32)
-    seg = (np.arange(32)[None] < np.array([[5 + m + 7] for m in merged])).astype(np.int32)
+    seg = (np.arange(128)[None] < np.array([[5 + m + 7] for m in merged])).astype(np.int32)
     positions, _ = get_rope_index(tokens, grid, seg, cfg)
     pixels = rng.normal(size=(int(grid.prod(axis=1).sum()), cfg.vision.patch_dim)).astype(np.float32)
-    vision = build_vision_inputs(pixels, grid, tokens, cfg, patch_bucket=64, token_valid=seg > 0)
+    vision = build_vision_inputs(pixels, grid, tokens, cfg, patch_bucket=128, token_valid=seg > 0)
     xla = Qwen3VL(cfg, rngs=nnx.Rngs(0))
-    fused = Qwen3VL(cfg, rngs=nnx.Rngs(0), attention_impl="pallas_gpu")
+    fused = Qwen3VL(cfg, rngs=nnx.Rngs(0), attention_impl=impl)
     args = (jnp.asarray(tokens), jnp.asarray(positions, jnp.int32), jnp.asarray(seg), vision)
     assert "pallas_call" in str(jax.make_jaxpr(lambda *a: fused(*a))(*args))
+    with interpreted(impl):
+        out = fused(*args)
     valid = seg[..., None] > 0
-    np.testing.assert_allclose(np.where(valid, fused(*args), 0), np.where(valid, xla(*args), 0), atol=5e-5)
+    np.testing.assert_allclose(np.where(valid, out, 0), np.where(valid, xla(*args), 0), atol=5e-5)

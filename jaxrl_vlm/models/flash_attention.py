@@ -1,14 +1,16 @@
-"""Fused, segment-aware (flash) attention for the training forward: `attention_impl: pallas_gpu`.
+"""Fused, segment-aware (flash) attention for the training forward: `attention_impl: pallas_gpu | pallas_tpu`.
 
 Why: the XLA attention materializes fp32 logits [B, heads, T, T] per layer (for the 2B config at 8 x 4096
 tokens that is ~8.6 GB, read and written several times with remat), and the vision tower's [heads, P, P]
 over all patches of a micro-batch is worse. A flash kernel keeps O(T) memory and runs at matmul speed.
 
-The kernel is jax's Pallas/Triton `mha` (jax.experimental.pallas.ops.gpu.attention): causal or not, with
-segment ids (a token attends only within its segment — packing for text, one image per segment for
-vision), forward and backward. Grouped-query heads are expanded to one key/value head per query head
-before the call. On a CPU backend the same kernel runs in Pallas' interpreter (slow; used by the tests
-to check it against the XLA attention, and usable to debug a GPU config on a laptop).
+The kernels are jax's Pallas ones: `pallas_gpu` is the Triton `mha` (jax.experimental.pallas.ops.gpu.attention),
+`pallas_tpu` the Mosaic `flash_attention` (jax.experimental.pallas.ops.tpu.flash_attention). Both take causal
+or not, with segment ids (a token attends only within its segment — packing for text, one image per
+segment for vision), forward and backward. Grouped-query heads are expanded to one key/value head per
+query head before the call. On a CPU backend `pallas_gpu` runs in Pallas' interpreter by itself (slow;
+used by the tests to check it against the XLA attention); `pallas_tpu` does when the caller holds
+`jax.experimental.pallas.tpu.force_tpu_interpret_mode()` around compilation (the tests do).
 
 Pallas calls cannot be split by XLA's sharding propagation, so under a mesh (`activation_sharding`
 context) the call is wrapped in `shard_map`: rows split over the batch axes and heads over `tensor`,
@@ -27,34 +29,55 @@ from jax.sharding import PartitionSpec
 
 from jaxrl_vlm.models import activation_sharding as act
 
-BLOCK_CANDIDATES = (128, 64, 32, 16)
+IMPLS = ("pallas_gpu", "pallas_tpu")
+# Sequence tiles each kernel accepts, largest first (the kernels tile the sequence exactly; Mosaic's
+# TPU tiles are multiples of 128 lanes).
+BLOCK_CANDIDATES = {"pallas_gpu": (128, 64, 32, 16), "pallas_tpu": (512, 256, 128)}
 
 
-def block_size(length: int) -> int:
-    """The largest kernel block that divides `length` (the kernel tiles the sequence exactly)."""
-    for b in BLOCK_CANDIDATES:
+def block_size(length: int, impl: str = "pallas_gpu") -> int:
+    """The largest kernel block of `impl` that divides `length`."""
+    for b in BLOCK_CANDIDATES[impl]:
         if length % b == 0:
             return b
     raise ValueError(
-        f"attention_impl=pallas_gpu needs sequence lengths divisible by {BLOCK_CANDIDATES[-1]}, got {length}; "
+        f"attention_impl={impl} needs sequence lengths divisible by {BLOCK_CANDIDATES[impl][-1]}, got {length}; "
         "use seq/patch buckets that are multiples of 128 (or attention_impl: xla)"
     )
 
 
-def _kernel(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, scale: float, causal: bool) -> jax.Array:
+def _kernel(
+    q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, impl: str, scale: float, causal: bool
+) -> jax.Array:
     """q [B, T, N, H], k/v [B, T, K, H], segment_ids [B, T] -> [B, T, N, H] on one device's block."""
-    from jax.experimental.pallas.ops.gpu import attention as pallas_attention
-
     n, kv = q.shape[2], k.shape[2]
     if n != kv:  # grouped-query attention: query head i uses kv head i // (n // kv)
         k = jnp.repeat(k, n // kv, axis=2)
         v = jnp.repeat(v, n // kv, axis=2)
-    block = block_size(q.shape[1])
-    sizes = pallas_attention.BlockSizes(
+    block = block_size(q.shape[1], impl)
+    segment_ids = segment_ids.astype(jnp.int32)
+    if impl == "pallas_tpu":
+        from jax.experimental.pallas.ops.tpu import flash_attention as tpu_attention
+
+        sizes = tpu_attention.BlockSizes(
+            block_q=block, block_k_major=block, block_k=block, block_b=1,
+            block_q_major_dkv=block, block_k_major_dkv=block, block_k_dkv=block, block_q_dkv=block,
+            block_k_major_dq=block, block_k_dq=block, block_q_dq=block,
+        )  # fmt: skip
+        heads_first = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731 - the TPU kernel takes [B, N, T, H]
+        out = tpu_attention.flash_attention(
+            heads_first(q), heads_first(k), heads_first(v),
+            segment_ids=tpu_attention.SegmentIds(segment_ids, segment_ids),
+            causal=causal, sm_scale=scale, block_sizes=sizes,
+        )  # fmt: skip
+        return heads_first(out)
+    from jax.experimental.pallas.ops.gpu import attention as gpu_attention
+
+    sizes = gpu_attention.BlockSizes(
         block_q=block, block_k=block, block_q_dkv=block, block_kv_dkv=block, block_q_dq=block, block_kv_dq=block
     )
-    return pallas_attention.mha(
-        q, k, v, segment_ids.astype(jnp.int32), sm_scale=scale, causal=causal, block_sizes=sizes,
+    return gpu_attention.mha(
+        q, k, v, segment_ids, sm_scale=scale, causal=causal, block_sizes=sizes,
         interpret=jax.default_backend() == "cpu",
     )
 
@@ -65,6 +88,7 @@ def flash_attention(
     v: jax.Array,
     segment_ids: jax.Array,
     *,
+    impl: str = "pallas_gpu",
     scale: float,
     causal: bool,
     q_names: tuple[str | None, ...] = act.ROWS_Q,
@@ -75,7 +99,9 @@ def flash_attention(
     `q_names` / `kv_names`: logical names of q and k/v (rows, -, heads, -) that give the shard_map layout
     under an `activation_sharding` context; outside one the kernel is called directly.
     """
-    fn = partial(_kernel, scale=scale, causal=causal)
+    if impl not in IMPLS:
+        raise ValueError(f"unknown fused attention {impl!r}; choose one of {IMPLS}")
+    fn = partial(_kernel, impl=impl, scale=scale, causal=causal)
     spec = act.current()
     if spec is None:
         return fn(q, k, v, segment_ids)

@@ -17,12 +17,12 @@ Inputs are fixed-shape host-prepared arrays (see `rope.py`, `vision.py`):
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
+from flax import nnx, struct
 
 from jaxrl_vlm.models.activation_sharding import (
     PATCH_HEADS,
@@ -42,7 +42,7 @@ from jaxrl_vlm.models.flash_attention import flash_attention
 from jaxrl_vlm.models.rope import mrope_frequency_axis, rope_inv_freq
 from jaxrl_vlm.models.vision import VisionInputs
 
-ATTENTION_IMPLS = ("xla", "pallas_gpu")
+ATTENTION_IMPLS = ("xla", "pallas_gpu", "pallas_tpu")
 _NEG_INF = float(np.finfo(np.float32).min)
 
 
@@ -126,18 +126,21 @@ def attention(
     return out.reshape(b, tq, n, h)
 
 
-class AttentionMask(NamedTuple):
-    """Who may attend to whom. `segment_ids` always ([B, T] text rows, [P] patches); `dense` ([B, T, T] /
-    [P, P] bool) only for the XLA attention — a fused kernel derives the mask from the segment ids in tiles."""
+@struct.dataclass
+class AttentionMask:
+    """Who may attend to whom, and with which implementation (static). `segment_ids` always ([B, T] text
+    rows, [P] patches); `dense` ([B, T, T] / [P, P] bool) only for the XLA attention — a fused kernel
+    derives the mask from the segment ids tile by tile."""
 
     segment_ids: jax.Array
     dense: jax.Array | None
+    impl: str = struct.field(pytree_node=False, default="xla")
 
 
 def text_mask(segment_ids_bt: jax.Array, attention_impl: str) -> AttentionMask:
     """Causal AND same-segment attention for packed rows."""
     if attention_impl != "xla":
-        return AttentionMask(segment_ids_bt, None)
+        return AttentionMask(segment_ids_bt, None, attention_impl)
     idx = jnp.arange(segment_ids_bt.shape[1])
     same = segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :]
     return AttentionMask(segment_ids_bt, same & (idx[:, None] >= idx[None, :])[None])
@@ -146,7 +149,7 @@ def text_mask(segment_ids_bt: jax.Array, attention_impl: str) -> AttentionMask:
 def patch_mask(segment_ids_p: jax.Array, attention_impl: str) -> AttentionMask:
     """Bidirectional attention within one image frame."""
     if attention_impl != "xla":
-        return AttentionMask(segment_ids_p, None)
+        return AttentionMask(segment_ids_p, None, attention_impl)
     return AttentionMask(segment_ids_p, segment_ids_p[:, None] == segment_ids_p[None, :])
 
 
@@ -219,7 +222,7 @@ class TextAttention(nnx.Module):
         q, k, v = self.project(x_btd, cos, sin)
         if mask.dense is not None:
             return self.output(attention(q, k, v, mask.dense, self.scale))
-        return self.output(flash_attention(q, k, v, mask.segment_ids, scale=self.scale, causal=True))
+        return self.output(flash_attention(q, k, v, mask.segment_ids, impl=mask.impl, scale=self.scale, causal=True))
 
 
 class TextMLP(nnx.Module):
@@ -312,7 +315,7 @@ class VisionBlock(nnx.Module):
             o = attention(q[None], k[None], v[None], mask.dense[None], self.scale, logits_names=PATCH_LOGITS)
         else:
             o = flash_attention(
-                q[None], k[None], v[None], mask.segment_ids[None], scale=self.scale, causal=False,
+                q[None], k[None], v[None], mask.segment_ids[None], impl=mask.impl, scale=self.scale, causal=False,
                 q_names=PATCH_HEADS_WHOLE, kv_names=PATCH_HEADS_WHOLE,
             )
         o = constrain(o[0], PATCH_HEADS)
@@ -442,8 +445,8 @@ class Qwen3VL(nnx.Module):
         attention_impl: str = "xla",
     ):
         """remat: recompute each decoder layer and vision block in the backward pass (activation
-        memory ~ one layer); attention_impl: "xla" (einsums, dense masks) or "pallas_gpu" (the fused
-        segment-aware kernel of `flash_attention.py`, for GPUs; interpreted on CPU)."""
+        memory ~ one layer); attention_impl: "xla" (einsums, dense masks), or "pallas_gpu" / "pallas_tpu"
+        (the fused segment-aware kernels of `flash_attention.py`)."""
         if attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"attention_impl={attention_impl!r} is not available; choose one of {ATTENTION_IMPLS}")
         t = cfg.text
