@@ -116,7 +116,7 @@ def _cmd_serve(ns: argparse.Namespace, rest: list[str]) -> int:
 
     try:
         config = EngineConfig(max_batch=ns.max_batch, max_seq_len=ns.max_seq_len, param_dtype=ns.dtype,
-                              compute_dtype=ns.dtype, seed=ns.seed)
+                              compute_dtype=ns.dtype, seed=ns.seed, prefix_cache=not ns.disable_radix_cache)
     except ValueError as e:
         raise ConfigError(f"serve: {e}") from e
     serve(ns.model, host=ns.host, port=ns.port, config=config, weight_version=ns.weight_version)
@@ -190,6 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="Parameter and compute dtype.")
     p.add_argument("--seed", type=int, default=0, help="Seeds requests that carry no sampling_seed.")
     p.add_argument("--weight-version", default="default", help="Initial weight_version reported by the server.")
+    p.add_argument("--disable-radix-cache", action="store_true",
+                   help="Do not reuse finished requests' KV cache for later turns (SGLang's flag name).")
     p.set_defaults(func=_cmd_serve)
 
     from jaxrl_vlm.bench.cli_args import add_bench_parser

@@ -58,9 +58,9 @@ class ModelConfig:
     remat: str = opt("none", "Rematerialisation per decoder layer.", choices=("none", "full"))
     attention_impl: str = opt(
         "xla",
-        "Attention of the training forward: xla (einsums, dense masks) or pallas_gpu (fused segment-aware flash "
-        "kernel for GPUs; O(T) memory; seq/patch buckets must be multiples of 16, ideally 128; interpreted on CPU).",
-        choices=("xla", "pallas_gpu"),
+        "Attention of the training forward: xla (einsums, dense masks), pallas_gpu or pallas_tpu (fused "
+        "segment-aware flash kernels, O(T) memory; seq/patch buckets must be multiples of 16 (GPU) / 128 (TPU)).",
+        choices=("xla", "pallas_gpu", "pallas_tpu"),
     )
     logprob_chunk_size: int = opt(512, "Sequence chunk for log-prob computation (bounds fp32 vocab logits memory).")
     make_tiny: bool = opt(False, "Create a tiny random Qwen3-VL at --hf-checkpoint if it has no config.json (CPU demo runs).")
@@ -175,6 +175,11 @@ class EngineConfig:
     engine_port: int = opt(0, "Port of the embedded engine (0: a free port).")
     engine_max_batch: int = opt(32, "Decode slots of the embedded engine.")
     engine_max_seq_len: int = opt(4096, "Tokens per decode slot of the embedded engine (prompt with expanded pads + response).")
+    engine_prefix_cache: bool = opt(
+        True,
+        "Embedded engine: keep finished requests' KV cache so a later turn of the same conversation prefills only its "
+        "new tokens (and new images); SGLang's radix cache plays this role.",
+    )
     engine_request_timeout: float = opt(300.0, "Seconds per /generate request.")
     engine_start_timeout: float = opt(900.0, "Seconds to wait for the engine (embedded, launched or external) to become healthy.")
     engine_max_retries: int = opt(3, "Retries of a /generate request on connection errors and 5xx.")

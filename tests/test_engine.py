@@ -491,7 +491,7 @@ def test_cli_serve_process_answers_generate_and_exits_on_sigterm(checkpoint, tmp
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
     log = open(tmp_path / "serve.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "jaxrl_vlm.cli", "serve", "--model", str(checkpoint[0]), "--port", str(port),
-                             "--max-batch", "2", "--max-seq-len", "128"], stdout=log, stderr=subprocess.STDOUT, env=env,
+                             "--max-batch", "2", "--max-seq-len", "128", "--disable-radix-cache"], stdout=log, stderr=subprocess.STDOUT, env=env,
                             cwd=Path(__file__).resolve().parents[1])
     try:
         url = f"http://127.0.0.1:{port}"
@@ -511,6 +511,8 @@ def test_cli_serve_process_answers_generate_and_exits_on_sigterm(checkpoint, tmp
         with urllib.request.urlopen(req, timeout=120) as r:
             answer = json.loads(r.read())
         assert len(answer["output_ids"]) <= 3 and answer["meta_info"]["prompt_tokens"] == 3
+        with urllib.request.urlopen(url + "/get_server_info", timeout=10) as r:
+            assert json.loads(r.read())["disable_radix_cache"] is True  # the flag reached the engine
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
     finally:

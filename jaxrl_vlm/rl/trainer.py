@@ -96,11 +96,11 @@ def sample_advantages(samples: list[Sample], cfg: Config) -> np.ndarray:
 
 
 @contextlib.asynccontextmanager
-async def rollout_session(cfg: Config, model_dir: Path, serve_dir: Path, args: Any):
+async def rollout_session(cfg: Config, model_dir: Path, serve_dir: Path, args: Any, weight_version: str = "default"):
     """Engine (embedded unless --engine-url), client and rollout context; everything stopped on exit.
 
     Yields the SGLangClient; `args.rollout_context` is set for the episode functions. `serve_dir` holds the
-    weights the embedded engine starts from (the resumed version after `--load`).
+    weights the embedded engine starts from (the resumed version after `--load`, labelled `weight_version`).
     """
     from rollout.client import RetryPolicy, SGLangClient
     from rollout.driver import close_suspended
@@ -132,8 +132,10 @@ async def rollout_session(cfg: Config, model_dir: Path, serve_dir: Path, args: A
             engine_cfg = EngineConfig(
                 max_batch=cfg.engine.engine_max_batch, max_seq_len=cfg.engine.engine_max_seq_len,
                 param_dtype=cfg.model.param_dtype, compute_dtype=cfg.model.compute_dtype, seed=cfg.rollout.rollout_seed,
+                prefix_cache=cfg.engine.engine_prefix_cache,
             )
-            engine = EmbeddedEngine(str(serve_dir), host=cfg.engine.engine_host, port=cfg.engine.engine_port, config=engine_cfg)
+            engine = EmbeddedEngine(str(serve_dir), host=cfg.engine.engine_host, port=cfg.engine.engine_port,
+                                    config=engine_cfg, weight_version=weight_version)
             client = SGLangClient(engine.start(), **client_options)
         await client.wait_healthy(timeout_s=cfg.engine.engine_start_timeout)
         encoder = ChatEncoder(load_tokenizer(model_dir), load_image_processor(model_dir))
@@ -335,6 +337,7 @@ class Trainer:
         from jaxrl_vlm.distributed import barrier, broadcast_samples, export_hf, is_main_process
         from jaxrl_vlm.run_log import RunLog, plot_run
         from jaxrl_vlm.weight_sync import WeightSyncer
+        from rollout.driver import driver_checkpoint_state, restore_driver_state
         from rollout.loading import load_function
         from rollout.metrics import rollout_metrics
 
@@ -349,6 +352,7 @@ class Trainer:
         self.build_policy(model_dir)
         args = cfg.to_namespace()
         start_step, version = 0, 0
+        driver_state = None
         if cfg.checkpoint.load:
             store = CheckpointStore(cfg.checkpoint.load, keep=cfg.checkpoint.keep_checkpoints, read_only=True)
             start_step, self.state, meta = store.restore(abstract_like(self.state))
@@ -356,6 +360,10 @@ class Trainer:
             prompts.load_state_dict(meta["prompt_iterator"])
             version = int(meta["weight_version"])
             args._next_group_index = int(meta["next_group_index"])
+            driver_state = meta.get("driver_state")
+            if driver_state is None:
+                logger.warning("%s has no rollout driver state (an older checkpoint): buffered prompts and carried "
+                               "partial groups of the interrupted run are not restored", cfg.checkpoint.load)
             logger.info("resumed from %s at step %d (weight version %d)", cfg.checkpoint.load, start_step, version)
 
         ckpt = CheckpointStore(cfg.checkpoint.save or self.out_dir / "checkpoints", keep=cfg.checkpoint.keep_checkpoints)
@@ -366,11 +374,13 @@ class Trainer:
         serve_dir = (await syncer.push(self.policy_model(), version)).path if start_step > 0 else model_dir
         rollout_fn = load_function(cfg.rollout.rollout_function_path, "--rollout-function-path")
         log = RunLog(self.out_dir, total_steps=cfg.rollout.num_rollout) if main else None
-        session = rollout_session(cfg, model_dir, serve_dir, args) if main else contextlib.nullcontext()
+        session = rollout_session(cfg, model_dir, serve_dir, args, str(version)) if main else contextlib.nullcontext()
         last: dict[str, Any] = {}
         try:
             async with session as client:
                 syncer.client = client
+                if main and driver_state is not None:
+                    restore_driver_state(args, driver_state)
                 for step in range(start_step, cfg.rollout.num_rollout):
                     t0 = time.perf_counter()
                     result = await rollout_fn(args, step, prompts) if main else None
@@ -400,6 +410,7 @@ class Trainer:
                         ckpt.save(done, self.state, {
                             "prompt_iterator": prompts.state_dict(), "weight_version": version,
                             "next_group_index": int(getattr(args, "_next_group_index", 0)), "config": cfg.to_dict(),
+                            "driver_state": driver_checkpoint_state(args) if main else None,
                         })
             export_hf(self.policy_model(), self.out_dir / "final_model", copy_from=str(model_dir))
             if log is not None:
