@@ -4,11 +4,19 @@ Per model turn (`LlmJudgeEnv.step`):
 
 1. The judge prompt is `judge_prompt_template.format(question=..., reference=..., response=...,
    turn=..., max_turns=...)`: `question` is the text items of the sample prompt's user messages
-   (joined by newlines; system messages and images are not sent, the judge is text-only),
-   `reference` is `sample.label`, `response` is the text the model generated in this turn, `turn`
-   is this turn's 1-based number. The prompt is one user message rendered with the judge's chat
-   template (generation prompt added) and sent as `input_ids` to `/generate` of `judge_url`, an
-   SGLang-API engine (SGLang, sgl-router, or our embedded engine), through `rollout.client`.
+   (joined by newlines; system messages are not sent), `reference` is `sample.label`, `response`
+   is the text the model generated in this turn, `turn` is this turn's 1-based number. The prompt
+   is one user message rendered with the judge's chat template (generation prompt added) and sent
+   as `input_ids` to `/generate` of `judge_url`, an SGLang-API engine (SGLang, sgl-router, or our
+   embedded engine), through `rollout.client`.
+   Images: when the judge model dir has an image processor (preprocessor_config.json) and
+   `judge_send_images` is on, the images of the prompt's user messages come first in that user
+   message, in their original order (as in the policy's prompt), and travel exactly as the
+   policy's do: `rollout.encoding.ChatEncoder` with the judge's tokenizer and image processor
+   gives the ids with one compact `<|image_pad|>` per image and the PNG data URLs for
+   `image_data`. The images are decoded once, when the env is built, so a corrupt image fails
+   `build_env` naming the sample. A judge without an image processor grades from the text only
+   (logged once per judge dir).
 2. The reply (the judge's output ids decoded with its tokenizer, special tokens skipped) is parsed
    with the grammar of `parse_judge_reply`: a final line `VERDICT: CORRECT|INCORRECT`, or else a
    last `\\boxed{correct|incorrect}`. The rest of the reply is the feedback.
@@ -30,12 +38,14 @@ Failures: an unreachable judge, a 4xx, 5xx after the client's bounded retries, o
 request raise `JudgeError` naming the judge URL. `step` changes no state before the judge has
 answered, so the env is `recoverable`: the rollout may `reset()` and retry the same turn.
 
-Process-wide state, two caches and nothing else:
+Process-wide state, three caches and nothing else:
 - `_JUDGE_CLIENTS` holds one `SGLangClient` (one aiohttp connection pool) per (event loop, judge URL,
   timeout, retry settings). An env takes a lease on its first `step` and gives it back in `close()`;
   the last `close()` closes the pool. `shutdown_judge_clients()` closes every pool of the running
   loop at once (e.g. at the end of a run); an env that steps again afterwards gets a new pool.
 - `_judge_tokenizer` caches read-only judge tokenizers by path (loading one takes about a second).
+- `_judge_encoder` caches the judge's ChatEncoder (or why it has none) by path, and
+  `_TEXT_ONLY_LOGGED` the judge dirs whose "images are not sent" line was already logged.
 
 This package never imports jax.
 """
@@ -55,6 +65,7 @@ from typing import Any
 from envs.base import BaseInteractionEnv
 from envs.grading import last_boxed_span
 from rollout.client import EngineError, RetryPolicy, SGLangClient
+from rollout.encoding import ChatEncoder, message_images
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +110,11 @@ CONFIG_KEYS: dict[str, tuple[Any, Any, str]] = {
     "judge_retry_backoff_s": (float, 0.5, "llm_judge: first backoff of those re-sends (doubles each time, max 8 s)."),
     "judge_parse_retries": (int, 1, "llm_judge: re-asks of the judge after a reply without a verdict."),
     "judge_redact_reference": (bool, True, "llm_judge: replace whole-word occurrences of the reference in feedback."),
+    "judge_send_images": (
+        bool, True,
+        "llm_judge: send the question's images to the judge (only if judge_tokenizer_path also has a Qwen-VL "
+        "preprocessor_config.json; otherwise the judge is text-only).",
+    ),
 }
 
 
@@ -205,7 +221,8 @@ def validate_prompt_template(template: str) -> tuple[str, ...]:
 def prompt_question_text(prompt: list[dict[str, Any]] | str) -> str:
     """The question the judge sees: the text items of the prompt's user messages, joined by newlines.
 
-    System messages (tool instructions, personas) and images are left out: the judge is text-only.
+    System messages (tool instructions, personas) are left out; images travel separately
+    (`prompt_images`), since the template's `{question}` is text.
     """
     if isinstance(prompt, str):
         return prompt.strip()
@@ -223,6 +240,13 @@ def prompt_question_text(prompt: list[dict[str, Any]] | str) -> str:
                 if isinstance(item, dict) and item.get("type", "text") == "text" and isinstance(item.get("text"), str):
                     pieces.append(item["text"])
     return "\n".join(p.strip() for p in pieces if p.strip())
+
+
+def prompt_images(prompt: list[dict[str, Any]] | str) -> list[Any]:
+    """The image items of the prompt's user messages, in order (the same messages `{question}` reads)."""
+    if isinstance(prompt, str):
+        return []
+    return message_images([m for m in prompt if isinstance(m, dict) and m.get("role") == "user"])
 
 
 # --------------------------------------------------------------------------------------------
@@ -320,6 +344,35 @@ def _judge_tokenizer(path: str) -> Any:
     return load_tokenizer(path)
 
 
+@functools.lru_cache(maxsize=8)
+def _judge_encoder(path: str) -> tuple[ChatEncoder | None, str]:
+    """The judge's ChatEncoder (its tokenizer and image processor), or None and why images cannot be sent.
+
+    A dir without preprocessor_config.json, or one the Qwen-VL encoding cannot use (another image
+    processor type, a tokenizer without `<|image_pad|>`), keeps the judge text-only, as before images existed.
+    """
+    from pathlib import Path
+
+    from rollout.processing import load_image_processor
+
+    if not (Path(path) / "preprocessor_config.json").is_file():
+        return None, f"{path} has no preprocessor_config.json (a text-only model)"
+    try:
+        return ChatEncoder(_judge_tokenizer(path), load_image_processor(path)), ""
+    except (ValueError, TypeError, OSError) as e:
+        return None, f"its image processing cannot be used ({type(e).__name__}: {e})"
+
+
+_TEXT_ONLY_LOGGED: set[str] = set()
+
+
+def _log_text_only_once(path: str, reason: str) -> None:
+    if path not in _TEXT_ONLY_LOGGED:
+        _TEXT_ONLY_LOGGED.add(path)
+        logger.warning("llm_judge: question images are NOT sent to the judge %s: %s; it grades from the text only",
+                       path, reason)
+
+
 def _stop_ids(tokenizer: Any) -> tuple[int, ...]:
     """The judge's end-of-turn ids: its eos and, for ChatML templates, `<|im_end|>`."""
     ids: list[int] = []
@@ -350,6 +403,7 @@ class JudgeOptions:
     retry_backoff_s: float = CONFIG_KEYS["judge_retry_backoff_s"][1]
     parse_retries: int = CONFIG_KEYS["judge_parse_retries"][1]
     redact_reference: bool = CONFIG_KEYS["judge_redact_reference"][1]
+    send_images: bool = CONFIG_KEYS["judge_send_images"][1]
 
     @property
     def client_settings(self) -> JudgeClientSettings:
@@ -362,7 +416,8 @@ class LlmJudgeEnv(BaseInteractionEnv):
     # The judge call is stateless and `step` commits nothing before it succeeds.
     recoverable = True
 
-    def __init__(self, question: str, reference: str | None, max_turns: int, options: JudgeOptions) -> None:
+    def __init__(self, question: str, reference: str | None, max_turns: int, options: JudgeOptions,
+                 images: list[Any] | tuple[Any, ...] = ()) -> None:
         if not isinstance(max_turns, int) or isinstance(max_turns, bool) or max_turns < 1:
             raise ValueError(f"LlmJudgeEnv: max_turns must be a positive int, got {max_turns!r}")
         used = validate_prompt_template(options.prompt_template)
@@ -376,6 +431,20 @@ class LlmJudgeEnv(BaseInteractionEnv):
         self.options = options
         self.tokenizer = _judge_tokenizer(options.tokenizer_path)
         self.stop_ids = _stop_ids(self.tokenizer)
+        # Images go to the judge only through an encoder; `image_data` is what every judge request carries.
+        self.encoder: ChatEncoder | None = None
+        self.image_data: list[str] = []
+        self._image_grid: Any = None  # image_grid_thw of image_data, to check the pads of each request
+        if images and options.send_images:
+            self.encoder, reason = _judge_encoder(options.tokenizer_path)
+            if self.encoder is None:
+                _log_text_only_once(options.tokenizer_path, reason)
+            else:
+                # Decoded and preprocessed once per episode, not per request (ImageDecodeError names the bad item).
+                items = [{"type": "image", "image": image} for image in images]
+                seg = self.encoder.encode_prompt([{"role": "user", "content": items}])
+                assert seg.mm_inputs is not None  # encode_prompt always processes a non-empty image list
+                self.image_data, self._image_grid = seg.image_data, seg.mm_inputs["image_grid_thw"]
         self._client: SGLangClient | None = None
         self._client_loop: asyncio.AbstractEventLoop | None = None
         self.closed = False
@@ -416,8 +485,27 @@ class LlmJudgeEnv(BaseInteractionEnv):
             response=response_text, turn=turn, max_turns=self.max_turns,
         )
 
+    def user_message(self, text: str) -> dict[str, Any]:
+        """The judge's first user message: the question's images (if sent), then `text`, as the policy's prompt."""
+        if not self.image_data:
+            return {"role": "user", "content": text}
+        images = [{"type": "image", "image": url} for url in self.image_data]
+        return {"role": "user", "content": [*images, {"type": "text", "text": text}]}
+
     def judge_input_ids(self, messages: list[dict[str, Any]]) -> list[int]:
-        """The judge conversation rendered with the judge's chat template (generation prompt added)."""
+        """The judge conversation rendered with the judge's chat template (generation prompt added).
+
+        With images, the ids are the encoder's wire view (one compact pad per image), built as the
+        policy's prompt is (`ChatEncoder.encode_prompt`'s render + tokenize), and checked to hold one pad
+        per image of `image_data`.
+        """
+        if self.encoder is not None and self.image_data:
+            ids = self.encoder.tokenize(self.encoder.render(messages, add_generation_prompt=True))
+            try:
+                self.encoder.expand_image_pads(ids, self._image_grid)
+            except ValueError as e:
+                raise ValueError(f"llm_judge: the judge's chat template ({self.options.tokenizer_path}): {e}") from e
+            return ids
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         if not isinstance(text, str):
             raise TypeError(f"llm_judge: apply_chat_template(tokenize=False) returned {type(text).__name__}")
@@ -436,7 +524,7 @@ class LlmJudgeEnv(BaseInteractionEnv):
             raise TypeError(f"LlmJudgeEnv.step: response_text must be str, got {type(response_text).__name__}")
         turn = self.turn + 1
         client = self._judge_client()
-        messages: list[dict[str, Any]] = [{"role": "user", "content": self.render_prompt(response_text, turn)}]
+        messages: list[dict[str, Any]] = [self.user_message(self.render_prompt(response_text, turn))]
         parsed: JudgeVerdict | None = None
         http_retries = 0
         attempts = 0
@@ -504,7 +592,8 @@ class LlmJudgeEnv(BaseInteractionEnv):
         }
         where = f"LLM judge at {self.options.url} (turn {turn} of {self.max_turns})"
         try:
-            result = await client.generate(input_ids, sampling_params=params, return_logprob=False,
+            result = await client.generate(input_ids, image_data=self.image_data, sampling_params=params,
+                                           return_logprob=False,
                                            rid=f"judge-t{turn}-{uuid.uuid4().hex[:12]}")
         except EngineError as e:
             raise JudgeError(f"{where} failed: {e}") from e
@@ -569,14 +658,16 @@ def build_env(sample: Any, args: Any) -> LlmJudgeEnv:
         retry_backoff_s=v["judge_retry_backoff_s"],
         parse_retries=v["judge_parse_retries"],
         redact_reference=v["judge_redact_reference"],
+        send_images=v["judge_send_images"],
     )
     label = getattr(sample, "label", None)
     if isinstance(label, float) and label.is_integer():
         label = int(label)  # a numeric column read as 12.0 means "12"
     reference = None if label is None else str(label)
     try:
-        question = prompt_question_text(getattr(sample, "prompt", ""))
-        return LlmJudgeEnv(question, reference, int(max_turns), options)
+        prompt = getattr(sample, "prompt", "")
+        question = prompt_question_text(prompt)
+        return LlmJudgeEnv(question, reference, int(max_turns), options, images=prompt_images(prompt))
     except (ValueError, TypeError) as e:
         kind = TypeError if isinstance(e, TypeError) else ValueError
         raise kind(f"llm_judge build_env: {where}: {e}") from e

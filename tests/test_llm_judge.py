@@ -1,18 +1,25 @@
 """The LLM-as-judge environment against a scripted judge: a real SGLang-speaking HTTP server on loopback.
 
 The judge replies are scripted as token ids of the tiny tokenizer; what the env sent is checked by decoding
-the recorded request ids and comparing with an independent rendering of the chat template.
+the recorded request ids and comparing with an independent rendering of the chat template. The tiny
+processing dir has an image processor, so by default the question's image goes to the judge too.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import io
+import logging
+import shutil
 import socket
 import types
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+from PIL import Image
 
 from envs import llm_judge
 from envs.llm_judge import (
@@ -28,7 +35,9 @@ from envs.llm_judge import (
     shutdown_judge_clients,
     validate_prompt_template,
 )
+from rollout.encoding import ChatEncoder
 from rollout.fake_engine import FakeSGLangServer, Respond, Tokens
+from rollout.processing import image_to_data_url, load_image
 from rollout.sample import Sample, Status
 
 QUESTION = "In triangle ABC the legs are 6 and 8. How long is the hypotenuse?"
@@ -46,15 +55,25 @@ def judge_says(tokenizer: Any, text: str) -> Tokens:
     return Tokens(output_ids=(*tokenizer.encode(text, add_special_tokens=False), _im_end(tokenizer)))
 
 
-def _sample(label: Any = REFERENCE) -> Sample:
+DIAGRAM = image_to_data_url(Image.new("RGB", (64, 64), (200, 30, 30)))
+
+
+def _sample(label: Any = REFERENCE, image: Any = DIAGRAM) -> Sample:
     prompt = [
         {"role": "system", "content": "Call tools when you need them."},
         {"role": "user", "content": [
-            {"type": "image", "image": "data:image/png;base64,AAAA"},
+            {"type": "image", "image": image},
             {"type": "text", "text": QUESTION},
         ]},
     ]
     return Sample(group_index=2, index=5, prompt=prompt, label=label)
+
+
+def _judge_user(text: str, n_images: int) -> dict[str, Any]:
+    """The judge's user message as the chat template sees it: `n_images` image items, then the text."""
+    if n_images == 0:
+        return {"role": "user", "content": text}
+    return {"role": "user", "content": [*[{"type": "image"}] * n_images, {"type": "text", "text": text}]}
 
 
 def _args(url: str, tokenizer_dir: Path, **overrides: Any) -> types.SimpleNamespace:
@@ -192,7 +211,7 @@ async def test_unparseable_reply_is_reasked_once_with_a_format_reminder(tiny_tok
     assert len(judge.requests_to("/generate")) == 2
     first_prompt = env.render_prompt("10", 1)
     expected_retry = tiny_tokenizer.apply_chat_template(
-        [{"role": "user", "content": first_prompt}, {"role": "assistant", "content": first},
+        [_judge_user(first_prompt, n_images=1), {"role": "assistant", "content": first},
          {"role": "user", "content": FORMAT_REMINDER}],
         tokenize=False, add_generation_prompt=True,
     )
@@ -256,8 +275,10 @@ async def test_prompt_template_rendering_reaches_the_judge_as_chat_template_ids(
     template = "Q: {question}\nREF: {reference}\nA: {response}\nturn {turn}/{max_turns} {{keep braces}}"
     script = [judge_says(tiny_tokenizer, "VERDICT: INCORRECT"), judge_says(tiny_tokenizer, "VERDICT: CORRECT")]
     async with _judge_server(tiny_tokenizer, script) as judge:
+        # judge_send_images=False: the sample has an image and the judge dir an image processor, yet
+        # the request is text-only.
         env = build_env(_sample(), _args(judge.url, tiny_processing_dir, judge_prompt_template=template,
-                                         judge_max_new_tokens=64, judge_temperature=0.7))
+                                         judge_max_new_tokens=64, judge_temperature=0.7, judge_send_images=False))
         await env.step("It is 14.")
         await env.step("It is 10.")
         await env.close()
@@ -270,7 +291,97 @@ async def test_prompt_template_rendering_reaches_the_judge_as_chat_template_ids(
         body = judge.requests_to("/generate")[k].body
         assert body["sampling_params"]["max_new_tokens"] == 64
         assert body["sampling_params"]["temperature"] == 0.7
-        assert "image_data" not in body  # the judge is text-only
+        assert "image_data" not in body  # judge_send_images=False
+
+
+async def test_judge_request_carries_the_question_images_as_the_policy_sends_them(
+        tiny_tokenizer, tiny_image_processor, tiny_processing_dir, make_test_image):
+    first_image = make_test_image(1, (96, 64))  # a PIL image: sent as a fresh PNG data URL
+    second_image = image_to_data_url(make_test_image(2, 64))  # already a PNG data URL: sent as given
+    prompt = [
+        {"role": "system", "content": "Call tools when you need them."},
+        {"role": "user", "content": [
+            {"type": "image", "image": first_image},
+            {"type": "text", "text": QUESTION},
+            {"type": "image", "image": second_image},
+        ]},
+    ]
+    sample = Sample(group_index=2, index=5, prompt=prompt, label=REFERENCE)
+    pad = tiny_tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    unsure = "Hard to say."
+    script = [judge_says(tiny_tokenizer, unsure), judge_says(tiny_tokenizer, "VERDICT: INCORRECT")]
+    # The fake judge checks, as SGLang does, one compact pad per image_data item.
+    async with FakeSGLangServer(script=script, eos_token_id=_im_end(tiny_tokenizer), image_token_id=pad,
+                                tokens_per_image=4) as judge:
+        env = build_env(sample, _args(judge.url, tiny_processing_dir))
+        _obs, _done, info = await env.step("It is 14.")
+        await env.close()
+    assert (info["verdict"], info["judge_attempts"]) == ("incorrect", 2)
+    first, retry = (r.body for r in judge.requests_to("/generate"))
+    user_text = env.render_prompt("It is 14.", 1)
+
+    # Independent of our encoder: the judge tokenizer's own chat template on the same messages (images in
+    # their original order, before the text), one <|vision_start|><|image_pad|><|vision_end|> per image.
+    expected = tiny_tokenizer.apply_chat_template([_judge_user(user_text, n_images=2)], tokenize=False,
+                                                  add_generation_prompt=True)
+    assert _decoded_request(judge, tiny_tokenizer, 0) == expected
+    assert expected.count("<|vision_start|><|image_pad|><|vision_end|>") == 2
+    assert first["input_ids"].count(pad) == len(first["image_data"]) == 2
+    expected_retry = tiny_tokenizer.apply_chat_template(
+        [_judge_user(user_text, n_images=2), {"role": "assistant", "content": unsure},
+         {"role": "user", "content": FORMAT_REMINDER}], tokenize=False, add_generation_prompt=True)
+    assert _decoded_request(judge, tiny_tokenizer, 1) == expected_retry
+    assert retry["image_data"] == first["image_data"]  # a re-ask shows the judge the same images
+
+    # Exactly what the policy's ChatEncoder produces for the same message.
+    policy_view = ChatEncoder(tiny_tokenizer, tiny_image_processor).encode_prompt([{"role": "user", "content": [
+        {"type": "image", "image": first_image}, {"type": "image", "image": second_image},
+        {"type": "text", "text": user_text}]}])
+    assert first["input_ids"] == policy_view.wire_ids
+    assert first["image_data"] == policy_view.image_data
+    # The pixels the judge decodes are the question's (lossless PNG), in order.
+    assert first["image_data"][0].startswith("data:image/png;base64,")
+    assert np.array_equal(np.asarray(load_image(first["image_data"][0])), np.asarray(first_image.convert("RGB")))
+    assert first["image_data"][1] == second_image
+
+
+async def test_judge_without_an_image_processor_is_text_only_and_says_so_once(tiny_tokenizer, tiny_processing_dir,
+                                                                              tmp_path, caplog):
+    text_judge = tmp_path / "text_judge"
+    shutil.copytree(tiny_processing_dir, text_judge)
+    (text_judge / "preprocessor_config.json").unlink()
+    script = [judge_says(tiny_tokenizer, "VERDICT: INCORRECT")] * 3
+    with caplog.at_level(logging.WARNING, logger="envs.llm_judge"):
+        async with _judge_server(tiny_tokenizer, script) as judge:
+            envs = [build_env(_sample(), _args(judge.url, text_judge)) for _ in range(2)]
+            for env in envs:
+                await env.step("It is 14.")
+            await envs[0].step("It is 12.")
+            for env in envs:
+                await env.close()
+    bodies = [r.body for r in judge.requests_to("/generate")]
+    assert len(bodies) == 3 and all("image_data" not in b for b in bodies)
+    expected = tiny_tokenizer.apply_chat_template([_judge_user(envs[0].render_prompt("It is 14.", 1), n_images=0)],
+                                                  tokenize=False, add_generation_prompt=True)
+    assert _decoded_request(judge, tiny_tokenizer, 0) == expected
+    notes = [r.getMessage() for r in caplog.records if "NOT sent" in r.getMessage()]
+    assert len(notes) == 1, notes  # once per judge dir, not per env or turn
+    assert str(text_judge) in notes[0] and "no preprocessor_config.json" in notes[0]
+
+
+def _truncated_png() -> str:
+    buffer = io.BytesIO()
+    Image.new("RGB", (64, 64), (10, 20, 30)).save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()[:60]).decode("ascii")
+
+
+@pytest.mark.parametrize("image", ["data:image/png;base64,AAAA", _truncated_png()], ids=["not_an_image", "truncated"])
+def test_corrupt_question_image_fails_build_env_naming_the_sample(tiny_processing_dir, image):
+    with pytest.raises(ValueError, match=r"llm_judge build_env: sample\(group=2, index=5\): data URL .*cannot decode"):
+        build_env(_sample(image=image), _args("http://127.0.0.1:1", tiny_processing_dir))
+    # Images the judge is not sent are never decoded.
+    env = build_env(_sample(image=image), _args("http://127.0.0.1:1", tiny_processing_dir, judge_send_images=False))
+    assert env.image_data == []
 
 
 async def test_judge_client_is_shared_and_closed_by_the_last_env(tiny_tokenizer, tiny_processing_dir):
