@@ -1,11 +1,19 @@
 """`attention_impl: pallas_gpu | pallas_tpu`: the fused segment-aware kernels (run by Pallas' interpreters on this
 CPU) against the XLA attention — the kernel alone (GQA, packing, padding, causal or not, gradients), under
 shard_map on a mesh, and the whole Qwen3-VL forward with images. The train-step trajectory under fsdp_tp is in
-test_train_layouts.py."""
+test_train_layouts.py.
+
+jax 0.10.2's TPU interpreter (which simulates every device's memory, with barriers) hangs on CPU once the process
+has run 8-device programs, which the rest of the suite does. So the `pallas_tpu` cases run in a child pytest
+process with one CPU device (`test_tpu_kernel_cases_in_a_single_device_process`), and the shard_map wrapper —
+the same code for both kernels — is checked with the GPU kernel."""
 
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import jax
@@ -23,7 +31,9 @@ from jaxrl_vlm.models.qwen3_vl import Qwen3VL, attention
 from jaxrl_vlm.tiny import tiny_model_config
 
 B, T, N, KV, H = 4, 128, 4, 2, 16
-IMPLS = ["pallas_gpu", "pallas_tpu"]
+TPU_PROCESS_ENV = "JAXRL_TPU_INTERPRET_PROCESS"
+# In the child process only the TPU cases are selected (-k pallas_tpu); in the suite's process only the GPU ones.
+IMPLS = ["pallas_tpu"] if os.environ.get(TPU_PROCESS_ENV) == "1" else ["pallas_gpu"]
 
 
 def interpreted(impl: str):
@@ -70,9 +80,6 @@ def test_kernel_equals_xla_attention_with_gradients(impl, causal):
         np.testing.assert_allclose(a, b, atol=2e-5, err_msg=f"d{name}")
 
 
-# The shard_map wrapper is the same for both kernels; it is run with the GPU kernel only, because jax's TPU
-# interpreter (which simulates every device's memory with barriers) hangs on CPU when an 8-device run follows
-# single-device runs in one process.
 @pytest.mark.parametrize("impl", ["pallas_gpu"])
 def test_kernel_under_a_mesh_splits_rows_and_heads_like_the_activations(impl):
     q, k, v, seg = _inputs(2)
@@ -129,3 +136,14 @@ def test_model_forward_with_images_equals_xla(impl):
         out = fused(*args)
     valid = seg[..., None] > 0
     np.testing.assert_allclose(np.where(valid, out, 0), np.where(valid, xla(*args), 0), atol=5e-5)
+
+
+def test_tpu_kernel_cases_in_a_single_device_process():
+    """The `pallas_tpu` parametrizations of this file, in a fresh process with one CPU device (see the docstring)."""
+    env = {**os.environ, TPU_PROCESS_ENV: "1", "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", __file__, "-q", "-k", "pallas_tpu", "-p", "no:cacheprovider"],
+        env=env, capture_output=True, text=True, timeout=600, cwd=os.path.dirname(os.path.dirname(__file__)),
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "3 passed" in done.stdout, done.stdout[-2000:]  # causal + bidirectional kernel, model with images
