@@ -3,10 +3,16 @@
 An environment module (passed by `--rollout-interaction-env-path`) exposes:
 
 - `build_env(sample, args) -> BaseInteractionEnv` (required). `args` is a plain attribute
-  namespace with at least `max_turns`; read your own keys with `getattr(args, key, default)`.
+  namespace with at least `max_turns` (`require_max_turns`). An env's own options are ONE frozen
+  dataclass deriving from `EnvOptions`, each field declared with `option(default, help, ...)`, and
+  read once per env with `Options.from_args(args)` (types, bounds and `validate()` checked there).
 - `reward_fn(model_text: str, label) -> float` (optional), used when `env.verdict()` is None.
 - `CONFIG_KEYS: dict[str, tuple[type, default, help]]` (optional): extra `--custom-config-path`
-  keys the module accepts; the config loader rejects any other unknown key.
+  keys the module accepts; the config loader rejects any other unknown key. Derive it from the
+  options dataclass: `CONFIG_KEYS = Options.config_keys()`.
+- `TASK_PROMPT: TaskPrompt` (optional, task modules): the system prompt, tool schema and user
+  instruction the dataset loader puts into each prompt (`--prompt-style`; the loader imports the
+  task module by path, like the env).
 
 Episode protocol, as the rollout runs it: `reset()`, then per model turn
 `step(model_text) -> (observation, done, info)` (sync, or async: the rollout awaits an awaitable),
@@ -26,12 +32,145 @@ This package never imports jax.
 from __future__ import annotations
 
 import abc
+import dataclasses
+import functools
+import types
+import typing
 from collections.abc import Awaitable
-from typing import Any
+from typing import Any, ClassVar, TypeVar
 
 from PIL import Image
 
 OBSERVATION_ROLES = ("user", "tool")
+
+_O = TypeVar("_O", bound="EnvOptions")
+
+
+# --------------------------------------------------------------------------------------------
+# Options: one dataclass per env, CONFIG_KEYS derived from it
+# --------------------------------------------------------------------------------------------
+
+
+def option(default: Any, help: str, *, required: bool = False, ge: float | None = None,
+           gt: float | None = None) -> Any:
+    """One field of an `EnvOptions` dataclass: its default, its `--custom-config-path` help and its checks.
+
+    `required`: the default is None and the key must be set. `ge`/`gt`: lower bounds (>=, >) of a number.
+    """
+    if not isinstance(help, str) or not help:
+        raise ValueError("option: help must be a non-empty string")
+    return dataclasses.field(default=default, metadata={"help": help, "required": required, "ge": ge, "gt": gt})
+
+
+@functools.lru_cache(maxsize=None)
+def _option_specs(cls: type) -> tuple[tuple[dataclasses.Field, bool, type], ...]:
+    """(field, whether None is allowed, type without None) of each option of `cls`, in declaration order."""
+    hints = typing.get_type_hints(cls)
+    specs = []
+    for f in dataclasses.fields(cls):
+        if f.default is dataclasses.MISSING or "help" not in f.metadata:
+            raise TypeError(f"{cls.__name__}.{f.name}: declare env options with option(default, help)")
+        tp = hints[f.name]
+        optional = typing.get_origin(tp) in (typing.Union, types.UnionType)
+        arms = [a for a in typing.get_args(tp) if a is not type(None)] if optional else [tp]
+        if len(arms) != 1 or not isinstance(arms[0], type):
+            raise TypeError(f"{cls.__name__}.{f.name}: an env option is one type, optionally `| None`; got {tp}")
+        specs.append((f, optional, arms[0]))
+    return tuple(specs)
+
+
+class EnvOptions:
+    """Base of an env module's options dataclass (`@dataclass(frozen=True) class Options(EnvOptions)`).
+
+    The field name is the `--custom-config-path` key, the annotation its type (`T` or `T | None`), and
+    `option(...)` its default, help and bounds. Constructing one checks every field (an int is accepted,
+    and stored as float, for a float field) and then calls `validate()` for cross-field checks.
+    """
+
+    #: The env's name in error messages ("geo3k build_env: ...").
+    ENV_NAME: ClassVar[str] = "env"
+
+    def __post_init__(self) -> None:
+        for f, optional, base in _option_specs(type(self)):
+            value = getattr(self, f.name)
+            if value is None:
+                if f.metadata["required"]:
+                    raise ValueError(f"args.{f.name} is not set (set {f.name} in --custom-config-path)")
+                if optional:
+                    continue
+            if base is float and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+                object.__setattr__(self, f.name, value)  # frozen dataclasses too
+            if not isinstance(value, base) or (base is not bool and isinstance(value, bool)):
+                raise TypeError(f"args.{f.name} must be {base.__name__}, got {value!r}")
+            ge, gt = f.metadata["ge"], f.metadata["gt"]
+            if ge is not None and value < ge:
+                raise ValueError(f"args.{f.name} must be >= {ge}, got {value}")
+            if gt is not None and value <= gt:
+                raise ValueError(f"args.{f.name} must be > {gt}, got {value}")
+        self.validate()
+
+    def validate(self) -> None:
+        """Checks across fields or beyond bounds; raise ValueError naming the key. Override as needed."""
+
+    @classmethod
+    def config_keys(cls) -> dict[str, tuple[Any, Any, str]]:
+        """The module's `CONFIG_KEYS`: {key: (type, default, help)}, as `jaxrl_vlm.config` reads them."""
+        hints = typing.get_type_hints(cls)
+        return {f.name: (hints[f.name], f.default, f.metadata["help"]) for f, _optional, _base in _option_specs(cls)}
+
+    @classmethod
+    def from_args(cls: type[_O], args: Any) -> _O:
+        """The options set in `args` (unset keys take their defaults), checked; errors name the env and key."""
+        values = {f.name: getattr(args, f.name, f.default) for f, _optional, _base in _option_specs(cls)}
+        try:
+            return cls(**values)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{cls.ENV_NAME} build_env: {e}") from e
+
+
+# --------------------------------------------------------------------------------------------
+# build_env helpers
+# --------------------------------------------------------------------------------------------
+
+
+def require_max_turns(args: Any, env_name: str) -> int:
+    """`args.max_turns` (the rollout's option, which every turn-counting env needs), or a ValueError."""
+    max_turns = getattr(args, "max_turns", None)
+    if max_turns is None:
+        raise ValueError(f"{env_name} build_env: args.max_turns is not set (set max_turns in --custom-config-path)")
+    return int(max_turns)
+
+
+def sample_where(sample: Any) -> str:
+    """`sample(group=G, index=I)`, to name a sample in errors."""
+    return f"sample(group={getattr(sample, 'group_index', '?')}, index={getattr(sample, 'index', '?')})"
+
+
+def sample_label(sample: Any) -> Any:
+    """`sample.label`, with a whole float read from a numeric column (12.0) turned into the int it means."""
+    label = getattr(sample, "label", None)
+    if isinstance(label, float) and label.is_integer():
+        return int(label)
+    return label
+
+
+# --------------------------------------------------------------------------------------------
+# Task prompt
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskPrompt:
+    """What a task adds to each dataset prompt: a system message, the tool schema the chat template
+    renders (kept in `Sample.metadata["tools"]`) and an instruction appended to the user text.
+
+    None leaves that part out. A task module exposes one as `TASK_PROMPT`.
+    """
+
+    system_prompt: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    instruction: str | None = None
 
 
 class BaseInteractionEnv(abc.ABC):
@@ -40,6 +179,13 @@ class BaseInteractionEnv(abc.ABC):
     #: If True, the rollout may call `reset()` and retry a `step` that raised (bounded retries).
     #: Only set it when `reset()` really restores the state a retried step needs.
     recoverable: bool = False
+
+    #: Episode state read by `check_step` (the shared `step` preamble): set by `close()`, by the env
+    #: when the episode ends, and the number of committed turns out of `max_turns`.
+    closed: bool = False
+    done: bool = False
+    turn: int = 0
+    max_turns: int | None = None
 
     @abc.abstractmethod
     def reset(self) -> None:
@@ -60,6 +206,17 @@ class BaseInteractionEnv(abc.ABC):
 
     def close(self) -> None:
         """Release resources. Always called by the rollout, exactly once per episode."""
+        self.closed = True
+
+    def check_step(self, response_text: Any) -> None:
+        """The preamble of `step`: no step after `close()` or after the episode ended, and a str turn text."""
+        name = type(self).__name__
+        if self.closed:
+            raise RuntimeError(f"{name}.step called after close()")
+        if self.done:
+            raise RuntimeError(f"{name}.step called after the episode ended (turn {self.turn} of {self.max_turns})")
+        if not isinstance(response_text, str):
+            raise TypeError(f"{name}.step: response_text must be str, got {type(response_text).__name__}")
 
     def format_observation(self, observation: dict[str, Any]) -> dict[str, Any]:
         """One chat message for `observation`: images first, then the text (slime's order).

@@ -49,6 +49,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -99,10 +100,10 @@ def grading_stats() -> dict[str, int]:
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
 
 
-def _last_box_start(text: str) -> tuple[int, int] | None:
-    """(start of the command, index just after it) of the last `\\boxed`/`\\fbox`, or None."""
+def _last_box_start(text: str, commands: tuple[str, ...] = _BOX_COMMANDS) -> tuple[int, int] | None:
+    """(start of the command, index just after it) of the last of `commands` (`\\boxed`/`\\fbox`), or None."""
     best: tuple[int, int] | None = None
-    for cmd in _BOX_COMMANDS:
+    for cmd in commands:
         i = text.rfind(cmd)
         # `\boxedfoo` is another command: require a non-letter after the name.
         while i >= 0 and i + len(cmd) < len(text) and text[i + len(cmd)].isalpha():
@@ -112,10 +113,14 @@ def _last_box_start(text: str) -> tuple[int, int] | None:
     return best
 
 
-def _matching_brace(text: str, open_idx: int) -> int | None:
-    """Index of the `}` closing the `{` at `open_idx`; escaped `\\{`/`\\}` are not structural."""
+def _brace_depths(text: str, start: int = 0) -> Iterator[tuple[int, int]]:
+    """(index, depth after it) of each structural brace of `text` from `start`, depth counted from 0.
+
+    The one brace scanner of this module: a backslash escapes the next character, so `\\{`/`\\}` are
+    not structural.
+    """
     depth = 0
-    i = open_idx
+    i = start
     n = len(text)
     while i < n:
         c = text[i]
@@ -124,21 +129,29 @@ def _matching_brace(text: str, open_idx: int) -> int | None:
             continue
         if c == "{":
             depth += 1
+            yield i, depth
         elif c == "}":
             depth -= 1
-            if depth == 0:
-                return i
+            yield i, depth
         i += 1
+
+
+def _matching_brace(text: str, open_idx: int) -> int | None:
+    """Index of the `}` closing the `{` at `open_idx`, or None if it is never closed."""
+    for i, depth in _brace_depths(text, open_idx):
+        if depth == 0:
+            return i
     return None
 
 
-def last_boxed_span(text: str) -> tuple[int, int, str] | None:
-    """(start, end, content) of the last `\\boxed{..}`/`\\fbox{..}` in `text`, or None.
+def last_boxed_span(text: str, commands: tuple[str, ...] = _BOX_COMMANDS) -> tuple[int, int, str] | None:
+    """(start, end, content) of the last `\\boxed{..}`/`\\fbox{..}` in `text` (or of the last of `commands`),
+    or None.
 
     If the last box is unbalanced (e.g. a truncated generation) the result is None rather than an
     earlier box: the model's final answer is then unknown, and an older one is not its answer.
     """
-    found = _last_box_start(text)
+    found = _last_box_start(text, commands)
     if found is None:
         return None
     start, after = found
@@ -241,19 +254,9 @@ def _letter(norm: str) -> str | None:
 
 def _braces_balanced(s: str) -> bool:
     depth = 0
-    i = 0
-    while i < len(s):
-        c = s[i]
-        if c == "\\":
-            i += 2
-            continue
-        if c == "{":
-            depth += 1
-        elif c == "}":
-            depth -= 1
-            if depth < 0:
-                return False
-        i += 1
+    for _i, depth in _brace_depths(s):
+        if depth < 0:
+            return False
     return depth == 0
 
 
@@ -588,7 +591,7 @@ class _DeadlineExceeded(Exception):
 
 def _to_float(expr: Any) -> float | None:
     """Finite real value of a closed sympy expression, else None."""
-    from sympy import Basic
+    from sympy import Basic  # worker side only: the calling process never imports sympy (module docstring)
 
     if not isinstance(expr, Basic) or not getattr(expr, "is_number", False):
         return None
@@ -599,14 +602,14 @@ def _to_float(expr: Any) -> float | None:
 
 
 def _first_expr(parsed: list[Any]) -> Any:
-    from sympy import Basic
+    from sympy import Basic  # worker side only
 
     return next((x for x in parsed if isinstance(x, Basic)), None)
 
 
 def compare_normalized(pred: str, gold: str) -> bool:
     """math-verify equality, then numeric equality, of two normalised answers (worker side; slow, unbounded)."""
-    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify  # worker side only (heavy)
 
     configs = [LatexExtractionConfig(), ExprExtractionConfig()]
     gold_parsed = parse(f"${gold}$", extraction_config=configs, parsing_timeout=None)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from envs.base import BaseInteractionEnv
+from envs.base import BaseInteractionEnv, require_max_turns
 
 
 def first_half_letter_share(text: str) -> float:
@@ -47,4 +47,4 @@ class LetterGameEnv(BaseInteractionEnv):
 
 
 def build_env(sample: Any, args: Any) -> LetterGameEnv:
-    return LetterGameEnv(max_turns=int(getattr(args, "max_turns", 1)))
+    return LetterGameEnv(max_turns=require_max_turns(args, "letter_game"))

@@ -60,12 +60,14 @@ import string
 import uuid
 import weakref
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from envs.base import BaseInteractionEnv
+from envs.base import BaseInteractionEnv, EnvOptions, option, require_max_turns, sample_label, sample_where
 from envs.grading import last_boxed_span
 from rollout.client import EngineError, RetryPolicy, SGLangClient
 from rollout.encoding import ChatEncoder, message_images
+from rollout.processing import load_image_processor, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -90,33 +92,6 @@ CORRECT_FEEDBACK = "Correct."
 INCORRECT_PREFIX = "Incorrect."
 REDACTED = "[redacted]"
 _REPLY_SNIPPET_CHARS = 300
-
-CONFIG_KEYS: dict[str, tuple[Any, Any, str]] = {
-    "judge_url": (str | None, None, "llm_judge: base URL of the judge's SGLang-API server (required)."),
-    "judge_tokenizer_path": (
-        str | None, None,
-        "llm_judge: the judge model's tokenizer dir (tokenizer.json + chat template); the prompt is rendered "
-        "with its chat template and sent as input_ids (required).",
-    ),
-    "judge_prompt_template": (
-        str, DEFAULT_JUDGE_PROMPT_TEMPLATE,
-        "llm_judge: str.format template with {question}, {reference}, {response}, {turn}, {max_turns} "
-        "(write literal braces as {{ }}); must contain {response}.",
-    ),
-    "judge_max_new_tokens": (int, 512, "llm_judge: max_new_tokens of each judge reply."),
-    "judge_temperature": (float, 0.0, "llm_judge: sampling temperature of the judge (0 = greedy)."),
-    "judge_timeout_s": (float, 60.0, "llm_judge: seconds allowed per judge HTTP request (keep env_step_timeout above the total)."),
-    "judge_max_retries": (int, 3, "llm_judge: client re-sends of a judge request after a connection error, timeout or 5xx."),
-    "judge_retry_backoff_s": (float, 0.5, "llm_judge: first backoff of those re-sends (doubles each time, max 8 s)."),
-    "judge_parse_retries": (int, 1, "llm_judge: re-asks of the judge after a reply without a verdict."),
-    "judge_redact_reference": (bool, True, "llm_judge: replace whole-word occurrences of the reference in feedback."),
-    "judge_send_images": (
-        bool, True,
-        "llm_judge: send the question's images to the judge (only if judge_tokenizer_path also has a Qwen-VL "
-        "preprocessor_config.json; otherwise the judge is text-only).",
-    ),
-}
-
 
 class JudgeError(RuntimeError):
     """The judge could not be asked (unreachable, rejected, aborted). The message names the judge URL."""
@@ -339,8 +314,6 @@ def active_judge_clients() -> dict[JudgeClientSettings, tuple[SGLangClient, int]
 
 @functools.lru_cache(maxsize=8)
 def _judge_tokenizer(path: str) -> Any:
-    from rollout.processing import load_tokenizer
-
     return load_tokenizer(path)
 
 
@@ -351,10 +324,6 @@ def _judge_encoder(path: str) -> tuple[ChatEncoder | None, str]:
     A dir without preprocessor_config.json, or one the Qwen-VL encoding cannot use (another image
     processor type, a tokenizer without `<|image_pad|>`), keeps the judge text-only, as before images existed.
     """
-    from pathlib import Path
-
-    from rollout.processing import load_image_processor
-
     if not (Path(path) / "preprocessor_config.json").is_file():
         return None, f"{path} has no preprocessor_config.json (a text-only model)"
     try:
@@ -390,24 +359,62 @@ def _stop_ids(tokenizer: Any) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True)
-class JudgeOptions:
-    """Judge settings of one env (see CONFIG_KEYS for their meaning)."""
+class JudgeOptions(EnvOptions):
+    """The judge settings of one env: this module's `--custom-config-path` keys (CONFIG_KEYS derive from it)."""
 
-    url: str
-    tokenizer_path: str
-    prompt_template: str = CONFIG_KEYS["judge_prompt_template"][1]
-    max_new_tokens: int = CONFIG_KEYS["judge_max_new_tokens"][1]
-    temperature: float = CONFIG_KEYS["judge_temperature"][1]
-    timeout_s: float = CONFIG_KEYS["judge_timeout_s"][1]
-    max_retries: int = CONFIG_KEYS["judge_max_retries"][1]
-    retry_backoff_s: float = CONFIG_KEYS["judge_retry_backoff_s"][1]
-    parse_retries: int = CONFIG_KEYS["judge_parse_retries"][1]
-    redact_reference: bool = CONFIG_KEYS["judge_redact_reference"][1]
-    send_images: bool = CONFIG_KEYS["judge_send_images"][1]
+    ENV_NAME = "llm_judge"
+
+    judge_url: str | None = option(
+        None, "llm_judge: base URL of the judge's SGLang-API server (required).", required=True)
+    judge_tokenizer_path: str | None = option(
+        None,
+        "llm_judge: the judge model's tokenizer dir (tokenizer.json + chat template); the prompt is rendered "
+        "with its chat template and sent as input_ids (required).",
+        required=True,
+    )
+    judge_prompt_template: str = option(
+        DEFAULT_JUDGE_PROMPT_TEMPLATE,
+        "llm_judge: str.format template with {question}, {reference}, {response}, {turn}, {max_turns} "
+        "(write literal braces as {{ }}); must contain {response}.",
+    )
+    judge_max_new_tokens: int = option(512, "llm_judge: max_new_tokens of each judge reply.", ge=1)
+    judge_temperature: float = option(0.0, "llm_judge: sampling temperature of the judge (0 = greedy).", ge=0)
+    judge_timeout_s: float = option(
+        60.0, "llm_judge: seconds allowed per judge HTTP request (keep env_step_timeout above the total).", gt=0)
+    judge_max_retries: int = option(
+        3, "llm_judge: client re-sends of a judge request after a connection error, timeout or 5xx.", ge=0)
+    judge_retry_backoff_s: float = option(
+        0.5, "llm_judge: first backoff of those re-sends (doubles each time, max 8 s).", ge=0)
+    judge_parse_retries: int = option(1, "llm_judge: re-asks of the judge after a reply without a verdict.", ge=0)
+    judge_redact_reference: bool = option(
+        True, "llm_judge: replace whole-word occurrences of the reference in feedback.")
+    judge_send_images: bool = option(
+        True,
+        "llm_judge: send the question's images to the judge (only if judge_tokenizer_path also has a Qwen-VL "
+        "preprocessor_config.json; otherwise the judge is text-only).",
+    )
+
+    def validate(self) -> None:
+        if not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"args.judge_url must start with http:// or https://, got {self.judge_url!r}")
+
+    @property
+    def url(self) -> str:
+        """`judge_url` without a trailing slash."""
+        assert self.judge_url is not None  # required: checked before validate()
+        return self.judge_url.rstrip("/")
+
+    @property
+    def tokenizer_path(self) -> str:
+        assert self.judge_tokenizer_path is not None  # required
+        return self.judge_tokenizer_path
 
     @property
     def client_settings(self) -> JudgeClientSettings:
-        return JudgeClientSettings(self.url, self.timeout_s, self.max_retries, self.retry_backoff_s)
+        return JudgeClientSettings(self.url, self.judge_timeout_s, self.judge_max_retries, self.judge_retry_backoff_s)
+
+
+CONFIG_KEYS: dict[str, tuple[Any, Any, str]] = JudgeOptions.config_keys()
 
 
 class LlmJudgeEnv(BaseInteractionEnv):
@@ -420,7 +427,7 @@ class LlmJudgeEnv(BaseInteractionEnv):
                  images: list[Any] | tuple[Any, ...] = ()) -> None:
         if not isinstance(max_turns, int) or isinstance(max_turns, bool) or max_turns < 1:
             raise ValueError(f"LlmJudgeEnv: max_turns must be a positive int, got {max_turns!r}")
-        used = validate_prompt_template(options.prompt_template)
+        used = validate_prompt_template(options.judge_prompt_template)
         if "question" in used and not question:
             raise ValueError("LlmJudgeEnv: the judge template uses {question} but the prompt has no user text")
         if "reference" in used and reference is None:
@@ -435,7 +442,7 @@ class LlmJudgeEnv(BaseInteractionEnv):
         self.encoder: ChatEncoder | None = None
         self.image_data: list[str] = []
         self._image_grid: Any = None  # image_grid_thw of image_data, to check the pads of each request
-        if images and options.send_images:
+        if images and options.judge_send_images:
             self.encoder, reason = _judge_encoder(options.tokenizer_path)
             if self.encoder is None:
                 _log_text_only_once(options.tokenizer_path, reason)
@@ -480,7 +487,7 @@ class LlmJudgeEnv(BaseInteractionEnv):
 
     def render_prompt(self, response_text: str, turn: int) -> str:
         """The judge's user message for `response_text` as the model's answer in 1-based `turn`."""
-        return self.options.prompt_template.format(
+        return self.options.judge_prompt_template.format(
             question=self.question, reference="" if self.reference is None else self.reference,
             response=response_text, turn=turn, max_turns=self.max_turns,
         )
@@ -516,12 +523,7 @@ class LlmJudgeEnv(BaseInteractionEnv):
 
         Raises JudgeError (naming the judge URL) when the judge cannot be asked; no state changes then.
         """
-        if self.closed:
-            raise RuntimeError("LlmJudgeEnv.step called after close()")
-        if self.done:
-            raise RuntimeError(f"LlmJudgeEnv.step called after the episode ended (turn {self.turn} of {self.max_turns})")
-        if not isinstance(response_text, str):
-            raise TypeError(f"LlmJudgeEnv.step: response_text must be str, got {type(response_text).__name__}")
+        self.check_step(response_text)
         turn = self.turn + 1
         client = self._judge_client()
         messages: list[dict[str, Any]] = [self.user_message(self.render_prompt(response_text, turn))]
@@ -531,7 +533,7 @@ class LlmJudgeEnv(BaseInteractionEnv):
         reply = ""
         loop = asyncio.get_running_loop()
         started = loop.time()
-        for attempts in range(1, self.options.parse_retries + 2):
+        for attempts in range(1, self.options.judge_parse_retries + 2):
             reply, retries = await self._ask(client, messages, turn)
             http_retries += retries
             parsed = parse_judge_reply(reply)
@@ -548,7 +550,7 @@ class LlmJudgeEnv(BaseInteractionEnv):
         else:
             self.last_correct = parsed.correct
             feedback = parsed.feedback
-            if self.options.redact_reference and self.reference is not None:
+            if self.options.judge_redact_reference and self.reference is not None:
                 feedback, redacted = redact_reference(feedback, self.reference)
             if parsed.correct:
                 verdict, done, text = "correct", True, feedback or CORRECT_FEEDBACK
@@ -585,8 +587,8 @@ class LlmJudgeEnv(BaseInteractionEnv):
         """One judge request; returns (reply text, client-level retries). Raises JudgeError."""
         input_ids = self.judge_input_ids(messages)
         params = {
-            "max_new_tokens": self.options.max_new_tokens,
-            "temperature": self.options.temperature,
+            "max_new_tokens": self.options.judge_max_new_tokens,
+            "temperature": self.options.judge_temperature,
             "stop_token_ids": list(self.stop_ids),
             "skip_special_tokens": True,
         }
@@ -609,65 +611,17 @@ class LlmJudgeEnv(BaseInteractionEnv):
 # --------------------------------------------------------------------------------------------
 
 
-def _read_options(args: Any) -> dict[str, Any]:
-    values: dict[str, Any] = {}
-    for key, (tp, default, _help) in CONFIG_KEYS.items():
-        value = getattr(args, key, default)
-        base = str if tp == (str | None) else tp
-        if base is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        ok = isinstance(value, base) and (base is bool or not isinstance(value, bool))
-        if value is None and tp == (str | None):
-            raise ValueError(f"llm_judge build_env: args.{key} is not set (set {key} in --custom-config-path)")
-        if not ok:
-            raise TypeError(f"llm_judge build_env: args.{key} must be {base.__name__}, got {value!r}")
-        values[key] = value
-    return values
-
-
 def build_env(sample: Any, args: Any) -> LlmJudgeEnv:
     """An LlmJudgeEnv for `sample` (question from its prompt, reference from its label) and the judge
-    settings in `args` (this module's CONFIG_KEYS). Raises naming the sample or the key at fault."""
-    where = f"sample(group={getattr(sample, 'group_index', '?')}, index={getattr(sample, 'index', '?')})"
-    max_turns = getattr(args, "max_turns", None)
-    if max_turns is None:
-        raise ValueError("llm_judge build_env: args.max_turns is not set (set max_turns in --custom-config-path)")
-    v = _read_options(args)
-    if not v["judge_url"].startswith(("http://", "https://")):
-        raise ValueError(f"llm_judge build_env: judge_url must start with http:// or https://, got {v['judge_url']!r}")
-    for key in ("judge_max_new_tokens",):
-        if v[key] < 1:
-            raise ValueError(f"llm_judge build_env: {key} must be >= 1, got {v[key]}")
-    for key in ("judge_max_retries", "judge_parse_retries"):
-        if v[key] < 0:
-            raise ValueError(f"llm_judge build_env: {key} must be >= 0, got {v[key]}")
-    for key in ("judge_timeout_s",):
-        if v[key] <= 0:
-            raise ValueError(f"llm_judge build_env: {key} must be > 0, got {v[key]}")
-    for key in ("judge_temperature", "judge_retry_backoff_s"):
-        if v[key] < 0:
-            raise ValueError(f"llm_judge build_env: {key} must be >= 0, got {v[key]}")
-    options = JudgeOptions(
-        url=v["judge_url"].rstrip("/"),
-        tokenizer_path=v["judge_tokenizer_path"],
-        prompt_template=v["judge_prompt_template"],
-        max_new_tokens=v["judge_max_new_tokens"],
-        temperature=v["judge_temperature"],
-        timeout_s=v["judge_timeout_s"],
-        max_retries=v["judge_max_retries"],
-        retry_backoff_s=v["judge_retry_backoff_s"],
-        parse_retries=v["judge_parse_retries"],
-        redact_reference=v["judge_redact_reference"],
-        send_images=v["judge_send_images"],
-    )
-    label = getattr(sample, "label", None)
-    if isinstance(label, float) and label.is_integer():
-        label = int(label)  # a numeric column read as 12.0 means "12"
+    settings in `args` (JudgeOptions, this module's CONFIG_KEYS). Raises naming the sample or the key at fault."""
+    max_turns = require_max_turns(args, "llm_judge")
+    options = JudgeOptions.from_args(args)
+    label = sample_label(sample)
     reference = None if label is None else str(label)
     try:
         prompt = getattr(sample, "prompt", "")
         question = prompt_question_text(prompt)
-        return LlmJudgeEnv(question, reference, int(max_turns), options, images=prompt_images(prompt))
+        return LlmJudgeEnv(question, reference, max_turns, options, images=prompt_images(prompt))
     except (ValueError, TypeError) as e:
         kind = TypeError if isinstance(e, TypeError) else ValueError
-        raise kind(f"llm_judge build_env: {where}: {e}") from e
+        raise kind(f"llm_judge build_env: {sample_where(sample)}: {e}") from e

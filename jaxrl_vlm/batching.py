@@ -390,8 +390,18 @@ def _plan(
     fixed_rows: int | None,
     k_bucket: Callable[[int], int],
     patch_capacity: int,
+    max_tokens: int | None = None,
 ) -> _Plan:
-    """Rows for one row length, then (K, R) from the buckets, then rows onto micro-batches."""
+    """Rows for one row length, then (K, R) from the buckets, then rows onto micro-batches.
+
+    `max_tokens` caps R x seq_len (a token budget per micro-batch); when even the smallest row bucket exceeds it,
+    the smallest is used (one row per data shard, as slime's dynamic batching keeps one sample per micro-batch).
+    """
+    if max_tokens is not None:
+        fitting = [r for r in row_choices if r * seq_len <= max_tokens]
+        row_choices = fitting or row_choices[:1]
+        if fixed_rows is not None:
+            fixed_rows = min(fixed_rows, row_choices[-1])
     if packing:
         rows = pack_rows(lengths, patches, seq_len, patch_capacity)
     else:
@@ -431,6 +441,7 @@ def build_train_batch(
     aggregation_constant: float | None,
     overlong_policy: str,
     micro_batch_buckets: Sequence[int] | None = None,
+    max_tokens_per_micro_batch: int | None = None,
 ) -> TrainBatch:
     """Lay `samples` out as fixed-shape [K, R, T] arrays (see the module docstring for alignment).
 
@@ -443,7 +454,9 @@ def build_train_batch(
     patch_buckets: allowed P (patches per micro-batch), multiples of spatial_merge_size**2; the largest
     also caps the patches of one micro-batch.
     micro_batch_buckets: allowed K (default `micro_batch_bucket`, eight sizes per octave).
-    aggregation / aggregation_constant: as `rl.losses.aggregation_weights`, over the whole batch.
+    max_tokens_per_micro_batch: a token budget R x T per micro-batch (slime's dynamic batch size: the caller
+    passes --max-tokens-per-device x the batch-sharding devices); R comes from the row buckets under it.
+    aggregation / aggregation_constant: as `rl.aggregation.aggregation_weights`, over the whole batch.
     overlong_policy: "error" or "truncate" (cut the tail to the largest seq bucket, never through an
     image; the mask follows; see `BatchLayout.truncated`).
     """
@@ -501,7 +514,12 @@ def build_train_batch(
 
     feasible = [t for t in seq_choices if t >= lengths.max()]
     candidates = feasible if packing else feasible[:1]
-    plans = [_plan(lengths, patches, t, packing, row_choices, fixed_rows, k_bucket, patch_capacity) for t in candidates]
+    if max_tokens_per_micro_batch is not None and max_tokens_per_micro_batch < 1:
+        raise BatchingError(f"max_tokens_per_micro_batch must be >= 1, got {max_tokens_per_micro_batch}")
+    plans = [
+        _plan(lengths, patches, t, packing, row_choices, fixed_rows, k_bucket, patch_capacity, max_tokens_per_micro_batch)
+        for t in candidates
+    ]
     plan = min(plans, key=lambda p: (p.slots, p.seq_len))
     return _materialize(seqs, adv, plan, model_cfg, patch_choices, has_vision, packing, aggregation, aggregation_constant)
 

@@ -10,7 +10,7 @@ import argparse
 import logging
 import sys
 
-from jaxrl_vlm.config import ConfigError, describe_options, load_config
+from jaxrl_vlm.config import Config, ConfigError, describe_options, load_config
 
 
 def _cmd_config(ns: argparse.Namespace, rest: list[str]) -> int:
@@ -19,6 +19,8 @@ def _cmd_config(ns: argparse.Namespace, rest: list[str]) -> int:
         return 0
     config_path, overrides = split_config_argv(rest)
     cfg = load_config(config_path, overrides)
+    for note in cfg.notes:  # what became of slime flags and spellings; stdout stays valid YAML
+        print(f"# {note}", file=sys.stderr)
     print(cfg.dump_yaml(), end="")  # --dump is the only output mode today; the flag is accepted for clarity
     return 0
 
@@ -26,10 +28,16 @@ def _cmd_config(ns: argparse.Namespace, rest: list[str]) -> int:
 def _cmd_train(ns: argparse.Namespace, rest: list[str]) -> int:
     config_path, overrides = split_config_argv(rest)
     cfg = load_config(config_path, overrides)
-    from jaxrl_vlm.distributed import initialize_from_env_or_config
+    import os
 
+    from jaxrl_vlm.distributed import initialize_from_env_or_config
+    from jaxrl_vlm.sglang_launcher import apply_colocation
+
+    colocation = apply_colocation(cfg.engine, os.environ)  # JAX's memory share is read when its backend starts
+    if colocation:
+        cfg.notes.append(colocation)
     initialize_from_env_or_config(cfg.distributed)  # before anything touches a JAX backend
-    from jaxrl_vlm.rl.trainer import train
+    from jaxrl_vlm.job.run import train
 
     train(cfg)
     print(f"run finished: metrics, plots, checkpoints and final_model under {cfg.train.output_dir}")
@@ -41,7 +49,7 @@ def _cmd_rollout(ns: argparse.Namespace, rest: list[str]) -> int:
     cfg = load_config(config_path, overrides)
     import asyncio
 
-    from jaxrl_vlm.rl.trainer import run_one_rollout
+    from jaxrl_vlm.job.run import run_one_rollout
 
     result = asyncio.run(run_one_rollout(cfg, ns.dump))
     kept = len(result.samples)
@@ -57,7 +65,7 @@ def _cmd_rollout(ns: argparse.Namespace, rest: list[str]) -> int:
 def _cmd_make_dataset(ns: argparse.Namespace, rest: list[str]) -> int:
     if rest:
         raise ConfigError(f"make-dataset: unexpected arguments {rest}")
-    from jaxrl_vlm.data.synthetic import make_dataset
+    from envs.geo3k.synthetic import make_dataset
 
     path = make_dataset(ns.out, num_rows=ns.num_rows, seed=ns.seed, image_size=ns.image_size)
     print(f"wrote {ns.num_rows} synthetic geo3k rows to {path}")
@@ -85,7 +93,7 @@ def _cmd_dump_shardings(ns: argparse.Namespace, rest: list[str]) -> int:
         raise ConfigError("dump-shardings: --out takes one --mesh-config; use --out-dir for several")
     from pathlib import Path
 
-    from jaxrl_vlm.sharding import dump_shardings, format_dump
+    from jaxrl_vlm.sharding.goldens import dump_shardings, format_dump
 
     if ns.hf_checkpoint:
         from jaxrl_vlm.models.hf_io import load_hf_config
@@ -112,11 +120,15 @@ def _cmd_serve(ns: argparse.Namespace, rest: list[str]) -> int:
     """The embedded JAX engine behind SGLang's native HTTP API, in the foreground."""
     if rest:
         raise ConfigError(f"serve: unexpected arguments {rest}")
-    from jaxrl_vlm.engine import EngineConfig, serve
+    from jaxrl_vlm.engine import EngineOptions, serve
 
+    run = Config()  # serve's flags set the run config's embedded-engine options (SGLang's flag names)
+    run.engine.engine_max_batch, run.engine.engine_max_seq_len = ns.max_batch, ns.max_seq_len
+    run.engine.engine_prefix_cache = not ns.disable_radix_cache
+    run.model.param_dtype = run.model.compute_dtype = ns.dtype
+    run.rollout.rollout_seed = ns.seed
     try:
-        config = EngineConfig(max_batch=ns.max_batch, max_seq_len=ns.max_seq_len, param_dtype=ns.dtype,
-                              compute_dtype=ns.dtype, seed=ns.seed, prefix_cache=not ns.disable_radix_cache)
+        config = EngineOptions.from_run_config(run)
     except ValueError as e:
         raise ConfigError(f"serve: {e}") from e
     serve(ns.model, host=ns.host, port=ns.port, config=config, weight_version=ns.weight_version)

@@ -8,11 +8,14 @@ A run's config is resolved from four layers, later ones winning:
 3. the ``--custom-config-path`` YAML (slime's mechanism for ``max_turns`` and friends). Its keys may be any
    typed field or a key declared by the loaded environment / generate function module in ``CONFIG_KEYS``;
    those land in ``Config.extra``;
-4. ``--flag value`` command-line overrides, with slime's flag names (``--rollout-batch-size 8``).
+4. ``--flag value`` command-line overrides, with slime's flag names (``--rollout-batch-size 8``). slime's flags
+   that are not ours (``slime_flags.py``) are translated onto our fields or accepted as not applicable; what
+   became of each is in ``Config.notes``, logged once by the run.
 
 Field names are globally unique across sections, so every field has exactly one flag:
 ``--`` + name with ``_`` replaced by ``-``. Unknown keys and wrong types are errors that name the key, the
-source and the closest valid key. This module imports neither jax nor the rollout code it configures.
+source and the closest valid key. This module imports neither jax nor the rollout code it configures (the loss
+registry's names are looked up, importing the loss module, only when a policy loss is given).
 """
 
 from __future__ import annotations
@@ -22,31 +25,18 @@ import difflib
 import sys
 import types
 import typing
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
+from jaxrl_vlm import slime_flags
+from jaxrl_vlm.errors import ConfigError
+from jaxrl_vlm.rl.registries import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
 from rollout.loading import LoadError, load_function, load_module
-
-
-class ConfigError(ValueError):
-    """A config problem a user can fix: unknown key, wrong type, bad value, unreadable file."""
-
-
-def opt(default: Any, help: str, *, choices: tuple | None = None) -> Any:
-    """Declare an option with its help text (and optional allowed values)."""
-    meta = {"help": help, "choices": choices}
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda d=default: _deepcopy(d), metadata=meta)
-    return field(default=default, metadata=meta)
-
-
-def _deepcopy(value: Any) -> Any:
-    import copy
-
-    return copy.deepcopy(value)
+from rollout.options import MultiTurnOptions, RolloutOptions, opt
 
 
 # --------------------------------------------------------------------------- sections
@@ -81,49 +71,37 @@ class DataConfig:
     synthetic_image_size: int = opt(224, "Side in pixels of generated synthetic diagrams.")
 
 
-@dataclass
-class RolloutConfig:
-    rollout_function_path: str = opt("rollout.driver.generate_rollout", "Dotted path of the whole-step rollout function.")
-    custom_generate_function_path: str = opt("rollout.multiturn.generate", "Dotted path of the per-sample episode function.")
-    rollout_interaction_env_path: str | None = opt("envs.geo3k", "Module (dotted or .py path) exposing build_env(sample, args).")
-    custom_config_path: str | None = opt(None, "YAML whose keys become attributes of args (max_turns, ...).")
-    num_rollout: int = opt(10, "Number of rollout -> train iterations.")
-    rollout_batch_size: int = opt(4, "Prompts per rollout step.")
-    n_samples_per_prompt: int = opt(4, "Samples per prompt (a group).")
-    over_sampling_batch_size: int | None = opt(None, "Prompts submitted at a time when dynamic filtering drops groups.")
-    rollout_max_response_len: int = opt(512, "Token budget of the whole response, observation tokens included.")
-    rollout_max_context_len: int | None = opt(None, "Maximum prompt+response length (None: no extra limit).")
-    rollout_temperature: float = opt(1.0, "Sampling temperature.")
-    rollout_top_p: float = opt(1.0, "Nucleus sampling threshold in (0, 1].")
-    rollout_top_k: int = opt(-1, "Top-k sampling (-1: whole vocabulary).")
-    rollout_seed: int = opt(42, "Seed of the rollout sampler.")
-    rollout_stop_token_ids: list[int] = opt([], "Extra stop token ids (the model's EOS ids always stop).")
-    sglang_server_concurrency: int = opt(64, "Maximum in-flight /generate requests per engine.")
-    dynamic_filter: str | None = opt(None, "Group filter: drop groups whose rewards are all equal.", choices=(None, "zero_std"))
-    partial_rollout: bool = opt(False, "Resume unfinished episodes in the next step instead of discarding them.")
-    mask_offpolicy_in_partial_rollout: bool = opt(False, "Mask tokens of resumed episodes sampled by older weights.")
-    episode_timeout: float = opt(600.0, "Wall-clock limit of one episode in seconds.")
-
-
-@dataclass
-class MultiTurnConfig:
-    max_turns: int = opt(3, "Maximum model turns per episode.")
-    max_env_retries_per_turn: int = opt(2, "Retries of an env step that raises or times out before the episode FAILs.")
-    env_step_timeout: float = opt(30.0, "Seconds an env step may take.")
-    delta_check: str = opt("strict", "Prefix-stability check of observation deltas at finalize.", choices=("strict", "warn", "off"))
+# The rollout and multi-turn sections are declared where the rollout code reads them (rollout/options.py).
+RolloutConfig = RolloutOptions
+MultiTurnConfig = MultiTurnOptions
 
 
 @dataclass
 class AlgoConfig:
-    advantage_estimator: str = opt("grpo", "Advantage estimator.", choices=("grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"))
+    advantage_estimator: str = opt("grpo", "Advantage estimator (a registry name).", choices=ADVANTAGE_ESTIMATORS)
     disable_grpo_std_normalization: bool = opt(False, "Dr.GRPO: do not divide group-centred rewards by their std.")
-    policy_loss: str = opt("ppo_clip", "Policy loss from the loss registry.")
+    policy_loss: str = opt("ppo_clip", "Policy loss (a loss registry name).", choices=POLICY_LOSSES)
     eps_clip: float = opt(0.2, "Lower PPO clip range.")
     eps_clip_high: float | None = opt(None, "Upper PPO clip range (None: equal to --eps-clip; DAPO uses 0.28).")
     eps_clip_c: float | None = opt(None, "Dual-clip constant (> 1) capping the loss of negative-advantage tokens.")
     use_kl_loss: bool = opt(False, "Add a KL(policy || reference) loss term.")
     kl_loss_coef: float = opt(0.0, "Coefficient of the KL loss term.")
-    kl_loss_type: str = opt("low_var_kl", "KL estimator.", choices=("k1", "k2", "k3", "low_var_kl"))
+    kl_loss_type: str = opt("k1", "KL estimator of the KL loss (slime's default k1).", choices=("k1", "k2", "k3", "low_var_kl"))
+    kl_coef: float = opt(
+        0.0,
+        "KL reward shaping (slime's --kl-coef, separate from the KL loss): the k1 estimate log p_old - log p_ref of "
+        "each sampled token, summed over the response, times this coefficient is subtracted from the sample's "
+        "reward before advantages. Needs reference log-probs (the initial policy).",
+    )
+    rm_type: str | None = opt(
+        None,
+        "Where the reward comes from: None = the environment's verdict (or its module's reward_fn); math = slime's "
+        "math reward: the last \\boxed{} of the model's whole response, graded against the label with math-verify.",
+        choices=(None, "math"),
+    )
+    reward_key: str | None = opt(
+        None, "When a reward is a mapping, the entry that is the scalar reward (slime's --reward-key)."
+    )
     entropy_coef: float = opt(0.0, "Entropy bonus coefficient.")
     use_tis: bool = opt(False, "Truncated importance sampling against rollout log-probs.")
     tis_clip: float = opt(2.0, "Upper clip of TIS weights.")
@@ -143,7 +121,12 @@ class TrainConfig:
 
 @dataclass
 class OptimConfig:
-    optimizer: str = opt("adamw", "Optimizer.", choices=("adamw",))
+    optimizer: str = opt(
+        "adamw",
+        "Optimizer: adam is slime's Adam with weight decay, which is decoupled (AdamW, as Megatron's and "
+        "torch's fused Adam apply it), so adam and adamw are the same update here.",
+        choices=("adam", "adamw"),
+    )
     lr: float = opt(1e-6, "Learning rate.")
     min_lr: float = opt(0.0, "Final learning rate of a decaying schedule.")
     lr_decay_style: str = opt("constant", "Learning-rate schedule.", choices=("constant", "linear", "cosine"))
@@ -161,6 +144,11 @@ class BatchingConfig:
     row_buckets: list[int] = opt([1, 2, 4, 8, 16, 32], "Allowed numbers of rows per micro-batch.")
     patch_buckets: list[int] = opt([0, 256, 1024, 4096, 16384], "Allowed padded vision-patch counts.")
     packing: bool = opt(True, "Pack several trajectories per row (segment-aware attention).")
+    max_tokens_per_device: int | None = opt(
+        None,
+        "Token budget of one micro-batch per device (slime's --use-dynamic-batch-size --max-tokens-per-gpu): the "
+        "rows of a micro-batch are chosen so that rows x padded length <= this x batch-sharding devices.",
+    )
     overlong_policy: str = opt("error", "A trajectory longer than the largest bucket: raise, or truncate its tail.", choices=("error", "truncate"))
 
 
@@ -186,6 +174,41 @@ class EngineConfig:
     weight_sync_dir: str | None = opt(None, "Directory for versioned weight exports (a RAM disk is best; None: under output_dir).")
     disable_weight_sync: bool = opt(False, "Do not push new weights to the engine (for ablations only).")
     weight_sync_dtype: str | None = opt(None, "Dtype of exported weights (None: bfloat16 for --engine-url, the param dtype for the embedded engine).", choices=(None, "float32", "bfloat16"))
+    colocate: bool = opt(
+        False,
+        "Engine and trainer share the same devices (slime's --colocate). The embedded engine always does; with "
+        "--launch-sglang on the same GPUs, JAX gets 1 - mem_fraction_static - colocate_margin of each GPU "
+        "(XLA_PYTHON_CLIENT_MEM_FRACTION) so that neither pre-allocates the other's share.",
+    )
+    colocate_margin: float = opt(0.05, "Share of GPU memory left to neither JAX nor SGLang when colocated.")
+
+
+@dataclass
+class EvalConfig:
+    eval_interval: int | None = opt(None, "Evaluate every N steps (None: never).")
+    eval_prompt_data: list[str] = opt(
+        [], "Eval sets as NAME PATH pairs, PATH optionally sliced as PATH@[start:end] (slime's syntax)."
+    )
+    n_samples_per_eval_prompt: int = opt(1, "Samples per eval prompt.")
+    eval_temperature: float | None = opt(None, "Eval sampling temperature (None: --rollout-temperature).")
+    eval_top_p: float | None = opt(None, "Eval top-p (None: --rollout-top-p).")
+    eval_top_k: int | None = opt(None, "Eval top-k (None: --rollout-top-k).")
+    eval_max_response_len: int | None = opt(None, "Eval response budget (None: --rollout-max-response-len).")
+    log_passrate: bool = opt(False, "Log pass@k over the eval samples of each prompt.")
+    skip_eval_before_train: bool = opt(False, "Do not evaluate at step 0.")
+
+
+@dataclass
+class TrackingConfig:
+    use_wandb: bool = opt(False, "Log metrics to Weights & Biases (pip install 'jaxrl-vlm[wandb]').")
+    wandb_project: str | None = opt(None, "W&B project.")
+    wandb_group: str | None = opt(None, "W&B group.")
+    wandb_key: str | None = opt(None, "W&B API key (else the environment's WANDB_API_KEY or a prior login).")
+    wandb_mode: str | None = opt(None, "W&B mode (None: online).", choices=(None, "online", "offline", "disabled"))
+    wandb_dir: str | None = opt(None, "W&B local directory (None: <output_dir>/wandb).")
+    wandb_run_name: str | None = opt(None, "W&B run name (None: the output directory's name).")
+    use_tensorboard: bool = opt(False, "Also write TensorBoard event files (<output_dir>/tb; no torch needed).")
+    tensorboard_dir: str | None = opt(None, "TensorBoard log directory (None: <output_dir>/tb).")
 
 
 @dataclass
@@ -229,10 +252,17 @@ SECTIONS: dict[str, type] = {
     "optim": OptimConfig,
     "batching": BatchingConfig,
     "engine": EngineConfig,
+    "eval": EvalConfig,
+    "tracking": TrackingConfig,
     "mesh": MeshConfig,
     "checkpoint": CheckpointConfig,
     "distributed": DistributedConfig,
 }
+
+
+# Options that are credentials: never written to config dumps, checkpoint metadata or trackers.
+SECRETS: tuple[tuple[str, str], ...] = (("tracking", "wandb_key"),)
+REDACTED = "<redacted>"
 
 
 @dataclass
@@ -246,11 +276,15 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     batching: BatchingConfig = field(default_factory=BatchingConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     # Keys declared by the loaded env / generate module (CONFIG_KEYS) and set via --custom-config-path.
     extra: dict[str, Any] = field(default_factory=dict)
+    # What became of slime flags and spellings (one line each; logged once by the run, not part of the config).
+    notes: list[str] = field(default_factory=list)
 
     def to_namespace(self) -> types.SimpleNamespace:
         """The flat `args` that rollout functions and environments receive (slime's convention)."""
@@ -261,7 +295,11 @@ class Config:
         return types.SimpleNamespace(**flat)
 
     def to_dict(self) -> dict[str, Any]:
+        """The config as plain data, for dumps, checkpoints and trackers: secrets are redacted."""
         out = {section: dataclasses.asdict(getattr(self, section)) for section in SECTIONS}
+        for section, key in SECRETS:
+            if out[section][key] is not None:
+                out[section][key] = REDACTED
         if self.extra:
             out["extra"] = dict(self.extra)
         return out
@@ -277,7 +315,7 @@ class FieldInfo:
     name: str
     type: Any
     help: str
-    choices: tuple | None
+    choices: Collection[Any] | None  # a tuple, or a registry (its names, resolved when a value is checked)
     default: Any
 
     @property
@@ -412,8 +450,17 @@ def flatten_config_mapping(data: dict[str, Any], source: str) -> dict[str, Any]:
     return flat
 
 
-def parse_cli_overrides(argv: list[str]) -> dict[str, Any]:
-    """`--flag value` / `--flag=value` / bare boolean `--flag` -> {field_name: raw value}."""
+def _values_after(argv: list[str], i: int) -> list[str]:
+    """The values of the flag at argv[i]: every following token up to the next `--flag`."""
+    j = i + 1
+    while j < len(argv) and not argv[j].startswith("--"):
+        j += 1
+    return argv[i + 1 : j]
+
+
+def parse_cli_overrides(argv: list[str], notes: list[str] | None = None) -> dict[str, Any]:
+    """`--flag value`, `--flag=value`, a bare boolean `--flag`, a list flag with several values, or one of slime's
+    flags (`slime_flags.SLIME_FLAGS`) -> {field_name: raw value}. What became of each slime flag goes to `notes`."""
     out: dict[str, Any] = {}
     i = 0
     while i < len(argv):
@@ -421,22 +468,55 @@ def parse_cli_overrides(argv: list[str]) -> dict[str, Any]:
         if not token.startswith("--"):
             raise ConfigError(f"unexpected argument {token!r}: options are --flag value")
         flag, eq, inline = token.partition("=")
+        values = [inline] if eq else _values_after(argv, i)
+        i += 1 if eq else 1 + len(values)
         info = FLAGS.get(flag)
         if info is None:
-            raise ConfigError(f"unknown option {flag}{_closest(flag, FLAGS)}")
-        if eq:
-            raw: Any = inline
-            i += 1
-        elif _is_bool(info.type) and (i + 1 >= len(argv) or argv[i + 1].startswith("--")):
-            raw = True
-            i += 1
+            _apply_slime_flag(flag, values, out, notes)
+            continue
+        if _is_bool(info.type) and not values:
+            raw: Any = True
+        elif not values:
+            raise ConfigError(f"option {flag} needs a value")
+        elif len(values) > 1:
+            if typing.get_origin(_strip_optional(info.type)) is not list:
+                raise ConfigError(f"option {flag} takes one value, got {values}")
+            raw = values
         else:
-            if i + 1 >= len(argv):
-                raise ConfigError(f"option {flag} needs a value")
-            raw = argv[i + 1]
-            i += 2
+            raw = values[0]
         out[info.name] = _parse_cli_value(raw, info)
     return out
+
+
+def _strip_optional(tp: Any) -> Any:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return next(a for a in typing.get_args(tp) if a is not type(None))
+    return tp
+
+
+def _apply_slime_flag(flag: str, values: list[str], out: dict[str, Any], notes: list[str] | None) -> None:
+    """Translate one slime flag into our fields (`+name` appends to a list field), or reject it clearly."""
+    entry = slime_flags.lookup(flag)
+    if entry is None:
+        raise ConfigError(f"unknown option {flag}{_closest(flag, [*FLAGS, *slime_flags.SLIME_FLAGS])}")
+    if entry.nargs == 0 and values:
+        raise ConfigError(f"option {flag} is a switch and takes no value, got {values}")
+    if entry.nargs == 1 and len(values) != 1:
+        raise ConfigError(f"option {flag} takes one value, got {values}")
+    if entry.nargs == "+" and not values:
+        raise ConfigError(f"option {flag} needs at least one value")
+    try:
+        translated = entry.translate(values)
+    except (slime_flags.SlimeFlagError, ValueError) as e:
+        raise ConfigError(str(e)) from None
+    for name, value in translated.items():
+        if name.startswith("+"):
+            out.setdefault(name[1:], []).extend(value)
+        else:
+            out[name] = value
+    if notes is not None:
+        shown = f"{flag} {' '.join(values)}".strip()
+        notes.append(f"slime flag {shown}: {entry.note}")
 
 
 def _is_bool(tp: Any) -> bool:
@@ -500,8 +580,11 @@ def _apply(cfg: Config, flat: dict[str, Any], source: str, declared: dict[str, t
 
 def load_config(path: str | None = None, argv: list[str] | None = None) -> Config:
     """Resolve defaults <- YAML file <- custom config <- CLI flags into a validated Config."""
+    notes: list[str] = []
     file_flat = flatten_config_mapping(read_yaml(path), str(path)) if path else {}
-    cli_flat = parse_cli_overrides(list(argv or []))
+    cli_flat = parse_cli_overrides(list(argv or []), notes)
+    for flat, source in ((file_flat, str(path)), (cli_flat, "command line")):
+        _slime_spellings(flat, source, notes)
     merged = {**file_flat, **cli_flat}
 
     mesh_path = merged.get("mesh_config")
@@ -522,6 +605,7 @@ def load_config(path: str | None = None, argv: list[str] | None = None) -> Confi
                 custom_data.update(flatten_config_mapping({key: value}, str(custom_path)))
             else:
                 custom_data[key] = value
+        _slime_spellings(custom_data, str(custom_path), notes)
     # env/generate paths may themselves be set by the custom config (slime's example does this).
     paths_view = {**merged, **{k: v for k, v in custom_data.items() if k in FIELDS}, **cli_flat}
     needs_declared = any(k not in FIELDS for k in custom_data) or any(k.startswith("extra.") for k in file_flat)
@@ -532,8 +616,54 @@ def load_config(path: str | None = None, argv: list[str] | None = None) -> Confi
     _apply(cfg, file_flat, str(path), declared)
     _apply(cfg, custom_data, str(custom_path), declared)
     _apply(cfg, cli_flat, "command line", declared)
+    _load_as_hf_checkpoint(cfg, notes)
+    cfg.notes = notes
     validate(cfg)
     return cfg
+
+
+# slime spells GSPO and CISPO as advantage estimators; here they are policy losses over GRPO advantages.
+_SLIME_LOSS_ESTIMATORS = ("gspo", "cispo")
+
+
+def _slime_spellings(flat: dict[str, Any], source: str, notes: list[str]) -> None:
+    """Rewrite slime's spellings in one config layer in place: its example paths (when they do not exist here)
+    and `advantage_estimator: gspo|cispo`."""
+    for key in ("custom_generate_function_path", "custom_config_path"):
+        value = flat.get(key)
+        alias = slime_flags.SLIME_PATH_ALIASES.get(value) if isinstance(value, str) else None
+        if alias is None or Path(value).exists():
+            continue
+        if key == "custom_config_path" and not Path(alias).exists():
+            alias = str(Path(__file__).resolve().parents[1] / alias)  # the repository's configs/, from any cwd
+        flat[key] = alias
+        notes.append(f"{source}: slime's example path {value} -> {alias} (this project's equivalent)")
+    estimator = flat.get("advantage_estimator")
+    if estimator in _SLIME_LOSS_ESTIMATORS:
+        loss = flat.get("policy_loss", estimator)
+        if loss != estimator:
+            raise ConfigError(f"{source}: advantage_estimator={estimator} (slime's spelling of the {estimator} loss) "
+                              f"conflicts with policy_loss={loss}")
+        flat["advantage_estimator"], flat["policy_loss"] = "grpo", estimator
+        notes.append(f"{source}: advantage_estimator {estimator} (slime's spelling) -> grpo advantages with the "
+                     f"{estimator} policy loss")
+
+
+def _load_as_hf_checkpoint(cfg: Config, notes: list[str]) -> None:
+    """slime passes the HF model directory as `--load` (Megatron bridge mode): when that directory is not one of
+    our checkpoints, it is the model to start from."""
+    load = cfg.checkpoint.load
+    if not load:
+        return
+    path = Path(load)
+    is_hf = (path / "config.json").exists() or (cfg.model.hf_checkpoint is not None and path == Path(cfg.model.hf_checkpoint))
+    if not is_hf:
+        return
+    if cfg.model.hf_checkpoint and Path(cfg.model.hf_checkpoint) != path:
+        raise ConfigError(f"--load {load} is an HF model directory but --hf-checkpoint is {cfg.model.hf_checkpoint}: "
+                          "pass the model once (--hf-checkpoint) and --load only for our checkpoints")
+    cfg.model.hf_checkpoint, cfg.checkpoint.load = load, None
+    notes.append(f"--load {load}: an HF model directory, not a checkpoint of ours -> --hf-checkpoint {load}")
 
 
 def validate(cfg: Config) -> None:

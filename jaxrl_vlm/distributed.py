@@ -46,8 +46,13 @@ from typing import Any
 
 import jax
 import numpy as np
+from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
+
+from jaxrl_vlm.models.hf_io import to_hf
+from jaxrl_vlm.sharding.layout import batch_shardings
+from rollout.sample import Sample
 
 logger = logging.getLogger(__name__)
 
@@ -314,6 +319,15 @@ def broadcast_bytes(payload: bytes | None, *, max_chunk_bytes: int = MAX_CHUNK_B
     return bytes(out)
 
 
+def broadcast_stop(reason: str | None) -> str | None:
+    """Process 0's decision to stop the run (a reason, or None to go on) on every process, so that no process is
+    left waiting in the next collective. A collective: all processes call it; only process 0's argument counts."""
+    main = jax.process_index() == 0
+    payload = (reason or "").encode() if main else None
+    got = broadcast_bytes(payload).decode()
+    return got or None
+
+
 def _pickle_samples(samples: list[Any]) -> bytes:
     try:
         return pickle.dumps(samples, protocol=pickle.HIGHEST_PROTOCOL)
@@ -336,8 +350,6 @@ def broadcast_samples(samples: list[Any] | None) -> list[Any]:
     use it to read data from elsewhere). Images travel as the samples hold them (pixel arrays in
     `multimodal_train_inputs` plus PNG data URLs).
     """
-    from rollout.sample import Sample
-
     if samples is not None:
         bad = [i for i, s in enumerate(samples) if not isinstance(s, Sample)]
         if bad:
@@ -396,12 +408,10 @@ def global_batch(train_arrays: Any, mesh: Mesh, shardings: Any = None, rules: An
     Every process holds the same host batch (built from the broadcast samples) and contributes only the
     rows its own devices hold, through `jax.make_array_from_process_local_data`; replicated leaves
     (vision patches, micro-batch-level arrays) are contributed whole. `shardings` defaults to
-    `sharding.batch_shardings(train_arrays, mesh, rules)` (rows over the batch axes). With one process
+    `sharding.layout.batch_shardings(train_arrays, mesh, rules)` (rows over the batch axes). With one process
     this is a plain `device_put`.
     """
     if shardings is None:
-        from jaxrl_vlm.sharding import batch_shardings
-
         shardings = batch_shardings(train_arrays, mesh, rules)
 
     def one(sharding: NamedSharding, x: Any) -> jax.Array:
@@ -441,10 +451,6 @@ def export_hf(model: Any, out_dir: str | os.PathLike, **to_hf_kwargs: Any) -> Pa
     host copy of the parameters while writing (params bytes of host RAM). With one process this is
     `to_hf`.
     """
-    from flax import nnx
-
-    from jaxrl_vlm.models.hf_io import to_hf
-
     if jax.process_count() == 1:
         return to_hf(model, out_dir, **to_hf_kwargs)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)

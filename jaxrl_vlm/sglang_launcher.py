@@ -13,11 +13,63 @@ import signal
 import socket
 import subprocess
 from pathlib import Path
+from collections.abc import MutableMapping
 from typing import Any
 
 
 class SGLangLaunchError(RuntimeError):
     """The SGLang server could not be started; the message has its command and the end of its log."""
+
+
+# SGLang's default share of GPU memory for weights + KV cache is about 0.9: far too much beside a colocated trainer.
+COLOCATED_SGLANG_MEM_FRACTION = 0.45
+JAX_MEM_FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+
+
+def _flag_value(args: list[str], flag: str) -> str | None:
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            return args[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def colocated_memory_split(sglang_args: list[str], margin: float) -> tuple[list[str], float]:
+    """(SGLang's arguments with a `--mem-fraction-static`, JAX's memory fraction) for one GPU shared by both.
+
+    JAX pre-allocates a fraction of each GPU (`XLA_PYTHON_CLIENT_MEM_FRACTION`, default 0.75) and SGLang reserves
+    `--mem-fraction-static` of it; colocated, the two must add up to at most 1 - margin, or whichever starts
+    second runs out of memory.
+    """
+    raw = _flag_value(sglang_args, "--mem-fraction-static")
+    args = list(sglang_args)
+    if raw is None:
+        sglang_fraction = COLOCATED_SGLANG_MEM_FRACTION
+        args += ["--mem-fraction-static", str(sglang_fraction)]
+    else:
+        sglang_fraction = float(raw)
+    jax_fraction = round(1.0 - sglang_fraction - margin, 4)
+    if not 0.0 < jax_fraction < 1.0:
+        raise SGLangLaunchError(
+            f"colocated: SGLang --mem-fraction-static {sglang_fraction} + margin {margin} leaves JAX {jax_fraction} "
+            "of the GPU; lower --sglang-mem-fraction-static"
+        )
+    return args, jax_fraction
+
+
+def apply_colocation(engine: Any, environ: MutableMapping[str, str]) -> str | None:
+    """With `--colocate --launch-sglang`: fix SGLang's `--mem-fraction-static` in `engine.sglang_args` and JAX's
+    share in `environ` (before the JAX backend starts). Returns what it did, for the run log; None if not colocated."""
+    if not (engine.colocate and engine.launch_sglang):
+        return None
+    engine.sglang_args, jax_fraction = colocated_memory_split(engine.sglang_args, engine.colocate_margin)
+    sglang_fraction = _flag_value(engine.sglang_args, "--mem-fraction-static")
+    if JAX_MEM_FRACTION_ENV in environ:
+        return (f"colocated: SGLang --mem-fraction-static {sglang_fraction}; {JAX_MEM_FRACTION_ENV}="
+                f"{environ[JAX_MEM_FRACTION_ENV]} was set by you and kept (the split suggests {jax_fraction})")
+    environ[JAX_MEM_FRACTION_ENV] = str(jax_fraction)
+    return f"colocated: SGLang --mem-fraction-static {sglang_fraction}, JAX {JAX_MEM_FRACTION_ENV}={jax_fraction}"
 
 
 def free_port(host: str = "127.0.0.1") -> int:

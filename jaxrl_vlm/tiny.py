@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl_vlm.models.config import Qwen3VLConfig, from_hf_dict
-from jaxrl_vlm.models.hf_io import load_hf_config, to_hf
+from jaxrl_vlm.models.hf_io import load_hf_config, param_count, to_hf
 from jaxrl_vlm.models.qwen3_vl import Qwen3VL
 
 INITS = ("scaled", "hf")
@@ -35,7 +35,7 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 def tiny_hf_config(vocab_size: int = 1024, tokenizer_seed: int = 0) -> tuple[dict[str, Any], Any]:
     """(transformers-5 config dict, tokenizer) of the tiny model; token ids come from the tokenizer."""
-    from jaxrl_vlm.tiny_assets import build_tiny_tokenizer, tiny_qwen3_vl_hf_config
+    from jaxrl_vlm.tiny_assets import build_tiny_tokenizer, tiny_qwen3_vl_hf_config  # transformers: ~8 s, only here
 
     tokenizer = build_tiny_tokenizer(vocab_size, tokenizer_seed)
     return tiny_qwen3_vl_hf_config(tokenizer), tokenizer
@@ -112,7 +112,7 @@ def make_tiny(
     dtype: of the safetensors (float32 keeps exact parity with transformers; bfloat16 like releases).
     min/max_pixels: the image processor's pixel range (64x64..128x128 -> 4..16 image tokens).
     """
-    from jaxrl_vlm.tiny_assets import EOS_TOKEN, PAD_TOKEN, save_tiny_processing
+    from jaxrl_vlm.tiny_assets import EOS_TOKEN, PAD_TOKEN, save_tiny_processing  # transformers: ~8 s, only here
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}: choose one of {sorted(DTYPES)}")
@@ -137,8 +137,6 @@ def make_tiny(
 
 def summarize(out: Path) -> str:
     """One line for the CLI: where, how many parameters, file size."""
-    from jaxrl_vlm.models.hf_io import param_count
-
     cfg = load_hf_config(out)
     size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
     return f"wrote tiny Qwen3-VL to {out}: {param_count(cfg):,} parameters, vocab {cfg.text.vocab_size}, {size / 1e6:.2f} MB of weights"

@@ -24,6 +24,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxrl_vlm.distributed import barrier, export_hf, is_main_process
 from rollout.client import EngineError, SGLangClient, WeightSyncError
 
 logger = logging.getLogger(__name__)
@@ -56,8 +57,6 @@ def export_version(model: Any, root: Path, version: int, *, dtype: Any = jnp.bfl
 
     A collective with several processes: every process gathers each tensor, process 0 writes.
     """
-    from jaxrl_vlm.distributed import barrier, export_hf, is_main_process
-
     final = version_dir(root, version)
     tmp = final.with_name(final.name + ".partial")
     main = is_main_process()

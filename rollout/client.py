@@ -29,12 +29,12 @@ from typing import Any
 
 import aiohttp
 
+from rollout.sglang_wire import AbortRequest, FinishReason, FinishType, UpdateWeightsRequest, as_pause_mode
+
 logger = logging.getLogger(__name__)
 
 # sgl-router's consistent_hashing policy reads this header; slime sends the episode's session id.
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
-PAUSE_MODES = ("abort", "retract", "in_place")
-FINISH_TYPES = ("stop", "length", "abort")
 _BODY_SNIPPET_CHARS = 500
 
 
@@ -142,8 +142,7 @@ class GenerateResult:
 
     `output_ids` / `output_log_probs` come from `meta_info.output_token_logprobs` (entries
     `[logprob, token_id, text|null]`) and include the final stop token; `output_log_probs` is None
-    when the request did not ask for logprobs. `finish_reason` is "stop", "length" or "abort";
-    `finish_matched` is the matched stop id (int) or stop string (str) for "stop", else None.
+    when the request did not ask for logprobs. `finish` is the parsed `meta_info.finish_reason`.
     `prompt_tokens` counts the prompt after image-pad expansion. `rid` is the id the engine
     answered for (it differs from the caller's rid after a retry, see `SGLangClient.generate`).
     """
@@ -151,8 +150,7 @@ class GenerateResult:
     output_ids: list[int]
     output_log_probs: list[float] | None
     text: str
-    finish_reason: str
-    finish_matched: int | str | None
+    finish: FinishReason
     prompt_tokens: int
     cached_tokens: int
     weight_version: str | None
@@ -163,10 +161,19 @@ class GenerateResult:
     retry_errors: list[str] = field(default_factory=list)
 
     @property
+    def finish_reason(self) -> FinishType:
+        """stop, length or abort (a str enum: it equals the wire text)."""
+        return self.finish.type
+
+    @property
+    def finish_matched(self) -> int | str | None:
+        """The matched stop id (int) or stop string (str) for stop, else None."""
+        return self.finish.matched
+
+    @property
     def finish_message(self) -> str | None:
         """The abort message, if the engine gave one."""
-        fr = self.meta_info.get("finish_reason") or {}
-        return fr.get("message") if isinstance(fr, dict) else None
+        return self.finish.message
 
 
 @dataclass
@@ -213,13 +220,10 @@ def parse_generate_response(
     if not isinstance(text, str):
         raise bad("response has no string 'text'")
 
-    fr = meta.get("finish_reason")
-    if not isinstance(fr, dict) or fr.get("type") not in FINISH_TYPES:
-        raise bad(f"meta_info.finish_reason must be an object with type in {FINISH_TYPES}, got {fr!r}")
-    finish_type: str = fr["type"]
-    matched = fr.get("matched") if finish_type == "stop" else None
-    if matched is not None and (isinstance(matched, bool) or not isinstance(matched, (int, str))):
-        raise bad(f"meta_info.finish_reason.matched must be an int id or a str, got {matched!r}")
+    try:
+        finish = FinishReason.from_json(meta.get("finish_reason"))
+    except ValueError as exc:
+        raise bad(str(exc)) from None
 
     raw_ids = data.get("output_ids")
     log_probs: list[float] | None
@@ -262,8 +266,7 @@ def parse_generate_response(
         output_ids=ids,
         output_log_probs=log_probs,
         text=text,
-        finish_reason=finish_type,
-        finish_matched=matched,
+        finish=finish,
         prompt_tokens=prompt_tokens,
         cached_tokens=int(meta.get("cached_tokens") or 0),
         weight_version=None if weight_version is None else str(weight_version),
@@ -647,9 +650,7 @@ class SGLangClient:
     async def pause_generation(self, mode: str = "abort", url: str | None = None) -> dict[str, Any]:
         """POST /pause_generation. `abort` returns in-flight requests at once as aborted; `retract`
         re-queues them; `in_place` keeps them in the batch (flush_cache then fails)."""
-        if mode not in PAUSE_MODES:
-            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
-        return await self._post_json(self._worker(url), "/pause_generation", {"mode": mode})
+        return await self._post_json(self._worker(url), "/pause_generation", {"mode": as_pause_mode(mode).value})
 
     async def continue_generation(self, url: str | None = None) -> dict[str, Any]:
         """POST /continue_generation: resume a paused engine."""
@@ -659,7 +660,7 @@ class SGLangClient:
         """POST /abort_request for one rid, or every request. Aborted requests finish with type abort."""
         if (rid is None) == (not abort_all):
             raise ValueError("abort_request needs exactly one of rid=... or abort_all=True")
-        body: dict[str, Any] = {"abort_all": True} if abort_all else {"rid": rid}
+        body = AbortRequest(None if abort_all else rid).to_json()
         await self._request("POST", self._worker(url), "/abort_request", json_body=body,
                             timeout_s=self.control_timeout_s)
 
@@ -714,11 +715,10 @@ class SGLangClient:
         Unset options are left out so the engine applies its own defaults.
         """
         worker = self._worker(url)
-        body: dict[str, Any] = {"model_path": str(model_path)}
-        for key, value in (("weight_version", weight_version), ("load_format", load_format),
-                           ("flush_cache", flush_cache), ("abort_all_requests", abort_all_requests)):
-            if value is not None:
-                body[key] = str(value) if key == "weight_version" else value
+        body = UpdateWeightsRequest(
+            str(model_path), None if weight_version is None else str(weight_version), load_format, flush_cache,
+            abort_all_requests,
+        ).to_json()
         reply = await self._request("POST", worker, "/update_weights_from_disk", json_body=body,
                                     timeout_s=self.weight_update_timeout_s, answer_statuses=frozenset({400}))
         data = reply.data
@@ -797,8 +797,7 @@ class SGLangClient:
         `WeightSyncError` listing every failed worker; `continue_generation` has been attempted on
         all of them first. `update_options` go to `update_weights_from_disk` (load_format, ...).
         """
-        if pause_mode not in PAUSE_MODES:
-            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
+        pause_mode = as_pause_mode(pause_mode)
         if flush_timeout_s < 0 or flush_poll_s <= 0:
             raise ValueError("flush_timeout_s must be >= 0 and flush_poll_s > 0 seconds")
         results = await asyncio.gather(

@@ -20,6 +20,7 @@ This module never imports jax.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import math
 from collections import defaultdict
@@ -27,7 +28,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from rollout.sample import Sample, Status, TurnRecord
+from rollout.sample import Sample, Status, Termination, TerminationKind, TurnRecord
 
 DUMP_FORMAT = "jaxrl-vlm-rollout-dump/1"
 IMAGE_PAD_TOKEN = "<|image_pad|>"
@@ -131,6 +132,8 @@ def _records_by_turn(records: Sequence[TurnRecord]) -> list[dict[str, Any]]:
 
 
 def _json_value(value: Any) -> Any:
+    if isinstance(value, enum.Enum):  # a typed outcome (e.g. a TruncationCause) is written as its readable value
+        return _json_value(value.value)
     if value is None or isinstance(value, (str, bool, int)):
         return value
     if isinstance(value, float):
@@ -162,12 +165,8 @@ class _Decoder:
 
 
 # ----------------------------------------------------------------------------- writing
-def dump_record(sample: Sample, tokenizer: Any) -> dict[str, Any]:
-    """The JSON-safe debug record of one sample (one line of a dump)."""
-    return _dump_record(sample, _Decoder(tokenizer))
-
-
 def _dump_record(sample: Sample, decode: _Decoder) -> dict[str, Any]:
+    """The JSON-safe debug record of one sample (one line of a dump)."""
     prompt_len = sample.prompt_length
     response = sample.tokens[prompt_len:]
     spans = split_turns(sample)
@@ -199,7 +198,7 @@ def _dump_record(sample: Sample, decode: _Decoder) -> dict[str, Any]:
         "index": int(sample.index),
         "rollout_id": _json_value(meta.get("rollout_id")),
         "status": Status(sample.status).value,
-        "termination": _json_value(meta.get("termination")),
+        "termination": None if sample.termination is None else str(sample.termination),
         "reward": _json_value(None if sample.reward is None else float(sample.reward)),
         "label": _json_value(sample.label),
         "prompt_tokens": prompt_len,
@@ -212,7 +211,7 @@ def _dump_record(sample: Sample, decode: _Decoder) -> dict[str, Any]:
         "prompt_text": decode(sample.tokens[:prompt_len]),
         "mask_runs": mask_runs(sample.loss_mask),
         "turns": turns,
-        "turn_records": [_json_value(dataclasses.asdict(r)) for r in sample.turns],
+        "turn_records": [_json_value(r.to_dict()) for r in sample.turns],
         "records_aligned": aligned,
         "weight_versions": [str(v) for v in sample.weight_versions],
         "error": _json_value(meta.get("error")),
@@ -332,14 +331,17 @@ def _validate_record(rec: Any, where: str) -> None:
         raise DumpError(f"{where}: key 'reward' is {reward!r}, expected a finite number or null")
     if not all(isinstance(v, str) for v in rec["weight_versions"]):
         raise DumpError(f"{where}: key 'weight_versions' must be a list of strings")
-    termination = rec.get("termination")
     if status is Status.FAILED and not (rec.get("error") or rec["errors"]):
         raise DumpError(f"{where}: status failed but keys 'error' and 'errors' are empty")
-    if termination is not None:
-        if status is Status.TRUNCATED and not str(termination).startswith("truncated"):
-            raise DumpError(f"{where}: status truncated but termination is {termination!r}")
-        if status is Status.ABORTED and termination != "abort":
-            raise DumpError(f"{where}: status aborted but termination is {termination!r}")
+    if rec.get("termination") is not None:
+        try:
+            termination = Termination.parse(rec["termination"])
+        except ValueError as e:
+            raise DumpError(f"{where}: key 'termination': {e}") from None
+        if status is Status.TRUNCATED and termination.kind is not TerminationKind.TRUNCATED:
+            raise DumpError(f"{where}: status truncated but termination is {rec['termination']!r}")
+        if status is Status.ABORTED and termination.kind is not TerminationKind.ABORT:
+            raise DumpError(f"{where}: status aborted but termination is {rec['termination']!r}")
     if rec["turn_records"] and status is not Status.FAILED and not rec["records_aligned"]:
         raise DumpError(f"{where}: key 'records_aligned' is false: the episode's turn records do not match the "
                         "model-token runs of its response")

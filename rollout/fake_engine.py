@@ -30,15 +30,30 @@ from typing import Any
 
 from aiohttp import web
 
-from rollout.sglang_wire import GENERATE_KEYS, SAMPLING_KEYS, loads_response
+from rollout.sglang_wire import (
+    FLUSH_BUSY,
+    FLUSH_OK,
+    AbortRequest,
+    FinishReason,
+    PauseMode,
+    RequestError,
+    SamplingParams,
+    UpdateWeightsRequest,
+    check_generate_keys,
+    continued_answer,
+    error_body,
+    generate_response,
+    loads_response,
+    parse_pause,
+    paused_answer,
+    prompt_field,
+    route_handlers,
+    update_weights_answer,
+)
 
 DEFAULT_EOS_TOKEN_ID = 151645  # Qwen's <|im_end|>
 DEFAULT_IMAGE_TOKEN_ID = 151655  # Qwen-VL's <|image_pad|>
 FAKE_SGLANG_VERSION = "0.5.23"
-
-# The fake rejects fields outside rollout.sglang_wire's GENERATE_KEYS / SAMPLING_KEYS with a 400, so that a
-# typo in our client is caught by tests, not silently ignored.
-PAUSE_MODES = ("abort", "retract", "in_place")
 
 
 # --------------------------------------------------------------------------------------------
@@ -99,7 +114,7 @@ GENERATE_ONLY = (Abort, Tokens)
 
 def bad_request(message: str) -> Respond:
     """A 400 with SGLang's error object shape."""
-    return Respond(400, {"error": {"message": message}})
+    return Respond(400, error_body(message))
 
 
 @dataclass
@@ -199,7 +214,7 @@ class FakeSGLangServer:
         self.disabled_paths = set(disabled_paths)
         self.max_running_requests = max_running_requests
         self.healthy = True
-        self.paused: str | None = None  # the pause mode while paused
+        self.paused: PauseMode | None = None  # the pause mode while paused
         self.requests: list[RecordedRequest] = []
         self.disconnected_rids: list[str] = []  # /generate requests whose client went away mid-request
         self._queues: dict[str, collections.deque[Action]] = collections.defaultdict(collections.deque)
@@ -225,26 +240,16 @@ class FakeSGLangServer:
 
     async def start(self) -> FakeSGLangServer:
         app = web.Application(middlewares=[self._middleware], client_max_size=1 << 30)
-        get, post = ("GET",), ("POST",)
-        routes: list[tuple[tuple[str, ...], str, Callable[..., Any]]] = [
-            (("POST", "PUT"), "/generate", self._generate),
-            (get, "/health", self._health),
-            (get, "/health_generate", self._health),
-            (get, "/get_model_info", self._model_info),
-            (get, "/model_info", self._model_info),
-            (get, "/get_server_info", self._server_info),
-            (get, "/server_info", self._server_info),
-            (get, "/get_weight_version", self._get_weight_version),
-            (("GET", "POST"), "/flush_cache", self._flush_cache),
-            (post, "/pause_generation", self._pause_generation),
-            (post, "/continue_generation", self._continue_generation),
-            (post, "/abort_request", self._abort_request),
-            (post, "/update_weights_from_disk", self._update_weights_from_disk),
-            (get, "/v1/loads", self._loads),
-        ]
-        for methods, path, handler in routes:
-            for method in methods:
-                app.router.add_route(method, path, handler)
+        handlers = {
+            "generate": self._generate, "health": self._health, "health_generate": self._health,
+            "model_info": self._model_info, "server_info": self._server_info,
+            "get_weight_version": self._get_weight_version, "flush_cache": self._flush_cache,
+            "pause_generation": self._pause_generation, "continue_generation": self._continue_generation,
+            "abort_request": self._abort_request, "update_weights_from_disk": self._update_weights_from_disk,
+            "loads": self._loads,
+        }
+        for method, path, handler in route_handlers(handlers):
+            app.router.add_route(method, path, handler)
         # handler_cancellation: a client that goes away cancels its handler, as SGLang aborts a
         # request whose connection closed.
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
@@ -339,52 +344,34 @@ class FakeSGLangServer:
             job.aborted.set()
 
     def _error(self, message: str, status: int = 400) -> web.Response:
-        return web.json_response({"error": {"message": message}}, status=status)
+        return web.json_response(error_body(message), status=status)
 
     # ---- /generate -------------------------------------------------------------------------
 
-    def _validate_generate(self, body: Any) -> str | None:
-        if not isinstance(body, dict):
-            return "request body must be a JSON object (GenerateReqInput)"
-        unknown = sorted(set(body) - GENERATE_KEYS)
-        if unknown:
-            return f"unknown GenerateReqInput field(s): {unknown}"
-        given = [k for k in ("text", "input_ids", "input_embeds") if body.get(k) is not None]
-        if len(given) != 1:
-            return "Either text, input_ids or input_embeds should be provided (exactly one)."
-        if "input_ids" not in given:
-            return "the fake engine only serves input_ids prompts (no tokenizer)"
+    def _validate_generate(self, body: Any) -> SamplingParams:
+        """SGLang's checks of fields and sampling parameters (an unknown field is a 400, so a typo in our client
+        fails the tests instead of being ignored), then the fake's own limits; RequestError if refused."""
+        check_generate_keys(body)
+        if prompt_field(body) != "input_ids":
+            raise RequestError("the fake engine only serves input_ids prompts (no tokenizer)")
         ids = body["input_ids"]
         if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            return "input_ids must be a non-empty list of ints (batch requests are not supported by the fake)"
+            raise RequestError("input_ids must be a non-empty list of ints (batch requests are not supported by the fake)")
         if body.get("stream"):
-            return "the fake engine does not stream"
-        params = body.get("sampling_params") or {}
-        if not isinstance(params, dict):
-            return "sampling_params must be an object"
-        unknown = sorted(set(params) - SAMPLING_KEYS)
-        if unknown:
-            return f"SamplingParams got unexpected keyword argument(s): {unknown}"
-        max_new = params.get("max_new_tokens", 128)
-        if not isinstance(max_new, int) or max_new < 0:
-            return f"max_new_tokens must be at least 0, got {max_new!r}"
-        top_p = params.get("top_p", 1.0)
-        if not 0.0 < float(top_p) <= 1.0:
-            return f"top_p must be in (0, 1], got {top_p}"
-        if float(params.get("temperature", 1.0)) < 0.0:
-            return "temperature must be non-negative"
+            raise RequestError("the fake engine does not stream")
+        params = SamplingParams.from_json(body.get("sampling_params"))
         images = body.get("image_data")
         if images is not None and isinstance(images, str):
             images = [images]
         if images is not None and not (isinstance(images, list) and all(isinstance(i, str) for i in images)):
-            return "image_data must be a string or a list of strings for one request"
+            raise RequestError("image_data must be a string or a list of strings for one request")
         if self.tokens_per_image is not None:
             pads = sum(1 for t in ids if t == self.image_token_id)
             n_images = len(images or [])
             if pads != n_images:
-                return (f"image count mismatch: {pads} <|image_pad|> token(s) in input_ids but {n_images} "
-                        "image(s) in image_data (send one compact pad per image)")
-        return None
+                raise RequestError(f"image count mismatch: {pads} <|image_pad|> token(s) in input_ids but {n_images} "
+                                   "image(s) in image_data (send one compact pad per image)")
+        return params
 
     def _prompt_tokens(self, body: Mapping[str, Any]) -> int:
         ids: list[int] = body["input_ids"]
@@ -396,55 +383,41 @@ class FakeSGLangServer:
         expanded = sum(per(img) if callable(per) else per for img in images)
         return len(ids) - sum(1 for t in ids if t == self.image_token_id) + expanded
 
-    def _finish(self, out: Tokens, params: Mapping[str, Any]) -> tuple[list[int], list[float], dict[str, Any]]:
+    def _finish(self, out: Tokens, params: SamplingParams) -> tuple[list[int], list[float], FinishReason | dict[str, Any]]:
         ids = [int(t) for t in out.output_ids]
         lps = [float(x) for x in out.log_probs] if out.log_probs is not None else [-0.5] * len(ids)
         if len(lps) != len(ids):
             raise ValueError(f"scripted Tokens has {len(ids)} ids but {len(lps)} log_probs")
         if out.finish_reason is not None:
-            return ids, lps, dict(out.finish_reason)
-        max_new = int(params.get("max_new_tokens", 128))
+            return ids, lps, dict(out.finish_reason)  # scripted verbatim, malformed ones included
+        max_new = params.max_new_tokens
         if len(ids) > max_new:
-            return ids[:max_new], lps[:max_new], {"type": "length", "length": max_new}
-        stops = set(params.get("stop_token_ids") or ())
-        if not params.get("ignore_eos"):
+            return ids[:max_new], lps[:max_new], FinishReason.at_length(max_new)
+        stops = set(params.stop_token_ids)
+        if not params.ignore_eos:
             stops.add(self.eos_token_id)
         if ids and ids[-1] in stops:
-            return ids, lps, {"type": "stop", "matched": ids[-1]}
-        return ids, lps, {"type": "length", "length": max_new}
+            return ids, lps, FinishReason.stopped(ids[-1])
+        return ids, lps, FinishReason.at_length(max_new)
 
     def _generate_answer(self, body: Mapping[str, Any], rid: str, ids: list[int], lps: list[float],
-                         finish: dict[str, Any], started: float, text: str | None = None) -> web.Response:
-        with_text = bool(body.get("return_text_in_logprobs"))
-        meta: dict[str, Any] = {
-            "id": rid,
-            "finish_reason": finish,
-            "prompt_tokens": self._prompt_tokens(body),
-            "completion_tokens": len(ids),
-            "cached_tokens": 0,
-            "reasoning_tokens": 0,
-            "weight_version": self.weight_version,
-            "num_retractions": 0,
-        }
-        if body.get("return_logprob"):
-            meta["input_token_logprobs"] = []
-            meta["output_token_logprobs"] = [
-                [lp, t, self.detokenize([t]) if with_text else None] for lp, t in zip(lps, ids)
-            ]
-            meta["output_token_logprobs_length"] = len(ids)
-        meta["e2e_latency"] = time.monotonic() - started
-        answer = {"text": text if text is not None else self.detokenize(ids), "output_ids": ids, "meta_info": meta}
-        return web.json_response(answer)
+                         finish: FinishReason | Mapping[str, Any], started: float, text: str | None = None) -> web.Response:
+        return web.json_response(generate_response(
+            rid=rid, text=text if text is not None else self.detokenize(ids), output_ids=ids, output_logprobs=lps,
+            finish=finish, prompt_tokens=self._prompt_tokens(body), weight_version=self.weight_version,
+            e2e_latency=time.monotonic() - started, return_logprob=bool(body.get("return_logprob")),
+            token_text=(lambda t: self.detokenize([t])) if body.get("return_text_in_logprobs") else None,
+        ))
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         started = time.monotonic()
         body = request[_RECORD].body
         action: Action | None = request[_ACTION]
-        problem = self._validate_generate(body)
-        if problem is not None:
-            return self._error(problem)
+        try:
+            params = self._validate_generate(body)
+        except RequestError as exc:
+            return self._error(str(exc))
         rid = str(body.get("rid") or uuid.uuid4().hex)
-        params = body.get("sampling_params") or {}
         job = _InFlight(rid)
         self._in_flight.add(job)
         try:
@@ -468,8 +441,7 @@ class FakeSGLangServer:
                 if isinstance(action, Abort):
                     self._abort(job, action.message)
                     ids = list(action.output_ids)
-                    finish = {"type": "abort", "message": action.message, "status_code": action.status_code,
-                              "err_type": None}
+                    finish = FinishReason.aborted(action.message, action.status_code)
                     return self._generate_answer(body, rid, ids, [-0.5] * len(ids), finish, started)
                 if action is None and self.latency_s > 0:
                     await _first_of(job.aborted, timeout=self.latency_s)
@@ -481,8 +453,7 @@ class FakeSGLangServer:
                 except ValueError as exc:
                     return self._error(str(exc), status=500)
                 return self._generate_answer(body, rid, ids, lps, finish, started, text=out.text)
-            finish = {"type": "abort", "message": job.abort_message, "status_code": None, "err_type": None}
-            return self._generate_answer(body, rid, [], [], finish, started)
+            return self._generate_answer(body, rid, [], [], FinishReason.aborted(job.abort_message), started)
         except asyncio.CancelledError:
             self.disconnected_rids.append(rid)
             raise
@@ -524,7 +495,7 @@ class FakeSGLangServer:
 
     def _counted_in_flight(self) -> int:
         # After a retract-mode pause SGLang moves running requests back to the queue and can flush.
-        if self.paused == "retract":
+        if self.paused is PauseMode.RETRACT:
             return 0
         return len(self._in_flight)
 
@@ -532,52 +503,50 @@ class FakeSGLangServer:
         busy = self._counted_in_flight()
         if self.flush_busy_calls > 0 or busy:
             self.flush_busy_calls = max(0, self.flush_busy_calls - 1)
-            return web.Response(status=400, text=(
-                "Cache not flushed. Please check backend logs for more details. (When there are running or "
-                "waiting requests, the operation will not be performed.)\n"))
-        return web.Response(status=200, text="Cache flushed.\nPlease check backend logs for more details. "
-                            "(When there are running or waiting requests, the operation will not be performed.)\n")
+            return web.Response(status=400, text=FLUSH_BUSY)
+        return web.Response(status=200, text=FLUSH_OK)
 
     async def _pause_generation(self, request: web.Request) -> web.Response:
-        body = request[_RECORD].body or {}
-        mode = body.get("mode", "abort") if isinstance(body, dict) else "abort"
-        if mode not in PAUSE_MODES:
-            return self._error(f"mode must be one of {PAUSE_MODES}, got {mode!r}")
+        try:
+            mode = parse_pause(request[_RECORD].body)
+        except RequestError as exc:
+            return self._error(str(exc))
         self.paused = mode
         self._unpaused.clear()
-        if mode == "abort":
+        if mode is PauseMode.ABORT:
             for job in list(self._in_flight):
                 self._abort(job, "Abort by pause_generation")
-        return web.json_response({"status": "ok", "message": "Generation paused successfully."})
+        return web.json_response(paused_answer())
 
     async def _continue_generation(self, request: web.Request) -> web.Response:
         self.paused = None
         self._unpaused.set()
-        return web.json_response({"status": "ok", "message": "Generation continued successfully."})
+        return web.json_response(continued_answer())
 
     async def _abort_request(self, request: web.Request) -> web.Response:
-        body = request[_RECORD].body or {}
-        if not isinstance(body, dict):
-            return self._error("abort_request body must be a JSON object")
+        try:
+            abort = AbortRequest.from_json(request[_RECORD].body)
+        except RequestError as exc:
+            return self._error(str(exc))
         for job in list(self._in_flight):
-            if body.get("abort_all") or job.rid == body.get("rid"):
+            if abort.rid is None or job.rid == abort.rid:
                 self._abort(job, "Abort by /abort_request")
         return web.Response(status=200)
 
     async def _update_weights_from_disk(self, request: web.Request) -> web.Response:
-        body = request[_RECORD].body
-        if not isinstance(body, dict) or not body.get("model_path"):
-            return self._error("update_weights_from_disk needs a 'model_path'")
-        path = str(body["model_path"])
+        try:
+            update = UpdateWeightsRequest.from_json(request[_RECORD].body)
+        except RequestError as exc:
+            return self._error(str(exc))
+        path = update.model_path
         if not os.path.exists(path):
-            return web.json_response({"success": False, "num_paused_requests": 0, "message": (
-                f"Failed to get weights iterator: {path} (repo id: {path}). No such file or directory")}, status=400)
+            message = f"Failed to get weights iterator: {path} (repo id: {path}). No such file or directory"
+            return web.json_response(update_weights_answer(False, message, 0), status=400)
         self.model_path = path
-        if body.get("weight_version") is not None:
-            self.weight_version = str(body["weight_version"])
+        if update.weight_version is not None:
+            self.weight_version = update.weight_version
         paused_count = sum(1 for job in self._in_flight if job.waiting)
-        return web.json_response({"success": True, "message": "Succeeded to update model weights.",
-                                  "num_paused_requests": paused_count})
+        return web.json_response(update_weights_answer(True, "Succeeded to update model weights.", paused_count))
 
     async def _loads(self, request: web.Request) -> web.Response:
         waiting = sum(1 for job in self._in_flight if job.waiting)

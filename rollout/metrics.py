@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from rollout.failures import failure_report
 from rollout.sample import Sample, Status
 
 if TYPE_CHECKING:
@@ -99,8 +100,13 @@ def latency_summary(values: Sequence[float], name: str) -> dict[str, float]:
 
 
 def _key(text: str) -> str:
-    """A metric-name-safe form of a cause string (`truncated:length` -> `truncated/length`)."""
+    """A metric-name-safe form of a free-form name (a drop reason, an exception class)."""
     return re.sub(r"[^\w/.-]+", "_", text.replace(":", "/"))
+
+
+def termination_name(sample: Sample) -> str:
+    """The metric name of how an episode ended (`env_done`, `truncated/length`, ...; `unknown` when unset)."""
+    return "unknown" if sample.termination is None else sample.termination.metric_name
 
 
 # ----------------------------------------------------------------------------- metric groups
@@ -116,15 +122,15 @@ def turn_metrics(samples: Sequence[Sample]) -> dict[str, float]:
 
 
 def termination_metrics(samples: Sequence[Sample]) -> dict[str, float]:
-    """Fraction of episodes per `metadata["termination"]` cause, and FAILED episodes counted by cause."""
+    """Fraction of episodes per termination (`Sample.termination`), and FAILED episodes counted by cause."""
     if not samples:
         return {}
-    causes = Counter(str(s.metadata.get("termination", "unknown")) for s in samples)
-    out = {f"termination/{_key(c)}": n / len(samples) for c, n in sorted(causes.items())}
-    failed = Counter(str(s.metadata.get("termination", "unknown")) for s in samples if s.status is Status.FAILED)
+    causes = Counter(termination_name(s) for s in samples)
+    out = {f"termination/{c}": n / len(samples) for c, n in sorted(causes.items())}
+    failed = Counter(termination_name(s) for s in samples if s.status is Status.FAILED)
     out["failed/total"] = float(sum(failed.values()))
     for cause, n in sorted(failed.items()):
-        out[f"failed/{_key(cause)}"] = float(n)
+        out[f"failed/{cause}"] = float(n)
     return out
 
 
@@ -203,11 +209,16 @@ def zero_std_metrics(samples: Sequence[Sample]) -> dict[str, float]:
 
 
 def dropped_metrics(result: "RolloutResult") -> dict[str, float]:
-    """The driver's accounting: `dynamic_filter/drop_<reason>` counts, groups kept and submitted, failed samples."""
+    """The driver's accounting: `dynamic_filter/drop_<reason>` counts, groups kept and submitted, failed samples
+    and their share of the finished episodes, prompts skipped for `--rollout-max-prompt-len` (this step and
+    over the run)."""
     out = {f"dynamic_filter/drop_{_key(reason)}": float(n) for reason, n in sorted(result.dropped.items())}
     out["groups_kept"] = float(len(result.groups))
     out["groups_submitted"] = float(result.groups_submitted)
     out["failed_samples"] = float(len(result.failed))
+    out["failed_share"] = failure_report(result).share
+    out["filtered_long_prompts"] = float(result.filtered_long_prompts)
+    out["filtered_long_prompts_total"] = float(result.filtered_long_prompts_total)
     return out
 
 
@@ -218,6 +229,22 @@ def _unique(samples: Iterable[Sample]) -> list[Sample]:
         if id(s) not in seen:
             seen.add(id(s))
             out.append(s)
+    return out
+
+
+def multi_turn_metrics(samples: Sequence[Sample], max_response_len: int) -> dict[str, float]:
+    """slime's `--log-multi-turn` lengths, under its names: the raw response (model and observation tokens) and
+    the model's own tokens, with the share of samples whose raw response reached the budget."""
+    if not samples:
+        return {}
+    raw = np.array([s.response_length for s in samples], np.float64)
+    own = np.array([sum(s.loss_mask) for s in samples], np.float64)
+    out = {}
+    for name, lengths in (("raw_response_length", raw), ("wo_obs_response_length", own)):
+        out[f"multi_turn/{name}/response_length_mean"] = float(lengths.mean())
+        out[f"multi_turn/{name}/response_length_max"] = float(lengths.max())
+        out[f"multi_turn/{name}/response_length_min"] = float(lengths.min())
+    out["multi_turn/raw_response_length/response_length_clip_ratio"] = float(np.mean(raw >= max_response_len))
     return out
 
 

@@ -15,8 +15,13 @@ Phases of one episode (slime's loop, with its defects fixed; reference/slime.md)
 Termination: env done -> COMPLETED; `max_turns` reached -> COMPLETED (no unanswered observation is
 appended); the response budget (generated + observation tokens) or the context runs out -> TRUNCATED with
 the cause recorded; engine `length` -> TRUNCATED; engine `abort` -> ABORTED; an engine that stays
-unreachable, an env that keeps failing, or the episode's wall-clock limit -> FAILED with the error recorded.
-None of these raise: one bad episode never kills a rollout. `env.close()` always runs.
+unreachable, an env that keeps failing, the episode's wall-clock limit, or a reward that cannot be trained on
+(a mapping without its `--reward-key`, a non-finite value) -> FAILED with the error recorded.
+None of these raise: one bad episode never kills a rollout. `env.close()` always runs. Every ending goes through
+`_end_episode`, which sets the status and the typed `Sample.termination` together.
+
+Options are read once per episode as `RolloutOptions` / `MultiTurnOptions` (rollout/options.py) from `args`.
+The reward is the env's verdict by default; `--rm-type` grades the model's own turns instead (rollout/rewards.py).
 """
 
 from __future__ import annotations
@@ -25,7 +30,6 @@ import asyncio
 import hashlib
 import inspect
 import logging
-import math
 import time
 import traceback
 import uuid
@@ -37,7 +41,17 @@ import numpy as np
 
 from rollout.client import EngineError, SGLangClient
 from rollout.encoding import ChatEncoder, check_prefix_stability
-from rollout.sample import FINISH_REASON_STATUS, Sample, Status, TurnRecord
+from rollout.options import MultiTurnOptions, RolloutOptions
+from rollout.rewards import RewardError, RewardSettings, reward_components, rm_function, scalar_reward
+from rollout.sample import (
+    FINISH_REASON_STATUS,
+    Sample,
+    Status,
+    Termination,
+    TerminationKind,
+    TruncationCause,
+    TurnRecord,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -65,8 +79,6 @@ class RolloutContext:
     suspended: dict[tuple[int, int], "EpisodeState"] = field(default_factory=dict)
     # Set by the driver while it aborts stragglers: episodes stop before their next /generate.
     aborting: bool = False
-    # Cross-step driver bookkeeping (partial-rollout groups), owned by rollout.driver.
-    driver_state: dict[str, Any] = field(default_factory=lambda: {"partial_groups": []})
 
     @property
     def reward_fn(self) -> Callable[[str, Any], float] | None:
@@ -95,13 +107,20 @@ class EpisodeState:
 
 
 def default_sampling_params(args: Any, banned_ids: tuple[int, ...], eos_ids: tuple[int, ...]) -> dict[str, Any]:
-    """SGLang sampling params of a turn, before the per-turn `max_new_tokens` is set."""
-    stop_ids = list(dict.fromkeys([*eos_ids, *getattr(args, "rollout_stop_token_ids", [])]))
-    return {
-        "temperature": float(getattr(args, "rollout_temperature", 1.0)),
-        "top_p": float(getattr(args, "rollout_top_p", 1.0)),
-        "top_k": int(getattr(args, "rollout_top_k", -1)),
-        "max_new_tokens": int(getattr(args, "rollout_max_response_len", 512)),
+    """The `sampling_params` a generate function receives (slime builds the same dict once from its rollout
+    flags); each turn then sets its own `max_new_tokens` and `sampling_seed`.
+
+    `args` is the flat namespace or a `RolloutOptions`; missing options take their defaults. Beyond slime's
+    keys it carries what the default episode needs: the model's EOS ids among the stop ids, and the ban of the
+    vision special tokens.
+    """
+    opts = RolloutOptions.from_args(args)
+    stop_ids = list(dict.fromkeys([*eos_ids, *opts.rollout_stop_token_ids]))
+    params: dict[str, Any] = {
+        "temperature": opts.rollout_temperature,
+        "top_p": opts.rollout_top_p,
+        "top_k": opts.rollout_top_k,
+        "max_new_tokens": opts.rollout_max_response_len,
         "stop_token_ids": stop_ids,
         "skip_special_tokens": False,
         "no_stop_trim": True,
@@ -109,6 +128,19 @@ def default_sampling_params(args: Any, banned_ids: tuple[int, ...], eos_ids: tup
         # A sampled image pad or vision marker would corrupt M-RoPE positions of every later token.
         "logit_bias": {str(t): BANNED_TOKEN_BIAS for t in banned_ids},
     }
+    if opts.rollout_stop:
+        params["stop"] = list(opts.rollout_stop)
+    return params
+
+
+def episode_sampling_params(sampling_params: dict[str, Any], banned_ids: tuple[int, ...],
+                            eos_ids: tuple[int, ...]) -> dict[str, Any]:
+    """The params an episode sends: the received dict, plus what must hold whoever built it (the EOS ids
+    stop a turn, and the vision special tokens stay banned: a caller's bias cannot lift the ban)."""
+    params = dict(sampling_params)
+    params["stop_token_ids"] = list(dict.fromkeys([*eos_ids, *(params.get("stop_token_ids") or [])]))
+    params["logit_bias"] = {**dict(params.get("logit_bias") or {}), **{str(t): BANNED_TOKEN_BIAS for t in banned_ids}}
+    return params
 
 
 def merge_multimodal_chunks(chunks: list[dict[str, np.ndarray]], name: str) -> dict[str, np.ndarray] | None:
@@ -149,27 +181,35 @@ async def _maybe_await(value: Any) -> Any:
 
 
 async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any] | None = None) -> Sample:
-    """Run (or resume) one episode. Never raises for episode-level failures; see the module docstring."""
+    """Run (or resume) one episode. Never raises for episode-level failures; see the module docstring.
+
+    `sampling_params` is the dict the driver builds from the rollout options (`default_sampling_params`); it is
+    used as given (None, from a direct call, builds the same dict here).
+    """
     ctx = get_context(args)
-    timeout_s = float(getattr(args, "episode_timeout", 600.0))
+    opts, multiturn = RolloutOptions.from_args(args), MultiTurnOptions.from_args(args)
+    rewards = RewardSettings.from_args(args)
+    timeout_s = opts.episode_timeout
     key = (sample.group_index, sample.index)
     state: EpisodeState | None = None
     try:
         state = ctx.suspended.pop(key, None)
         if state is None:
             state = await _init_episode(ctx, args, sample)
-        await asyncio.wait_for(_run_turns(ctx, args, sample, state, sampling_params), timeout_s)
+        run = _EpisodeRun.start(ctx, opts, multiturn, sample, state, sampling_params)
+        await asyncio.wait_for(run.run_turns(), timeout_s)
     except asyncio.TimeoutError:
-        _fail(sample, f"episode exceeded its {timeout_s:g} s wall-clock limit (--episode-timeout)", "episode_timeout")
+        _end_episode(sample, Termination(TerminationKind.EPISODE_TIMEOUT),
+                     error=f"episode exceeded its {timeout_s:g} s wall-clock limit (--episode-timeout)")
     except Exception as e:  # an episode must never take the rollout down; the error is recorded on the sample
         logger.warning("%s failed: %s", sample.name, e)
-        _fail(sample, f"{type(e).__name__}: {e}", "exception", detail=traceback.format_exc(limit=5))
+        _end_episode(sample, Termination(TerminationKind.EXCEPTION), error=f"{type(e).__name__}: {e}",
+                     detail=traceback.format_exc(limit=5))
     if state is not None:
-        suspend = sample.status is Status.ABORTED and bool(getattr(args, "partial_rollout", False))
-        if suspend:
+        if sample.status is Status.ABORTED and opts.partial_rollout:
             ctx.suspended[key] = state
         else:
-            await _finalize(ctx, args, sample, state)
+            await _finalize(ctx, multiturn, rewards, sample, state)
     return sample
 
 
@@ -185,19 +225,27 @@ def model_turn_text(tokenizer: Any, model_ids: list[int]) -> str:
     return tokenizer.decode(model_ids, skip_special_tokens=True)
 
 
-def _fail(sample: Sample, message: str, cause: str, detail: str | None = None) -> None:
-    """Mark the episode FAILED whatever it had reached (a failure in finalize overrides COMPLETED too).
+def _end_episode(sample: Sample, termination: Termination, *, error: str | None = None,
+                 detail: str | None = None) -> None:
+    """The one place an episode ends: its status follows from `termination`, and both are set together.
 
-    The first error is kept in `error`/`termination`; later ones are appended to `errors`.
+    A failure (`error` says what went wrong) marks the episode FAILED whatever it had reached (a failure in
+    finalize overrides COMPLETED too); the first error is kept in `error`/`termination`, later ones are
+    appended to `errors`.
     """
-    sample.status = Status.FAILED
-    if "error" in sample.metadata:
-        sample.metadata.setdefault("errors", []).append(message)
+    if termination.status is Status.FAILED:
+        # Set directly: the transition table has no edge into FAILED from a finished status.
+        sample.status = Status.FAILED
+        if "error" in sample.metadata:
+            sample.metadata.setdefault("errors", []).append(error)
+            return
+        sample.metadata["error"] = error
+        sample.termination = termination
+        if detail:
+            sample.metadata["error_detail"] = detail
         return
-    sample.metadata["error"] = message
-    sample.metadata["termination"] = cause
-    if detail:
-        sample.metadata["error_detail"] = detail
+    sample.set_status(termination.status)
+    sample.termination = termination
 
 
 async def _init_episode(ctx: RolloutContext, args: Any, sample: Sample) -> EpisodeState:
@@ -215,58 +263,98 @@ async def _init_episode(ctx: RolloutContext, args: Any, sample: Sample) -> Episo
     return state
 
 
-def _turn_budget(args: Any, sample: Sample) -> tuple[int, str]:
+def _turn_budget(opts: RolloutOptions, sample: Sample) -> tuple[int, TruncationCause]:
     """Tokens the next model turn may generate, and which limit binds."""
-    limits = {"response_budget": int(args.rollout_max_response_len) - sample.response_length}
-    max_context = getattr(args, "rollout_max_context_len", None)
-    if max_context:
-        limits["context"] = int(max_context) - len(sample.tokens)
+    limits = {TruncationCause.RESPONSE_BUDGET: opts.rollout_max_response_len - sample.response_length}
+    if opts.rollout_max_context_len:
+        limits[TruncationCause.CONTEXT] = opts.rollout_max_context_len - len(sample.tokens)
     cause = min(limits, key=limits.get)
     return limits[cause], cause
 
 
-async def _run_turns(ctx: RolloutContext, args: Any, sample: Sample, state: EpisodeState, sampling_params: dict | None) -> None:
-    if sample.status is not Status.PENDING:
-        sample.set_status(Status.PENDING)  # resuming a partial rollout
-    vision = ctx.encoder.vision
-    base_params = dict(sampling_params or default_sampling_params(args, vision.banned_ids, vision.eos_ids))
-    configured_max_new = int(base_params.get("max_new_tokens", args.rollout_max_response_len))
-    max_turns = int(args.max_turns)
-    tokenizer = ctx.encoder.tokenizer
+@dataclass(frozen=True)
+class _Ending:
+    """How a turn ends its episode: the termination and, for a failure, the error message."""
 
-    while True:
-        turn = len(state.model_turns) - (1 if state.open_turn else 0)
-        record = TurnRecord(turn=turn)
-        budget, binding = _turn_budget(args, sample)
-        max_new = min(configured_max_new, budget)
+    termination: Termination
+    error: str | None = None
+
+
+@dataclass
+class _EpisodeRun:
+    """The turns of one episode: each turn generates, steps the env and appends the observation, in that order,
+    and the first phase that ends the episode returns an `_Ending` that `_end_episode` applies."""
+
+    ctx: RolloutContext
+    opts: RolloutOptions
+    multiturn: MultiTurnOptions
+    sample: Sample
+    state: EpisodeState
+    base_params: dict[str, Any]
+    configured_max_new: int
+
+    @classmethod
+    def start(cls, ctx: RolloutContext, opts: RolloutOptions, multiturn: MultiTurnOptions, sample: Sample,
+              state: EpisodeState, sampling_params: dict[str, Any] | None) -> "_EpisodeRun":
+        vision = ctx.encoder.vision
+        if sampling_params is None:
+            sampling_params = default_sampling_params(opts, vision.banned_ids, vision.eos_ids)
+        base_params = episode_sampling_params(sampling_params, vision.banned_ids, vision.eos_ids)
+        configured_max_new = int(base_params.get("max_new_tokens", opts.rollout_max_response_len))
+        return cls(ctx, opts, multiturn, sample, state, base_params, configured_max_new)
+
+    async def run_turns(self) -> None:
+        sample, state = self.sample, self.state
+        if sample.status is not Status.PENDING:
+            sample.set_status(Status.PENDING)  # resuming a partial rollout
+        while True:
+            record = TurnRecord(turn=len(state.model_turns) - (1 if state.open_turn else 0))
+            ending = await self._turn(record)
+            sample.turns.append(record)
+            if ending is not None:
+                if ending.termination.kind is TerminationKind.TRUNCATED:
+                    state.open_turn = False
+                _end_episode(sample, ending.termination, error=ending.error)
+                return
+
+    async def _turn(self, record: TurnRecord) -> _Ending | None:
+        """One turn; its record is filled in place. Returns how the episode ends, or None to go on."""
+        ending = await self._generate(record)
+        if ending is not None:
+            return ending
+        stepped = await self._step_env(record)
+        if isinstance(stepped, _Ending):
+            return stepped
+        return self._append_observation(record, stepped)
+
+    async def _generate(self, record: TurnRecord) -> _Ending | None:
+        """POST /generate within the budget and append the sampled ids (mask 1)."""
+        ctx, sample, state = self.ctx, self.sample, self.state
+        budget, binding = _turn_budget(self.opts, sample)
+        max_new = min(self.configured_max_new, budget)
         if max_new <= 0:
-            _truncate(sample, record, binding, state)
-            return
+            record.truncation_cause = binding
+            return _Ending(Termination.truncated(binding))
 
-        params = {**base_params, "max_new_tokens": max_new}
-        if "sampling_seed" not in base_params and getattr(args, "rollout_seed", None) is not None:
-            params["sampling_seed"] = turn_seed(int(args.rollout_seed), sample, turn, len(sample.turns))
+        params = {**self.base_params, "max_new_tokens": max_new}
+        if "sampling_seed" not in self.base_params and self.opts.rollout_seed is not None:
+            params["sampling_seed"] = turn_seed(self.opts.rollout_seed, sample, record.turn, len(sample.turns))
         t0 = time.perf_counter()
         async with ctx.generate_slots:
             if ctx.aborting:  # checked after the wait for a slot: the driver may have aborted meanwhile
-                record.truncation_cause = "rollout_abort"
-                sample.turns.append(record)
-                sample.set_status(Status.ABORTED)
-                sample.metadata["termination"] = "abort"
-                return
+                record.truncation_cause = TruncationCause.ROLLOUT_ABORT
+                return _Ending(Termination(TerminationKind.ABORT))
             try:
                 result = await ctx.client.generate(
                     state.wire_ids,
                     image_data=sample.image_data,
                     sampling_params=params,
-                    rid=f"g{sample.group_index}-s{sample.index}-t{turn}-{uuid.uuid4().hex[:8]}",
+                    rid=f"g{sample.group_index}-s{sample.index}-t{record.turn}-{uuid.uuid4().hex[:8]}",
                     routing_key=state.routing_key if ctx.router_mode else None,
                 )
             except EngineError as e:
                 record.error = f"engine: {e}"
-                sample.turns.append(record)
-                _fail(sample, record.error, "engine_error")
-                return
+                return _Ending(Termination(TerminationKind.ENGINE_ERROR), record.error)
         record.engine_latency_s = time.perf_counter() - t0
         record.generated_tokens = len(result.output_ids)
         record.finish_reason = result.finish_reason
@@ -275,12 +363,10 @@ async def _run_turns(ctx: RolloutContext, args: Any, sample: Sample, state: Epis
         if result.weight_version is not None and (not sample.weight_versions or sample.weight_versions[-1] != result.weight_version):
             sample.weight_versions.append(result.weight_version)
 
-        banned = set(vision.banned_ids).intersection(result.output_ids)
+        banned = set(ctx.encoder.vision.banned_ids).intersection(result.output_ids)
         if banned:
             record.error = f"engine sampled banned vision token ids {sorted(banned)}"
-            sample.turns.append(record)
-            _fail(sample, record.error, "banned_token")
-            return
+            return _Ending(Termination(TerminationKind.BANNED_TOKEN), record.error)
         sample.append_model_tokens(result.output_ids, result.output_log_probs or [])
         state.wire_ids.extend(result.output_ids)
         if state.open_turn:  # a resumed turn continues the suspended one
@@ -293,79 +379,66 @@ async def _run_turns(ctx: RolloutContext, args: Any, sample: Sample, state: Epis
         status = FINISH_REASON_STATUS.get(result.finish_reason)
         if status is Status.ABORTED:
             state.open_turn = True
-            record.truncation_cause = "engine_abort"
+            record.truncation_cause = TruncationCause.ENGINE_ABORT
             record.error = f"engine abort: {result.finish_message}" if result.finish_message else "engine abort"
             sample.metadata["abort_message"] = result.finish_message
-            sample.turns.append(record)
-            sample.set_status(Status.ABORTED)
-            sample.metadata["termination"] = "abort"
-            return
+            return _Ending(Termination(TerminationKind.ABORT))
         if status is Status.TRUNCATED:
-            sample.turns.append(record)
-            _truncate(sample, record, binding if max_new < configured_max_new else "length", state, appended=True)
-            return
+            cause = binding if max_new < self.configured_max_new else TruncationCause.LENGTH
+            record.truncation_cause = cause
+            return _Ending(Termination.truncated(cause))
+        return None
 
-        model_ids = state.model_turns[-1]
-        text = model_turn_text(tokenizer, model_ids)
-
+    async def _step_env(self, record: TurnRecord) -> _Ending | dict[str, Any]:
+        """env.step on the model's text of this turn; the observation, or how the episode ends."""
+        sample = self.sample
+        text = model_turn_text(self.ctx.encoder.tokenizer, self.state.model_turns[-1])
         t_env = time.perf_counter()
-        outcome = await _step_with_retries(args, state.env, text, record, sample)
+        outcome = await _step_with_retries(self.multiturn, self.state.env, text, record, sample)
         record.env_latency_s = time.perf_counter() - t_env
-        if outcome is None:
-            sample.turns.append(record)
-            return  # FAILED, recorded
+        if isinstance(outcome, _Ending):
+            return outcome
         observation, done, info = outcome
         if info:
             sample.metadata.setdefault("env_info", []).append(_json_friendly(info))
-
         if done:
-            sample.turns.append(record)
-            sample.set_status(Status.COMPLETED)
-            sample.metadata["termination"] = "env_done"
-            return
-        if turn + 1 >= max_turns:
-            sample.turns.append(record)
-            sample.set_status(Status.COMPLETED)
-            sample.metadata["termination"] = "max_turns"
-            return
+            return _Ending(Termination(TerminationKind.ENV_DONE))
+        if record.turn + 1 >= self.multiturn.max_turns:
+            return _Ending(Termination(TerminationKind.MAX_TURNS))
+        return observation
 
+    def _append_observation(self, record: TurnRecord, observation: dict[str, Any]) -> _Ending | None:
+        """Delta-encode the observation (mask 0) and buffer its images; it must leave room for an answer."""
+        ctx, sample, state = self.ctx, self.sample, self.state
+        model_ids = state.model_turns[-1]
         message = state.env.format_observation(observation)
-        seg = ctx.encoder.encode_observation([message], model_ended_turn=bool(model_ids) and model_ids[-1] == vision.im_end)
-        budget, binding = _turn_budget(args, sample)
+        ended_turn = bool(model_ids) and model_ids[-1] == ctx.encoder.vision.im_end
+        seg = ctx.encoder.encode_observation([message], model_ended_turn=ended_turn)
+        budget, binding = _turn_budget(self.opts, sample)
+        record.observation_tokens = len(seg.train_ids)
         if len(seg.train_ids) >= budget:
             # The observation plus at least one generated token must fit; otherwise nothing could answer it.
-            record.observation_tokens = len(seg.train_ids)
-            sample.turns.append(record)
-            _truncate(sample, record, f"observation_exceeds_{binding}", state, appended=True)
-            return
+            record.truncation_cause = binding.by_observation()
+            return _Ending(Termination.truncated(record.truncation_cause))
         sample.append_observation_tokens(seg.train_ids)
         state.wire_ids.extend(seg.wire_ids)
         sample.image_data.extend(seg.image_data)
         if seg.mm_inputs is not None:
             state.mm_chunks.append(seg.mm_inputs)
         state.observations[-1] = [message]
-        record.observation_tokens = len(seg.train_ids)
         record.observation_images = len(seg.image_data)
-        sample.turns.append(record)
+        return None
 
 
-def _truncate(sample: Sample, record: TurnRecord, cause: str, state: EpisodeState, appended: bool = False) -> None:
-    record.truncation_cause = cause
-    if not appended:
-        sample.turns.append(record)
-    sample.set_status(Status.TRUNCATED)
-    sample.metadata["termination"] = f"truncated:{cause}"
-    state.open_turn = False
-
-
-async def _step_with_retries(args: Any, env: Any, text: str, record: TurnRecord, sample: Sample) -> tuple | None:
-    """env.step with timeout and at most `max_env_retries_per_turn` retries; None (and FAILED) when exhausted.
+async def _step_with_retries(
+    multiturn: MultiTurnOptions, env: Any, text: str, record: TurnRecord, sample: Sample
+) -> tuple[dict, bool, dict] | _Ending:
+    """env.step with timeout and at most `max_env_retries_per_turn` retries; an ENV_ERROR ending when exhausted.
 
     A recoverable env (`env.recoverable`) is reset before a retry; a non-recoverable one is retried as is,
     which is right for transient failures (a judge server hiccup) and is the documented contract.
     """
-    retries = int(getattr(args, "max_env_retries_per_turn", 2))
-    timeout_s = float(getattr(args, "env_step_timeout", 30.0))
+    retries, timeout_s = multiturn.max_env_retries_per_turn, multiturn.env_step_timeout
     errors: list[str] = []
     for attempt in range(retries + 1):
         try:
@@ -383,15 +456,15 @@ async def _step_with_retries(args: Any, env: Any, text: str, record: TurnRecord,
                 break
     record.error = "env: " + "; ".join(errors)
     sample.metadata["env_errors"] = errors
-    _fail(sample, f"env step failed {len(errors)} time(s): {errors[-1]}", "env_error")
-    return None
+    return _Ending(Termination(TerminationKind.ENV_ERROR), f"env step failed {len(errors)} time(s): {errors[-1]}")
 
 
 def _json_friendly(info: dict) -> dict:
     return {str(k): (v if isinstance(v, (str, int, float, bool, type(None))) else repr(v)) for k, v in info.items()}
 
 
-async def _finalize(ctx: RolloutContext, args: Any, sample: Sample, state: EpisodeState) -> None:
+async def _finalize(ctx: RolloutContext, multiturn: MultiTurnOptions, rewards: RewardSettings, sample: Sample,
+                    state: EpisodeState) -> None:
     """Merge multimodal tensors once, check the template, compute the reward, close the env."""
     try:
         sample.multimodal_train_inputs = merge_multimodal_chunks(state.mm_chunks, sample.name)
@@ -403,11 +476,14 @@ async def _finalize(ctx: RolloutContext, args: Any, sample: Sample, state: Episo
             rendered = ctx.encoder.rerender_conversation(
                 sample.prompt, list(zip(state.model_turns, state.observations)), tools=sample.metadata.get("tools")
             )
-            mode = str(getattr(args, "delta_check", "strict"))
-            sample.metadata["prefix_stable"] = check_prefix_stability(ctx.encoder, state.wire_ids, rendered, mode, sample.name)
-            await _assign_reward(ctx, sample, state, model_texts)
+            sample.metadata["prefix_stable"] = check_prefix_stability(
+                ctx.encoder, state.wire_ids, rendered, multiturn.delta_check, sample.name
+            )
+            await _assign_reward(ctx, rewards, sample, state, model_texts)
+    except RewardError as e:  # the reward exists but cannot be trained on: its own cause, named
+        _end_episode(sample, Termination(TerminationKind.REWARD_ERROR), error=f"reward: {e}")
     except Exception as e:  # a finalize failure marks the sample, it does not kill the rollout
-        _fail(sample, f"finalize: {type(e).__name__}: {e}", "finalize_error")
+        _end_episode(sample, Termination(TerminationKind.FINALIZE_ERROR), error=f"finalize: {type(e).__name__}: {e}")
     finally:
         try:
             await _maybe_await(state.env.close())
@@ -416,18 +492,27 @@ async def _finalize(ctx: RolloutContext, args: Any, sample: Sample, state: Episo
             sample.metadata.setdefault("errors", []).append(f"env.close: {type(e).__name__}: {e}")
 
 
-async def _assign_reward(ctx: RolloutContext, sample: Sample, state: EpisodeState, model_texts: list[str]) -> None:
-    """Reward from the env's verdict, else the module's reward_fn on the model's own text only."""
-    verdict = await _maybe_await(state.env.verdict()) if hasattr(state.env, "verdict") else None
-    if verdict is not None:
-        reward, source = float(verdict), "env_verdict"
-    elif ctx.reward_fn is None:
-        raise EpisodeError(f"{sample.name}: the env gave no verdict and its module has no reward_fn")
+async def _assign_reward(ctx: RolloutContext, rewards: RewardSettings, sample: Sample, state: EpisodeState,
+                         model_texts: list[str]) -> None:
+    """The reward: `--rm-type`'s function when set, else the env's verdict, else the module's reward_fn.
+
+    Reward functions see the model's own text only (all its turns, never an observation); a mapping reward is
+    reduced by `--reward-key` (rollout/rewards.py).
+    """
+    model_text = "\n".join(model_texts)
+    if rewards.rm_type is not None:
+        fn = rm_function(rewards.rm_type)
+        raw, source = await asyncio.to_thread(fn, model_text, sample.label), f"rm_type:{rewards.rm_type}"
     else:
-        model_text = "\n".join(model_texts)
-        reward, source = float(await asyncio.to_thread(ctx.reward_fn, model_text, sample.label)), "reward_fn"
-    if not math.isfinite(reward):
-        # One NaN reward would turn its whole group's advantages (and the loss) into NaN.
-        raise EpisodeError(f"{sample.name}: {source} returned a non-finite reward {reward!r}")
-    sample.reward = reward
+        verdict = await _maybe_await(state.env.verdict()) if hasattr(state.env, "verdict") else None
+        if verdict is not None:
+            raw, source = verdict, "env_verdict"
+        elif ctx.reward_fn is None:
+            raise EpisodeError(f"{sample.name}: the env gave no verdict and its module has no reward_fn")
+        else:
+            raw, source = await asyncio.to_thread(ctx.reward_fn, model_text, sample.label), "reward_fn"
     sample.metadata["reward_source"] = source
+    components = reward_components(raw)
+    if components is not None:
+        sample.metadata["reward_components"] = components
+    sample.reward = scalar_reward(raw, rewards.reward_key, f"{sample.name}: {source}")

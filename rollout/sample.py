@@ -48,6 +48,104 @@ class SampleError(ValueError):
     """A Sample invariant was violated; the message names the sample and the field."""
 
 
+class TruncationCause(str, enum.Enum):
+    """Why a turn was cut short. The first five end the episode as TRUNCATED; the aborts leave it ABORTED."""
+
+    RESPONSE_BUDGET = "response_budget"  # the response budget (generated + observation tokens) ran out
+    CONTEXT = "context"  # the context limit (prompt + response) ran out
+    LENGTH = "length"  # the engine stopped at the turn's own max_new_tokens
+    OBSERVATION_EXCEEDS_RESPONSE_BUDGET = "observation_exceeds_response_budget"
+    OBSERVATION_EXCEEDS_CONTEXT = "observation_exceeds_context"
+    ENGINE_ABORT = "engine_abort"  # the engine answered finish_reason abort
+    ROLLOUT_ABORT = "rollout_abort"  # the driver was aborting stragglers before this turn's request
+
+    def by_observation(self) -> "TruncationCause":
+        """The cause when an observation, not a generated turn, does not fit under this limit."""
+        return _BY_OBSERVATION[self]
+
+
+_BY_OBSERVATION = {
+    TruncationCause.RESPONSE_BUDGET: TruncationCause.OBSERVATION_EXCEEDS_RESPONSE_BUDGET,
+    TruncationCause.CONTEXT: TruncationCause.OBSERVATION_EXCEEDS_CONTEXT,
+}
+
+
+class TerminationKind(str, enum.Enum):
+    """What ended an episode. The value is its name in metrics (`termination/<value>`) and dumps."""
+
+    ENV_DONE = "env_done"
+    MAX_TURNS = "max_turns"
+    TRUNCATED = "truncated"  # with a TruncationCause
+    ABORT = "abort"
+    # FAILED episodes, by cause.
+    ENGINE_ERROR = "engine_error"
+    BANNED_TOKEN = "banned_token"
+    ENV_ERROR = "env_error"
+    EPISODE_TIMEOUT = "episode_timeout"
+    EXCEPTION = "exception"
+    FINALIZE_ERROR = "finalize_error"
+    REWARD_ERROR = "reward_error"  # a reward that cannot be trained on (mapping without --reward-key, non-finite)
+    GENERATE_EXCEPTION = "generate_exception"
+
+    @property
+    def status(self) -> "Status":
+        """The episode status this kind of ending gives."""
+        return _KIND_STATUS.get(self, Status.FAILED)
+
+
+_KIND_STATUS = {
+    TerminationKind.ENV_DONE: Status.COMPLETED,
+    TerminationKind.MAX_TURNS: Status.COMPLETED,
+    TerminationKind.TRUNCATED: Status.TRUNCATED,
+    TerminationKind.ABORT: Status.ABORTED,
+}
+
+
+@dataclass(frozen=True)
+class Termination:
+    """How an episode ended: typed, so metrics and dumps never parse strings.
+
+    `str()` gives the readable form dumps and checkpoints store (`env_done`, `truncated:length`) and `parse`
+    reads it back; `metric_name` is the metric key suffix (`truncated/length`).
+    """
+
+    kind: TerminationKind
+    cause: TruncationCause | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", TerminationKind(self.kind))
+        if self.cause is not None:
+            object.__setattr__(self, "cause", TruncationCause(self.cause))
+        if (self.kind is TerminationKind.TRUNCATED) != (self.cause is not None):
+            raise SampleError(
+                f"Termination {self.kind.value!r}: a truncation cause is required for, and only for, truncated"
+            )
+
+    @classmethod
+    def truncated(cls, cause: TruncationCause) -> "Termination":
+        return cls(TerminationKind.TRUNCATED, cause)
+
+    @property
+    def status(self) -> "Status":
+        return self.kind.status
+
+    @property
+    def metric_name(self) -> str:
+        return self.kind.value if self.cause is None else f"{self.kind.value}/{self.cause.value}"
+
+    def __str__(self) -> str:
+        return self.kind.value if self.cause is None else f"{self.kind.value}:{self.cause.value}"
+
+    @classmethod
+    def parse(cls, text: str) -> "Termination":
+        """The inverse of `str()`; raises ValueError naming the text when it is not a known termination."""
+        kind, _, cause = str(text).partition(":")
+        try:
+            return cls(TerminationKind(kind), TruncationCause(cause) if cause else None)
+        except ValueError as e:  # SampleError is a ValueError
+            raise ValueError(f"unknown termination {text!r}: {e}") from None
+
+
 @dataclass
 class TurnRecord:
     """What happened in one turn of an episode (for turn-level metrics and debug dumps)."""
@@ -60,9 +158,23 @@ class TurnRecord:
     env_retries: int = 0
     observation_tokens: int = 0
     observation_images: int = 0
-    truncation_cause: str | None = None
+    truncation_cause: TruncationCause | None = None
     error: str | None = None
     weight_version: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-safe dict (the truncation cause as its string value)."""
+        out = dataclasses.asdict(self)
+        if self.truncation_cause is not None:
+            out["truncation_cause"] = TruncationCause(self.truncation_cause).value
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "TurnRecord":
+        kwargs = dict(data)
+        if kwargs.get("truncation_cause") is not None:
+            kwargs["truncation_cause"] = TruncationCause(kwargs["truncation_cause"])
+        return cls(**kwargs)
 
 
 @dataclass
@@ -81,6 +193,8 @@ class Sample:
     response: str = ""
     reward: float | None = None
     status: Status = Status.PENDING
+    # How the episode ended (None while it runs); set together with `status`.
+    termination: Termination | None = None
     # Every image of the episode, in placeholder order, as PNG data URLs (engine view).
     image_data: list[str] = field(default_factory=list)
     # e.g. pixel_values [patches, C*T*P*P], image_grid_thw [images, 3]; merged once at finalize.
@@ -130,10 +244,13 @@ class Sample:
         self.response_length += len(ids)
 
     def set_status(self, status: Status) -> None:
+        """Move to `status` along the allowed transitions; going back to PENDING (a resume) clears `termination`."""
         status = Status(status)
         if status not in _ALLOWED_TRANSITIONS[self.status]:
             raise SampleError(f"{self.name}: illegal status transition {self.status.value} -> {status.value}")
         self.status = status
+        if status is Status.PENDING:
+            self.termination = None
 
     # -------------------------------------------------------------- validation
     def validate(
@@ -163,6 +280,12 @@ class Sample:
                 raise SampleError(f"{self.name}: rollout_log_probs[{i}]={lp} where loss_mask is 0")
         if not isinstance(self.status, Status):
             raise SampleError(f"{self.name}: status {self.status!r} is not a Status")
+        if self.termination is not None:
+            if not isinstance(self.termination, Termination):
+                raise SampleError(f"{self.name}: termination {self.termination!r} is not a Termination")
+            if self.termination.status is not self.status:
+                raise SampleError(f"{self.name}: termination {self.termination} gives status "
+                                  f"{self.termination.status.value}, but the status is {self.status.value}")
         for key, value in (self.multimodal_train_inputs or {}).items():
             if not isinstance(value, np.ndarray):
                 raise SampleError(f"{self.name}: multimodal_train_inputs[{key!r}] is {type(value).__name__}, not ndarray")
@@ -200,8 +323,10 @@ class Sample:
             value = getattr(self, f.name)
             if f.name == "status":
                 value = value.value
+            elif f.name == "termination":
+                value = None if value is None else str(value)
             elif f.name == "turns":
-                value = [dataclasses.asdict(t) for t in value]
+                value = [t.to_dict() for t in value]
             elif f.name == "multimodal_train_inputs" and value is not None:
                 value = {k: encode_array(v) for k, v in value.items()}
             out[f.name] = _json_safe(value)
@@ -217,13 +342,31 @@ class Sample:
         if "status" in kwargs:
             kwargs["status"] = Status(kwargs["status"])
         if "turns" in kwargs:
-            kwargs["turns"] = [TurnRecord(**t) for t in kwargs["turns"]]
+            kwargs["turns"] = [TurnRecord.from_dict(t) for t in kwargs["turns"]]
         mm = kwargs.get("multimodal_train_inputs")
         if mm is not None:
             kwargs["multimodal_train_inputs"] = {k: decode_array(v) for k, v in mm.items()}
         if "metadata" in kwargs:
             kwargs["metadata"] = _from_json_safe(kwargs["metadata"])
+            if "termination" not in kwargs:
+                kwargs["termination"] = _legacy_termination(kwargs["metadata"])
+        if kwargs.get("termination") is not None:
+            kwargs["termination"] = Termination.parse(kwargs["termination"])
         return cls(**kwargs)
+
+
+def _legacy_termination(metadata: dict[str, Any]) -> Termination | None:
+    """Dicts written before `termination` was a field kept it as a string in the metadata: move it over (a string
+    no Termination reads, from a custom episode function, stays in the metadata)."""
+    text = metadata.get("termination")
+    if not isinstance(text, str):
+        return None
+    try:
+        termination = Termination.parse(text)
+    except ValueError:
+        return None
+    del metadata["termination"]
+    return termination
 
 
 def image_pad_runs(tokens: list[int], image_token_id: int) -> list[tuple[int, int]]:

@@ -1,10 +1,22 @@
-"""Facts of SGLang's native HTTP wire format shared by every server that speaks it here (the embedded engine,
-the scripted fake) — reference/sglang_api.md §1-2. Pure data and tiny builders; no jax, no aiohttp."""
+"""SGLang's native HTTP protocol, in one place (reference/sglang_api.md §1-2).
+
+Everything that speaks or reads the protocol here uses this module: the rollout client, the scripted fake
+server (`rollout.fake_engine`) and the embedded JAX engine's server (`jaxrl_vlm.engine.server`). It holds the
+request fields and their validation, the `/generate` answer, the typed finish reasons, the pause modes, the
+control bodies and answers, and the route table. Pure data and small functions: no jax, no aiohttp.
+"""
 
 from __future__ import annotations
 
+import enum
+import math
 import time
-from typing import Any
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+# ---------------------------------------------------------------------------------------------- fields
 
 # GenerateReqInput field names (sglang io_struct.py). sgl-router 0.3.2 adds the last five to every body it
 # forwards, and SGLang accepts them.
@@ -23,6 +35,509 @@ SAMPLING_KEYS = frozenset({
     "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "n", "sampling_seed",
     "custom_params", "logit_bias", "json_schema", "regex", "ebnf", "structural_tag", "stream_interval",
 })
+DEFAULT_MAX_NEW_TOKENS = 128
+
+# SGLang treats a temperature below this as greedy (top_k = 1) and then reports log-probs of the untempered
+# distribution (reference/sglang_api.md).
+GREEDY_TEMPERATURE = 1e-6
+
+
+def logprob_temperature(temperature: float) -> float:
+    """The temperature whose `log_softmax(logits / T)` the engine reports for a request sampled at `temperature`.
+
+    The trainer scores tokens at this temperature so that its log-probs are those of the policy that sampled.
+    """
+    return 1.0 if float(temperature) < GREEDY_TEMPERATURE else float(temperature)
+
+
+# ---------------------------------------------------------------------------------------------- errors
+
+
+class RequestError(ValueError):
+    """A request a server refuses (HTTP 400); the message names the field at fault."""
+
+
+def error_body(message: str) -> dict[str, Any]:
+    """SGLang's error object."""
+    return {"error": {"message": message}}
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _number(params: Mapping[str, Any], key: str, default: float) -> float:
+    value = params.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)):
+        raise RequestError(f"sampling_params.{key} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _flag(obj: Mapping[str, Any], key: str, default: bool, where: str) -> bool:
+    value = obj.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise RequestError(f"{where}{key} must be true or false, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class Unsupported:
+    """Fields a server accepts only at SGLang's default, because it does not implement them: such a request is
+    refused naming the field, never served differently."""
+
+    server: str
+    request: Mapping[str, Any] = field(default_factory=dict)
+    sampling: Mapping[str, Any] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------------------- sampling
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """One request's sampling parameters, validated (SGLang names and defaults)."""
+
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    sampling_seed: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    n: int = 1
+
+    @property
+    def needs_filter(self) -> bool:
+        """Whether top-k / top-p / min-p change the distribution (selects the filtered program)."""
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+    @classmethod
+    def from_json(cls, params: Any, vocab_size: int | None = None, unsupported: Unsupported | None = None) -> SamplingParams:
+        """Validate a `sampling_params` object. `vocab_size` (when known) bounds `logit_bias` ids."""
+        if params is None:
+            params = {}
+        if not isinstance(params, dict):
+            raise RequestError(f"sampling_params must be an object, got {type(params).__name__}")
+        unknown = sorted(set(params) - SAMPLING_KEYS)
+        if unknown:
+            raise RequestError(f"SamplingParams got unexpected keyword argument(s): {unknown}")
+        if unsupported is not None:
+            for key, default in unsupported.sampling.items():
+                if params.get(key, default) not in (default, None):
+                    raise RequestError(f"sampling_params.{key}={params[key]!r} is not supported by {unsupported.server}")
+
+        max_new = params.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
+        if max_new is None:
+            max_new = DEFAULT_MAX_NEW_TOKENS
+        if not _is_int(max_new) or max_new < 0:
+            raise RequestError(f"sampling_params.max_new_tokens must be an integer >= 0, got {max_new!r}")
+        temperature = _number(params, "temperature", 1.0)
+        if temperature < 0:
+            raise RequestError(f"sampling_params.temperature must be non-negative, got {temperature}")
+        top_p = _number(params, "top_p", 1.0)
+        if not 0.0 < top_p <= 1.0:
+            raise RequestError(f"sampling_params.top_p must be in (0, 1], got {top_p}")
+        top_k = params.get("top_k", -1)
+        if top_k is None:
+            top_k = -1
+        if not _is_int(top_k) or not (top_k == -1 or top_k >= 1):
+            raise RequestError(f"sampling_params.top_k must be -1 (disable) or at least 1, got {top_k!r}")
+        min_p = _number(params, "min_p", 0.0)
+        if not 0.0 <= min_p <= 1.0:
+            raise RequestError(f"sampling_params.min_p must be in [0, 1], got {min_p}")
+
+        stop = params.get("stop")
+        if stop is None:
+            stop = ()
+        elif isinstance(stop, str):
+            stop = (stop,)
+        elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+            stop = tuple(stop)
+        else:
+            raise RequestError(f"sampling_params.stop must be a string or a list of strings, got {stop!r}")
+        if any(s == "" for s in stop):
+            raise RequestError("sampling_params.stop must not contain an empty string")
+
+        stop_ids = params.get("stop_token_ids") or []
+        if not isinstance(stop_ids, list) or not all(_is_int(t) for t in stop_ids):
+            raise RequestError(f"sampling_params.stop_token_ids must be a list of integers, got {stop_ids!r}")
+
+        seed = params.get("sampling_seed")
+        if seed is not None and not _is_int(seed):
+            raise RequestError(f"sampling_params.sampling_seed must be an integer, got {seed!r}")
+
+        n = params.get("n", 1)
+        if n is None:
+            n = 1
+        if not _is_int(n) or n < 1:
+            raise RequestError(f"sampling_params.n must be an integer >= 1, got {n!r}")
+        where = "sampling_params."
+        return cls(
+            max_new_tokens=int(max_new),
+            temperature=temperature,
+            top_p=top_p,
+            top_k=int(top_k),
+            min_p=min_p,
+            stop=stop,
+            stop_token_ids=frozenset(int(t) for t in stop_ids),
+            ignore_eos=_flag(params, "ignore_eos", False, where),
+            skip_special_tokens=_flag(params, "skip_special_tokens", True, where),
+            spaces_between_special_tokens=_flag(params, "spaces_between_special_tokens", True, where),
+            no_stop_trim=_flag(params, "no_stop_trim", False, where),
+            sampling_seed=None if seed is None else int(seed),
+            logit_bias=_logit_bias(params.get("logit_bias"), vocab_size),
+            n=int(n),
+        )
+
+
+def _logit_bias(bias: Any, vocab_size: int | None) -> tuple[tuple[int, float], ...]:
+    bias = bias or {}
+    if not isinstance(bias, dict):
+        raise RequestError(f"sampling_params.logit_bias must be an object of token id -> bias, got {bias!r}")
+    parsed: list[tuple[int, float]] = []
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise RequestError(f"sampling_params.logit_bias key {key!r} is not a token id") from None
+        if token < 0 or (vocab_size is not None and token >= vocab_size):
+            raise RequestError(f"sampling_params.logit_bias token id {token} is outside the vocabulary [0, {vocab_size})")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(float(value)):
+            raise RequestError(f"sampling_params.logit_bias[{key!r}] must be a number, got {value!r}")
+        parsed.append((token, float(value)))
+    return tuple(parsed)
+
+
+# ---------------------------------------------------------------------------------------------- /generate request
+
+
+@dataclass
+class RawGenerate:
+    """One prompt of a (possibly batched) `/generate` body, validated but not yet tokenized."""
+
+    rid: str
+    text: str | None
+    input_ids: list[int] | None
+    image_data: list[str]
+    params: SamplingParams
+    return_logprob: bool
+    return_text_in_logprobs: bool
+
+
+def check_generate_keys(body: Any) -> None:
+    """A `/generate` body must be an object of GenerateReqInput fields (a typo is refused, not ignored)."""
+    if not isinstance(body, dict):
+        raise RequestError("request body must be a JSON object (GenerateReqInput)")
+    unknown = sorted(set(body) - GENERATE_KEYS)
+    if unknown:
+        raise RequestError(f"unknown GenerateReqInput field(s): {unknown}")
+
+
+def prompt_field(body: Mapping[str, Any]) -> str:
+    """Which of text / input_ids / input_embeds carries the prompt (exactly one must)."""
+    given = [k for k in ("text", "input_ids", "input_embeds") if body.get(k) is not None]
+    if len(given) != 1:
+        raise RequestError("Either text, input_ids or input_embeds should be provided (exactly one).")
+    return given[0]
+
+
+def _per_item(value: Any, n: int, name: str) -> list[Any]:
+    """Broadcast a batch field: one value for every prompt, or a list with one per prompt."""
+    if isinstance(value, list):
+        if len(value) != n:
+            raise RequestError(f"{name} has {len(value)} entries for a batch of {n} prompts")
+        return list(value)
+    return [value] * n
+
+
+def _image_list(value: Any, where: str, server: str) -> list[str]:
+    if value is None:
+        return []
+    items = value if isinstance(value, list) else [value]
+    for i, item in enumerate(items):
+        if not isinstance(item, str):
+            kind = f"an object with format {item.get('format')!r}" if isinstance(item, dict) else type(item).__name__
+            raise RequestError(f"{where}[{i}] is {kind}; {server} takes images as data URLs, base64 strings or local paths")
+    return list(items)
+
+
+def parse_generate(body: Any, vocab_size: int, unsupported: Unsupported) -> tuple[list[RawGenerate], bool]:
+    """Validate a `/generate` body. Returns (prompts, is_batch); `n > 1` expands into n prompts."""
+    check_generate_keys(body)
+    for key, default in unsupported.request.items():
+        if body.get(key, default) not in (default, None, False):
+            raise RequestError(f"{key}={body[key]!r} is not supported by {unsupported.server}")
+    start = body.get("logprob_start_len")
+    if start is not None and start != -1:
+        raise RequestError(f"logprob_start_len={start!r}: input-token log-probs are not supported (use -1)")
+    kind = prompt_field(body)
+    if kind == "input_embeds":
+        raise RequestError(f"input_embeds is not supported by {unsupported.server}")
+    if kind == "text":
+        text = body["text"]
+        is_batch = isinstance(text, list)
+        prompts: list[Any] = text if is_batch else [text]
+        if not prompts or not all(isinstance(t, str) for t in prompts):
+            raise RequestError("text must be a string or a non-empty list of strings")
+    else:
+        ids = body["input_ids"]
+        is_batch = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
+        prompts = ids if is_batch else [ids]
+        for i, row in enumerate(prompts):
+            if not isinstance(row, list) or not row or not all(_is_int(t) for t in row):
+                where = f"input_ids[{i}]" if is_batch else "input_ids"
+                raise RequestError(f"{where} must be a non-empty list of integer token ids")
+            bad = [t for t in row if not 0 <= t < vocab_size]
+            if bad:
+                raise RequestError(f"input_ids contain ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+
+    n_prompts = len(prompts)
+    params_list = _per_item(body.get("sampling_params"), n_prompts, "sampling_params")
+    rids = _per_item(body.get("rid"), n_prompts, "rid") if is_batch else [body.get("rid")]
+    images = [body.get("image_data")]
+    if is_batch:
+        images = [None] * n_prompts if body.get("image_data") is None else body["image_data"]
+        if not isinstance(images, list) or len(images) != n_prompts:
+            raise RequestError(f"image_data of a batch must be a list with one entry per prompt ({n_prompts})")
+    logprob = _flag(body, "return_logprob", False, "")
+    text_in_lp = _flag(body, "return_text_in_logprobs", False, "")
+    out: list[RawGenerate] = []
+    for i, prompt in enumerate(prompts):
+        params = SamplingParams.from_json(params_list[i], vocab_size, unsupported)
+        rid = rids[i]
+        if rid is not None and not isinstance(rid, str):
+            raise RequestError(f"rid must be a string, got {rid!r}")
+        base_rid = rid or uuid.uuid4().hex
+        image_items = _image_list(images[i], "image_data" + (f"[{i}]" if is_batch else ""), unsupported.server)
+        for k in range(params.n):
+            out.append(RawGenerate(
+                rid=base_rid if params.n == 1 else f"{base_rid}-{k}",
+                text=prompt if isinstance(prompt, str) else None,
+                input_ids=None if isinstance(prompt, str) else [int(t) for t in prompt],
+                image_data=image_items,
+                params=params,
+                return_logprob=logprob,
+                return_text_in_logprobs=text_in_lp,
+            ))
+    return out, is_batch or len(out) > 1
+
+
+# ---------------------------------------------------------------------------------------------- finish reasons
+
+
+class FinishType(enum.StrEnum):
+    """`meta_info.finish_reason.type` (sglang schedule_batch.py). A str, so it compares equal to the wire text."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+FINISH_TYPES = tuple(t.value for t in FinishType)
+
+
+@dataclass(frozen=True)
+class FinishReason:
+    """Why a generation ended. stop: `matched` is the stop token id (int) or stop string (str); length:
+    `length` is the max_new_tokens reached; abort: `message`, `status_code`, `err_type`."""
+
+    type: FinishType
+    matched: int | str | None = None
+    length: int | None = None
+    message: str | None = None
+    status_code: int | None = None
+    err_type: str | None = None
+
+    @classmethod
+    def stopped(cls, matched: int | str) -> FinishReason:
+        return cls(FinishType.STOP, matched=matched)
+
+    @classmethod
+    def at_length(cls, length: int) -> FinishReason:
+        return cls(FinishType.LENGTH, length=length)
+
+    @classmethod
+    def aborted(cls, message: str, status_code: int | None = None, err_type: str | None = None) -> FinishReason:
+        return cls(FinishType.ABORT, message=message, status_code=status_code, err_type=err_type)
+
+    def to_json(self) -> dict[str, Any]:
+        """SGLang's object: FINISH_MATCHED_TOKEN / FINISH_MATCHED_STR, FINISH_LENGTH or FINISH_ABORT."""
+        if self.type is FinishType.STOP:
+            return {"type": "stop", "matched": self.matched}
+        if self.type is FinishType.LENGTH:
+            return {"type": "length", "length": self.length}
+        return {"type": "abort", "message": self.message, "status_code": self.status_code, "err_type": self.err_type}
+
+    @classmethod
+    def from_json(cls, fr: Any) -> FinishReason:
+        """Parse `meta_info.finish_reason`; a ValueError names what breaks the contract."""
+        if not isinstance(fr, dict) or fr.get("type") not in FINISH_TYPES:
+            raise ValueError(f"meta_info.finish_reason must be an object with type in {FINISH_TYPES}, got {fr!r}")
+        kind = FinishType(fr["type"])
+        matched = fr.get("matched") if kind is FinishType.STOP else None
+        if matched is not None and (isinstance(matched, bool) or not isinstance(matched, (int, str))):
+            raise ValueError(f"meta_info.finish_reason.matched must be an int id or a str, got {matched!r}")
+        length, message, status, err_type = fr.get("length"), fr.get("message"), fr.get("status_code"), fr.get("err_type")
+        return cls(
+            kind, matched=matched,
+            length=length if _is_int(length) else None,
+            message=message if isinstance(message, str) else None,
+            status_code=status if _is_int(status) else None,
+            err_type=err_type if isinstance(err_type, str) else None,
+        )
+
+
+# ---------------------------------------------------------------------------------------------- /generate answer
+
+
+def generate_response(
+    *,
+    rid: str,
+    text: str,
+    output_ids: Sequence[int],
+    output_logprobs: Sequence[float],
+    finish: FinishReason | Mapping[str, Any],
+    prompt_tokens: int,
+    weight_version: str,
+    e2e_latency: float,
+    return_logprob: bool,
+    token_text: Callable[[int], str] | None = None,
+    cached_tokens: int = 0,
+    num_retractions: int = 0,
+) -> dict[str, Any]:
+    """One `/generate` answer as SGLang builds it. `token_text` (return_text_in_logprobs) fills the third
+    entry of each `output_token_logprobs` item; `finish` may be a raw object (a scripted fault)."""
+    meta: dict[str, Any] = {
+        "id": rid,
+        "finish_reason": finish.to_json() if isinstance(finish, FinishReason) else dict(finish),
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": len(output_ids),
+        "cached_tokens": cached_tokens,
+        "reasoning_tokens": 0,
+        "weight_version": weight_version,
+        "num_retractions": num_retractions,
+    }
+    if return_logprob:
+        meta["input_token_logprobs"] = []
+        meta["output_token_logprobs"] = [
+            [lp, t, None if token_text is None else token_text(t)] for lp, t in zip(output_logprobs, output_ids)
+        ]
+        meta["output_token_logprobs_length"] = len(output_ids)
+    meta["e2e_latency"] = e2e_latency
+    return {"text": text, "output_ids": list(output_ids), "meta_info": meta}
+
+
+# ---------------------------------------------------------------------------------------------- control
+
+
+class PauseMode(enum.StrEnum):
+    """`/pause_generation` modes: abort returns in-flight requests as aborted; retract re-queues them (the
+    cache can then be flushed); in_place keeps them in the running batch (flush_cache then fails)."""
+
+    ABORT = "abort"
+    RETRACT = "retract"
+    IN_PLACE = "in_place"
+
+
+PAUSE_MODES = tuple(m.value for m in PauseMode)
+
+
+def as_pause_mode(mode: Any) -> PauseMode:
+    """A pause mode from a caller; ValueError otherwise."""
+    if mode not in PAUSE_MODES:
+        raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+    return PauseMode(mode)
+
+
+def parse_pause(body: Any) -> PauseMode:
+    """The mode of a `/pause_generation` body (missing, null or empty: abort, SGLang's default)."""
+    if body is None:
+        body = {}
+    if not isinstance(body, dict):
+        raise RequestError("pause_generation body must be a JSON object")
+    mode = body.get("mode", PauseMode.ABORT) or PauseMode.ABORT
+    if mode not in PAUSE_MODES:
+        raise RequestError(f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
+    return PauseMode(mode)
+
+
+def paused_answer() -> dict[str, Any]:
+    return {"status": "ok", "message": "Generation paused successfully."}
+
+
+def continued_answer() -> dict[str, Any]:
+    return {"status": "ok", "message": "Generation continued successfully."}
+
+
+# `/flush_cache` answers 200 with FLUSH_OK, or 400 with FLUSH_BUSY while requests run or wait (callers retry).
+_FLUSH_NOTE = "(When there are running or waiting requests, the operation will not be performed.)\n"
+FLUSH_OK = "Cache flushed.\nPlease check backend logs for more details. " + _FLUSH_NOTE
+FLUSH_BUSY = "Cache not flushed. Please check backend logs for more details. " + _FLUSH_NOTE
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    """A `/abort_request` body: one rid, or every request (`rid` None)."""
+
+    rid: str | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"abort_all": True} if self.rid is None else {"rid": self.rid}
+
+    @classmethod
+    def from_json(cls, body: Any) -> AbortRequest:
+        if not isinstance(body, dict):
+            raise RequestError("abort_request body must be a JSON object with 'rid' or 'abort_all'")
+        rid, abort_all = body.get("rid"), bool(body.get("abort_all", False))
+        if not abort_all and not isinstance(rid, str):
+            raise RequestError("abort_request needs a string 'rid' or 'abort_all': true")
+        return cls(None if abort_all else rid)
+
+
+@dataclass(frozen=True)
+class UpdateWeightsRequest:
+    """A `/update_weights_from_disk` body. None fields are left out, so the server applies its default."""
+
+    model_path: str
+    weight_version: str | None = None
+    load_format: str | None = None
+    flush_cache: bool | None = None
+    abort_all_requests: bool | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"model_path": self.model_path}
+        for key in ("weight_version", "load_format", "flush_cache", "abort_all_requests"):
+            if getattr(self, key) is not None:
+                body[key] = getattr(self, key)
+        return body
+
+    @classmethod
+    def from_json(cls, body: Any) -> UpdateWeightsRequest:
+        if not isinstance(body, dict) or not isinstance(body.get("model_path"), str) or not body["model_path"]:
+            raise RequestError("update_weights_from_disk needs a non-empty string 'model_path'")
+        version, flush = body.get("weight_version"), body.get("flush_cache")
+        return cls(
+            model_path=body["model_path"],
+            weight_version=None if version is None else str(version),
+            load_format=body.get("load_format"),
+            flush_cache=None if flush is None else bool(flush),
+            abort_all_requests=bool(body.get("abort_all_requests", False)),
+        )
+
+
+def update_weights_answer(success: bool, message: str, num_paused_requests: int) -> dict[str, Any]:
+    """The `/update_weights_from_disk` answer (HTTP 200 on success, 400 on failure)."""
+    return {"success": success, "message": message, "num_paused_requests": num_paused_requests}
 
 
 def loads_response(*, version: str, running: int, waiting: int, used_tokens: int, max_total_tokens: int,
@@ -47,3 +562,44 @@ def loads_response(*, version: str, running: int, waiting: int, used_tokens: int
             **extra,
         }],
     }
+
+
+# ---------------------------------------------------------------------------------------------- routes
+
+
+@dataclass(frozen=True)
+class Route:
+    """An endpoint both servers serve; `name` keys the server's handler."""
+
+    methods: tuple[str, ...]
+    path: str
+    name: str
+
+
+_GET, _POST = ("GET",), ("POST",)
+ROUTES: tuple[Route, ...] = (
+    Route(("POST", "PUT"), "/generate", "generate"),
+    Route(_GET, "/health", "health"),
+    Route(_GET, "/health_generate", "health_generate"),
+    Route(_GET, "/get_model_info", "model_info"),  # the older name of /model_info
+    Route(_GET, "/model_info", "model_info"),
+    Route(_GET, "/get_server_info", "server_info"),  # the older name of /server_info
+    Route(_GET, "/server_info", "server_info"),
+    Route(_GET, "/get_weight_version", "get_weight_version"),
+    Route(("GET", "POST"), "/flush_cache", "flush_cache"),
+    Route(_POST, "/pause_generation", "pause_generation"),
+    Route(_POST, "/continue_generation", "continue_generation"),
+    Route(_POST, "/abort_request", "abort_request"),
+    Route(_POST, "/update_weights_from_disk", "update_weights_from_disk"),
+    Route(_GET, "/v1/loads", "loads"),
+)
+
+_H = TypeVar("_H")
+
+
+def route_handlers(handlers: Mapping[str, _H]) -> list[tuple[str, str, _H]]:
+    """(method, path, handler) for every route; `handlers` must name exactly the routes' handlers."""
+    names = {r.name for r in ROUTES}
+    if set(handlers) != names:
+        raise ValueError(f"handlers missing {sorted(names - set(handlers))}, unknown {sorted(set(handlers) - names)}")
+    return [(method, r.path, handlers[r.name]) for r in ROUTES for method in r.methods]

@@ -102,10 +102,10 @@ async def _round(url: str, prompt: list[int], concurrency: int, new_tokens: int)
 
 
 def bench_engine(model_dir: Path, prompt: list[int], new_tokens: int, concurrencies: list[int], repeats: int) -> list[dict[str, Any]]:
-    from jaxrl_vlm.engine import EmbeddedEngine, EngineConfig
+    from jaxrl_vlm.engine import EmbeddedEngine, EngineOptions
 
     max_batch = max(concurrencies)
-    config = EngineConfig(max_batch=max_batch, max_seq_len=max(256, len(prompt) + new_tokens + 1), min_kv_bucket=128)
+    config = EngineOptions(max_batch=max_batch, max_seq_len=max(256, len(prompt) + new_tokens + 1), min_kv_bucket=128)
     rows = []
     with EmbeddedEngine(str(model_dir), config=config) as engine:
         for c in concurrencies:
@@ -176,11 +176,11 @@ async def _flush(url: str) -> None:
 
 def bench_multiturn(model_dir: Path, encoder: Any, episodes: int, turns: int, new_tokens: int, repeats: int) -> dict[str, Any]:
     """The same episodes on an engine with the prefix cache and one without (same config otherwise)."""
-    from jaxrl_vlm.engine import EmbeddedEngine, EngineConfig
+    from jaxrl_vlm.engine import EmbeddedEngine, EngineOptions
 
     rows: dict[str, Any] = {}
     for name, enabled in (("off", False), ("on", True)):
-        config = EngineConfig(max_batch=max(episodes, 1), max_seq_len=2048, min_kv_bucket=256, prefix_cache=enabled)
+        config = EngineOptions(max_batch=max(episodes, 1), max_seq_len=2048, min_kv_bucket=256, prefix_cache=enabled)
         with EmbeddedEngine(str(model_dir), config=config) as engine:
             warm_start = time.perf_counter()
             asyncio.run(_episodes(engine.url, encoder, episodes, turns, new_tokens, seed=10_000))  # compiles

@@ -60,7 +60,7 @@ def train_config(model_dir: Path, output_dir: Path) -> Any:
 def train_one_step(model_dir: Path, output_dir: Path, samples: list[Any], devices: list[Any]) -> tuple[Any, dict[str, float]]:
     """(trainer after one GRPO update, its metrics): `Trainer.build_policy` on `devices`, then `Trainer.train_on`
     (whose batch becomes global arrays from each process's own rows)."""
-    from jaxrl_vlm.rl.trainer import Trainer
+    from jaxrl_vlm.job.trainer import Trainer
 
     cfg = train_config(model_dir, output_dir)
     trainer = Trainer(cfg, devices=devices)
@@ -71,7 +71,7 @@ def train_one_step(model_dir: Path, output_dir: Path, samples: list[Any], device
 def uploaded_token_rows(trainer: Any, num_rows: int) -> list[int]:
     """Rows of a [K, R, T] batch array that this process's devices hold (what `global_batch` uploads)."""
     from jaxrl_vlm import distributed
-    from jaxrl_vlm.sharding import batch_sharding
+    from jaxrl_vlm.sharding.layout import batch_sharding
 
     rows = distributed.process_local_index(batch_sharding(trainer.mesh, trainer.rules), (1, num_rows, 1))[1]
     return list(range(num_rows)) if isinstance(rows, slice) else rows.tolist()

@@ -412,6 +412,23 @@ def test_row_multiple_and_fixed_micro_batch_rows():
         build(samples, adv, row_buckets=[1, 3], row_multiple=2)
 
 
+@pytest.mark.parametrize("budget", [64, 128, 256, 10_000])
+def test_token_budget_per_micro_batch_bounds_rows_times_length(budget):
+    """slime's --use-dynamic-batch-size --max-tokens-per-gpu: R x T <= budget, every token still placed once."""
+    samples, adv = make_batch_samples(21, 14)
+    batch = build(samples, adv, max_tokens_per_micro_batch=budget)
+    k, r, t = batch.shape_key[:3]
+    assert r * t <= max(budget, ROW_BUCKETS[0] * t)
+    check_batch(batch, samples, adv, aggregation="seq_mean_token_mean", constant=None, packing=True, row_multiple=1,
+                micro_batch_rows=None)
+    unlimited = build(samples, adv)
+    if budget < unlimited.shape_key[1] * unlimited.shape_key[2]:
+        assert k > unlimited.shape_key[0], "a tighter budget must spread the rows over more micro-batches"
+    # With data-parallel shards the budget is per device: rows per shard x T stays within budget / shards.
+    sharded = build(samples, adv, row_multiple=2, row_buckets=[2, 4, 8], max_tokens_per_micro_batch=2 * 64)
+    assert sharded.shape_key[1] // 2 * sharded.shape_key[2] <= max(64, sharded.shape_key[2])
+
+
 def test_explicit_micro_batch_buckets():
     samples, adv = make_batch_samples(5, 9, image_rate=0.0)
     b = build(samples, adv, micro_batch_rows=1, packing=False, micro_batch_buckets=[4, 16])

@@ -28,6 +28,7 @@ from jaxrl_vlm.bench.sharding_bench import (
     UNBUILDABLE,
     BenchOptions,
     format_table,
+    model_config,
     run_sharding_bench,
     write_outputs,
 )
@@ -125,7 +126,7 @@ def test_collective_bytes_zero_on_one_device_and_on_the_right_axes_when_sharded(
     from jaxrl_vlm.models.hf_io import param_count
 
     param_bytes = rows["dp"].param_bytes
-    assert param_bytes == 4 * param_count(flops_lib.model_config("tiny"))  # dp replicates every fp32 parameter
+    assert param_bytes == 4 * param_count(model_config("tiny"))  # dp replicates every fp32 parameter
     # dp: no parameter gathers (the only all-gathers are the vision attention's keys/values, since patches are
     # split over `data` too); the gradient all-reduce over `data` moves about the model's size (XLA may reduce
     # a gradient before the op that expands it, e.g. the embedding's scatter-add, so not exactly).
@@ -299,7 +300,7 @@ def test_shape_bytes_and_axis_attribution():
 
 
 def test_synthetic_episodes_are_valid_multi_turn_groups():
-    cfg = flops_lib.model_config("small")
+    cfg = model_config("small")
     shape = episode_shape_for(512, cfg)
     samples = synthetic_samples(cfg, 8 * 512, shape=shape, seed=1)
     assert sum(len(s.tokens) for s in samples) <= 8 * 512 and len(samples) % shape.group_size == 0
@@ -325,7 +326,7 @@ def test_model_flops_of_the_2b_config_match_6_n_d():
     from jaxrl_vlm.models.hf_io import abstract_model
     from flax import nnx
 
-    cfg = flops_lib.model_config("qwen3_vl_2b")
+    cfg = model_config("qwen3_vl_2b")
     state = nnx.state(abstract_model(cfg), nnx.Param)
     text_mm = sum(
         math.prod(v.get_value().shape)

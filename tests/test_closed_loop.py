@@ -2,7 +2,8 @@
 
 The toy task (`envs.letter_game`) rewards answers whose letters come from a-m. A random tiny model starts near
 0.5; the reward can only rise if each update really reaches the engine, so the same run with weight sync off
-must not improve. Trainer and engine log-probs of the sampled tokens must agree (fp32, temperature 1).
+must not improve. Trainer and engine log-probs of the sampled tokens must agree (fp32) at the rollout temperature
+0.8: the trainer scores softmax(logits / T), the distribution the engine sampled.
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ import numpy as np
 import pytest
 
 from jaxrl_vlm.config import load_config
-from jaxrl_vlm.rl.trainer import train
-from jaxrl_vlm.run_log import read_metrics
+from jaxrl_vlm.job.run import train
+from jaxrl_vlm.job.run_log import read_metrics
 
 STEPS = 20
+TEMPERATURE = 0.8
 MARGIN = 0.15  # mean reward of the last 3 steps minus the first 3
 
 
@@ -40,7 +42,8 @@ def _run(root, prompts, name: str, *extra: str) -> list[dict]:
         "--rollout-max-response-len", "12", "--lr", "5e-3", "--weight-decay", "0",
         "--seq-buckets", "64,128", "--row-buckets", "8,16,32", "--patch-buckets", "0",
         "--engine-max-batch", "32", "--engine-max-seq-len", "512", "--logprob-chunk-size", "64",
-        "--output-dir", str(out), "--seed", "1234", "--rollout-seed", "7", *extra,
+        "--output-dir", str(out), "--seed", "1234", "--rollout-seed", "7", "--rollout-temperature", str(TEMPERATURE),
+        *extra,
     ])
     train(cfg)
     return read_metrics(out / "metrics.jsonl")
@@ -60,7 +63,7 @@ def test_reward_rises_only_when_weights_reach_the_engine(letter_task):
     assert gain >= MARGIN, f"reward rose by only {gain:.3f} in {STEPS} steps: {[round(r['rollout/raw_reward'], 3) for r in synced]}"
     # Every step went through export + /update_weights_from_disk: the engine's version follows the trainer's.
     assert [r["weight_version"] for r in synced] == list(range(1, STEPS + 1))
-    # Trainer and engine agree on the log-probs of the sampled tokens at every step (fp32, temperature 1).
+    # Trainer and engine agree on the log-probs of the sampled tokens at every step (fp32, temperature 0.8).
     diffs = [r["train/train_rollout_logprob_abs_diff"] for r in synced]
     assert max(diffs) < 1e-4, diffs
 

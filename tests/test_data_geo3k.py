@@ -22,16 +22,18 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
+import envs.geo3k as envs_geo3k
+from envs.base import TaskPrompt
+from envs.geo3k.prompts import GEO3K_SYSTEM_PROMPT, GEO3K_TOOL_NAME, GEO3K_TOOLS, GEO3K_USER_INSTRUCTION
 from jaxrl_vlm.data import (
-    GEO3K_SYSTEM_PROMPT,
-    GEO3K_TOOL_NAME,
-    GEO3K_TOOLS,
-    GEO3K_USER_INSTRUCTION,
+    PROMPT_STYLES,
     DatasetError,
     PromptIterator,
     data_url_to_image,
     load_geo3k_dataset,
     load_prompt_dataset,
+    load_styled_dataset,
+    load_task_prompt,
 )
 from rollout.sample import Sample
 
@@ -265,6 +267,33 @@ def test_prompt_tool_example_matches_the_tool_schema():
     assert tool["type"] == "function" and call["name"] == fn["name"] == GEO3K_TOOL_NAME
     assert set(call["arguments"]) == set(fn["parameters"]["properties"]) == set(fn["parameters"]["required"])
     json.dumps(GEO3K_TOOLS)
+
+
+def test_prompt_style_takes_the_task_prompt_from_the_task_module_loaded_by_path(tmp_path):
+    path = write_parquet(tmp_path / "s.parquet", [good_row(1)])
+    assert PROMPT_STYLES == {"geo3k": "envs.geo3k", "plain": None}
+    assert load_task_prompt("envs.geo3k") == envs_geo3k.TASK_PROMPT
+    assert envs_geo3k.TASK_PROMPT == TaskPrompt(system_prompt=GEO3K_SYSTEM_PROMPT, tools=GEO3K_TOOLS)
+    geo3k = load_styled_dataset(path, "geo3k")[0]
+    assert geo3k.prompt[0] == {"role": "system", "content": GEO3K_SYSTEM_PROMPT}
+    assert geo3k.metadata["tools"] == GEO3K_TOOLS
+    assert load_styled_dataset(path, "geo3k", system_prompt="")[0].prompt == geo3k.prompt  # empty: the task's own
+    assert load_styled_dataset(path, "geo3k", system_prompt="S")[0].prompt[0] == {"role": "system", "content": "S"}
+    plain = load_styled_dataset(path, "plain")[0]
+    assert plain.prompt[0]["role"] == "user" and "tools" not in plain.metadata
+    assert load_styled_dataset(path, "plain", system_prompt="S")[0].prompt[0] == {"role": "system", "content": "S"}
+    # A task module given by file path, like an env.
+    task = tmp_path / "my_task.py"
+    task.write_text("from envs.base import TaskPrompt\nTASK_PROMPT = TaskPrompt(instruction='Be brief.')\n")
+    mine = load_styled_dataset(path, str(task))[0]
+    assert mine.prompt == [{"role": "user", "content": [*plain.prompt[0]["content"][:-1],
+                                                        {"type": "text", "text": "Find x.\n\nBe brief."}]}]
+    with pytest.raises(DatasetError, match="unknown prompt style 'fancy'"):
+        load_styled_dataset(path, "fancy")
+    with pytest.raises(DatasetError, match="envs.letter_game.*has no TASK_PROMPT"):
+        load_styled_dataset(path, "envs.letter_game")
+    with pytest.raises(DatasetError, match="cannot import 'envs.nope'"):
+        load_styled_dataset(path, "envs.nope")
 
 
 def test_max_rows_keeps_the_first_usable_rows(tmp_path):

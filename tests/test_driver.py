@@ -24,6 +24,8 @@ from rollout.client import RetryPolicy, SGLangClient
 from rollout.driver import (
     DRIVER_STATE_VERSION,
     MAX_GROUPS_FACTOR,
+    CarriedGroup,
+    DriverState,
     DriverStateError,
     RolloutResult,
     close_suspended,
@@ -309,7 +311,7 @@ async def test_stragglers_are_aborted_once_the_batch_is_full(encoder):
     stragglers = [e for key, envs in h.log.envs.items() if key[0] in (1, 2) for e in envs]
     assert len(stragglers) == 4 and all(e.closed == 1 for e in stragglers)
     for env in stragglers:
-        assert env.sample.status is Status.ABORTED and env.sample.metadata["termination"] == "abort"
+        assert env.sample.status is Status.ABORTED and str(env.sample.termination) == "abort"
         assert env.sample.turns[-1].finish_reason == "abort"
     assert h.ctx.suspended == {} and h.ctx.aborting is False
     check_accounting(result)
@@ -334,7 +336,7 @@ async def test_partial_rollout_resumes_aborted_episodes_first(encoder, mask_offp
         assert [g[0].group_index for g in first.groups] == [0]
         assert first.dropped["partial_group_carried"] == 1
         assert set(h.ctx.suspended) == {(1, 1)}
-        carried = h.ctx.driver_state["partial_groups"][0]
+        carried = h.args.driver_state.partial_groups[0]
         done_before, aborted_before = carried.samples
         assert done_before.status is Status.COMPLETED and aborted_before.status is Status.ABORTED
         old_done_tokens = list(done_before.tokens)
@@ -412,7 +414,7 @@ async def test_buffered_prompts_survive_checkpoint_and_resume(encoder):
     source = PromptSource(batch=5)
     async with harness(encoder, plan, **options) as h:
         first = await run(h, 0, source)
-        state, next_index, cursor = checkpoint(h), h.args._next_group_index, source.served
+        state, next_index, cursor = checkpoint(h), h.args.driver_state.next_group_index, source.served
         start = len(h.log.created)
         uninterrupted = await run(h, 1, source)
         want_built, want_state = built_since(h.log, start), checkpoint(h)
@@ -420,8 +422,8 @@ async def test_buffered_prompts_survive_checkpoint_and_resume(encoder):
     assert [int(d["label"]) for d in state["prompt_buffer"]] == [3, 4] and (next_index, cursor) == (3, 5)
 
     async with harness(encoder, plan, **options) as fresh:  # a new process: fresh args, context and source
-        fresh.args._next_group_index = next_index
         restore_driver_state(fresh.args, state)
+        assert fresh.args.driver_state.next_group_index == next_index
         assert checkpoint(fresh) == state  # restored exactly
         resumed = await run(fresh, 1, PromptSource(batch=5, start=cursor))
         got_built, got_state = built_since(fresh.log, 0), checkpoint(fresh)
@@ -432,7 +434,7 @@ async def test_buffered_prompts_survive_checkpoint_and_resume(encoder):
     assert got_built == want_built
     assert kept_groups(resumed) == kept_groups(uninterrupted) == [(4, 4), (5, 5)]
     assert [s.tokens for s in resumed.samples] == [s.tokens for s in uninterrupted.samples]
-    assert fresh.args._next_group_index == h.args._next_group_index == 6
+    assert fresh.args.driver_state.next_group_index == h.args.driver_state.next_group_index == 6
     assert got_state == want_state and [int(d["label"]) for d in got_state["prompt_buffer"]] == [6, 7, 8, 9]
     check_accounting(resumed)
 
@@ -453,9 +455,9 @@ async def test_carried_partial_groups_restart_on_resume_with_their_group_index(e
     source = PromptSource(batch=2)
     async with harness(encoder, plan, **options) as h:
         await run(h, 0, source)
-        state, next_index, cursor = checkpoint(h), h.args._next_group_index, source.served
+        state, next_index, cursor = checkpoint(h), h.args.driver_state.next_group_index, source.served
         step0_seeds = first_seeds(h.server)
-        done_before = h.ctx.driver_state["partial_groups"][0].samples[0].to_dict()  # step 1 stamps its rollout_id
+        done_before = h.args.driver_state.partial_groups[0].samples[0].to_dict()  # step 1 stamps its rollout_id
         hang_enabled = False
         h.server.weight_version = "v2"
         uninterrupted = await run(h, 1, source)
@@ -468,9 +470,9 @@ async def test_carried_partial_groups_restart_on_resume_with_their_group_index(e
 
     async with harness(encoder, plan, **options) as fresh:
         fresh.server.weight_version = "v2"
-        fresh.args._next_group_index = next_index
         restore_driver_state(fresh.args, state)
-        [restored] = fresh.ctx.driver_state["partial_groups"]
+        assert fresh.args.driver_state.next_group_index == next_index
+        [restored] = fresh.args.driver_state.partial_groups
         assert restored.group_index == 1 and [s.status for s in restored.samples] == [Status.COMPLETED, Status.PENDING]
         resumed = await run(fresh, 1, PromptSource(batch=2, start=cursor))
         got_state = checkpoint(fresh)
@@ -479,7 +481,7 @@ async def test_carried_partial_groups_restart_on_resume_with_their_group_index(e
 
     # Same groups kept and carried as the uninterrupted run; the carried group 2 checkpoints identically.
     assert [g[0].group_index for g in resumed.groups] == [g[0].group_index for g in uninterrupted.groups] == [1]
-    assert fresh.args._next_group_index == h.args._next_group_index == 3
+    assert fresh.args.driver_state.next_group_index == h.args.driver_state.next_group_index == 3
     assert got_state == want_state and [g["group_index"] for g in got_state["partial_groups"]] == [2]
     assert got_state["partial_groups"][0]["restart"] == [0, 1]
     # The finished episode is kept exactly as the uninterrupted run kept it, and never touched an env again.
@@ -507,7 +509,7 @@ def offline_args(**extra: Any) -> types.SimpleNamespace:
 def rich_driver_state() -> tuple[types.SimpleNamespace, Sample, Sample, Sample]:
     """A context holding a buffered prompt and a carried group (one finished episode with image tensors, one
     aborted); returns the args, the prompt, the finished and the aborted sample."""
-    from rollout.driver import CarriedGroup, make_group
+    from rollout.driver import make_group
 
     url = "data:image/png;base64,iVBORw0KGgo="
     prompt = Sample(prompt=[{"role": "user", "content": [{"type": "image", "image": url}, {"type": "text", "text": "?"}]}],
@@ -524,9 +526,8 @@ def rich_driver_state() -> tuple[types.SimpleNamespace, Sample, Sample, Sample]:
     aborted.set_prompt_tokens([1, 2, 3])
     aborted.append_model_tokens([7], [-1.0])
     aborted.set_status(Status.ABORTED)
-    args = offline_args(_next_group_index=6)
-    args.rollout_context.driver_state.update(prompt_buffer=[prompt],
-                                             partial_groups=[CarriedGroup(5, prompt, [finished, aborted])])
+    args = offline_args(driver_state=DriverState(next_group_index=6, prompt_buffer=[prompt],
+                                                 partial_groups=[CarriedGroup(5, prompt, [finished, aborted])]))
     return args, prompt, finished, aborted
 
 
@@ -534,17 +535,18 @@ def test_driver_state_json_round_trip_keeps_every_field():
     args, prompt, finished, aborted = rich_driver_state()
     text = json.dumps(driver_checkpoint_state(args))
     state = json.loads(text)
-    assert state["version"] == DRIVER_STATE_VERSION
+    assert state["version"] == DRIVER_STATE_VERSION and state["next_group_index"] == 6
     # Only the restart index of the aborted episode is saved, not its partial tokens.
     assert state["partial_groups"][0]["restart"] == [1] and len(state["partial_groups"][0]["finished"]) == 1
     assert aborted.tokens == [1, 2, 3, 7]  # checkpointing only reads: the live run keeps its episode
 
-    fresh = offline_args(_next_group_index=6)
+    fresh = offline_args()
     restore_driver_state(fresh, state)
     assert json.dumps(driver_checkpoint_state(fresh)) == text
-    driver = fresh.rollout_context.driver_state
-    [buffered] = driver["prompt_buffer"]
-    [carried] = driver["partial_groups"]
+    driver = fresh.driver_state
+    assert driver.next_group_index == 6
+    [buffered] = driver.prompt_buffer
+    [carried] = driver.partial_groups
     assert buffered.to_dict() == prompt.to_dict() and carried.prompt.to_dict() == prompt.to_dict()
     assert buffered.metadata["weights"].dtype == np.int16 and buffered.metadata["weights"].tolist() == [0, 1, 2]
     got_finished, restarted = carried.samples
@@ -576,7 +578,11 @@ def _delete(key: str) -> Callable[[dict], Any]:
     [
         (lambda state: [state], "driver state must be a dict, got list"),
         (_delete("version"), "driver state has no 'version'"),
-        (_set(("version",), 2), "driver state version 2 is not supported (this driver reads version 1)"),
+        (_set(("version",), 4), "driver state version 4 is not supported (this driver reads versions 1, 2, 3)"),
+        (_delete("filtered_long_prompts"), "driver state: missing keys ['filtered_long_prompts'], unknown keys []"),
+        (_delete("next_group_index"), "driver state: missing keys ['next_group_index'], unknown keys []"),
+        (_set(("next_group_index",), "6"), "driver state.next_group_index must be a non-negative int, got '6'"),
+        (_set(("next_group_index",), 5), "carries groups [5] but its next_group_index is 5"),
         (_delete("partial_groups"), "driver state: missing keys ['partial_groups'], unknown keys []"),
         (_set(("extra",), 1), "unknown keys ['extra']"),
         (_set(("prompt_buffer",), {}), "driver state.prompt_buffer must be a list, got dict"),
@@ -596,29 +602,47 @@ def _delete(key: str) -> Callable[[dict], Any]:
 def test_malformed_driver_state_is_refused_with_what_is_wrong(mutate, expected):
     args, *_ = rich_driver_state()
     state = mutate(json.loads(json.dumps(driver_checkpoint_state(args))))
-    fresh = offline_args(_next_group_index=6)
+    fresh = offline_args()
     with pytest.raises(DriverStateError) as info:
         restore_driver_state(fresh, state)
     assert expected in str(info.value)
-    assert fresh.rollout_context.driver_state == {"partial_groups": []}  # nothing half-restored
+    assert fresh.driver_state == DriverState()  # nothing half-restored
 
 
-def test_driver_state_restore_refuses_a_foreign_counter_or_a_used_context():
+def test_driver_state_restore_refuses_a_foreign_counter_or_used_args():
     args, *_ = rich_driver_state()
     state = driver_checkpoint_state(args)
-    with pytest.raises(DriverStateError, match=r"carries groups \[5\] but args._next_group_index is 5"):
-        restore_driver_state(offline_args(_next_group_index=5), state)
-    with pytest.raises(DriverStateError, match="already holds driver state .'partial_groups': 1, 'prompt_buffer': 1"):
+    with pytest.raises(DriverStateError, match=r"has next_group_index 6 but 5 was passed beside it"):
+        restore_driver_state(offline_args(), state, next_group_index=5)
+    with pytest.raises(DriverStateError, match="already hold driver state .'next_group_index': 6, 'partial_groups': 1, "
+                                               "'prompt_buffer': 1"):
         restore_driver_state(args, state)
-    suspended = offline_args(_next_group_index=6)
+    suspended = offline_args()
     suspended.rollout_context.suspended[(5, 1)] = object()
-    with pytest.raises(DriverStateError, match="already holds driver state {} and 1 suspended episodes"):
+    with pytest.raises(DriverStateError, match="already hold driver state {} and 1 suspended episodes"):
         restore_driver_state(suspended, state)
+
+
+def test_older_checkpoints_restore_with_the_counter_saved_beside_them(caplog):
+    args, *_ = rich_driver_state()
+    v1 = {k: v for k, v in driver_checkpoint_state(args).items()
+          if k not in ("next_group_index", "filtered_long_prompts")} | {"version": 1}
+    with pytest.raises(DriverStateError, match="version 1 driver state has no next_group_index"):
+        restore_driver_state(offline_args(), v1)
+    fresh = offline_args()
+    restore_driver_state(fresh, v1, next_group_index=6)
+    assert driver_checkpoint_state(fresh) == driver_checkpoint_state(args)
+    # A checkpoint with no driver state at all: the counter only, and a warning that the rest is lost.
+    bare = offline_args()
+    with caplog.at_level(logging.WARNING, logger="rollout.driver"):
+        restore_driver_state(bare, None, next_group_index=4)
+    assert bare.driver_state == DriverState(next_group_index=4)
+    assert any("no rollout driver state" in r.getMessage() for r in caplog.records)
 
 
 def test_unserializable_prompt_is_named_at_checkpoint_time():
     args = offline_args()
-    args.rollout_context.driver_state["prompt_buffer"] = [Sample(prompt=[{"role": "user", "content": object()}], index=3)]
+    args.driver_state = DriverState(prompt_buffer=[Sample(prompt=[{"role": "user", "content": object()}], index=3)])
     with pytest.raises(TypeError, match=r"prompt_buffer\[0\] \(sample\(group=0, index=3\)\) is not JSON-serializable"):
         driver_checkpoint_state(args)
 
@@ -683,7 +707,7 @@ async def test_custom_generate_that_raises_fails_only_its_sample(encoder, tmp_pa
     assert len(result.groups) == 2 and all([s.index for s in g] == [1] for g in result.groups)
     assert len(result.failed) == 2
     for s in result.failed:
-        assert s.metadata["termination"] == "generate_exception"
+        assert str(s.termination) == "generate_exception"
         assert "explode raised ValueError: custom function bug" in s.metadata["error"]
 
 

@@ -30,7 +30,7 @@ import torch
 from _hf_tiny import spread_weights
 from flax import nnx
 
-from jaxrl_vlm.engine import EmbeddedEngine, EngineConfig
+from jaxrl_vlm.engine import EmbeddedEngine, EngineOptions
 from jaxrl_vlm.models import build_vision_inputs, from_hf, get_rope_index, to_hf, token_logprobs
 from rollout.client import RetryPolicy, SGLangClient, WeightSyncError
 from rollout.encoding import ChatEncoder
@@ -65,7 +65,7 @@ def checkpoint(tiny_hf_checkpoint: Path, tmp_path_factory: pytest.TempPathFactor
 
 @pytest.fixture(scope="module")
 def engine(checkpoint: tuple[Path, Any]) -> EmbeddedEngine:
-    config = EngineConfig(max_batch=16, max_seq_len=MAX_SEQ, min_prefill_bucket=64, min_kv_bucket=MAX_SEQ,
+    config = EngineOptions(max_batch=16, max_seq_len=MAX_SEQ, min_prefill_bucket=64, min_kv_bucket=MAX_SEQ,
                           decode_batch_sizes=(4, 16), min_patch_bucket=REF_PATCHES)
     eng = EmbeddedEngine(str(checkpoint[0]), config=config)
     eng.start()

@@ -20,12 +20,12 @@ import pytest
 import torch
 from _hf_tiny import spread_weights
 
-from jaxrl_vlm.engine import EmbeddedEngine, EngineConfig
+from jaxrl_vlm.engine import EmbeddedEngine, EngineOptions
 from jaxrl_vlm.engine.prefix_cache import ImageSpan, PrefixCache, fit_start, image_spans, reusable_prefix
-from jaxrl_vlm.engine.protocol import RawGenerate, SamplingParams
 from jaxrl_vlm.models import from_hf, to_hf
 from rollout.client import GenerateResult, RetryPolicy, SGLangClient
 from rollout.encoding import ChatEncoder
+from rollout.sglang_wire import RawGenerate, SamplingParams
 
 MAX_SEQ = 256
 MIN_REUSE = 16
@@ -114,8 +114,8 @@ def checkpoint(tiny_hf_checkpoint: Path, tmp_path_factory: pytest.TempPathFactor
     return out
 
 
-def _config(prefix_cache: bool) -> EngineConfig:
-    return EngineConfig(max_batch=4, max_seq_len=MAX_SEQ, min_prefill_bucket=64, min_kv_bucket=MAX_SEQ, decode_batch_sizes=(4,),
+def _config(prefix_cache: bool) -> EngineOptions:
+    return EngineOptions(max_batch=4, max_seq_len=MAX_SEQ, min_prefill_bucket=64, min_kv_bucket=MAX_SEQ, decode_batch_sizes=(4,),
                         min_patch_bucket=64, prefix_cache=prefix_cache, prefix_cache_min_tokens=MIN_REUSE)
 
 

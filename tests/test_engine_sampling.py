@@ -7,9 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_vlm.engine.config import EngineConfig, bucket_for, powers_of_two
-from jaxrl_vlm.engine.protocol import RequestError, SamplingParams, parse_generate
+from jaxrl_vlm.engine.options import EngineOptions, bucket_for, powers_of_two
+from jaxrl_vlm.engine.protocol import EMBEDDED_UNSUPPORTED
 from jaxrl_vlm.engine.sampling import SamplingRows, sample_tokens
+from rollout.sglang_wire import RequestError, SamplingParams, parse_generate
 
 V = 12
 LOGITS = np.array([2.0, 1.5, 1.4, 1.0, 0.5, 0.3, 0.0, -0.5, -1.0, 3.0, -2.0, 0.8], np.float32)
@@ -112,26 +113,27 @@ def test_sampling_params_defaults_and_validation():
                         ({"logit_bias": {"500": 1}}, "outside"), ({"n": 0}, "n must"), ({"max_new_tokens": 1.5}, "max_new_tokens"),
                         ({"ignore_eos": "yes"}, "ignore_eos"), ({"json_schema": "{}"}, "json_schema")]:
         with pytest.raises(RequestError, match=needle):
-            SamplingParams.from_json(bad, 100)
+            SamplingParams.from_json(bad, 100, EMBEDDED_UNSUPPORTED)
 
 
 def test_parse_generate_batches_n_and_image_lists():
-    reqs, is_batch = parse_generate({"input_ids": [1, 2], "rid": "a"}, 100)
+    reqs, is_batch = parse_generate({"input_ids": [1, 2], "rid": "a"}, 100, EMBEDDED_UNSUPPORTED)
     assert not is_batch and [r.rid for r in reqs] == ["a"] and reqs[0].image_data == []
     reqs, is_batch = parse_generate({"input_ids": [[1], [2, 3]], "rid": ["a", "b"], "image_data": [None, ["x.png"]],
-                                     "sampling_params": [{"max_new_tokens": 1}, {"max_new_tokens": 2}]}, 100)
+                                     "sampling_params": [{"max_new_tokens": 1}, {"max_new_tokens": 2}]},
+                                    100, EMBEDDED_UNSUPPORTED)
     assert is_batch and [r.rid for r in reqs] == ["a", "b"] and reqs[1].image_data == ["x.png"]
     assert [r.params.max_new_tokens for r in reqs] == [1, 2]
-    reqs, is_batch = parse_generate({"text": "hi", "rid": "r", "sampling_params": {"n": 3}}, 100)
+    reqs, is_batch = parse_generate({"text": "hi", "rid": "r", "sampling_params": {"n": 3}}, 100, EMBEDDED_UNSUPPORTED)
     assert is_batch and [r.rid for r in reqs] == ["r-0", "r-1", "r-2"]
     with pytest.raises(RequestError, match="one entry per prompt"):
-        parse_generate({"input_ids": [[1], [2]], "image_data": ["a.png"]}, 100)
+        parse_generate({"input_ids": [[1], [2]], "image_data": ["a.png"]}, 100, EMBEDDED_UNSUPPORTED)
     with pytest.raises(RequestError, match="logprob_start_len"):
-        parse_generate({"input_ids": [1], "logprob_start_len": 0}, 100)
+        parse_generate({"input_ids": [1], "logprob_start_len": 0}, 100, EMBEDDED_UNSUPPORTED)
 
 
 def test_buckets_are_bounded_and_cover_the_range():
-    cfg = EngineConfig(max_batch=24, max_seq_len=1000, min_prefill_bucket=64, min_kv_bucket=256)
+    cfg = EngineOptions(max_batch=24, max_seq_len=1000, min_prefill_bucket=64, min_kv_bucket=256)
     assert cfg.prefill_buckets == (64, 128, 256, 512, 1000)
     assert cfg.kv_buckets == (256, 512, 1000)
     assert cfg.batch_buckets == (1, 2, 4, 8, 16, 24)
@@ -141,4 +143,4 @@ def test_buckets_are_bounded_and_cover_the_range():
         bucket_for(1001, cfg.prefill_buckets, "prompt tokens")
     assert cfg.patch_bucket(65) == 128 and cfg.patch_bucket(10) == 64
     with pytest.raises(ValueError, match="decode_batch_sizes"):
-        EngineConfig(max_batch=8, decode_batch_sizes=(4,))
+        EngineOptions(max_batch=8, decode_batch_sizes=(4,))

@@ -23,11 +23,12 @@ import pytest
 from flax import nnx
 from jax.experimental.pallas import tpu as pltpu
 
-from jaxrl_vlm import sharding as S
 from jaxrl_vlm.models import build_vision_inputs, get_rope_index
 from jaxrl_vlm.models.activation_sharding import ActivationSharding, activation_sharding
 from jaxrl_vlm.models.flash_attention import block_size, flash_attention
 from jaxrl_vlm.models.qwen3_vl import Qwen3VL, attention
+from jaxrl_vlm.sharding import layout as SL
+from jaxrl_vlm.sharding import rules as SR
 from jaxrl_vlm.tiny import tiny_model_config
 
 B, T, N, KV, H = 4, 128, 4, 2, 16
@@ -85,8 +86,8 @@ def test_kernel_under_a_mesh_splits_rows_and_heads_like_the_activations(impl):
     q, k, v, seg = _inputs(2)
     with interpreted(impl):
         want = flash_attention(q, k, v, seg, impl=impl, scale=0.25, causal=True)
-    mesh = S.build_mesh(SimpleNamespace(mesh_data=2, mesh_fsdp=2, mesh_tensor=2))
-    spec = ActivationSharding.create(mesh, S.resolve_rules())
+    mesh = SL.build_mesh(SimpleNamespace(mesh_data=2, mesh_fsdp=2, mesh_tensor=2))
+    spec = ActivationSharding.create(mesh, SR.resolve_rules())
 
     @jax.jit
     def run(q, k, v, seg):

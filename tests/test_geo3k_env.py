@@ -266,13 +266,67 @@ def test_base_env_defaults():
         BaseInteractionEnv()  # abstract
 
 
+async def test_shared_step_preamble_refuses_closed_ended_and_non_text_turns():
+    env = make_env(max_turns=2)
+    with pytest.raises(TypeError, match=r"Geo3kEnv.step: response_text must be str, got bytes"):
+        await env.step(b"12")
+    env.close()
+    with pytest.raises(RuntimeError, match=r"Geo3kEnv.step called after close\(\)"):
+        await env.step(tool("12"))
+
+
+def test_env_options_dataclass_derives_config_keys_and_checks_values():
+    from dataclasses import dataclass
+
+    from envs.base import EnvOptions, option
+
+    @dataclass(frozen=True)
+    class ToyOptions(EnvOptions):
+        ENV_NAME = "toy"
+
+        toy_url: str | None = option(None, "toy: url (required).", required=True)
+        toy_tries: int = option(2, "toy: tries.", ge=0)
+        toy_wait_s: float = option(1.0, "toy: wait.", gt=0)
+        toy_loud: bool = option(False, "toy: loud.")
+
+        def validate(self) -> None:
+            if self.toy_url == "bad":
+                raise ValueError("args.toy_url is bad")
+
+    assert ToyOptions.config_keys() == {
+        "toy_url": (str | None, None, "toy: url (required)."), "toy_tries": (int, 2, "toy: tries."),
+        "toy_wait_s": (float, 1.0, "toy: wait."), "toy_loud": (bool, False, "toy: loud."),
+    }
+    opts = ToyOptions.from_args(SimpleNamespace(toy_url="u", toy_wait_s=3, unrelated=1))
+    assert opts == ToyOptions(toy_url="u", toy_tries=2, toy_wait_s=3.0, toy_loud=False)
+    assert type(opts.toy_wait_s) is float
+    cases = [
+        ({}, ValueError, r"^toy build_env: args.toy_url is not set \(set toy_url in --custom-config-path\)$"),
+        ({"toy_url": "u", "toy_tries": True}, TypeError, r"args.toy_tries must be int, got True"),
+        ({"toy_url": "u", "toy_loud": 1}, TypeError, r"args.toy_loud must be bool, got 1"),
+        ({"toy_url": "u", "toy_tries": -1}, ValueError, r"args.toy_tries must be >= 0, got -1"),
+        ({"toy_url": "u", "toy_wait_s": 0}, ValueError, r"args.toy_wait_s must be > 0, got 0.0"),
+        ({"toy_url": "bad"}, ValueError, r"^toy build_env: args.toy_url is bad$"),
+    ]
+    for values, kind, message in cases:
+        with pytest.raises(kind, match=message):
+            ToyOptions.from_args(SimpleNamespace(**values))
+    with pytest.raises(TypeError, match="declare env options with option"):
+
+        @dataclass(frozen=True)
+        class Undeclared(EnvOptions):
+            x: int = 1
+
+        Undeclared.config_keys()
+
+
 def test_build_env_reads_config_keys_and_validates():
     assert set(CONFIG_KEYS) == {"end_on_correct", "end_on_boxed_answer", "grading_timeout_s"}
     for key, (tp, default, help_text) in CONFIG_KEYS.items():
         assert isinstance(default, tp) and help_text
     env = build_env(Sample(label=12.0), SimpleNamespace(max_turns=4, end_on_correct=False, grading_timeout_s=1))
-    assert env.label == "12" and env.max_turns == 4 and env.end_on_correct is False and env.grading_timeout_s == 1.0
-    assert env.end_on_boxed_answer is True
+    assert env.label == "12" and env.max_turns == 4
+    assert env.options == geo3k.Geo3kOptions(end_on_correct=False, end_on_boxed_answer=True, grading_timeout_s=1.0)
     with pytest.raises(ValueError, match=r"sample\(group=3, index=7\) has no label"):
         build_env(Sample(group_index=3, index=7, label=None), SimpleNamespace(max_turns=2))
     with pytest.raises(ValueError, match="max_turns"):

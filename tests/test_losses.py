@@ -192,10 +192,10 @@ def ref_loss_and_metrics(name: str, b: Batch, cfg: LossConfig, mode: str) -> tup
     if cfg.use_kl_loss:
         loss += cfg.kl_loss_coef * agg(t["kl"])
     metrics = dict(
-        loss=loss, pg_loss=agg(t["pg"]), kl_loss=agg(t["kl"]), entropy=agg(b.entropy), weight_sum=one,
+        loss=loss, pg_loss=agg(t["pg"]), kl_loss=agg(t["kl"]), entropy_loss=agg(b.entropy), weight_sum=one,
         pg_clipfrac=agg(t["clipped"]) / one, ppo_kl=agg(t["ppo_kl"]) / one, approx_kl=agg(t["approx_kl"]) / one,
         ratio_mean=agg(t["ratio"]) / one, ratio_max=float(t["ratio"][b.mask > 0].max()),
-        tis_mean=agg(t["tis"]) / one, tis_clipfrac=agg(t["tis_clipped"]) / one,
+        tis=agg(t["tis"]) / one, tis_clipfrac=agg(t["tis_clipped"]) / one,
         train_rollout_logprob_abs_diff=agg(t["abs_diff"]) / one,
     )
     if cfg.eps_clip_c is not None and name != "cispo":
@@ -279,7 +279,7 @@ def test_plain_ppo_without_optional_inputs() -> None:
     want_loss, _ = ref_loss_and_metrics("ppo_clip", b, dataclasses.replace(cfg, entropy_coef=0.0),
                                         "seq_mean_token_mean")
     np.testing.assert_allclose(float(loss), want_loss, rtol=1e-10)
-    assert not {"kl_loss", "entropy", "tis_mean", "pg_dualclip_frac"} & set(metrics)
+    assert not {"kl_loss", "entropy_loss", "tis", "pg_dualclip_frac"} & set(metrics)
 
 
 # ----------------------------------------------------------------------------- closed forms
@@ -358,7 +358,7 @@ def test_tis_weights_clip_as_configured() -> None:
     tis_w = np.array([0.5, 1.5, 2.0])
     np.testing.assert_allclose(float(loss), np.mean(-b.adv[0] * tis_w), rtol=1e-12)
     np.testing.assert_allclose(float(metrics["tis_clipfrac"]), 2 / 3, rtol=1e-12)
-    np.testing.assert_allclose(float(metrics["tis_mean"]), (0.1 + 1.5 + 5) / 3, rtol=1e-12)
+    np.testing.assert_allclose(float(metrics["tis"]), (0.1 + 1.5 + 5) / 3, rtol=1e-12)
     np.testing.assert_allclose(_grad_logp("ppo_clip", x, cfg)[0], -b.adv[0] * tis_w / 3, rtol=1e-12)
     off = dataclasses.replace(cfg, use_tis=False)
     np.testing.assert_allclose(float(get_loss("ppo_clip")(x, off)[0]), np.mean(-b.adv[0]), rtol=1e-12)
@@ -371,8 +371,8 @@ def test_entropy_bonus_lowers_the_loss() -> None:
     x = to_inputs(b, weights_for(b, cfg0))
     l0, m0 = get_loss("ppo_clip")(x, cfg0)
     l1, _ = get_loss("ppo_clip")(x, cfg1)
-    np.testing.assert_allclose(float(l0 - l1), 0.3 * float(m0["entropy"]), rtol=1e-10)
-    assert float(m0["entropy"]) > 0
+    np.testing.assert_allclose(float(l0 - l1), 0.3 * float(m0["entropy_loss"]), rtol=1e-10)
+    assert float(m0["entropy_loss"]) > 0
 
 
 # ----------------------------------------------------------------------------- analytic gradients

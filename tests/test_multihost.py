@@ -105,7 +105,8 @@ def test_single_process_helpers_are_local(tmp_path):
 
 
 def test_global_batch_single_process_equals_device_put():
-    from jaxrl_vlm.sharding import DEFAULT_RULES, put_batch
+    from jaxrl_vlm.sharding.layout import put_batch
+    from jaxrl_vlm.sharding.rules import DEFAULT_RULES
 
     mesh = jax.make_mesh((1, 8, 1), ("data", "fsdp", "tensor"))
     rng = np.random.default_rng(0)
@@ -181,7 +182,7 @@ def test_two_processes_train_step_equals_single_process(tmp_path):
 
     # Metrics are replicated results of one computation: identical on both processes, and equal to one process's.
     assert results[0]["metrics"] == results[1]["metrics"]
-    for key in ("train/loss_total", "train/grad_norm", "train/entropy", "train/pg_loss", "train/tis_mean"):
+    for key in ("train/loss_total", "train/grad_norm", "train/entropy_loss", "train/pg_loss", "train/tis"):
         assert results[0]["metrics"][key] == pytest.approx(ref_metrics[key], rel=1e-5, abs=1e-6), key
     assert ref_metrics["train/skipped_nonfinite"] == 0.0 and results[0]["metrics"]["train/skipped_nonfinite"] == 0.0
 

@@ -21,7 +21,7 @@ from rollout.client import RetryPolicy, SGLangClient
 from rollout.encoding import ChatEncoder
 from rollout.fake_engine import Abort, Drop, FakeSGLangServer, Hang, Respond, Tokens
 from rollout.multiturn import RolloutContext, generate, merge_multimodal_chunks
-from rollout.sample import Sample, Status
+from rollout.sample import Sample, Status, Termination, TerminationKind, TruncationCause
 
 
 # ----------------------------------------------------------------------------- scripted environment
@@ -124,7 +124,7 @@ def _check_alignment(sample: Sample, encoder: ChatEncoder) -> None:
 async def test_env_done_completes_and_closes_env(encoder, make_test_image):
     env = ScriptedEnv([("obs", "wrong, try again", 1), ("done",)], make_test_image)
     s, server = await _run(encoder, env, _prompt_sample(make_test_image))
-    assert s.status is Status.COMPLETED and s.metadata["termination"] == "env_done"
+    assert s.status is Status.COMPLETED and str(s.termination) == "env_done"
     assert env.closed == 1 and env.resets == 1 and len(env.steps) == 2
     assert s.reward == 1.0 and s.metadata["reward_source"] == "env_verdict"
     _check_alignment(s, encoder)
@@ -144,7 +144,7 @@ async def test_env_done_completes_and_closes_env(encoder, make_test_image):
 async def test_max_turns_completes_without_an_unanswered_observation(encoder, make_test_image):
     env = ScriptedEnv([("obs", "more", 0)] * 5, make_test_image)
     s, _ = await _run(encoder, env, _prompt_sample(make_test_image, with_image=False), max_turns=2)
-    assert s.status is Status.COMPLETED and s.metadata["termination"] == "max_turns"
+    assert s.status is Status.COMPLETED and str(s.termination) == "max_turns"
     assert len(s.turns) == 2
     # The response ends with the model's <|im_end|>: the last observation was not appended.
     assert s.tokens[-1] == encoder.vision.im_end and s.loss_mask[-1] == 1
@@ -157,7 +157,10 @@ async def test_length_finish_truncates(encoder, make_test_image):
     s, _ = await _run(encoder, env, _prompt_sample(make_test_image, with_image=False), generate_fn=lambda b: long_reply,
                       rollout_max_response_len=1000)
     # Without a stop token the fake engine reports `length` (max_new_tokens not reached means the model stopped early).
-    assert s.status is Status.TRUNCATED and s.metadata["termination"] == "truncated:length"
+    assert s.status is Status.TRUNCATED and str(s.termination) == "truncated:length"
+    # Typed outcome on the sample and its last turn record; nothing left to parse in the metadata.
+    assert s.termination == Termination(TerminationKind.TRUNCATED, TruncationCause.LENGTH)
+    assert s.turns[-1].truncation_cause is TruncationCause.LENGTH and "termination" not in s.metadata
     assert env.steps == [] and env.closed == 1
     _check_alignment(s, encoder)
 
@@ -169,14 +172,14 @@ async def test_budget_clips_max_new_tokens_and_truncates_with_cause(encoder, mak
     assert s.response_length <= 30
     max_news = [r.body["sampling_params"]["max_new_tokens"] for r in server.requests_to("/generate")]
     assert max_news[0] == 30 and all(b < a for a, b in zip(max_news, max_news[1:]))
-    assert s.metadata["termination"] in ("truncated:response_budget", "truncated:observation_exceeds_response_budget")
+    assert str(s.termination) in ("truncated:response_budget", "truncated:observation_exceeds_response_budget")
     _check_alignment(s, encoder)
 
 
 async def test_observation_that_does_not_fit_ends_episode(encoder, make_test_image):
     env = ScriptedEnv([("obs", "a very long observation " * 20, 0)], make_test_image)
     s, _ = await _run(encoder, env, _prompt_sample(make_test_image, with_image=False), rollout_max_response_len=40)
-    assert s.status is Status.TRUNCATED and s.metadata["termination"] == "truncated:observation_exceeds_response_budget"
+    assert s.status is Status.TRUNCATED and str(s.termination) == "truncated:observation_exceeds_response_budget"
     assert s.turns[-1].observation_tokens > 40 - s.response_length
     assert sum(s.loss_mask) == s.response_length  # only the model turn was appended
     _check_alignment(s, encoder)
@@ -186,7 +189,8 @@ async def test_context_limit_binds(encoder, make_test_image):
     env = ScriptedEnv([("obs", "again", 0)] * 10, make_test_image)
     sample = _prompt_sample(make_test_image, with_image=False)
     s, server = await _run(encoder, env, sample, max_turns=10, rollout_max_response_len=1000, rollout_max_context_len=60)
-    assert s.status is Status.TRUNCATED and "context" in s.metadata["termination"]
+    assert s.status is Status.TRUNCATED and s.termination.cause in (
+        TruncationCause.CONTEXT, TruncationCause.OBSERVATION_EXCEEDS_CONTEXT)
     assert len(s.tokens) <= 60
     first = server.requests_to("/generate")[0]
     assert first.body["sampling_params"]["max_new_tokens"] == 60 - s.prompt_length
@@ -196,7 +200,7 @@ async def test_engine_abort_marks_aborted(encoder, make_test_image):
     env = ScriptedEnv([], make_test_image)
     s, _ = await _run(encoder, env, _prompt_sample(make_test_image, with_image=False),
                       script=[Abort(output_ids=tuple(encoder.tokenize("partial")))])
-    assert s.status is Status.ABORTED and s.metadata["termination"] == "abort"
+    assert s.status is Status.ABORTED and str(s.termination) == "abort"
     assert s.response_length == len(encoder.tokenize("partial")) and env.closed == 1
 
 
@@ -204,7 +208,7 @@ async def test_engine_abort_marks_aborted(encoder, make_test_image):
 async def test_env_raising_exhausts_retries_and_fails_without_crashing(encoder, make_test_image):
     env = ScriptedEnv([("raise", "boom 1"), ("raise", "boom 2"), ("raise", "boom 3")], make_test_image)
     s, _ = await _run(encoder, env, _prompt_sample(make_test_image, with_image=False), max_env_retries_per_turn=2)
-    assert s.status is Status.FAILED and s.metadata["termination"] == "env_error"
+    assert s.status is Status.FAILED and str(s.termination) == "env_error"
     assert "boom 3" in s.metadata["error"] and len(s.metadata["env_errors"]) == 3
     assert s.turns[-1].env_retries == 2 and env.closed == 1
     assert env.resets == 1  # not recoverable: retried without reset
@@ -238,21 +242,21 @@ async def test_server_dropping_connection_is_retried(encoder, make_test_image):
 async def test_unreachable_engine_fails_episode_with_error(encoder, make_test_image):
     env = ScriptedEnv([("done",)], make_test_image)
     s, _ = await _run(encoder, env, _prompt_sample(make_test_image), script=[Hang(), Hang()], client_retries=1)
-    assert s.status is Status.FAILED and s.metadata["termination"] == "engine_error"
+    assert s.status is Status.FAILED and str(s.termination) == "engine_error"
     assert "/generate" in s.metadata["error"] and env.closed == 1
 
 
 async def test_episode_wall_clock_limit(encoder, make_test_image):
     env = ScriptedEnv([("hang",)], make_test_image)
     s, _ = await _run(encoder, env, _prompt_sample(make_test_image), env_step_timeout=60, episode_timeout=0.3)
-    assert s.status is Status.FAILED and s.metadata["termination"] == "episode_timeout" and env.closed == 1
+    assert s.status is Status.FAILED and str(s.termination) == "episode_timeout" and env.closed == 1
 
 
 async def test_banned_token_from_engine_fails_episode(encoder, make_test_image):
     bad = Tokens(output_ids=(encoder.vision.image_pad, encoder.vision.im_end))
     env = ScriptedEnv([("done",)], make_test_image)
     s, _ = await _run(encoder, env, _prompt_sample(make_test_image), generate_fn=lambda b: bad)
-    assert s.status is Status.FAILED and s.metadata["termination"] == "banned_token"
+    assert s.status is Status.FAILED and str(s.termination) == "banned_token"
 
 
 async def test_reward_fn_sees_model_text_only(encoder, make_test_image):
@@ -346,5 +350,5 @@ async def test_model_stopping_with_endoftext_stays_on_template(encoder, tiny_tok
 async def test_nonfinite_reward_fails_the_episode(encoder, make_test_image):
     env = ScriptedEnv([("done",)], make_test_image, verdict_value=float("nan"))
     s, _ = await _run(encoder, env, _prompt_sample(make_test_image, with_image=False))
-    assert s.status is Status.FAILED and s.metadata["termination"] == "finalize_error"
+    assert s.status is Status.FAILED and str(s.termination) == "reward_error"
     assert "non-finite reward nan" in s.metadata["error"] and s.reward is None and env.closed == 1

@@ -304,6 +304,8 @@ def _first_turn(rec: dict) -> None:
         (lambda r: r.update(records_aligned=False), "records_aligned"),
         (lambda r: r["turns"][0].update(weight_version="v9"), "weight_version 'v9'"),
         (lambda r: r.update(status="failed", error=None, errors=[]), "status failed but keys 'error' and 'errors'"),
+        (lambda r: r.update(status="truncated"), "status truncated but termination is 'env_done'"),
+        (lambda r: r.update(termination="truncated:tired"), "key 'termination': unknown termination 'truncated:tired'"),
     ],
 )
 def test_validate_dump_rejects_broken_invariants(rollout_step, tmp_path, tiny_tokenizer, change, expected):

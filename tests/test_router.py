@@ -36,10 +36,11 @@ import pytest
 from rollout import fake_engine
 from rollout.client import ROUTING_KEY_HEADER, RetryPolicy, SGLangClient
 from rollout.fake_engine import FakeSGLangServer
+from rollout.sglang_wire import GENERATE_KEYS
 
 ROUTER_ADDED_GENERATE_FIELDS = frozenset({"model", "background", "no_logs", "return_bytes", "return_entropy"})
 ROUTER_START_TIMEOUT_S = 30.0
-assert ROUTER_ADDED_GENERATE_FIELDS <= fake_engine.GENERATE_KEYS
+assert ROUTER_ADDED_GENERATE_FIELDS <= GENERATE_KEYS
 CONTROL_PATHS = ("/pause_generation", "/flush_cache", "/update_weights_from_disk", "/continue_generation")
 STOP_ID = fake_engine.DEFAULT_EOS_TOKEN_ID
 SAMPLING = {"max_new_tokens": 16, "temperature": 1.0, "stop_token_ids": [STOP_ID]}

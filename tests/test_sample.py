@@ -7,7 +7,17 @@ import json
 import numpy as np
 import pytest
 
-from rollout.sample import FINISH_REASON_STATUS, Sample, SampleError, Status, TurnRecord, image_pad_runs
+from rollout.sample import (
+    FINISH_REASON_STATUS,
+    Sample,
+    SampleError,
+    Status,
+    Termination,
+    TerminationKind,
+    TruncationCause,
+    TurnRecord,
+    image_pad_runs,
+)
 
 IMG, VS, VE = 7, 5, 6  # image pad, vision start, vision end ids of a made-up vocabulary
 
@@ -160,3 +170,67 @@ def test_json_round_trip_preserves_everything_including_arrays():
 def test_from_dict_rejects_unknown_keys():
     with pytest.raises(SampleError, match="unknown keys \\['bogus'\\]"):
         Sample.from_dict({"bogus": 1})
+
+
+# ----------------------------------------------------------------------------- typed outcomes
+@pytest.mark.parametrize("kind", list(TerminationKind))
+def test_termination_strings_round_trip_and_give_the_status(kind):
+    causes = list(TruncationCause) if kind is TerminationKind.TRUNCATED else [None]
+    for cause in causes:
+        t = Termination(kind, cause)
+        assert Termination.parse(str(t)) == t
+        assert t.metric_name == str(t).replace(":", "/")
+        expected = {"env_done": Status.COMPLETED, "max_turns": Status.COMPLETED, "truncated": Status.TRUNCATED,
+                    "abort": Status.ABORTED}.get(kind.value, Status.FAILED)
+        assert t.status is expected
+
+
+def test_termination_needs_a_cause_exactly_when_truncated():
+    assert str(Termination.truncated(TruncationCause.LENGTH)) == "truncated:length"
+    with pytest.raises(SampleError, match="truncation cause is required"):
+        Termination(TerminationKind.TRUNCATED)
+    with pytest.raises(SampleError, match="truncation cause is required"):
+        Termination(TerminationKind.ENV_DONE, TruncationCause.LENGTH)
+    for bad in ("truncated", "done", "truncated:tired", "abort:length"):
+        with pytest.raises(ValueError, match=f"unknown termination '{bad}'"):
+            Termination.parse(bad)
+    assert TruncationCause.CONTEXT.by_observation() is TruncationCause.OBSERVATION_EXCEEDS_CONTEXT
+
+
+def test_termination_and_truncation_cause_round_trip_through_json():
+    s = _episode()
+    s.turns = [TurnRecord(turn=0, generated_tokens=3, truncation_cause=TruncationCause.RESPONSE_BUDGET)]
+    s.set_status(Status.TRUNCATED)
+    s.termination = Termination.truncated(TruncationCause.RESPONSE_BUDGET)
+    data = json.loads(json.dumps(s.to_dict()))
+    assert data["termination"] == "truncated:response_budget"
+    assert data["turns"][0]["truncation_cause"] == "response_budget"
+    back = Sample.from_dict(data)
+    back.validate()
+    assert back.termination == s.termination and back.turns == s.turns
+    assert back.turns[0].truncation_cause is TruncationCause.RESPONSE_BUDGET
+
+
+def test_dicts_from_before_the_typed_field_move_the_metadata_string_over():
+    s = _episode()
+    s.set_status(Status.COMPLETED)
+    old = {k: v for k, v in s.to_dict().items() if k != "termination"}
+    old["metadata"] = {"termination": "env_done", "tools": []}
+    back = Sample.from_dict(old)
+    assert back.termination == Termination(TerminationKind.ENV_DONE) and back.metadata == {"tools": []}
+    old["metadata"] = {"termination": "my_custom_end"}  # not ours: left where it was
+    back = Sample.from_dict(old)
+    assert back.termination is None and back.metadata == {"termination": "my_custom_end"}
+
+
+def test_validate_checks_termination_against_status_and_resume_clears_it():
+    s = _episode()
+    s.set_status(Status.ABORTED)
+    s.termination = Termination(TerminationKind.ENV_DONE)
+    with pytest.raises(SampleError, match="termination env_done gives status completed, but the status is aborted"):
+        s.validate()
+    s.termination = Termination(TerminationKind.ABORT)
+    s.validate()
+    s.set_status(Status.PENDING)  # a partial rollout resumes the episode
+    assert s.termination is None
+    s.validate()

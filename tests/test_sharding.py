@@ -20,10 +20,12 @@ import yaml
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from jaxrl_vlm import sharding as S
 from jaxrl_vlm.config import load_config
 from jaxrl_vlm.models import Qwen3VL, build_vision_inputs, from_hf, get_rope_index, qwen3_vl_2b_instruct
 from jaxrl_vlm.models.hf_io import abstract_model, param_count
+from jaxrl_vlm.sharding import goldens as SG
+from jaxrl_vlm.sharding import layout as SL
+from jaxrl_vlm.sharding import rules as SR
 
 REPO = Path(__file__).resolve().parents[1]
 LAYOUTS = sorted((REPO / "configs" / "mesh").glob("*.yaml"))
@@ -51,60 +53,60 @@ def test_eight_simulated_devices():
 
 
 def test_mesh_sizes_fill_and_errors():
-    assert S.mesh_shape(_sizes(data=-1), 8) == {"data": 8, "fsdp": 1, "tensor": 1}
-    assert S.mesh_shape(_sizes(fsdp=-1, tensor=2), 8) == {"data": 1, "fsdp": 4, "tensor": 2}
-    assert S.mesh_shape(_sizes(data=2, fsdp=2, tensor=2), 8) == {"data": 2, "fsdp": 2, "tensor": 2}
-    with pytest.raises(S.ShardingError, match="does not divide the 8 devices"):
-        S.mesh_shape(_sizes(data=-1, tensor=3), 8)
-    with pytest.raises(S.ShardingError, match="at most one"):
-        S.mesh_shape(_sizes(data=-1, fsdp=-1), 8)
-    with pytest.raises(S.ShardingError, match="multiply to 4 but there are 8 devices"):
-        S.mesh_shape(_sizes(data=2, fsdp=2), 8)
-    with pytest.raises(S.ShardingError, match="positive or -1"):
-        S.mesh_shape(_sizes(data=0, fsdp=-1), 8)
+    assert SL.mesh_shape(_sizes(data=-1), 8) == {"data": 8, "fsdp": 1, "tensor": 1}
+    assert SL.mesh_shape(_sizes(fsdp=-1, tensor=2), 8) == {"data": 1, "fsdp": 4, "tensor": 2}
+    assert SL.mesh_shape(_sizes(data=2, fsdp=2, tensor=2), 8) == {"data": 2, "fsdp": 2, "tensor": 2}
+    with pytest.raises(SR.ShardingError, match="does not divide the 8 devices"):
+        SL.mesh_shape(_sizes(data=-1, tensor=3), 8)
+    with pytest.raises(SR.ShardingError, match="at most one"):
+        SL.mesh_shape(_sizes(data=-1, fsdp=-1), 8)
+    with pytest.raises(SR.ShardingError, match="multiply to 4 but there are 8 devices"):
+        SL.mesh_shape(_sizes(data=2, fsdp=2), 8)
+    with pytest.raises(SR.ShardingError, match="positive or -1"):
+        SL.mesh_shape(_sizes(data=0, fsdp=-1), 8)
 
 
 def test_build_mesh_has_named_auto_axes():
-    mesh = S.build_mesh(_sizes(fsdp=-1, tensor=2))
+    mesh = SL.build_mesh(_sizes(fsdp=-1, tensor=2))
     assert mesh.axis_names == ("data", "fsdp", "tensor")
     assert dict(mesh.shape) == {"data": 1, "fsdp": 4, "tensor": 2}
     assert mesh.axis_types == (AxisType.Auto,) * 3  # with_sharding_constraint raises under Explicit axes
     assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in jax.devices())
-    small = S.build_mesh(_sizes(data=-1), devices=jax.devices()[:2])
+    small = SL.build_mesh(_sizes(data=-1), devices=jax.devices()[:2])
     assert dict(small.shape) == {"data": 2, "fsdp": 1, "tensor": 1}
 
 
 def test_rules_overrides_are_validated():
-    rules = S.resolve_rules({"vocab": ["fsdp", "tensor"], "embed": None, "mlp": []})
+    rules = SR.resolve_rules({"vocab": ["fsdp", "tensor"], "embed": None, "mlp": []})
     assert rules["vocab"] == ("fsdp", "tensor") and rules["embed"] is None and rules["mlp"] is None
-    assert rules["heads"] == S.DEFAULT_RULES["heads"]
-    with pytest.raises(S.ShardingError, match="unknown logical axis 'embedding'"):
-        S.resolve_rules({"embedding": "fsdp"})
-    with pytest.raises(S.ShardingError, match=r"unknown mesh axes \['model'\]"):
-        S.resolve_rules({"embed": "model"})
-    with pytest.raises(S.ShardingError, match="repeats"):
-        S.resolve_rules({"embed": ["fsdp", "fsdp"]})
+    assert rules["heads"] == SR.DEFAULT_RULES["heads"]
+    with pytest.raises(SR.ShardingError, match="unknown logical axis 'embedding'"):
+        SR.resolve_rules({"embedding": "fsdp"})
+    with pytest.raises(SR.ShardingError, match=r"unknown mesh axes \['model'\]"):
+        SR.resolve_rules({"embed": "model"})
+    with pytest.raises(SR.ShardingError, match="repeats"):
+        SR.resolve_rules({"embed": ["fsdp", "fsdp"]})
     # a bad rule in a layout file is a config error naming the key
-    with pytest.raises(S.ShardingError, match="'heads'"):
-        S.resolve_rules({"heads": 3})
+    with pytest.raises(SR.ShardingError, match="'heads'"):
+        SR.resolve_rules({"heads": 3})
 
 
 def test_spec_resolution_drops_unit_axes_clashes_and_non_divisors():
-    rules = S.resolve_rules({"vocab": ["fsdp", "tensor"]})
+    rules = SR.resolve_rules({"vocab": ["fsdp", "tensor"]})
     sizes = {"data": 1, "fsdp": 4, "tensor": 2}
     # rules-table lookup only
-    assert S.logical_to_spec(("embed", "heads", "head_dim"), rules) == P("fsdp", "tensor")
+    assert SR.logical_to_spec(("embed", "heads", "head_dim"), rules) == P("fsdp", "tensor")
     # vocab takes fsdp x tensor; embed's fsdp is already used by dim 0, so embed stays whole
-    spec, notes = S.spec_with_notes(("vocab", "embed"), (1024, 64), rules, sizes)
+    spec, notes = SR.spec_with_notes(("vocab", "embed"), (1024, 64), rules, sizes)
     assert spec == P(("fsdp", "tensor")) and len(notes) == 1 and "already shard" in notes[0]
     # 4 heads over 8-way tensor: replicated with a note; MLP 128 over 8 is fine
-    spec, notes = S.spec_with_notes(("embed", "heads", "head_dim"), (64, 4, 16), S.DEFAULT_RULES, {"tensor": 8, "fsdp": 1})
+    spec, notes = SR.spec_with_notes(("embed", "heads", "head_dim"), (64, 4, 16), SR.DEFAULT_RULES, {"tensor": 8, "fsdp": 1})
     assert spec == P() and "not divisible by 8" in notes[0]
-    assert S.spec_with_notes(("embed", "mlp"), (64, 128), S.DEFAULT_RULES, {"tensor": 8, "fsdp": 1}) == (P(None, "tensor"), [])
+    assert SR.spec_with_notes(("embed", "mlp"), (64, 128), SR.DEFAULT_RULES, {"tensor": 8, "fsdp": 1}) == (P(None, "tensor"), [])
     # a size-1 axis is a no-op and does not appear
-    assert S.spec_with_notes(("embed", "mlp"), (64, 128), S.DEFAULT_RULES, {"data": 8, "fsdp": 1, "tensor": 1})[0] == P()
-    with pytest.raises(S.ShardingError, match="do not match shape"):
-        S.spec_with_notes(("embed",), (3, 4), S.DEFAULT_RULES, sizes)
+    assert SR.spec_with_notes(("embed", "mlp"), (64, 128), SR.DEFAULT_RULES, {"data": 8, "fsdp": 1, "tensor": 1})[0] == P()
+    with pytest.raises(SR.ShardingError, match="do not match shape"):
+        SR.spec_with_notes(("embed",), (3, 4), SR.DEFAULT_RULES, sizes)
 
 
 # ----------------------------------------------------------------------------- the tiny model on every layout
@@ -171,7 +173,7 @@ def _expected_ways(layout: Path, names, shape, mesh_sizes) -> list[int]:
     used: set[str] = set()
     ways = []
     for name, size in zip(names, shape):
-        rule = overrides.get(name, S.DEFAULT_RULES[name])
+        rule = overrides.get(name, SR.DEFAULT_RULES[name])
         axes = [] if rule is None else [rule] if isinstance(rule, str) else list(rule)
         axes = [a for a in axes if a not in used]
         n = math.prod(mesh_sizes[a] for a in axes)
@@ -185,8 +187,8 @@ def _expected_ways(layout: Path, names, shape, mesh_sizes) -> list[int]:
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda p: p.stem)
 def test_layout_matches_single_device_and_shards_as_rules_say(layout, tiny_dir, batch, single_device_logits, monkeypatch):
     mesh_cfg = _mesh_cfg(layout)
-    mesh = S.build_mesh(mesh_cfg)
-    rules = S.resolve_rules(mesh_cfg.sharding_rules)
+    mesh = SL.build_mesh(mesh_cfg)
+    rules = SR.resolve_rules(mesh_cfg.sharding_rules)
     from jaxrl_vlm.models.hf_io import load_hf_config
 
     cfg = load_hf_config(tiny_dir)
@@ -204,10 +206,10 @@ def test_layout_matches_single_device_and_shards_as_rules_say(layout, tiny_dir, 
         return real(shape, sharding, cb, *a, **kw)
 
     monkeypatch.setattr(jax, "make_array_from_callback", spy)
-    model = from_hf(tiny_dir, shardings_for=S.shardings_for(mesh, rules, cfg))
+    model = from_hf(tiny_dir, shardings_for=SL.shardings_for(mesh, rules, cfg))
     monkeypatch.undo()
 
-    want_shardings = dict(nnx.to_flat_state(S.param_shardings(model, mesh, rules)))
+    want_shardings = dict(nnx.to_flat_state(SL.param_shardings(model, mesh, rules)))
     sizes = dict(mesh.shape)
     per_device = 0
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
@@ -223,18 +225,18 @@ def test_layout_matches_single_device_and_shards_as_rules_say(layout, tiny_dir, 
         # the loader read only shard-sized blocks from the checkpoint, never the whole sharded tensor
         assert set(blocks[(tuple(shape), arr.sharding.spec)]) == {shard_shape}, path
         per_device += math.prod(shard_shape) * arr.dtype.itemsize
-    assert per_device == S.param_bytes_per_device(model, mesh, rules)
+    assert per_device == SL.param_bytes_per_device(model, mesh, rules)
 
     tokens, positions, mask, vision = batch
-    row_sh = S.batch_sharding(mesh, rules, ndim=2, row_axis=0)
-    pos_sh = S.batch_sharding(mesh, rules, ndim=3, row_axis=1)
+    row_sh = SL.batch_sharding(mesh, rules, ndim=2, row_axis=0)
+    pos_sh = SL.batch_sharding(mesh, rules, ndim=3, row_axis=1)
     vis_sh = jax.tree.map(lambda _: NamedSharding(mesh, P()), vision)
-    params_sh = S.param_shardings(model, mesh, rules)  # the model holds only Params: this is its whole state
+    params_sh = SL.param_shardings(model, mesh, rules)  # the model holds only Params: this is its whole state
     logits = _forward(model, tokens, positions, mask, vision, shardings=(params_sh, row_sh, pos_sh, vis_sh))
     real_tokens = mask.astype(bool)
     assert np.abs(single_device_logits).max() > 1.0  # non-trivial logits, so 1e-5 means something
     np.testing.assert_allclose(logits[real_tokens], single_device_logits[real_tokens], atol=1e-5, rtol=0)
-    shards = S.row_multiple(mesh, rules)
+    shards = SL.row_multiple(mesh, rules)
     assert jax.device_put(tokens, row_sh).addressable_shards[0].data.shape == (B // shards, T)
 
 
@@ -247,7 +249,7 @@ def test_every_layout_shards_something_except_dp():
     per_device = {}
     for layout in LAYOUTS:
         mesh_cfg = _mesh_cfg(layout)
-        per_device[layout.stem] = S.param_bytes_per_device(model, S.abstract_mesh(mesh_cfg, 8), S.resolve_rules(mesh_cfg.sharding_rules))
+        per_device[layout.stem] = SL.param_bytes_per_device(model, SL.abstract_mesh(mesh_cfg, 8), SR.resolve_rules(mesh_cfg.sharding_rules))
     assert per_device["dp"] == total
     assert per_device["fsdp"] < total / 7
     assert per_device["fsdp_tp"] < total / 5
@@ -259,14 +261,14 @@ def test_shard_model_places_a_fresh_init():
 
     model = init_tiny_model(tiny_model_config(), seed=1)
     before = {p: np.asarray(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
-    mesh = S.build_mesh(_sizes(fsdp=-1, tensor=2))
-    S.shard_model(model, mesh, S.DEFAULT_RULES)
+    mesh = SL.build_mesh(_sizes(fsdp=-1, tensor=2))
+    SL.shard_model(model, mesh, SR.DEFAULT_RULES)
     q = model.layers[0].attn.q_kernel_dnh.get_value()
     assert q.sharding.spec == P("fsdp", "tensor") and q.addressable_shards[0].data.shape == (16, 2, 16)
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         np.testing.assert_array_equal(np.asarray(var.get_value()), before[path])
     # the from_hf callback resolves exactly when given a shape, and by table lookup without one
-    lookup = S.shardings_for(S.build_mesh(_sizes(tensor=-1)), S.DEFAULT_RULES)
+    lookup = SL.shardings_for(SL.build_mesh(_sizes(tensor=-1)), SR.DEFAULT_RULES)
     assert lookup(("embed", "heads", "head_dim"), (64, 4, 16)).spec == P()  # 4 heads on 8-way tensor: whole
     assert lookup(("embed", "heads", "head_dim")).spec == P(None, "tensor")
 
@@ -278,11 +280,11 @@ def test_optimizer_state_shards_like_its_parameters():
 
     model = init_tiny_model(tiny_model_config(), seed=1)
     names = {n for _, v in nnx.to_flat_state(nnx.state(model, nnx.Param)) for n in v.get_metadata()["out_sharding"]}
-    assert names <= set(S.PARAM_LOGICAL_AXES) and set(S.DEFAULT_RULES) == set(S.PARAM_LOGICAL_AXES) | {S.BATCH_AXIS}
-    mesh = S.build_mesh(_sizes(fsdp=-1, tensor=2))
+    assert names <= set(SR.PARAM_LOGICAL_AXES) and set(SR.DEFAULT_RULES) == set(SR.PARAM_LOGICAL_AXES) | {SR.BATCH_AXIS}
+    mesh = SL.build_mesh(_sizes(fsdp=-1, tensor=2))
     optimizer = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
     state = nnx.state(optimizer)
-    placed = jax.device_put(state, S.state_shardings(state, mesh, S.DEFAULT_RULES))
+    placed = jax.device_put(state, SL.state_shardings(state, mesh, SR.DEFAULT_RULES))
     flat = dict(nnx.to_flat_state(placed))
     for moment in ("mu", "nu"):
         arr = flat[("opt_state", 0, moment, "layers", 0, "mlp", "down_kernel_fd")].get_value()
@@ -294,7 +296,7 @@ def test_optimizer_state_shards_like_its_parameters():
 
 
 def test_batch_tree_shardings_split_rows_only():
-    mesh = S.build_mesh(_sizes(data=2, fsdp=2, tensor=2))
+    mesh = SL.build_mesh(_sizes(data=2, fsdp=2, tensor=2))
     k, r, t, p = 2, 4, 16, 32
     tree = {
         "tokens": np.zeros((k, r, t), np.int32),
@@ -303,27 +305,27 @@ def test_batch_tree_shardings_split_rows_only():
         "vision": {"pixel_values": np.zeros((k, p, 1536), np.float32), "image_token_index": np.zeros((k, p // 4), np.int32)},
         "num_tokens": np.zeros((), np.int32),
     }
-    sh = S.batch_shardings(tree, mesh)
+    sh = SL.batch_shardings(tree, mesh)
     assert sh["tokens"].spec == P(None, ("data", "fsdp"))
     assert sh["positions"].spec == P(None, None, ("data", "fsdp"))
     assert sh["vision"]["pixel_values"].spec == P() and sh["num_tokens"].spec == P()
-    placed = S.put_batch(tree, mesh)
+    placed = SL.put_batch(tree, mesh)
     assert placed["tokens"].addressable_shards[0].data.shape == (k, r // 4, t)
     assert placed["positions"].addressable_shards[0].data.shape == (k, 3, r // 4, t)
-    assert S.row_multiple(mesh) == 4
-    with pytest.raises(S.ShardingError, match=r"tokens has 6 rows .* not a multiple of the 4 batch shards"):
-        S.batch_shardings({"tokens": np.zeros((k, 6, t), np.int32)}, mesh)
+    assert SL.row_multiple(mesh) == 4
+    with pytest.raises(SR.ShardingError, match=r"tokens has 6 rows .* not a multiple of the 4 batch shards"):
+        SL.batch_shardings({"tokens": np.zeros((k, 6, t), np.int32)}, mesh)
     # a layout may move rows to other axes
-    rows_on_data = S.resolve_rules({"batch": "data"})
-    assert S.row_multiple(mesh, rows_on_data) == 2
-    assert S.batch_sharding(mesh, rows_on_data).spec == P(None, "data")
+    rows_on_data = SR.resolve_rules({"batch": "data"})
+    assert SL.row_multiple(mesh, rows_on_data) == 2
+    assert SL.batch_sharding(mesh, rows_on_data).spec == P(None, "data")
 
 
 def test_activation_constraints_apply_only_inside_their_context():
     from jaxrl_vlm.models.activation_sharding import ROWS_MLP, ActivationSharding, activation_sharding, constrain
 
-    mesh = S.build_mesh(_sizes(data=2, fsdp=2, tensor=2))
-    spec = ActivationSharding.create(mesh, S.resolve_rules())
+    mesh = SL.build_mesh(_sizes(data=2, fsdp=2, tensor=2))
+    spec = ActivationSharding.create(mesh, SR.resolve_rules())
     x = jax.device_put(np.ones((8, 4, 6), np.float32), NamedSharding(mesh, P()))
     assert constrain(x, ROWS_MLP) is x  # no context: the engine and eager code are untouched
 
@@ -341,7 +343,7 @@ def test_activation_constraints_apply_only_inside_their_context():
     with activation_sharding(spec), pytest.raises(ValueError, match="do not match shape"):
         constrain(x, ("batch", None))
     off = load_config(None, ["--mesh-config", str(REPO / "configs/mesh/fsdp.yaml"), "--activation-constraints", "false"])
-    assert ActivationSharding.from_config(off.mesh, mesh, S.resolve_rules()) is None
+    assert ActivationSharding.from_config(off.mesh, mesh, SR.resolve_rules()) is None
 
 
 # ----------------------------------------------------------------------------- goldens
@@ -358,8 +360,8 @@ def test_layout_matches_its_golden(layout):
     from jaxrl_vlm.tiny import tiny_model_config
 
     golden = json.loads((GOLDENS / f"{layout.stem}.json").read_text())
-    current = json.loads(S.format_dump(S.dump_shardings(tiny_model_config(), _mesh_cfg(layout), 8)))
-    diff = S.diff_shardings(golden, current)
+    current = json.loads(SG.format_dump(SG.dump_shardings(tiny_model_config(), _mesh_cfg(layout), 8)))
+    diff = SG.diff_shardings(golden, current)
     assert not diff, (
         f"{layout.name} re-shards the tiny model ({len(diff)} changes):\n  " + "\n  ".join(diff[:40])
         + f"\nIf intended, regenerate the goldens: {REGENERATE}"
@@ -370,9 +372,9 @@ def test_golden_diff_names_the_resharded_tensor():
     from jaxrl_vlm.tiny import tiny_model_config
 
     cfg = _mesh_cfg(REPO / "configs" / "mesh" / "fsdp_tp.yaml")
-    golden = S.dump_shardings(tiny_model_config(), cfg, 8)
+    golden = SG.dump_shardings(tiny_model_config(), cfg, 8)
     cfg.sharding_rules = dict(cfg.sharding_rules, mlp=None)
-    diff = S.diff_shardings(golden, S.dump_shardings(tiny_model_config(), cfg, 8))
+    diff = SG.diff_shardings(golden, SG.dump_shardings(tiny_model_config(), cfg, 8))
     assert "params.layers.0.mlp.gate_kernel_df.spec: golden ['fsdp', 'tensor'] != now ['fsdp', None]" in diff
     assert any(line.startswith("rules.mlp:") for line in diff)
 
@@ -406,11 +408,11 @@ def test_2b_fsdp_bytes_per_device_without_allocating():
     n = param_count(cfg)
     assert 2.10e9 < n < 2.15e9
     mesh_cfg = _mesh_cfg(REPO / "configs" / "mesh" / "fsdp.yaml")
-    mesh = S.build_mesh(mesh_cfg)
-    rules = S.resolve_rules(mesh_cfg.sharding_rules)
-    ours = S.param_bytes_per_device(model, mesh, rules)
+    mesh = SL.build_mesh(mesh_cfg)
+    rules = SR.resolve_rules(mesh_cfg.sharding_rules)
+    ours = SL.param_bytes_per_device(model, mesh, rules)
     # JAX's own shard shapes for the same shardings, summed
-    shardings = dict(nnx.to_flat_state(S.param_shardings(model, mesh, rules)))
+    shardings = dict(nnx.to_flat_state(SL.param_shardings(model, mesh, rules)))
     by_jax = 0
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         shape = var.get_value().shape
@@ -425,5 +427,5 @@ def test_2b_fsdp_bytes_per_device_without_allocating():
 def test_2b_needs_no_fallback_on_8_devices(layout, abstract_2b):
     """The presets divide every dimension of the real model they mean to split (fallbacks are for tiny models)."""
     mesh_cfg = _mesh_cfg(layout)
-    layouts = S.param_layouts(abstract_2b, S.abstract_mesh(mesh_cfg, 8), S.resolve_rules(mesh_cfg.sharding_rules))
+    layouts = SL.param_layouts(abstract_2b, SL.abstract_mesh(mesh_cfg, 8), SR.resolve_rules(mesh_cfg.sharding_rules))
     assert [(p.path, p.notes) for p in layouts if p.notes] == []

@@ -21,8 +21,8 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from jaxrl_vlm.data import generate_rows, load_prompt_dataset, make_dataset
-from jaxrl_vlm.data.synthetic import FAMILIES, format_radical, format_tenth, simplify_sqrt
+from envs.geo3k.synthetic import FAMILIES, format_radical, format_tenth, generate_rows, make_dataset, simplify_sqrt
+from jaxrl_vlm.data import load_prompt_dataset
 
 N_ROWS = 200
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxrl_vlm.config import load_config
-from jaxrl_vlm.rl.trainer import Trainer
+from jaxrl_vlm.job.trainer import Trainer
 from _train_samples import train_samples
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,7 +52,7 @@ def test_layout_matches_one_device(tiny_dir, baseline, layout):
     samples, (ref_metrics, ref_params) = baseline
     metrics, params = _trajectory(tiny_dir, samples, ["--mesh-config", str(layout)], jax.devices())
     for step, (got, want) in enumerate(zip(metrics, ref_metrics)):
-        for key in ("train/loss_total", "train/kl_loss", "train/entropy", "train/grad_norm", "train/pg_loss"):
+        for key in ("train/loss_total", "train/kl_loss", "train/entropy_loss", "train/grad_norm", "train/pg_loss"):
             assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-5), (layout.stem, step, key)
     # The KL term is live after the first update (the policy moved away from the reference).
     assert ref_metrics[-1]["train/kl_loss"] > 0
@@ -73,7 +73,7 @@ def test_fused_attention_under_fsdp_tp_matches_xla_on_one_device(tiny_dir, basel
         tiny_dir, samples, ["--mesh-config", str(layout), "--attention-impl", "pallas_gpu"], jax.devices()
     )
     for step, (got, want) in enumerate(zip(metrics, ref_metrics)):
-        for key in ("train/loss_total", "train/kl_loss", "train/entropy", "train/grad_norm", "train/pg_loss"):
+        for key in ("train/loss_total", "train/kl_loss", "train/entropy_loss", "train/grad_norm", "train/pg_loss"):
             assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-5), (step, key)
     diffs = jax.tree.leaves(jax.tree.map(lambda a, b: float(np.max(np.abs(a - b))), params, ref_params))
     assert max(diffs) < 1e-3

@@ -18,7 +18,7 @@ from _train_samples import train_samples
 
 from jaxrl_vlm.checkpoint import CheckpointStore, abstract_like
 from jaxrl_vlm.config import load_config
-from jaxrl_vlm.rl.trainer import Trainer
+from jaxrl_vlm.job.trainer import Trainer
 from jaxrl_vlm.sglang_launcher import SGLangLaunchError, SGLangProcess
 from jaxrl_vlm.weight_sync import WeightSyncer, WeightSyncFailed, version_dir
 from rollout.client import RetryPolicy, SGLangClient

@@ -14,6 +14,9 @@ import os
 import sys
 from typing import Any
 
+from jaxrl_vlm.bench.flops import MODEL_SHAPES  # jax-free, like this module
+from jaxrl_vlm.config import ConfigError
+
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 
@@ -23,12 +26,12 @@ def add_bench_parser(sub: Any) -> None:
     targets = p.add_subparsers(dest="bench_command", required=True)
     s = targets.add_parser("sharding", help="Compare mesh layouts: step time, memory, FLOPs/MFU, collective bytes.")
     s.usage = (
-        "jaxrl-vlm bench sharding --config CONFIG --layouts configs/mesh/*.yaml [--model tiny|small|qwen3_vl_2b] "
+        f"jaxrl-vlm bench sharding --config CONFIG --layouts configs/mesh/*.yaml [--model {'|'.join(MODEL_SHAPES)}] "
         "[--steps N] [--out DIR] [--flag value ...]"
     )
     s.add_argument("--config", default=None, help="Run config YAML (loss, optimizer, dtypes, remat, micro-batch size).")
     s.add_argument("--layouts", nargs="+", required=True, help="Mesh layout YAML files (configs/mesh/*.yaml).")
-    s.add_argument("--model", choices=("tiny", "small", "qwen3_vl_2b"), default="tiny",
+    s.add_argument("--model", choices=MODEL_SHAPES, default="tiny",
                    help="Model shape (random init; qwen3_vl_2b is the real 2B architecture).")
     s.add_argument("--steps", type=int, default=3, help="Timed steps per layout (median reported).")
     s.add_argument("--warmup", type=int, default=1, help="Untimed steps before timing.")
@@ -58,12 +61,11 @@ def simulate_cpu_devices(n: int) -> None:
 
 
 def run_bench_command(ns: argparse.Namespace, rest: list[str]) -> int:
-    from jaxrl_vlm.config import ConfigError
-
     if ns.bench_command != "sharding":
         raise ConfigError(f"bench: unknown target {ns.bench_command!r}")
     if ns.simulate_cpu_devices:
         simulate_cpu_devices(ns.simulate_cpu_devices)
+    # Local on purpose: jax must be imported after `simulate_cpu_devices` has set XLA_FLAGS.
     import jax
 
     from jaxrl_vlm.bench.sharding_bench import BenchOptions, format_table, run_sharding_bench, write_outputs

@@ -1,4 +1,4 @@
-"""Model shapes the benchmark accepts, and the analytic FLOPs of one train step.
+"""Model shape names the benchmark accepts, and the analytic FLOPs of one train step.
 
 Why analytic FLOPs: XLA's `compiled.cost_analysis()` counts a `while` body once, whatever its trip
 count (measured: a 16-step `lax.scan` of matmuls reports the FLOPs of one step), and the train step
@@ -17,56 +17,11 @@ perfectly packed batch would need (`batching` reports padding efficiency separat
 
 from __future__ import annotations
 
-from jaxrl_vlm.models.config import Qwen3VLConfig, TextConfig, VisionConfig
+from jaxrl_vlm.models.config import MODEL_PRESETS, Qwen3VLConfig, TextConfig, VisionConfig
 
-MODEL_SHAPES: tuple[str, ...] = ("tiny", "small", "qwen3_vl_2b")
-
-
-def small_model_config() -> Qwen3VLConfig:
-    """A few layers at hidden 256 (4 heads of 64, GQA 2): compiles in seconds, shards over 8 devices."""
-    vocab = 8192
-    return Qwen3VLConfig(
-        text=TextConfig(
-            vocab_size=vocab,
-            hidden_size=256,
-            intermediate_size=768,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=64,
-            mrope_section=(12, 10, 10),  # Qwen3-VL's 24:20:20 split of the rotary half (32)
-        ),
-        vision=VisionConfig(
-            depth=2,
-            hidden_size=128,
-            intermediate_size=512,
-            num_heads=2,
-            out_hidden_size=256,
-            num_position_embeddings=256,
-            deepstack_visual_indexes=(0, 1),
-        ),
-        image_token_id=vocab - 4,
-        video_token_id=vocab - 3,
-        vision_start_token_id=vocab - 2,
-        vision_end_token_id=vocab - 1,
-        bos_token_id=None,
-        eos_token_id=None,
-    )
-
-
-def model_config(name: str) -> Qwen3VLConfig:
-    """`tiny` (the make-tiny model), `small` (hidden 256) or `qwen3_vl_2b` (the real 2B architecture)."""
-    if name == "tiny":
-        from jaxrl_vlm.tiny import tiny_model_config
-
-        return tiny_model_config()
-    if name == "small":
-        return small_model_config()
-    if name == "qwen3_vl_2b":
-        from jaxrl_vlm.models.config import qwen3_vl_2b_instruct
-
-        return qwen3_vl_2b_instruct()
-    raise ValueError(f"unknown model shape {name!r}; choose one of {MODEL_SHAPES}")
+# `--model` names: the tiny test model (`jaxrl_vlm.tiny`) and the architecture presets of
+# `jaxrl_vlm.models.config`; `sharding_bench.model_config` builds them.
+MODEL_SHAPES: tuple[str, ...] = ("tiny", *MODEL_PRESETS)
 
 
 def text_layer_weights(t: TextConfig) -> int:

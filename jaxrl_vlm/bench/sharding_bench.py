@@ -44,20 +44,23 @@ from jaxrl_vlm.bench import hlo
 from jaxrl_vlm.bench.peak import device_memory_bytes, known_peak_flops, measure_matmul_peak, peak_bytes_in_use
 from jaxrl_vlm.bench.synthetic import episode_shape_for, synthetic_samples
 from jaxrl_vlm.config import Config, load_config
-from jaxrl_vlm.models.config import Qwen3VLConfig
+from jaxrl_vlm.job.trainer import aggregation_constant, sample_advantages, sequences_bucket
+from jaxrl_vlm.job.trainer import step_config as learner_step_config
+from jaxrl_vlm.models.activation_sharding import ActivationSharding
+from jaxrl_vlm.models.config import Qwen3VLConfig, preset_config
+from jaxrl_vlm.models.hf_io import param_count
 from jaxrl_vlm.models.qwen3_vl import Qwen3VL
-from jaxrl_vlm.sharding import (
-    MESH_AXES,
-    Rules,
-    ShardingError,
+from jaxrl_vlm.rl.train_step import TrainState, make_optimizer, train_step
+from jaxrl_vlm.sharding.layout import (
     batch_shardings,
     build_mesh,
     param_bytes_per_device,
     param_shardings,
-    resolve_rules,
     row_multiple,
     state_shardings,
 )
+from jaxrl_vlm.sharding.rules import MESH_AXES, Rules, ShardingError, resolve_rules
+from jaxrl_vlm.tiny import tiny_model_config
 from rollout.sample import Sample
 
 logger = logging.getLogger(__name__)
@@ -189,6 +192,16 @@ class BenchReport:
     info: dict[str, Any]
 
 
+def model_config(name: str) -> Qwen3VLConfig:
+    """The config of `--model NAME` (one of `flops.MODEL_SHAPES`): `tiny` (the make-tiny model) or an
+    architecture preset of `jaxrl_vlm.models.config` (`small`, `qwen3_vl_2b`)."""
+    if name == "tiny":
+        return tiny_model_config()
+    if name not in flops_lib.MODEL_SHAPES:
+        raise ValueError(f"unknown model shape {name!r}; choose one of {flops_lib.MODEL_SHAPES}")
+    return preset_config(name)
+
+
 # ----------------------------------------------------------------------------- state without a checkpoint
 
 
@@ -231,8 +244,6 @@ def plan_state(model_cfg: Qwen3VLConfig, cfg: Config, mesh: jax.sharding.Mesh, r
     Same layout as `Trainer.build_policy`, built from shapes so a layout can be compiled and sized before
     any memory is used (the trainer loads a checkpoint instead).
     """
-    from jaxrl_vlm.rl.train_step import TrainState, make_optimizer
-
     kwargs = _model_kwargs(cfg)
     abstract_model = nnx.eval_shape(lambda: Qwen3VL(model_cfg, rngs=nnx.Rngs(0), **kwargs))
     graphdef, params = nnx.split(abstract_model, nnx.Param)
@@ -278,8 +289,6 @@ def host_params(abstract_params: Any, seed: int) -> Any:
 def init_state(plan: StatePlan, params_on_host: Any, seed: int) -> Any:
     """TrainState on the mesh: host parameters sent shard by shard to their devices (never whole on one
     device), Adam moments created in place by a jitted `tx.init` with the planned output shardings."""
-    from jaxrl_vlm.rl.train_step import TrainState
-
     params = jax.device_put(params_on_host, plan.shardings.params)
     opt_state = jax.jit(plan.tx.init, out_shardings=plan.shardings.opt_state)(params)
     step = jax.device_put(np.zeros((), np.int32), plan.shardings.step)
@@ -299,8 +308,6 @@ def bench_samples(model_cfg: Qwen3VLConfig, opts: BenchOptions, packing: bool) -
 
 def bench_batch(samples: list[Sample], model_cfg: Qwen3VLConfig, cfg: Config, opts: BenchOptions, multiple: int) -> TrainBatch:
     """The fixed-shape batch: one seq bucket (`seq_len`), one row bucket (`rows`), patch buckets in steps of 256."""
-    from jaxrl_vlm.rl.trainer import aggregation_constant, sample_advantages
-
     unit = 64 * model_cfg.vision.merge_unit
     total = sum(int(np.prod(s.multimodal_train_inputs["image_grid_thw"], axis=1).sum()) for s in samples)
     patch_buckets = [0, *range(unit, -(-total // unit) * unit + unit, unit)]
@@ -321,17 +328,9 @@ def bench_batch(samples: list[Sample], model_cfg: Qwen3VLConfig, cfg: Config, op
 
 
 def step_config(cfg: Config, batch: TrainBatch, mesh: jax.sharding.Mesh, rules: Rules) -> Any:
-    """The trainer's StepConfig for this batch (loss registry entry, loss options, chunking, activation constraints)."""
-    from jaxrl_vlm.models.activation_sharding import ActivationSharding
-    from jaxrl_vlm.rl.train_step import StepConfig
-    from jaxrl_vlm.rl.trainer import loss_config, sequences_bucket
-
-    num_sequences = sequences_bucket(batch.layout.max_sequences_per_micro_batch)
-    return StepConfig(
-        loss_name=cfg.algo.policy_loss,
-        loss=loss_config(cfg, num_sequences),
-        logprob_chunk_size=cfg.model.logprob_chunk_size,
-        need_entropy=cfg.algo.entropy_coef > 0,
+    """The trainer's StepConfig for this batch (the learner's own function, so the bench times the real step)."""
+    return learner_step_config(
+        cfg, sequences_bucket(batch.layout.max_sequences_per_micro_batch),
         old_from_current=cfg.train.num_steps_per_rollout == 1,
         activations=ActivationSharding.from_config(cfg.mesh, mesh, rules),
     )
@@ -399,8 +398,6 @@ def bench_layout(
     """Compile, size and (when it fits) run the train step under one layout; never raises for a layout
     that cannot be built or does not fit, only for bugs. `params_cache` shares the host parameters between
     layouts of one run (they depend only on the model shape, dtype and seed)."""
-    from jaxrl_vlm.rl.train_step import train_step
-
     res = LayoutResult(layout=Path(layout).stem, status=UNBUILDABLE, devices=len(devices), model=opts.model)
     try:
         mesh = build_mesh(cfg.mesh, devices)
@@ -502,13 +499,11 @@ def run_sharding_bench(
         raise ValueError("no layouts given (pass mesh YAML files, e.g. configs/mesh/*.yaml)")
     devices = list(jax.devices() if devices is None else devices)
     base = load_config(config_path, list(overrides))
-    model_cfg = flops_lib.model_config(opts.model)
+    model_cfg = model_config(opts.model)
     samples = bench_samples(model_cfg, opts, base.batching.packing)
     peaks: dict[str, float | None] = {"measured": None, "known": known_peak_flops(devices[0], base.model.compute_dtype)}
     if opts.measure_peak and not opts.compile_only:
         peaks["measured"] = measure_matmul_peak(devices[0], base.model.compute_dtype)
-    from jaxrl_vlm.models.hf_io import param_count
-
     device_bytes, device_bytes_source = device_memory_bytes(devices[0])
     info: dict[str, Any] = {
         "config": config_path,
@@ -610,7 +605,7 @@ def write_json(report: BenchReport, path: Path) -> None:
 
 def write_chart(report: BenchReport, path: Path) -> None:
     """Four panels per layout: step time, per-device memory (vs the device's), collective bytes by kind, MFU."""
-    import matplotlib
+    import matplotlib  # optional plotting dependency, only needed for the chart
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

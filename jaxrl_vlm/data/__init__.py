@@ -1,9 +1,11 @@
-"""Prompt datasets: Geometry3K loader, prompt instructions and the synthetic geo3k generator.
+"""Prompt datasets: the Geometry3K-layout loader (parquet/jsonl), task prompts loaded by path, PromptIterator.
 
+A task's own prompt (system prompt, tools) and its synthetic data live with the task (`envs/geo3k/`).
 Nothing here imports jax: rollout hosts load datasets too.
 """
 
 from jaxrl_vlm.data.geo3k import (
+    PROMPT_STYLES,
     DatasetError,
     PromptDataset,
     PromptIterator,
@@ -12,23 +14,22 @@ from jaxrl_vlm.data.geo3k import (
     image_to_data_url,
     load_geo3k_dataset,
     load_prompt_dataset,
+    load_styled_dataset,
+    load_task_dataset,
+    load_task_prompt,
 )
-from jaxrl_vlm.data.prompts import GEO3K_SYSTEM_PROMPT, GEO3K_TOOL_NAME, GEO3K_TOOLS, GEO3K_USER_INSTRUCTION
-from jaxrl_vlm.data.synthetic import generate_rows, make_dataset
 
 __all__ = [
+    "PROMPT_STYLES",
     "DatasetError",
-    "GEO3K_SYSTEM_PROMPT",
-    "GEO3K_TOOLS",
-    "GEO3K_TOOL_NAME",
-    "GEO3K_USER_INSTRUCTION",
     "PromptDataset",
     "PromptIterator",
     "build_messages",
     "data_url_to_image",
-    "generate_rows",
     "image_to_data_url",
     "load_geo3k_dataset",
     "load_prompt_dataset",
-    "make_dataset",
+    "load_styled_dataset",
+    "load_task_dataset",
+    "load_task_prompt",
 ]

@@ -12,6 +12,10 @@ composited onto white, so transparent diagrams do not turn black) and re-encoded
 losslessly as a PNG data URL: the Sample stays JSON-serialisable and the engine
 decodes exactly the pixels the trainer's processor sees.
 
+What a task adds to each prompt (system prompt, tool schema, instruction) is not defined here: it is
+the `TASK_PROMPT` of the task module (e.g. `envs.geo3k`), imported by path like the env
+(`load_task_dataset`, `load_styled_dataset` for `--prompt-style`).
+
 This module never imports jax: rollout hosts load datasets too.
 """
 
@@ -34,6 +38,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image
 
+from envs.base import TaskPrompt
+from rollout.loading import LoadError, load_module
 from rollout.sample import Sample
 
 logger = logging.getLogger(__name__)
@@ -332,7 +338,7 @@ def load_prompt_dataset(
     on_bad_row: "error" raises DatasetError at the first bad row (naming file, row
     and cause); "skip" drops bad rows, records them in `dataset.skipped` and logs
     one warning. max_rows: keep at most this many usable rows (None = all).
-    instruction: optional text appended to each user message (e.g. GEO3K_USER_INSTRUCTION).
+    instruction: optional text appended to each user message (e.g. envs.geo3k's GEO3K_USER_INSTRUCTION).
     """
     if on_bad_row not in BAD_ROW_POLICIES:
         raise DatasetError(f"on_bad_row must be one of {BAD_ROW_POLICIES}, got {on_bad_row!r}")
@@ -388,13 +394,54 @@ def load_prompt_dataset(
     return PromptDataset(prompts, source=path, tools=tools, skipped=skipped)
 
 
-def load_geo3k_dataset(path: str, **overrides: Any) -> PromptDataset:
-    """`load_prompt_dataset` with the Geometry3K defaults: tool-calling system prompt and GEO3K_TOOLS."""
-    from jaxrl_vlm.data.prompts import GEO3K_SYSTEM_PROMPT, GEO3K_TOOLS
+# ------------------------------------------------------------------------------ tasks
+#: `--prompt-style` -> the task module (loaded by path, like the env) whose `TASK_PROMPT` shapes each
+#: prompt; None: the bare problem (and the configured system prompt, if any).
+GEO3K_TASK = "envs.geo3k"
+PROMPT_STYLES: dict[str, str | None] = {"geo3k": GEO3K_TASK, "plain": None}
 
-    kwargs: dict[str, Any] = {"system_prompt": GEO3K_SYSTEM_PROMPT, "tools": GEO3K_TOOLS}
+
+def load_task_prompt(task: str) -> TaskPrompt:
+    """The `TASK_PROMPT` of the task module `task` (a dotted module name or a `.py` file)."""
+    try:
+        module = load_module(task, "--prompt-style")
+    except LoadError as exc:
+        raise DatasetError(str(exc)) from exc
+    prompt = getattr(module, "TASK_PROMPT", None)
+    if not isinstance(prompt, TaskPrompt):
+        raise DatasetError(f"task module {task!r} has no TASK_PROMPT (an envs.base.TaskPrompt), got {type(prompt).__name__}")
+    return prompt
+
+
+def load_task_dataset(path: str, task: str, **overrides: Any) -> PromptDataset:
+    """`load_prompt_dataset` with the task's `TASK_PROMPT` (system prompt, tools, instruction); `overrides` win."""
+    prompt = load_task_prompt(task)
+    kwargs: dict[str, Any] = {
+        "system_prompt": prompt.system_prompt, "tools": prompt.tools, "instruction": prompt.instruction,
+    }
     kwargs.update(overrides)
     return load_prompt_dataset(path, **kwargs)
+
+
+def load_geo3k_dataset(path: str, **overrides: Any) -> PromptDataset:
+    """`load_task_dataset` of the Geometry3K task (`envs.geo3k`): tool-calling system prompt and tool schema."""
+    return load_task_dataset(path, GEO3K_TASK, **overrides)
+
+
+def load_styled_dataset(path: str, prompt_style: str, *, system_prompt: str | None = None,
+                        **kwargs: Any) -> PromptDataset:
+    """The dataset as `--prompt-style` and `--system-prompt` configure it.
+
+    "plain": the bare problem, with `system_prompt` as the system message when it is not None. A task
+    style (a `PROMPT_STYLES` name, or a task module path): the task's `TASK_PROMPT`, with a non-empty
+    `system_prompt` replacing the task's own.
+    """
+    if prompt_style not in PROMPT_STYLES and "." not in prompt_style:  # a module path has a dot (or ends in .py)
+        raise DatasetError(f"unknown prompt style {prompt_style!r}: one of {sorted(PROMPT_STYLES)} or a task module path")
+    task = PROMPT_STYLES.get(prompt_style, prompt_style)
+    if task is None:
+        return load_prompt_dataset(path, system_prompt=system_prompt, **kwargs)
+    return load_task_dataset(path, task, **kwargs, **({"system_prompt": system_prompt} if system_prompt else {}))
 
 
 # --------------------------------------------------------------------------- iterator

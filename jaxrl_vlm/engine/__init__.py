@@ -1,13 +1,14 @@
 """Embedded JAX inference engine serving SGLang's native HTTP API (see `server.py`).
 
 Slotted KV cache (`forward.py`), per-row sampling (`sampling.py`), compiled programs per shape bucket
-(`runner.py`), continuous batching (`scheduler.py`), prefix caching across turns (`prefix_cache.py`),
-SGLang wire format (`protocol.py`).
+(`runner.py`), continuous batching (`scheduler.py`, fed typed messages from `inbox.py`), prefix caching
+across turns (`prefix_cache.py`), options shared by `train` and `serve` (`options.py`). The wire format is
+`rollout.sglang_wire`; `protocol.py` holds the engine's side of it (refusals, prompt preparation).
 """
 
-from jaxrl_vlm.engine.config import EngineConfig
 from jaxrl_vlm.engine.core import Engine
+from jaxrl_vlm.engine.options import EngineOptions
 from jaxrl_vlm.engine.scheduler import EngineStats
 from jaxrl_vlm.engine.server import EmbeddedEngine, build_app, serve
 
-__all__ = ["EmbeddedEngine", "Engine", "EngineConfig", "EngineStats", "build_app", "serve"]
+__all__ = ["EmbeddedEngine", "Engine", "EngineOptions", "EngineStats", "build_app", "serve"]

@@ -8,11 +8,12 @@ import os
 from pathlib import Path
 from typing import Any
 
-from jaxrl_vlm.engine.config import EngineConfig
+from jaxrl_vlm.engine.options import EngineOptions
 from jaxrl_vlm.engine.protocol import PromptPreparer
 from jaxrl_vlm.engine.runner import ModelRunner
 from jaxrl_vlm.engine.scheduler import Scheduler
 from jaxrl_vlm.models.hf_io import from_hf
+from rollout.processing import load_image_processor, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -36,11 +37,9 @@ class Engine:
     """Everything `/generate` needs, loaded from an HF Qwen3-VL directory (weights, config.json,
     tokenizer files, optional preprocessor_config.json for images)."""
 
-    def __init__(self, model_dir: str | os.PathLike, config: EngineConfig | None = None, *, weight_version: str = "default"):
-        from rollout.processing import load_image_processor, load_tokenizer
-
+    def __init__(self, model_dir: str | os.PathLike, config: EngineOptions | None = None, *, weight_version: str = "default"):
         self.model_path = str(model_dir)
-        self.config = config or EngineConfig()
+        self.config = config or EngineOptions()
         model = from_hf(model_dir, param_dtype=self.config.jnp_param_dtype, compute_dtype=self.config.jnp_compute_dtype)
         self.cfg = model.cfg
         self.tokenizer = load_tokenizer(model_dir)

@@ -37,12 +37,6 @@ def init_cache(cfg: Qwen3VLConfig, slots: int, max_len: int, dtype: jnp.dtype) -
     return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
 
-def cache_bytes(cfg: Qwen3VLConfig, slots: int, max_len: int, dtype: jnp.dtype) -> int:
-    """Device memory the cache takes, for sizing `slots` x `max_len` before allocating."""
-    t = cfg.text
-    return 2 * t.num_hidden_layers * slots * max_len * t.num_key_value_heads * t.head_dim * jnp.dtype(dtype).itemsize
-
-
 def copy_rows(cache: KVCache, src: jax.Array, dst: jax.Array, rows: int) -> KVCache:
     """Rows [0, rows) of slot `src` copied into slot `dst` in every layer (`rows` static): a prefix
     shared with a warm slot, moved instead of recomputed."""

@@ -27,7 +27,7 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from jaxrl_vlm.engine.config import bucket_for
+from jaxrl_vlm.engine.options import bucket_for
 
 
 @dataclass(frozen=True)

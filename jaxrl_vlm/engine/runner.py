@@ -1,7 +1,7 @@
 """Device side of the engine: parameters, KV cache, logit-bias rows and the compiled programs.
 
 `ModelRunner` owns every device array and is driven by one thread (the scheduler's). It pads host
-inputs to the buckets of `EngineConfig`, calls one jitted program per step (prefill+sample for one
+inputs to the buckets of `EngineOptions`, calls one jitted program per step (prefill+sample for one
 prompt, or decode+sample for a batch of slots) and returns plain numpy results. Parameters are an
 `nnx.State` passed as an argument, so new weights swap in without recompiling.
 """
@@ -9,6 +9,7 @@ prompt, or decode+sample for a batch of slots) and returns plain numpy results. 
 from __future__ import annotations
 
 import collections
+import enum
 import os
 from typing import Any, Sequence
 
@@ -18,31 +19,42 @@ import numpy as np
 from flax import nnx
 
 from jaxrl_vlm.engine import forward
-from jaxrl_vlm.engine.config import EngineConfig, bucket_for
+from jaxrl_vlm.engine.options import EngineOptions, bucket_for
 from jaxrl_vlm.engine.sampling import SamplingRows, sample_tokens
 from jaxrl_vlm.engine.weights import load_params_state
 from jaxrl_vlm.models.config import Qwen3VLConfig
 from jaxrl_vlm.models.qwen3_vl import Qwen3VL
 from jaxrl_vlm.models.vision import VisionInputs, build_vision_inputs
 
-# Rows of the packed per-step arrays (one host->device transfer each for ints and floats).
-INT_ROWS = ("token", "length", "rope_delta", "top_k", "step", "seed")
-FLOAT_ROWS = ("temperature", "top_p", "min_p")
+class IntRow(enum.IntEnum):
+    """Rows of the packed int32 per-slot array (one host->device transfer per step); seeds travel as int32
+    bit patterns."""
+
+    TOKEN = 0
+    LENGTH = 1
+    ROPE_DELTA = 2
+    TOP_K = 3
+    STEP = 4
+    SEED = 5
 
 
-_I = {name: i for i, name in enumerate(INT_ROWS)}
-_F = {name: i for i, name in enumerate(FLOAT_ROWS)}
+class FloatRow(enum.IntEnum):
+    """Rows of the packed float32 per-slot array."""
+
+    TEMPERATURE = 0
+    TOP_P = 1
+    MIN_P = 2
 
 
 def _rows(ints: jax.Array, floats: jax.Array) -> SamplingRows:
-    """Sampling parameters from the packed arrays (seeds travel as int32 bit patterns)."""
+    """Sampling parameters from the packed arrays."""
     return SamplingRows(
-        temperature=floats[_F["temperature"]],
-        top_p=floats[_F["top_p"]],
-        top_k=ints[_I["top_k"]],
-        min_p=floats[_F["min_p"]],
-        seed=jax.lax.bitcast_convert_type(ints[_I["seed"]], jnp.uint32),
-        step=ints[_I["step"]],
+        temperature=floats[FloatRow.TEMPERATURE],
+        top_p=floats[FloatRow.TOP_P],
+        top_k=ints[IntRow.TOP_K],
+        min_p=floats[FloatRow.MIN_P],
+        seed=jax.lax.bitcast_convert_type(ints[IntRow.SEED], jnp.uint32),
+        step=ints[IntRow.STEP],
     )
 
 
@@ -75,7 +87,7 @@ class ModelRunner:
     ("extend", bucket, kv_len, patch_bucket), ("copy", rows), ("decode", batch, kv_len, filtered).
     """
 
-    def __init__(self, model: Qwen3VL, config: EngineConfig, banned_ids: Sequence[int]):
+    def __init__(self, model: Qwen3VL, config: EngineOptions, banned_ids: Sequence[int]):
         self.cfg = model.cfg
         self.config = config
         self.vocab_size = model.cfg.text.vocab_size
@@ -101,7 +113,9 @@ class ModelRunner:
 
         def decode_program(params, cache, bias, slots, ints, floats, *, kv_len, filtered):
             model = nnx.merge(graphdef, params)
-            cache, logits = forward.decode(model, cache, slots, ints[_I["token"]], ints[_I["length"]], ints[_I["rope_delta"]], kv_len)
+            cache, logits = forward.decode(
+                model, cache, slots, ints[IntRow.TOKEN], ints[IntRow.LENGTH], ints[IntRow.ROPE_DELTA], kv_len
+            )
             ids, lps = sample_tokens(logits, bias[slots], banned_v, _rows(ints, floats), filtered=filtered)
             return cache, ids, lps
 
@@ -137,7 +151,7 @@ class ModelRunner:
         (a reused prefix, whose images must lie wholly inside it); only [start, L) is computed and the
         vision tower runs only on the images there. start + the suffix's prefill bucket must fit in
         max_seq_len (`prefix_cache.fit_start`).
-        ints int32 [6] / floats float32 [3]: the slot's row of INT_ROWS / FLOAT_ROWS (token,
+        ints int32 [6] / floats float32 [3]: the slot's column of `IntRow` / `FloatRow` (token,
         length and rope_delta are unused here). bias_row float32 [V] or None (no bias).
         Returns (token id, its log-prob).
         """
@@ -183,17 +197,17 @@ class ModelRunner:
     def decode(self, slots: np.ndarray, ints: np.ndarray, floats: np.ndarray, filtered: bool) -> tuple[np.ndarray, np.ndarray]:
         """One decode step for the running requests in `slots` [n], padded to a batch bucket.
 
-        ints int32 [6, n], floats float32 [3, n]: their columns of INT_ROWS / FLOAT_ROWS. Returns ids
+        ints int32 [6, n], floats float32 [3, n]: their columns of `IntRow` / `FloatRow`. Returns ids
         int32 [n] and log-probs float32 [n].
         """
         n = int(slots.shape[0])
         b = bucket_for(n, self.config.batch_buckets, "running requests")
-        kv_len = bucket_for(int(ints[_I["length"]].max()) + 1, self.config.kv_buckets, "cached tokens")
+        kv_len = bucket_for(int(ints[IntRow.LENGTH].max()) + 1, self.config.kv_buckets, "cached tokens")
         batch_slots = np.zeros((b,), np.int32)
         batch_slots[:n] = slots
         batch_ints = np.zeros((ints.shape[0], b), np.int32)
         batch_ints[:, :n] = ints
-        batch_ints[_I["length"], n:] = self.config.max_seq_len  # padding rows: K/V writes dropped
+        batch_ints[IntRow.LENGTH, n:] = self.config.max_seq_len  # padding rows: K/V writes dropped
         batch_floats = np.zeros((floats.shape[0], b), np.float32)
         batch_floats[:, :n] = floats
         self.program_calls[("decode", b, kv_len, filtered)] += 1

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-GREEDY_TEMPERATURE = 1e-6  # SGLang: a temperature below this becomes greedy (top_k = 1)
+from rollout.sglang_wire import GREEDY_TEMPERATURE
 
 
 class SamplingRows(NamedTuple):
@@ -43,8 +43,9 @@ def token_logprobs_like_sglang(logits_bv: jax.Array, temperature_b: jax.Array) -
     SGLang (0.5.x, `SGLANG_RETURN_ORIGINAL_LOGPROB` unset) returns, for greedy rows,
     `log_softmax(logits)` and for sampled rows `log(softmax(logits / temperature))`: *after*
     temperature, *before* top-k / top-p / min-p filtering (older 0.4 releases also renormalised over
-    the top-p set; current ones do not). At temperature 1 this is the trainer's `token_logprobs`
-    (raw log-softmax), which is what importance-sampling corrections compare against.
+    the top-p set; current ones do not). The trainer scores tokens at the same temperature
+    (`token_logprobs(..., temperature=logprob_temperature(T))`), so importance-sampling corrections compare
+    one policy with itself.
 
     Deliberate difference: we compute it from the model's logits *without* `logit_bias` and without
     the engine's ban on vision tokens. SGLang adds the bias first; the trainer never sees a bias, so

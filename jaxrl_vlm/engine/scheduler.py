@@ -1,12 +1,12 @@
 """Continuous batching: one thread that admits, prefills, decodes and finishes requests.
 
-Every loop iteration (1) applies queued messages (new requests, aborts, control calls), (2) runs a
+Every loop iteration (1) applies the typed messages of its inbox (`inbox.py`: requests, aborts, control), (2) runs a
 pending weight update once nothing is decoding, (3) admits waiting requests into free KV slots
 (one prefill each, which samples their first token) and (4) runs ONE decode step for every active
 slot. Requests therefore join and leave between decode steps. A decode batch holds only the running
 slots (padded to a batch bucket), wherever they sit in the cache.
 
-Prefix cache (`EngineConfig.prefix_cache`): a finished request leaves its slot *warm* (free, its K/V
+Prefix cache (`EngineOptions.prefix_cache`): a finished request leaves its slot *warm* (free, its K/V
 kept, see `prefix_cache.py`). Admission finds the warm slot holding the longest reusable prefix of
 the prompt (if at least `prefix_cache_min_tokens`) and prefills only the rest: in that slot when the
 request continues its whole content, else after copying the prefix into an empty slot. Without a
@@ -36,15 +36,31 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from jaxrl_vlm.engine.inbox import (
+    AbortMsg,
+    ContinueMsg,
+    ControlMsg,
+    FlushMsg,
+    GenerateMsg,
+    LoadsMsg,
+    Message,
+    PauseMsg,
+    StopMsg,
+    UpdateWeightsMsg,
+)
 from jaxrl_vlm.engine.prefix_cache import ImageSpan, Match, PrefixCache, fit_start, image_spans
 from jaxrl_vlm.engine.protocol import GenerateOutput, GenerateRequest
-from jaxrl_vlm.engine.runner import FLOAT_ROWS, INT_ROWS, ModelRunner
+from jaxrl_vlm.engine.runner import FloatRow, IntRow, ModelRunner
+from rollout.sglang_wire import (
+    FinishReason,
+    FinishType,
+    PauseMode,
+    continued_answer,
+    paused_answer,
+    update_weights_answer,
+)
 
 logger = logging.getLogger(__name__)
-
-PAUSE_MODES = ("abort", "retract", "in_place")
-_I = {name: i for i, name in enumerate(INT_ROWS)}
-_F = {name: i for i, name in enumerate(FLOAT_ROWS)}
 
 
 @dataclass(eq=False)
@@ -92,14 +108,6 @@ class EngineStats:
     prefix_invalidations: int = 0  # times every warm slot was dropped (weights, flush, failures)
 
 
-@dataclass
-class _WeightUpdate:
-    model_path: str
-    weight_version: str | None
-    abort_all: bool
-    reply: Callable[[dict[str, Any]], None]
-
-
 class Scheduler:
     """Owns the request queues and the slot table; drives a `ModelRunner` from its own thread."""
 
@@ -119,7 +127,7 @@ class Scheduler:
         self.max_seq_len = runner.config.max_seq_len
         self.stats = EngineStats()
         self._rng = np.random.default_rng(runner.config.seed)
-        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self._waiting: deque[ActiveRequest] = deque()
         self._held: deque[ActiveRequest] = deque()  # arrived while paused; not yet the scheduler's
         self._running: dict[int, ActiveRequest] = {}
@@ -128,10 +136,10 @@ class Scheduler:
         self._prefix = PrefixCache()  # warm slots: free, with reusable K/V
         self._prefix_on = runner.config.prefix_cache
         self._cache_epoch = 0  # bumped whenever cached K/V stops matching the serving weights
-        self._paused: str | None = None
-        self._updates: deque[_WeightUpdate] = deque()
-        self._ints = np.zeros((len(INT_ROWS), self.max_batch), np.int32)
-        self._floats = np.zeros((len(FLOAT_ROWS), self.max_batch), np.float32)
+        self._paused: PauseMode | None = None
+        self._updates: deque[UpdateWeightsMsg] = deque()
+        self._ints = np.zeros((len(IntRow), self.max_batch), np.int32)
+        self._floats = np.zeros((len(FloatRow), self.max_batch), np.float32)
         self._filtered = np.zeros((self.max_batch,), bool)
         self._stop = False
         self._closed = False
@@ -149,7 +157,7 @@ class Scheduler:
         self._closed = True
         if not self._thread.is_alive():
             return
-        self._inbox.put(("stop", None))
+        self._inbox.put(StopMsg())
         self._thread.join(timeout_s)
         if self._thread.is_alive():
             raise RuntimeError(f"engine scheduler did not stop within {timeout_s} s")
@@ -161,21 +169,18 @@ class Scheduler:
     def submit(self, request: GenerateRequest, on_finish: Callable[[GenerateOutput], None]) -> None:
         """Queue a request; `on_finish` is called once, from the scheduler thread."""
         if self._closed or not self.alive:
-            reason = _abort_reason("The server is shutting down" if self._closed else "engine scheduler is not running")
+            reason = FinishReason.aborted("The server is shutting down" if self._closed else "engine scheduler is not running")
             on_finish(GenerateOutput(request.rid, [], [], reason, request.prompt.num_tokens, self.weight_version, 0.0))
             return
-        self._inbox.put(("generate", (request, on_finish)))
+        self._inbox.put(GenerateMsg(request, on_finish))
 
     def abort(self, rid: str | None, message: str = "Abort by /abort_request") -> None:
         """Abort the request(s) with this rid, or every request when rid is None."""
-        self._inbox.put(("abort", (rid, message)))
+        self._inbox.put(AbortMsg(rid, message))
 
-    def call(self, name: str, reply: Callable[[Any], None], *args: Any) -> None:
-        """Run control operation `name` ("pause", "continue", "flush", "loads", "update_weights")
-        on the scheduler thread between two steps; `reply(result)` receives its answer."""
-        if name not in ("pause", "continue", "flush", "loads", "update_weights"):
-            raise ValueError(f"unknown control operation {name!r}")
-        self._inbox.put((name, (reply, args)))
+    def call(self, msg: ControlMsg) -> None:
+        """Apply a control message on the scheduler thread between two steps; `msg.reply` receives its answer."""
+        self._inbox.put(msg)
 
     # ------------------------------------------------------------------ loop
 
@@ -187,7 +192,7 @@ class Scheduler:
                     break
                 self._run_weight_updates()
                 self._admit()
-                if self._running and self._paused != "in_place":
+                if self._running and self._paused is not PauseMode.IN_PLACE:
                     self._decode_step()
         except BaseException as exc:  # the thread must not die silently: record it and fail everyone
             logger.exception("engine scheduler crashed")
@@ -197,32 +202,34 @@ class Scheduler:
         finally:
             self._closed = True
             for seq in [*self._running.values(), *self._waiting, *self._held]:
-                self._finish(seq, _abort_reason("The server is shutting down"))
+                self._finish(seq, FinishReason.aborted("The server is shutting down"))
             self._waiting.clear()
             self._held.clear()
             self._drain_after_close()
 
     def _drain_after_close(self) -> None:
         """Answer what raced into the inbox during shutdown, so no caller waits forever."""
-        shutting_down = {"success": False, "message": "The server is shutting down", "num_paused_requests": 0}
+        shutting_down = update_weights_answer(False, "The server is shutting down", 0)
         for upd in self._updates:
             upd.reply(shutting_down)
         self._updates.clear()
         while True:
             try:
-                kind, payload = self._inbox.get_nowait()
+                msg = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if kind == "generate":
-                request, on_finish = payload
-                self._finish(ActiveRequest(request, on_finish, seed=0), _abort_reason("The server is shutting down"))
-            elif kind == "update_weights":
-                payload[0](shutting_down)
-            elif kind not in ("stop", "abort"):
-                self._handle(kind, payload)
+            match msg:
+                case GenerateMsg(request, on_finish):
+                    self._finish(ActiveRequest(request, on_finish, seed=0), FinishReason.aborted("The server is shutting down"))
+                case UpdateWeightsMsg():
+                    msg.reply(shutting_down)
+                case StopMsg() | AbortMsg():
+                    pass
+                case _:
+                    self._handle(msg)
 
     def _has_work(self) -> bool:
-        if self._running and self._paused != "in_place":
+        if self._running and self._paused is not PauseMode.IN_PLACE:
             return True
         if self._updates and (self._paused or not self._running):
             return True
@@ -237,29 +244,32 @@ class Scheduler:
         except queue.Empty:
             return
         while True:
-            self._handle(*msg)
+            self._handle(msg)
             try:
                 msg = self._inbox.get_nowait()
             except queue.Empty:
                 return
 
-    def _handle(self, kind: str, payload: Any) -> None:
-        if kind == "stop":
-            self._stop = True
-        elif kind == "generate":
-            request, on_finish = payload
-            self._enqueue(request, on_finish)
-        elif kind == "abort":
-            rid, message = payload
-            self._abort_matching(rid, message)
-        else:
-            reply, args = payload
-            if kind == "update_weights":
-                path, version, abort_all = args
-                self._updates.append(_WeightUpdate(path, version, abort_all, reply))
-                return
-            handler = {"pause": self._pause, "continue": self._continue, "flush": self._flush, "loads": self._loads}[kind]
-            reply(handler(*args))
+    def _handle(self, msg: Message) -> None:
+        match msg:
+            case StopMsg():
+                self._stop = True
+            case GenerateMsg(request, on_finish):
+                self._enqueue(request, on_finish)
+            case AbortMsg(rid, message):
+                self._abort_matching(rid, message)
+            case UpdateWeightsMsg():
+                self._updates.append(msg)  # runs once nothing decodes (`_run_weight_updates`)
+            case PauseMsg(mode, reply):
+                reply(self._pause(mode))
+            case ContinueMsg(reply):
+                reply(self._continue())
+            case FlushMsg(reply):
+                reply(self._flush())
+            case LoadsMsg(reply):
+                reply(self._loads())
+            case _:
+                raise TypeError(f"unknown scheduler message {msg!r}")
 
     # ------------------------------------------------------------------ requests
 
@@ -269,7 +279,7 @@ class Scheduler:
         seq = ActiveRequest(request, on_finish, seed=seed & 0xFFFFFFFF)
         prompt_len = request.prompt.num_tokens
         if prompt_len >= self.max_seq_len:
-            self._finish(seq, _abort_reason(
+            self._finish(seq, FinishReason.aborted(
                 f"The input ({prompt_len} tokens) is longer than the model's context length "
                 f"({self.max_seq_len} tokens).", status_code=400, err_type="BadRequestError"))
             return
@@ -280,7 +290,7 @@ class Scheduler:
             # Byte-level BPE can spend up to 4 tokens on one character; 2 more cover a straddling token.
             seq.stop_window = 4 * max(len(s) for s in params.stop) + 2
         if seq.max_new_tokens == 0:  # prefill only: SGLang answers at once with length 0
-            self._finish(seq, {"type": "length", "length": 0})
+            self._finish(seq, FinishReason.at_length(0))
             return
         (self._held if self._paused else self._waiting).append(seq)
 
@@ -371,13 +381,13 @@ class Scheduler:
             extra_pos = np.arange(first, ids.shape[0], dtype=np.int32) + prompt.rope_delta
             positions = np.concatenate([positions, np.broadcast_to(extra_pos, (3, extra_pos.size))], axis=1)
         self._ints[:, slot] = 0
-        self._ints[_I["top_k"], slot] = params.top_k
-        self._ints[_I["step"], slot] = len(seq.output_ids)
-        self._ints[_I["seed"], slot] = np.array(seq.seed, np.uint32).view(np.int32)
-        self._ints[_I["rope_delta"], slot] = prompt.rope_delta
-        self._floats[_F["temperature"], slot] = params.temperature
-        self._floats[_F["top_p"], slot] = params.top_p
-        self._floats[_F["min_p"], slot] = params.min_p
+        self._ints[IntRow.TOP_K, slot] = params.top_k
+        self._ints[IntRow.STEP, slot] = len(seq.output_ids)
+        self._ints[IntRow.SEED, slot] = np.array(seq.seed, np.uint32).view(np.int32)
+        self._ints[IntRow.ROPE_DELTA, slot] = prompt.rope_delta
+        self._floats[FloatRow.TEMPERATURE, slot] = params.temperature
+        self._floats[FloatRow.TOP_P, slot] = params.top_p
+        self._floats[FloatRow.MIN_P, slot] = params.min_p
         self._filtered[slot] = params.needs_filter
         bias_row = None
         if params.logit_bias:
@@ -438,21 +448,21 @@ class Scheduler:
 
     def _set_next(self, seq: ActiveRequest, token: int) -> None:
         slot = seq.slot
-        self._ints[_I["token"], slot] = token
-        self._ints[_I["length"], slot] = seq.request.prompt.num_tokens + len(seq.output_ids) - 1
-        self._ints[_I["step"], slot] = len(seq.output_ids)
+        self._ints[IntRow.TOKEN, slot] = token
+        self._ints[IntRow.LENGTH, slot] = seq.request.prompt.num_tokens + len(seq.output_ids) - 1
+        self._ints[IntRow.STEP, slot] = len(seq.output_ids)
 
-    def _check_finished(self, seq: ActiveRequest) -> dict[str, Any] | None:
+    def _check_finished(self, seq: ActiveRequest) -> FinishReason | None:
         if len(seq.output_ids) >= seq.max_new_tokens:
-            return {"type": "length", "length": seq.max_new_tokens}
+            return FinishReason.at_length(seq.max_new_tokens)
         last = seq.output_ids[-1]
         if last in seq.stop_ids:
-            return {"type": "stop", "matched": last}
+            return FinishReason.stopped(last)
         if seq.stop_window:
             tail = self.tokenizer.decode(seq.output_ids[-seq.stop_window :])
             for stop in seq.request.params.stop:
                 if stop in tail:
-                    return {"type": "stop", "matched": stop}
+                    return FinishReason.stopped(stop)
         return None
 
     # ------------------------------------------------------------------ finishing
@@ -480,20 +490,20 @@ class Scheduler:
         for slot in dropped:
             heapq.heappush(self._free, slot)
 
-    def _finish(self, seq: ActiveRequest, reason: dict[str, Any] | None, error: str | None = None) -> None:
+    def _finish(self, seq: ActiveRequest, reason: FinishReason | None, error: str | None = None) -> None:
         if seq.slot is not None:
             if self._running.get(seq.slot) is seq:
                 del self._running[seq.slot]
                 self._release(seq.slot, seq if error is None else None)
             seq.slot = None
-        if reason is not None and reason.get("type") == "abort":
+        if reason is not None and reason.type is FinishType.ABORT:
             self.stats.aborted += 1
         self.stats.finished += 1
         out = GenerateOutput(
             rid=seq.rid,
             output_ids=list(seq.output_ids),
             output_logprobs=list(seq.output_logprobs),
-            finish_reason=reason or _abort_reason(error or "engine error"),
+            finish_reason=reason or FinishReason.aborted(error or "engine error"),
             prompt_tokens=seq.request.prompt.num_tokens,
             weight_version=self.weight_version,
             e2e_latency=time.monotonic() - seq.arrival,
@@ -511,14 +521,14 @@ class Scheduler:
             keep = deque()
             for seq in queue_:
                 if rid is None or seq.rid == rid:
-                    self._finish(seq, _abort_reason(message))
+                    self._finish(seq, FinishReason.aborted(message))
                 else:
                     keep.append(seq)
             queue_.clear()
             queue_.extend(keep)
         for seq in list(self._running.values()):
             if rid is None or seq.rid == rid:
-                self._finish(seq, _abort_reason(message))
+                self._finish(seq, FinishReason.aborted(message))
 
     def _fail_all(self, message: str) -> None:
         self._invalidate_prefix_cache()
@@ -529,10 +539,10 @@ class Scheduler:
 
     # ------------------------------------------------------------------ control
 
-    def _pause(self, mode: str) -> dict[str, Any]:
-        if mode == "abort":
+    def _pause(self, mode: PauseMode) -> dict[str, Any]:
+        if mode is PauseMode.ABORT:
             self._abort_matching(None, "Abort by pause_generation")
-        elif mode == "retract":
+        elif mode is PauseMode.RETRACT:
             for slot in sorted(self._running, reverse=True):
                 seq = self._running.pop(slot)
                 self._release(slot, seq)  # warm: its own readmission usually gets the slot back
@@ -540,13 +550,13 @@ class Scheduler:
                 seq.num_retractions += 1
                 self._waiting.appendleft(seq)
         self._paused = mode
-        return {"status": "ok", "message": "Generation paused successfully."}
+        return paused_answer()
 
     def _continue(self) -> dict[str, Any]:
         self._paused = None
         self._waiting.extend(self._held)
         self._held.clear()
-        return {"status": "ok", "message": "Generation continued successfully."}
+        return continued_answer()
 
     def _flush(self) -> bool:
         """Drop the prefix cache and answer True when nothing is running or waiting (SGLang's rule:
@@ -568,31 +578,28 @@ class Scheduler:
     def _run_weight_updates(self) -> None:
         while self._updates:
             upd = self._updates[0]
-            if upd.abort_all:
+            if upd.update.abort_all_requests:
                 self._abort_matching(None, "Abort by update_weights_from_disk(abort_all_requests=true)")
             elif self._running and not self._paused:
                 return  # SGLang's writer lock: wait for in-flight generations to finish
             self._updates.popleft()
             upd.reply(self._load_weights(upd))
 
-    def _load_weights(self, upd: _WeightUpdate) -> dict[str, Any]:
+    def _load_weights(self, upd: UpdateWeightsMsg) -> dict[str, Any]:
         paused = len(self._running) + len(self._waiting) + len(self._held)
+        path = upd.update.model_path
         started = time.monotonic()
         try:
-            self.runner.load_weights(upd.model_path)
+            self.runner.load_weights(path)
         except (OSError, ValueError, RuntimeError, KeyError) as exc:
-            logger.warning("update_weights_from_disk(%s) failed: %s", upd.model_path, exc)
-            return {"success": False, "message": f"Failed to update weights from {upd.model_path}: {exc}",
-                    "num_paused_requests": paused}
+            logger.warning("update_weights_from_disk(%s) failed: %s", path, exc)
+            return update_weights_answer(False, f"Failed to update weights from {path}: {exc}", paused)
         # Cached K/V was computed by the old weights (a failed load above changed nothing).
         self._invalidate_prefix_cache()
-        if upd.weight_version is not None:
-            self.weight_version = upd.weight_version
+        if upd.update.weight_version is not None:
+            self.weight_version = upd.update.weight_version
         self.stats.weight_updates += 1
-        return {"success": True, "num_paused_requests": paused,
-                "message": f"Succeeded to update model weights ({os.fspath(upd.model_path)}, "
-                           f"{time.monotonic() - started:.2f} s)."}
+        return update_weights_answer(
+            True, f"Succeeded to update model weights ({os.fspath(path)}, {time.monotonic() - started:.2f} s).", paused
+        )
 
-
-def _abort_reason(message: str, status_code: int | None = None, err_type: str | None = None) -> dict[str, Any]:
-    return {"type": "abort", "message": message, "status_code": status_code, "err_type": err_type}

@@ -25,21 +25,26 @@ from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
-from rollout.sglang_wire import loads_response
-
-from jaxrl_vlm.engine.config import EngineConfig
 from jaxrl_vlm.engine.core import Engine
-from jaxrl_vlm.engine.protocol import (
-    GenerateOutput,
-    GenerateRequest,
+from jaxrl_vlm.engine.inbox import ContinueMsg, ControlMsg, FlushMsg, LoadsMsg, PauseMsg, Reply, UpdateWeightsMsg
+from jaxrl_vlm.engine.options import EngineOptions
+from jaxrl_vlm.engine.protocol import EMBEDDED_UNSUPPORTED, GenerateOutput, GenerateRequest, response_body
+from rollout.sglang_wire import (
+    FLUSH_BUSY,
+    FLUSH_OK,
+    AbortRequest,
+    FinishType,
     RawGenerate,
     RequestError,
     SamplingParams,
+    UpdateWeightsRequest,
     error_body,
+    loads_response,
     parse_generate,
-    response_body,
+    parse_pause,
+    route_handlers,
+    update_weights_answer,
 )
-from jaxrl_vlm.engine.scheduler import PAUSE_MODES
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +59,6 @@ def _package_version() -> str:
 VERSION = f"jaxrl-vlm-embedded-{_package_version()}"
 
 HEALTH_TIMEOUT_S = 20.0  # SGLang's /health_generate waits this long for scheduler output
-_FLUSH_OK = "Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting requests, the operation will not be performed.)\n"
-_FLUSH_BUSY = "Cache not flushed. Please check backend logs for more details. (When there are running or waiting requests, the operation will not be performed.)\n"
 _ENGINE = web.AppKey("engine", Engine)
 _SERVER = web.AppKey("server_args", dict)
 _EXECUTOR = web.AppKey("executor", ThreadPoolExecutor)
@@ -77,11 +80,11 @@ async def _json_body(request: web.Request, *, optional: bool = False) -> Any:
         raise RequestError(f"{request.path}: request body is not valid JSON ({e})") from e
 
 
-async def _scheduler_call(engine: Engine, name: str, *args: Any) -> Any:
-    """Run a control operation on the scheduler thread and await its answer."""
+async def _scheduler_call(engine: Engine, make: Callable[[Reply], ControlMsg]) -> Any:
+    """Send the control message `make(reply)` to the scheduler thread and await its answer."""
     loop = asyncio.get_running_loop()
     future: asyncio.Future[Any] = loop.create_future()
-    engine.scheduler.call(name, _threadsafe_setter(loop, future), *args)
+    engine.scheduler.call(make(_threadsafe_setter(loop, future)))
     return await future
 
 
@@ -112,7 +115,7 @@ async def generate(request: web.Request) -> web.Response:
     engine = request.app[_ENGINE]
     try:
         body = await _json_body(request)
-        raws, is_batch = parse_generate(body, engine.cfg.text.vocab_size)
+        raws, is_batch = parse_generate(body, engine.cfg.text.vocab_size, EMBEDDED_UNSUPPORTED)
         loop = asyncio.get_running_loop()
         executor = request.app[_EXECUTOR]
         # Tokenizing and image preprocessing are CPU work: keep them off the event loop.
@@ -145,7 +148,7 @@ async def health_generate(request: web.Request) -> web.Response:
     sched = engine.scheduler
     if not sched.alive:
         return web.Response(status=503, text="engine scheduler is not running")
-    loads = await _scheduler_call(engine, "loads")
+    loads = await _scheduler_call(engine, LoadsMsg)
     if loads["paused"]:  # paused on purpose (weight sync): a probe would only wait for continue
         return web.Response(status=200)
     if loads["num_running_reqs"] or loads["num_waiting_reqs"]:
@@ -158,7 +161,7 @@ async def health_generate(request: web.Request) -> web.Response:
         out = await asyncio.wait_for(_run_request(engine, engine.preparer.prepare(raw)), HEALTH_TIMEOUT_S)
     except asyncio.TimeoutError:
         return web.Response(status=503, text=f"no generation within {HEALTH_TIMEOUT_S:g} s")
-    ok = out.error is None and out.finish_reason.get("type") != "abort"
+    ok = out.error is None and out.finish_reason.type is not FinishType.ABORT
     return web.Response(status=200 if ok else 503)
 
 
@@ -181,7 +184,7 @@ async def model_info(request: web.Request) -> web.Response:
 async def server_info(request: web.Request) -> web.Response:
     engine = request.app[_ENGINE]
     cfg = engine.config
-    loads = await _scheduler_call(engine, "loads")
+    loads = await _scheduler_call(engine, LoadsMsg)
     return web.json_response({
         **request.app[_SERVER],
         "model_path": engine.model_path,
@@ -207,21 +210,16 @@ async def get_weight_version(request: web.Request) -> web.Response:
 
 
 async def flush_cache(request: web.Request) -> web.Response:
-    flushed = await _scheduler_call(request.app[_ENGINE], "flush")
-    return web.Response(status=200 if flushed else 400, text=_FLUSH_OK if flushed else _FLUSH_BUSY)
+    flushed = await _scheduler_call(request.app[_ENGINE], FlushMsg)
+    return web.Response(status=200 if flushed else 400, text=FLUSH_OK if flushed else FLUSH_BUSY)
 
 
 async def pause_generation(request: web.Request) -> web.Response:
     try:
-        body = await _json_body(request, optional=True)
+        mode = parse_pause(await _json_body(request, optional=True))
     except RequestError as e:
         return _bad(str(e))
-    if not isinstance(body, dict):
-        return _bad("pause_generation body must be a JSON object")
-    mode = body.get("mode", "abort") or "abort"
-    if mode not in PAUSE_MODES:
-        return _bad(f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
-    return web.json_response(await _scheduler_call(request.app[_ENGINE], "pause", mode))
+    return web.json_response(await _scheduler_call(request.app[_ENGINE], lambda reply: PauseMsg(mode, reply)))
 
 
 async def continue_generation(request: web.Request) -> web.Response:
@@ -229,43 +227,33 @@ async def continue_generation(request: web.Request) -> web.Response:
         await _json_body(request, optional=True)
     except RequestError as e:
         return _bad(str(e))
-    return web.json_response(await _scheduler_call(request.app[_ENGINE], "continue"))
+    return web.json_response(await _scheduler_call(request.app[_ENGINE], ContinueMsg))
 
 
 async def abort_request(request: web.Request) -> web.Response:
     try:
-        body = await _json_body(request)
+        abort = AbortRequest.from_json(await _json_body(request))
     except RequestError as e:
         return _bad(str(e))
-    if not isinstance(body, dict):
-        return _bad("abort_request body must be a JSON object with 'rid' or 'abort_all'")
-    rid, abort_all = body.get("rid"), bool(body.get("abort_all", False))
-    if not abort_all and not isinstance(rid, str):
-        return _bad("abort_request needs a string 'rid' or 'abort_all': true")
-    request.app[_ENGINE].scheduler.abort(None if abort_all else rid)
+    request.app[_ENGINE].scheduler.abort(abort.rid)
     return web.Response(status=200)
 
 
 async def update_weights_from_disk(request: web.Request) -> web.Response:
     try:
-        body = await _json_body(request)
+        update = UpdateWeightsRequest.from_json(await _json_body(request))
     except RequestError as e:
         return _bad(str(e))
-    if not isinstance(body, dict) or not isinstance(body.get("model_path"), str) or not body["model_path"]:
-        return _bad("update_weights_from_disk needs a non-empty string 'model_path'")
-    fmt = body.get("load_format")
-    if fmt not in (None, "auto", "safetensors"):
-        return web.json_response({"success": False, "num_paused_requests": 0,
-                                  "message": f"load_format={fmt!r} is not supported (safetensors only)"}, status=400)
-    version = body.get("weight_version")
-    result = await _scheduler_call(request.app[_ENGINE], "update_weights", body["model_path"],
-                                   None if version is None else str(version), bool(body.get("abort_all_requests", False)))
+    if update.load_format not in (None, "auto", "safetensors"):
+        message = f"load_format={update.load_format!r} is not supported (safetensors only)"
+        return web.json_response(update_weights_answer(False, message, 0), status=400)
+    result = await _scheduler_call(request.app[_ENGINE], lambda reply: UpdateWeightsMsg(update, reply))
     return web.json_response(result, status=200 if result["success"] else 400)
 
 
 async def loads(request: web.Request) -> web.Response:
     engine = request.app[_ENGINE]
-    state = await _scheduler_call(engine, "loads")
+    state = await _scheduler_call(engine, LoadsMsg)
     stats = engine.scheduler.stats
     running, waiting = state["num_running_reqs"], state["num_waiting_reqs"]
     return web.json_response(loads_response(
@@ -301,26 +289,14 @@ def build_app(engine: Engine, *, host: str = "127.0.0.1", port: int | None = Non
         executor.shutdown(wait=False, cancel_futures=True)
 
     app.on_cleanup.append(_close_executor)
-    get, post = ("GET",), ("POST",)
-    routes: list[tuple[tuple[str, ...], str, Callable[[web.Request], Awaitable[web.StreamResponse]]]] = [
-        (("POST", "PUT"), "/generate", generate),
-        (get, "/health", health),
-        (get, "/health_generate", health_generate),
-        (get, "/get_model_info", model_info),
-        (get, "/model_info", model_info),
-        (get, "/get_server_info", server_info),
-        (get, "/server_info", server_info),
-        (get, "/get_weight_version", get_weight_version),
-        (("GET", "POST"), "/flush_cache", flush_cache),
-        (post, "/pause_generation", pause_generation),
-        (post, "/continue_generation", continue_generation),
-        (post, "/abort_request", abort_request),
-        (post, "/update_weights_from_disk", update_weights_from_disk),
-        (get, "/v1/loads", loads),
-    ]
-    for methods, path, handler in routes:
-        for method in methods:
-            app.router.add_route(method, path, handler)
+    handlers = {
+        "generate": generate, "health": health, "health_generate": health_generate, "model_info": model_info,
+        "server_info": server_info, "get_weight_version": get_weight_version, "flush_cache": flush_cache,
+        "pause_generation": pause_generation, "continue_generation": continue_generation,
+        "abort_request": abort_request, "update_weights_from_disk": update_weights_from_disk, "loads": loads,
+    }
+    for method, path, handler in route_handlers(handlers):
+        app.router.add_route(method, path, handler)
     return app
 
 
@@ -338,7 +314,7 @@ def _bind(host: str, port: int) -> socket.socket:
 class EmbeddedEngine:
     """The engine and its HTTP server inside this process, for the trainer and tests.
 
-        with EmbeddedEngine(model_dir, config=EngineConfig(max_batch=8)) as engine:
+        with EmbeddedEngine(model_dir, config=EngineOptions(max_batch=8)) as engine:
             client = SGLangClient(engine.url)
 
     `port=0` picks a free port. The HTTP server runs on its own event loop in a background thread,
@@ -351,13 +327,13 @@ class EmbeddedEngine:
         *,
         host: str = "127.0.0.1",
         port: int = 0,
-        config: EngineConfig | None = None,
+        config: EngineOptions | None = None,
         weight_version: str = "default",
     ):
         self.model_dir = str(model_dir)
         self.host = host
         self.requested_port = port
-        self.config = config or EngineConfig()
+        self.config = config or EngineOptions()
         self.weight_version = weight_version
         self.engine: Engine | None = None
         self.port: int | None = None
@@ -439,7 +415,7 @@ class EmbeddedEngine:
         self.stop()
 
 
-def serve(model_dir: str, *, host: str = "127.0.0.1", port: int = 30000, config: EngineConfig | None = None,
+def serve(model_dir: str, *, host: str = "127.0.0.1", port: int = 30000, config: EngineOptions | None = None,
           weight_version: str = "default") -> None:
     """Run the engine server in the foreground until SIGINT or SIGTERM."""
     engine = EmbeddedEngine(model_dir, host=host, port=port, config=config, weight_version=weight_version)

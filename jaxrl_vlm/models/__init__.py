@@ -11,7 +11,8 @@ from typing import Any
 
 _EXPORTS = {
     "ConfigError": "config", "Qwen3VLConfig": "config", "TextConfig": "config", "VisionConfig": "config",
-    "from_hf_dict": "config", "qwen3_vl_2b_instruct": "config",
+    "MODEL_PRESETS": "config", "from_hf_dict": "config", "preset_config": "config", "qwen3_vl_2b_instruct": "config",
+    "small_model_config": "config",
     "CheckpointError": "hf_io", "from_hf": "hf_io", "load_hf_config": "hf_io", "param_count": "hf_io", "to_hf": "hf_io",
     "Qwen3VL": "qwen3_vl", "attention": "qwen3_vl", "token_logprobs": "qwen3_vl",
     "get_rope_index": "rope", "get_rope_index_packed": "rope", "vision_pos_embed_interp": "rope",

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import jax
 from jax.sharding import Mesh, NamedSharding
 
-from jaxrl_vlm.sharding import MeshAxes, spec_with_notes
+from jaxrl_vlm.sharding.rules import MeshAxes, spec_with_notes
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ PATCH_MLP = ("batch", "vision_mlp")  # [P, F_vision]
 PATCH_LOGITS = (None, "vision_heads", None, "batch", None)  # attention logits [1, N, 1, P (queries), P (keys)]
 PATCH_HEADS_WHOLE = (None, None, "vision_heads", None)  # [1, P, N, H] for a fused kernel: every patch on each shard
 
-# name -> (dims, logical names), for the sharding goldens (`jaxrl_vlm.sharding.dump_shardings`).
+# name -> (dims, logical names), for the sharding goldens (`jaxrl_vlm.sharding.goldens.dump_shardings`).
 ACTIVATIONS: dict[str, tuple[tuple[str, ...], tuple[str | None, ...]]] = {
     "hidden": (("B", "T", "D"), ROWS_HIDDEN),
     "q": (("B", "T", "N", "H"), ROWS_Q),

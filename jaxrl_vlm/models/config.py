@@ -9,6 +9,7 @@ validated here so a bad config fails at load time with a message naming the key.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -327,3 +328,50 @@ def qwen3_vl_2b_instruct() -> Qwen3VLConfig:
         ),
         tie_word_embeddings=True,
     )
+
+
+def small_model_config() -> Qwen3VLConfig:
+    """A few layers at hidden 256 (4 heads of 64, GQA 2): compiles in seconds, shards over 8 devices."""
+    vocab = 8192
+    return Qwen3VLConfig(
+        text=TextConfig(
+            vocab_size=vocab,
+            hidden_size=256,
+            intermediate_size=768,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            mrope_section=(12, 10, 10),  # Qwen3-VL's 24:20:20 split of the rotary half (32)
+        ),
+        vision=VisionConfig(
+            depth=2,
+            hidden_size=128,
+            intermediate_size=512,
+            num_heads=2,
+            out_hidden_size=256,
+            num_position_embeddings=256,
+            deepstack_visual_indexes=(0, 1),
+        ),
+        image_token_id=vocab - 4,
+        video_token_id=vocab - 3,
+        vision_start_token_id=vocab - 2,
+        vision_end_token_id=vocab - 1,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+
+
+# The one table of named architectures (the benchmark's `--model`, tests). The `tiny` test model is not
+# here: its special-token ids come from the tiny tokenizer that `jaxrl_vlm.tiny` trains.
+MODEL_PRESETS: dict[str, Callable[[], Qwen3VLConfig]] = {
+    "small": small_model_config,
+    "qwen3_vl_2b": qwen3_vl_2b_instruct,
+}
+
+
+def preset_config(name: str) -> Qwen3VLConfig:
+    """The config of the architecture preset `name` (a key of `MODEL_PRESETS`)."""
+    if name not in MODEL_PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; choose one of {tuple(MODEL_PRESETS)}")
+    return MODEL_PRESETS[name]()

@@ -57,6 +57,7 @@ def _kernel(
     block = block_size(q.shape[1], impl)
     segment_ids = segment_ids.astype(jnp.int32)
     if impl == "pallas_tpu":
+        # Backend kernels are imported only when selected (each pulls in its own Pallas backend).
         from jax.experimental.pallas.ops.tpu import flash_attention as tpu_attention
 
         sizes = tpu_attention.BlockSizes(

@@ -2,7 +2,7 @@
 
 Semantics follow transformers' `modeling_qwen3_vl.py`; layouts are ours (einsum-friendly, shapes in
 names). Every parameter carries logical axis names (`out_sharding` metadata, not applied eagerly),
-so `nnx.get_partition_spec(nnx.state(model))` yields them; `jaxrl_vlm.sharding` maps them to mesh axes.
+so `nnx.get_partition_spec(nnx.state(model))` yields them; `jaxrl_vlm.sharding.rules` maps them to mesh axes.
 
 Logical axis names:
   vocab, embed, mlp, heads, kv_heads, head_dim, norm (every norm scale/bias vector),
@@ -525,8 +525,13 @@ def token_logprobs(
     *,
     chunk_size: int = 512,
     return_entropy: bool = False,
+    temperature: float = 1.0,
 ) -> tuple[jax.Array, jax.Array | None]:
-    """log p(target) [B, T] (and entropy [B, T]) without full-batch fp32 logits.
+    """log p(target) [B, T] (and entropy [B, T]) of `softmax(logits / temperature)`, without full-batch fp32 logits.
+
+    `temperature` is the rollout's sampling temperature: the engine (SGLang and ours) reports log-probs of the
+    tempered distribution it sampled from, so the trainer must score the same policy (as slime's loss divides
+    the logits by `--rollout-temperature`). It is static (a Python float): one program per run.
 
     The sequence is cut into chunks of `chunk_size`; each chunk's [B, C, V] fp32 logits live only
     inside one `lax.map` step and are recomputed in the backward pass (`jax.checkpoint`), so peak
@@ -548,6 +553,8 @@ def token_logprobs(
         hc, yc = args
         hc = constrain(hc.astype(cd), ROWS_HIDDEN)
         logits = constrain(jnp.einsum("bcd,dv->bcv", hc, kernel, preferred_element_type=jnp.float32), ROWS_VOCAB)
+        if temperature != 1.0:
+            logits = logits / jnp.float32(temperature)
         lse = jax.nn.logsumexp(logits, axis=-1)
         picked = jnp.take_along_axis(logits, yc[..., None].astype(jnp.int32), axis=-1)[..., 0]
         ent = lse - jnp.sum(jax.nn.softmax(logits, axis=-1) * logits, axis=-1) if return_entropy else jnp.zeros_like(lse)

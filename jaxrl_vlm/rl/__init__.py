@@ -11,11 +11,11 @@ from typing import Any
 
 _EXPORTS = {
     **dict.fromkeys(
-        ["compute_advantages", "get_advantage_estimator", "kl_reward_penalty", "register_advantage",
+        ["ADVANTAGE_ESTIMATORS", "compute_advantages", "get_advantage_estimator", "kl_reward_penalty", "register_advantage",
          "registered_advantage_estimators"], "advantages"),
     **dict.fromkeys(["AGGREGATION_MODES", "aggregation_weights"], "aggregation"),
     **dict.fromkeys(
-        ["KL_TYPES", "METRIC_KINDS", "LossConfig", "LossInputs", "accumulate_metrics", "check_loss_inputs",
+        ["KL_TYPES", "METRIC_KINDS", "POLICY_LOSSES", "LossConfig", "LossInputs", "accumulate_metrics", "check_loss_inputs",
          "finalize_metrics", "get_loss", "kl_estimate", "register_loss", "registered_losses"], "losses"),
 }
 __all__ = sorted(_EXPORTS)

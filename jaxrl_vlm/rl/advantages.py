@@ -35,10 +35,11 @@ token-level KL in the return); use `kl_reward_penalty` first to fold a KL in.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
+
+from jaxrl_vlm.rl.registries import ADVANTAGE_ESTIMATORS
 
 
 class AdvantageFn(Protocol):
@@ -47,33 +48,9 @@ class AdvantageFn(Protocol):
     ) -> np.ndarray: ...
 
 
-_ESTIMATORS: dict[str, AdvantageFn] = {}
-
-
-def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
-    """Decorator: register `fn(rewards [N] f64, group_index [N] int, *, std_normalization, eps) -> [N]`."""
-
-    def deco(fn: AdvantageFn) -> AdvantageFn:
-        if name in _ESTIMATORS:
-            raise ValueError(f"advantage estimator {name!r} is already registered")
-        _ESTIMATORS[name] = fn
-        return fn
-
-    return deco
-
-
-def get_advantage_estimator(name: str) -> AdvantageFn:
-    """Look an estimator up by name; an unknown name lists the registered ones."""
-    try:
-        return _ESTIMATORS[name]
-    except KeyError:
-        raise KeyError(
-            f"unknown advantage estimator {name!r}; registered: {sorted(_ESTIMATORS)}"
-        ) from None
-
-
-def registered_advantage_estimators() -> list[str]:
-    return sorted(_ESTIMATORS)
+register_advantage = ADVANTAGE_ESTIMATORS.register
+get_advantage_estimator = ADVANTAGE_ESTIMATORS.get
+registered_advantage_estimators = ADVANTAGE_ESTIMATORS.names
 
 
 def compute_advantages(

@@ -41,7 +41,7 @@ Semantics follow slime (`utils/ppo_utils.py`, `megatron_utils/loss.py`):
 Metrics are ADDITIVE partial sums so that a train step can add them over
 micro-batches (`accumulate_metrics`) and normalise once (`finalize_metrics`);
 `METRIC_KINDS` says how each combines:
-- "sum": exact loss components (`loss`, `pg_loss`, `kl_loss`, `entropy`) and
+- "sum": exact loss components (`loss`, `pg_loss`, `kl_loss`, `entropy_loss`) and
   `weight_sum` = sum of the weights of the masked tokens.
 - "mean": diagnostics, partial sums of w_t * x_t, divided by the total
   `weight_sum` in `finalize_metrics`. Under token_mean and seq_mean_token_mean the
@@ -61,6 +61,7 @@ from flax import struct
 
 # Host-side aggregation lives in a numpy-only module (batching imports it without jax); re-exported here.
 from jaxrl_vlm.rl.aggregation import AGGREGATION_MODES, _check_aggregation, aggregation_weights  # noqa: F401
+from jaxrl_vlm.rl.registries import POLICY_LOSSES
 
 KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
 LOW_VAR_KL_CLAMP = 10.0
@@ -147,33 +148,9 @@ class LossConfig:
 
 
 LossFn = Callable[[LossInputs, LossConfig], tuple[jax.Array, dict[str, jax.Array]]]
-_LOSSES: dict[str, LossFn] = {}
-
-
-def register_loss(name: str) -> Callable[[LossFn], LossFn]:
-    """Decorator adding `fn(inputs, cfg) -> (loss, metrics)` to the registry under `name`."""
-
-    def deco(fn: LossFn) -> LossFn:
-        if name in _LOSSES:
-            raise ValueError(f"loss {name!r} is already registered")
-        _LOSSES[name] = fn
-        return fn
-
-    return deco
-
-
-def get_loss(name: str) -> LossFn:
-    """Look a loss up by name; an unknown name lists the registered ones."""
-    try:
-        return _LOSSES[name]
-    except KeyError:
-        raise KeyError(f"unknown loss {name!r}; registered: {sorted(_LOSSES)}") from None
-
-
-def registered_losses() -> list[str]:
-    return sorted(_LOSSES)
-
-
+register_loss = POLICY_LOSSES.register
+get_loss = POLICY_LOSSES.get
+registered_losses = POLICY_LOSSES.names
 
 
 def check_loss_inputs(inputs: LossInputs, cfg: LossConfig) -> None:
@@ -306,7 +283,7 @@ def _assemble(
         tis_w = jnp.clip(tis, cfg.tis_clip_low, cfg.tis_clip)
         if cfg.use_tis:
             pg_per_token = pg_per_token * tis_w
-        metrics["tis_mean"] = wsum(tis)
+        metrics["tis"] = wsum(tis)
         metrics["tis_clipfrac"] = wsum((tis_w != tis).astype(w.dtype))
         metrics["train_rollout_logprob_abs_diff"] = wsum(jnp.abs(old - rollout))
 
@@ -322,7 +299,7 @@ def _assemble(
         entropy = wsum(inputs.entropy)
         if cfg.entropy_coef != 0.0:
             loss = loss - cfg.entropy_coef * entropy
-        metrics["entropy"] = sg(entropy)
+        metrics["entropy_loss"] = sg(entropy)
 
     r = sg(ratio)
     lr_old = sg(masked(inputs.logprobs - inputs.old_logprobs, mask))
@@ -395,14 +372,14 @@ METRIC_KINDS: dict[str, str] = {
     "loss": "sum",
     "pg_loss": "sum",
     "kl_loss": "sum",
-    "entropy": "sum",
+    "entropy_loss": "sum",
     "weight_sum": "sum",
     "pg_clipfrac": "mean",
     "pg_dualclip_frac": "mean",
     "ppo_kl": "mean",
     "approx_kl": "mean",
     "ratio_mean": "mean",
-    "tis_mean": "mean",
+    "tis": "mean",
     "tis_clipfrac": "mean",
     "train_rollout_logprob_abs_diff": "mean",
     "ratio_max": "max",

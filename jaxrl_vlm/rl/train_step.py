@@ -46,6 +46,8 @@ class StepConfig:
     loss: LossConfig
     logprob_chunk_size: int = 512
     need_entropy: bool = False
+    # Log-probs and entropy are those of softmax(logits / temperature): the rollout's sampling distribution.
+    temperature: float = 1.0
     old_from_current: bool = True  # one optimizer step per rollout: old log-probs = detached current ones
     # Mesh + rules for the model's activation constraints (None: let XLA propagate from the inputs alone).
     activations: ActivationSharding | None = None
@@ -77,11 +79,15 @@ def _micro(tree: Any, k: jax.Array | int) -> Any:
     return jax.tree.map(lambda x: x[k], tree)
 
 
-def policy_logprobs(graphdef: nnx.GraphDef, params: Any, mb: Any, *, chunk_size: int, need_entropy: bool):
-    """Per-token log-probs (and entropy) of `mb.targets` under `params` for one micro-batch [R, T]."""
+def policy_logprobs(
+    graphdef: nnx.GraphDef, params: Any, mb: Any, *, chunk_size: int, need_entropy: bool, temperature: float = 1.0
+):
+    """Per-token log-probs (and entropy) of `mb.targets` under `params` at `temperature`, one micro-batch [R, T]."""
     model: Qwen3VL = nnx.merge(graphdef, params)
     hidden = model(mb.tokens, mb.positions, mb.segment_ids, mb.vision)
-    return token_logprobs(model, hidden, mb.targets, chunk_size=chunk_size, return_entropy=need_entropy)
+    return token_logprobs(
+        model, hidden, mb.targets, chunk_size=chunk_size, return_entropy=need_entropy, temperature=temperature
+    )
 
 
 def _loss_inputs(mb: Any, logprobs, entropy, old, ref) -> LossInputs:
@@ -118,7 +124,10 @@ def _train_step(graphdef, tx, cfg: StepConfig, state: TrainState, batch, old_log
 
     def micro_loss(params, k):
         mb = _micro(batch, k)
-        lp, ent = policy_logprobs(graphdef, params, mb, chunk_size=cfg.logprob_chunk_size, need_entropy=cfg.need_entropy)
+        lp, ent = policy_logprobs(
+            graphdef, params, mb, chunk_size=cfg.logprob_chunk_size, need_entropy=cfg.need_entropy,
+            temperature=cfg.temperature,
+        )
         old = jax.lax.stop_gradient(lp) if cfg.old_from_current else old_logprobs[k]
         ref = None if ref_logprobs is None else ref_logprobs[k]
         loss, metrics = loss_fn(_loss_inputs(mb, lp, ent, old, ref), cfg.loss)
@@ -158,12 +167,21 @@ def _train_step(graphdef, tx, cfg: StepConfig, state: TrainState, batch, old_log
 
 
 def compute_logprobs(
-    graphdef: nnx.GraphDef, params: Any, batch: Any, *, chunk_size: int, activations: ActivationSharding | None = None
+    graphdef: nnx.GraphDef,
+    params: Any,
+    batch: Any,
+    *,
+    chunk_size: int,
+    temperature: float = 1.0,
+    activations: ActivationSharding | None = None,
 ) -> jax.Array:
-    """Log-probs [K, R, T] of the batch targets under `params` (old or reference policy), no gradient."""
+    """Log-probs [K, R, T] of the batch targets under `params` (old or reference policy) at the rollout
+    temperature, no gradient."""
 
     def one(k):
-        lp, _ = policy_logprobs(graphdef, params, _micro(batch, k), chunk_size=chunk_size, need_entropy=False)
+        lp, _ = policy_logprobs(
+            graphdef, params, _micro(batch, k), chunk_size=chunk_size, need_entropy=False, temperature=temperature
+        )
         return lp
 
     with activation_sharding(activations):

@@ -1,4 +1,5 @@
-"""Per-step metrics of a run: JSONL (always), TensorBoard (when installed), a live progress line, PNG plots.
+"""Per-step metrics of a run: JSONL (always), a live progress line, PNG plots, and the opt-in TensorBoard / wandb
+sinks of `job/tracking.py`.
 
 The JSONL file is the source of truth (one object per step, appended and flushed), so a killed run keeps
 everything it logged and a resumed run appends to the same file.
@@ -13,41 +14,34 @@ import time
 from pathlib import Path
 from typing import Any
 
+from jaxrl_vlm.job.tracking import MetricSink
+
 PLOTS = {
     "reward.png": ("rollout/raw_reward", "mean reward"),
     "response_length.png": ("rollout/response_len/mean", "response length (tokens)"),
     "turns.png": ("rollout/turns/mean", "turns per episode"),
     "truncation.png": ("rollout/truncated_ratio", "truncated ratio"),
-    "entropy_kl.png": (("train/entropy", "train/approx_kl"), "entropy / approx KL"),
-    "step_time.png": (("time/rollout_s", "time/train_s", "time/sync_s"), "seconds per step"),
+    "entropy_kl.png": (("train/entropy_loss", "train/approx_kl"), "entropy / approx KL"),
+    "step_time.png": (("perf/rollout_time", "perf/train_time", "perf/update_weights_time"), "seconds per step"),
 }
 
 
 class RunLog:
-    def __init__(self, out_dir: str | Path, *, total_steps: int, tensorboard: bool = True):
+    def __init__(self, out_dir: str | Path, *, total_steps: int, sinks: list[MetricSink] | None = None):
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.out_dir / "metrics.jsonl"
         self.total_steps = total_steps
         self._file = self.path.open("a", buffering=1)
-        self._tb = None
+        self._sinks = list(sinks or [])
         self._t_start = time.perf_counter()
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter  # optional; only when torch + tensorboard exist
-
-                self._tb = SummaryWriter(str(self.out_dir / "tb"))
-            except ImportError:
-                self._tb = None
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         clean = {k: _to_float(v) for k, v in metrics.items()}
         record = {"step": step, "time": time.time(), **clean}
         self._file.write(json.dumps(record, allow_nan=True) + "\n")
-        if self._tb is not None:
-            for k, v in clean.items():
-                if v is not None and math.isfinite(v):
-                    self._tb.add_scalar(k, v, step)
+        for sink in self._sinks:
+            sink.write(step, clean)
         self._progress(step, clean)
 
     def _progress(self, step: int, m: dict[str, float | None]) -> None:
@@ -64,14 +58,14 @@ class RunLog:
         line = (
             f"[{bar}] step {done}/{self.total_steps} reward {fmt('rollout/raw_reward', '.3f')} "
             f"len {fmt('rollout/response_len/mean', '.0f')} turns {fmt('rollout/turns/mean', '.2f')} "
-            f"loss {fmt('train/loss_total', '.4f')} step {fmt('time/step_s', '.1f')}s elapsed {elapsed:.0f}s"
+            f"loss {fmt('train/loss_total', '.4f')} step {fmt('perf/step_time', '.1f')}s elapsed {elapsed:.0f}s"
         )
         print(line, file=sys.stderr, flush=True)
 
     def close(self) -> None:
         self._file.close()
-        if self._tb is not None:
-            self._tb.close()
+        for sink in self._sinks:
+            sink.close()
 
 
 def _to_float(value: Any) -> float | None:

@@ -1,20 +1,23 @@
-"""Geometry3K prompt instructions and the tool schema the chat template renders.
+"""Geometry3K prompts: the tool (its name, defined once here), the system prompt and `TASK_PROMPT`.
 
 The model may check a candidate answer with the tool `calc_geo3k_reward` (the
 Geometry3K environment answers the call) and must end with its answer in
 `\\boxed{}`. `GEO3K_TOOLS` is the OpenAI-style function list that
 `tokenizer.apply_chat_template(..., tools=GEO3K_TOOLS)` expects; the loader
 stores it in `Sample.metadata["tools"]` so every consumer renders the same
-preamble.
+preamble. `TASK_PROMPT` is what the dataset loader reads (`--prompt-style geo3k`).
 
-No third-party imports: this module is read on rollout hosts too.
+No jax (envs/ never imports it): this module is read on rollout hosts too.
 """
 
 from __future__ import annotations
 
 import json
 
+from envs.base import TaskPrompt
+
 GEO3K_TOOL_NAME = "calc_geo3k_reward"
+GEO3K_TOOL_NAMES = (GEO3K_TOOL_NAME, "calc_score")  # the names the env accepts in a call (slime's example accepts both)
 
 GEO3K_TOOLS: list[dict] = [
     {
@@ -56,3 +59,7 @@ GEO3K_USER_INSTRUCTION = (
     f"Think step by step. You may check your answer with the `{GEO3K_TOOL_NAME}` tool. "
     "Put your final answer in \\boxed{}."
 )
+
+#: The dataset's prompt for this task: the tool-calling system prompt and the tool schema. The user
+#: instruction is opt-in (`instruction=GEO3K_USER_INSTRUCTION` when loading), not part of the default.
+TASK_PROMPT = TaskPrompt(system_prompt=GEO3K_SYSTEM_PROMPT, tools=GEO3K_TOOLS)

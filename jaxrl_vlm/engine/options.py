@@ -1,4 +1,4 @@
-"""Embedded-engine settings: slot count, context length, shape buckets, dtypes.
+"""Embedded-engine options: slot count, context length, shape buckets, dtypes; shared by `train` and `serve`.
 
 Every device program is compiled for a bucket, so the number of programs is bounded by the bucket
 lists here: prefill per (prompt bucket, patch bucket or none), extend (a prefill after a cached
@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import jax.numpy as jnp
+
+from jaxrl_vlm.config import Config
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -35,7 +37,7 @@ def bucket_for(n: int, buckets: tuple[int, ...], what: str) -> int:
 
 
 @dataclass(frozen=True)
-class EngineConfig:
+class EngineOptions:
     """max_batch: KV-cache slots = most requests decoding at once (SGLang's max_running_requests).
     max_seq_len: tokens per slot, prompt (pads expanded) plus output (SGLang's context_length).
     min_prefill_bucket / min_kv_bucket / min_patch_bucket: smallest prompt, attended-cache and
@@ -81,6 +83,19 @@ class EngineConfig:
             raise ValueError(f"max_prefills_per_step must be >= 1, got {self.max_prefills_per_step}")
         if self.prefix_cache_min_tokens < 1:
             raise ValueError(f"prefix_cache_min_tokens must be >= 1, got {self.prefix_cache_min_tokens}")
+
+    @classmethod
+    def from_run_config(cls, cfg: Config) -> EngineOptions:
+        """The embedded engine of a run: its `engine` section (slots, context, prefix cache), the model's
+        dtypes and the rollout seed. `serve` builds the same run config from its flags."""
+        return cls(
+            max_batch=cfg.engine.engine_max_batch,
+            max_seq_len=cfg.engine.engine_max_seq_len,
+            param_dtype=cfg.model.param_dtype,
+            compute_dtype=cfg.model.compute_dtype,
+            seed=cfg.rollout.rollout_seed,
+            prefix_cache=cfg.engine.engine_prefix_cache,
+        )
 
     @property
     def jnp_param_dtype(self) -> jnp.dtype:

@@ -1,0 +1,71 @@
+"""Messages to the scheduler thread. Other threads never touch the scheduler's state: they post one of these,
+and the scheduler applies it between two steps; a control message's `reply` receives its answer there."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from jaxrl_vlm.engine.protocol import GenerateOutput, GenerateRequest
+from rollout.sglang_wire import PauseMode, UpdateWeightsRequest
+
+Reply = Callable[[Any], None]
+
+
+@dataclass(frozen=True)
+class GenerateMsg:
+    """A new request; `on_finish` is called once, from the scheduler thread."""
+
+    request: GenerateRequest
+    on_finish: Callable[[GenerateOutput], None]
+
+
+@dataclass(frozen=True)
+class AbortMsg:
+    """Abort the request(s) with this rid, or every request when rid is None."""
+
+    rid: str | None
+    message: str
+
+
+@dataclass(frozen=True)
+class PauseMsg:
+    mode: PauseMode
+    reply: Reply
+
+
+@dataclass(frozen=True)
+class ContinueMsg:
+    reply: Reply
+
+
+@dataclass(frozen=True)
+class FlushMsg:
+    """Answered True once flushed, False while requests run or wait."""
+
+    reply: Reply
+
+
+@dataclass(frozen=True)
+class LoadsMsg:
+    """Answered with the scheduler's counts (running, waiting, tokens, paused mode)."""
+
+    reply: Reply
+
+
+@dataclass(frozen=True)
+class UpdateWeightsMsg:
+    """Queued until it may run (SGLang's writer lock); answered with the `/update_weights_from_disk` body."""
+
+    update: UpdateWeightsRequest
+    reply: Reply
+
+
+@dataclass(frozen=True)
+class StopMsg:
+    """End the scheduler thread (everything still held is answered with abort)."""
+
+
+ControlMsg = PauseMsg | ContinueMsg | FlushMsg | LoadsMsg | UpdateWeightsMsg
+Message = GenerateMsg | AbortMsg | ControlMsg | StopMsg

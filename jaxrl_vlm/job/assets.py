@@ -1,0 +1,43 @@
+"""What a run needs on disk before it starts: the model directory and the prompt data (created on demand)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from jaxrl_vlm.config import Config
+from envs.geo3k.synthetic import make_dataset
+from jaxrl_vlm.data.geo3k import load_styled_dataset
+from jaxrl_vlm.tiny import make_tiny
+
+logger = logging.getLogger(__name__)
+
+
+def prepare_assets(cfg: Config) -> tuple[Path, Path]:
+    """The model directory and the prompt data, created on first use when the config asks for it."""
+    if not cfg.model.hf_checkpoint:
+        raise ValueError("--hf-checkpoint is required (a Qwen3-VL HF directory, or a path for --make-tiny to create)")
+    model_dir = Path(cfg.model.hf_checkpoint)
+    if not (model_dir / "config.json").exists():
+        if not cfg.model.make_tiny:
+            raise FileNotFoundError(f"--hf-checkpoint {model_dir}: no config.json (set --make-tiny to create a tiny random model)")
+        logger.info("creating a tiny random Qwen3-VL at %s", model_dir)
+        make_tiny(str(model_dir), seed=cfg.train.seed)
+    if not cfg.data.prompt_data:
+        raise ValueError("--prompt-data is required (parquet or jsonl in the Geometry3K layout)")
+    data_path = Path(cfg.data.prompt_data)
+    if not data_path.exists():
+        if not cfg.data.make_data:
+            raise FileNotFoundError(f"--prompt-data {data_path} does not exist (set --make-data to generate synthetic geo3k)")
+        logger.info("generating %d synthetic geo3k rows at %s", cfg.data.synthetic_rows, data_path)
+        data_path.parent.mkdir(parents=True, exist_ok=True)
+        make_dataset(str(data_path), cfg.data.synthetic_rows, seed=cfg.train.seed, image_size=cfg.data.synthetic_image_size)
+    return model_dir, data_path
+
+
+def load_dataset(cfg: Config, data_path: Path) -> Any:
+    """The prompt dataset in the configured prompt style (the task's instructions, or the bare problem)."""
+    d = cfg.data
+    common = dict(input_key=d.input_key, label_key=d.label_key, image_key=d.image_key, on_bad_row=d.on_bad_row)
+    return load_styled_dataset(str(data_path), d.prompt_style, system_prompt=d.system_prompt, **common)

@@ -1,0 +1,73 @@
+"""The engine session of a run: the embedded JAX engine, a launched SGLang, or an external SGLang/router.
+
+Whichever it is, the rollout code sees one `SGLangClient` and the `RolloutContext` on `args`; everything the
+session started is stopped on exit, also when the run fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from jaxrl_vlm.config import Config
+from jaxrl_vlm.engine import EmbeddedEngine
+from jaxrl_vlm.engine.options import EngineOptions
+from jaxrl_vlm.sglang_launcher import SGLangProcess
+from rollout.client import RetryPolicy, SGLangClient
+from rollout.driver import close_suspended
+from rollout.encoding import ChatEncoder
+from rollout.loading import load_module
+from rollout.multiturn import RolloutContext
+from rollout.options import total_generate_concurrency
+from rollout.processing import load_image_processor, load_tokenizer
+
+
+@contextlib.asynccontextmanager
+async def rollout_session(
+    cfg: Config, model_dir: Path, serve_dir: Path, args: Any, weight_version: str = "default"
+) -> AsyncIterator[SGLangClient]:
+    """Engine (embedded unless --engine-url / --launch-sglang), client and rollout context.
+
+    Yields the SGLangClient; `args.rollout_context` is set for the episode functions. `serve_dir` holds the
+    weights the embedded engine starts from (the resumed version after `--load`, labelled `weight_version`).
+    """
+    engine: EmbeddedEngine | None = None
+    launched: SGLangProcess | None = None
+    client: SGLangClient | None = None
+    client_options = dict(timeout_s=cfg.engine.engine_request_timeout, retry=RetryPolicy(max_retries=cfg.engine.engine_max_retries))
+    try:
+        if cfg.engine.engine_url:
+            client = SGLangClient(cfg.engine.engine_url, worker_urls=cfg.engine.engine_worker_urls or None, **client_options)
+        elif cfg.engine.launch_sglang:
+            launched = SGLangProcess(
+                cfg.engine.sglang_python or "", str(serve_dir), host=cfg.engine.engine_host, port=cfg.engine.engine_port,
+                extra_args=cfg.engine.sglang_args, log_path=Path(cfg.train.output_dir) / "sglang.log",
+            )
+            client = SGLangClient(launched.start(), **client_options)
+            await launched.wait_ready(client, timeout_s=cfg.engine.engine_start_timeout)
+        else:
+            engine = EmbeddedEngine(str(serve_dir), host=cfg.engine.engine_host, port=cfg.engine.engine_port,
+                                    config=EngineOptions.from_run_config(cfg), weight_version=weight_version)
+            client = SGLangClient(engine.start(), **client_options)
+        await client.wait_healthy(timeout_s=cfg.engine.engine_start_timeout)
+        encoder = ChatEncoder(load_tokenizer(model_dir), load_image_processor(model_dir))
+        env_module = load_module(cfg.rollout.rollout_interaction_env_path, "--rollout-interaction-env-path")
+        args.rollout_context = RolloutContext(
+            client=client, encoder=encoder, env_module=env_module,
+            generate_slots=asyncio.Semaphore(
+                total_generate_concurrency(cfg.rollout.sglang_server_concurrency, cfg.engine.engine_worker_urls)),
+            router_mode=bool(cfg.engine.engine_worker_urls),
+        )
+        yield client
+    finally:
+        if getattr(args, "rollout_context", None) is not None:
+            await close_suspended(args)
+        if client is not None:
+            await client.close()
+        if engine is not None:
+            engine.stop()
+        if launched is not None:
+            launched.stop()

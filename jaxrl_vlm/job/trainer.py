@@ -1,0 +1,266 @@
+"""The learner: the sharded policy and optimizer state, and one RL update from a list of finished samples.
+
+Samples -> advantages (grouped by `group_index`) -> fixed-shape batches on the mesh -> compiled train steps.
+It knows nothing about engines or rollouts; the run loop (`job/run.py`) feeds it and exports its weights.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxrl_vlm.batching import TrainBatch, build_train_batch
+from jaxrl_vlm.config import Config
+from jaxrl_vlm.distributed import global_batch
+from jaxrl_vlm.models.activation_sharding import ActivationSharding
+from jaxrl_vlm.models.hf_io import from_hf, load_hf_config
+from jaxrl_vlm.rl.advantages import compute_advantages
+from jaxrl_vlm.rl.losses import LossConfig
+from jaxrl_vlm.rl.train_step import StepConfig, TrainState, compile_train_step, compute_logprobs, make_optimizer
+from jaxrl_vlm.sharding.layout import batch_shardings, build_mesh, param_shardings, row_multiple, shardings_for
+from jaxrl_vlm.sharding.rules import resolve_rules
+from rollout.sample import Sample
+from rollout.sglang_wire import logprob_temperature
+
+
+# ----------------------------------------------------------------------------- config -> RL math
+def aggregation_constant(cfg: Config) -> float | None:
+    """Dr.GRPO's divisor: the configured constant, else the response budget (as the option's help says)."""
+    if cfg.algo.loss_aggregation != "seq_mean_token_sum_norm":
+        return cfg.algo.loss_aggregation_constant
+    return cfg.algo.loss_aggregation_constant or float(cfg.rollout.rollout_max_response_len)
+
+
+def loss_config(cfg: Config, num_sequences: int) -> LossConfig:
+    a = cfg.algo
+    return LossConfig(
+        eps_clip=a.eps_clip,
+        eps_clip_high=a.eps_clip_high,
+        eps_clip_c=a.eps_clip_c,
+        use_tis=a.use_tis,
+        tis_clip=a.tis_clip,
+        tis_clip_low=a.tis_clip_low,
+        use_kl_loss=a.use_kl_loss,
+        kl_loss_coef=a.kl_loss_coef,
+        kl_loss_type=a.kl_loss_type,
+        entropy_coef=a.entropy_coef,
+        num_sequences=num_sequences,
+        aggregation=a.loss_aggregation,
+        aggregation_constant=aggregation_constant(cfg),
+    )
+
+
+def training_temperature(cfg: Config) -> float:
+    """The temperature of the policy the engine samples (and reports log-probs of) in training rollouts.
+
+    Evaluation sampling settings never enter here: the trainer scores only what training rollouts sampled.
+    """
+    return logprob_temperature(cfg.rollout.rollout_temperature)
+
+
+def step_config(cfg: Config, num_sequences: int, *, old_from_current: bool, activations: ActivationSharding | None) -> StepConfig:
+    """The static settings of the compiled train step for batches of up to `num_sequences` per micro-batch."""
+    return StepConfig(
+        loss_name=cfg.algo.policy_loss,
+        loss=loss_config(cfg, num_sequences),
+        logprob_chunk_size=cfg.model.logprob_chunk_size,
+        need_entropy=True,  # train/entropy_loss is always logged, as slime does
+        temperature=training_temperature(cfg),
+        old_from_current=old_from_current,
+        activations=activations,
+    )
+
+
+def sequences_bucket(n: int) -> int:
+    """Static bound on sequences per micro-batch, rounded up to a power of two so it rarely recompiles."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def sample_advantages(samples: list[Sample], cfg: Config, rewards: np.ndarray | None = None) -> np.ndarray:
+    """One advantage per sample from its reward (or the given shaped `rewards`), grouped by `group_index`."""
+    if rewards is None:
+        rewards = np.array([float(s.reward) for s in samples], np.float64)
+    groups = np.array([s.group_index for s in samples], np.int64)
+    return compute_advantages(
+        rewards, groups, cfg.algo.advantage_estimator, std_normalization=not cfg.algo.disable_grpo_std_normalization
+    )
+
+
+def per_sample_token_values(batch: TrainBatch, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(values [N, L], loss mask [N, L]) of each sample's target slots, from [K, R, T] batch-shaped `values`."""
+    placements = batch.layout.placements
+    width = max(p.length for p in placements)
+    out = np.zeros((len(placements), width), np.float64)
+    mask = np.zeros((len(placements), width), np.float64)
+    for p in placements:
+        cols = slice(p.offset, p.offset + p.length)
+        out[p.sample_position, : p.length] = values[p.micro_batch, p.row, cols]
+        mask[p.sample_position, : p.length] = batch.arrays.loss_mask[p.micro_batch, p.row, cols]
+    return out, mask
+
+
+# ----------------------------------------------------------------------------- the learner
+class Trainer:
+    """The policy being trained: parameters and optimizer state on the mesh, and `train_on(samples)`."""
+
+    def __init__(self, cfg: Config, *, devices: list[Any] | None = None):
+        """`devices`: the devices of the training mesh (default: all of them)."""
+        self.cfg = cfg
+        self.devices = devices
+        self.out_dir = Path(cfg.train.output_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self._step_fns: dict[tuple[int, bool, float], Any] = {}
+        self._logprob_fn: Any = None
+
+    # -------------------------------------------------------------------------- setup
+    def build_policy(self, model_dir: Path) -> None:
+        """Load the HF checkpoint straight into its shards and create the optimizer state beside it."""
+        cfg = self.cfg
+        self.mesh = build_mesh(cfg.mesh, self.devices)
+        self.rules = resolve_rules(cfg.mesh.sharding_rules)
+        placement = shardings_for(self.mesh, self.rules, load_hf_config(str(model_dir)))
+        model = from_hf(
+            str(model_dir), param_dtype=jnp.dtype(cfg.model.param_dtype), shardings_for=placement,
+            compute_dtype=jnp.dtype(cfg.model.compute_dtype), remat=cfg.model.remat != "none",
+            attention_impl=cfg.model.attention_impl,
+        )
+        self.model_cfg = model.cfg
+        self.graphdef, params = nnx.split(model, nnx.Param)
+        self.tx = make_optimizer(cfg.optim, cfg.rollout.num_rollout * cfg.train.num_steps_per_rollout)
+        p_sh = param_shardings(params, self.mesh, self.rules)
+        # Optimizer moments are laid out like the parameters they track.
+        opt_state = jax.jit(self.tx.init)(params)
+        rng = jax.random.key_data(jax.random.key(cfg.train.seed))
+        state = TrainState(params=params, opt_state=opt_state, step=jnp.zeros((), jnp.int32), rng=rng)
+        # Everything lives on the mesh: parameters (and the optimizer moments jit placed like them) keep
+        # their shardings, anything else (step, RNG, Adam's count) is replicated.
+        replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+
+        def on_mesh(x: jax.Array) -> jax.sharding.Sharding:
+            sh = x.sharding
+            return sh if isinstance(sh, jax.sharding.NamedSharding) and sh.mesh == self.mesh else replicated
+
+        self.state_shardings = state._replace(params=p_sh, opt_state=jax.tree.map(on_mesh, opt_state),
+                                              step=replicated, rng=replicated)
+        self.state = jax.device_put(state, self.state_shardings)
+        needs_ref = cfg.algo.use_kl_loss or cfg.algo.kl_coef != 0.0
+        self.ref_params = jax.tree.map(jnp.copy, params) if needs_ref else None
+
+    def _activations(self) -> ActivationSharding | None:
+        return ActivationSharding.from_config(self.cfg.mesh, self.mesh, self.rules)
+
+    def _step_fn(self, num_sequences: int, old_from_current: bool) -> Any:
+        key = (num_sequences, old_from_current, self.logprob_temperature)
+        if key not in self._step_fns:
+            cfg = step_config(self.cfg, num_sequences, old_from_current=old_from_current, activations=self._activations())
+            self._step_fns[key] = compile_train_step(
+                self.graphdef, self.tx, cfg, state_shardings=self.state_shardings,
+                batch_shardings=lambda tree: batch_shardings(tree, self.mesh, self.rules),
+            )
+        return self._step_fns[key]
+
+    @property
+    def logprob_temperature(self) -> float:
+        return training_temperature(self.cfg)
+
+    def _logprobs(self, params: Any, device_batch: Any) -> jax.Array:
+        """Old or reference log-probs of a batch, at the rollout temperature (one program per batch shape)."""
+        if self._logprob_fn is None:
+            self._logprob_fn = jax.jit(
+                compute_logprobs, static_argnums=(0,), static_argnames=("chunk_size", "temperature", "activations")
+            )
+        return self._logprob_fn(
+            self.graphdef, params, device_batch, chunk_size=self.cfg.model.logprob_chunk_size,
+            temperature=self.logprob_temperature, activations=self._activations(),
+        )
+
+    def compiled_programs(self) -> int:
+        return sum(len(getattr(f, "cache", {})) for f in self._step_fns.values())
+
+    def _batch(self, samples: list[Sample], advantages: np.ndarray) -> tuple[TrainBatch, Any]:
+        cfg = self.cfg
+        shards = row_multiple(self.mesh, self.rules)  # devices the batch rows are split over
+        budget = cfg.batching.max_tokens_per_device
+        batch = build_train_batch(
+            samples, advantages.astype(np.float32), self.model_cfg,
+            seq_buckets=cfg.batching.seq_buckets, row_buckets=cfg.batching.row_buckets,
+            patch_buckets=cfg.batching.patch_buckets, packing=cfg.batching.packing,
+            micro_batch_rows=cfg.train.micro_batch_size, row_multiple=shards,
+            aggregation=cfg.algo.loss_aggregation, aggregation_constant=aggregation_constant(cfg),
+            overlong_policy=cfg.batching.overlong_policy,
+            max_tokens_per_micro_batch=None if budget is None else budget * shards,
+        )
+        # Each process uploads only the rows its devices hold (plain device_put would first gather and compare
+        # the whole batch across processes).
+        return batch, global_batch(batch.arrays, self.mesh, rules=self.rules)
+
+    # -------------------------------------------------------------------------- one update
+    def train_on(self, samples: list[Sample]) -> dict[str, float]:
+        """Advantages -> fixed-shape batches -> compiled optimizer steps. One host sync (the metrics) per call.
+
+        Advantages are computed over the whole rollout (grouped by `group_index`). The samples are then cut into
+        optimizer batches of `--global-batch-size` (slime's meaning: samples per optimizer step), and each is
+        trained `--num-steps-per-rollout` times. With one batch and one step the old log-probs are the current
+        policy's own (the ratio is exactly 1, as in slime); otherwise they are computed for every batch with the
+        pre-update weights before the first update.
+        """
+        cfg = self.cfg
+        size = cfg.train.global_batch_size or len(samples)
+        advantages, kl_metrics = self.advantages(samples)
+        chunks = [(samples[i : i + size], advantages[i : i + size]) for i in range(0, len(samples), size)]
+        batches = [self._batch(chunk, adv) for chunk, adv in chunks]
+        single = len(batches) == 1 and cfg.train.num_steps_per_rollout == 1
+        old = [None if single else self._logprobs(self.state.params, dev) for _, dev in batches]
+        ref = [None if self.ref_params is None else self._logprobs(self.ref_params, dev) for _, dev in batches]
+        updates = []
+        for _ in range(cfg.train.num_steps_per_rollout):
+            for (batch, device_batch), old_lp, ref_lp in zip(batches, old, ref):
+                step_fn = self._step_fn(sequences_bucket(batch.layout.max_sequences_per_micro_batch), single)
+                self.state, step_metrics = step_fn(self.state, device_batch, old_lp, ref_lp)
+                updates.append(step_metrics)
+        # Metrics of the optimizer steps of this rollout, averaged (one device->host transfer).
+        per_step = jax.device_get(updates)
+        metrics = {k: float(np.mean([m[k] for m in per_step])) for k in per_step[0]}
+        metrics["train/optimizer_steps"] = float(len(per_step))
+        metrics["batch/padding_efficiency"] = float(np.mean([b.layout.padding_efficiency for b, _ in batches]))
+        metrics["batch/rows_per_micro_batch"] = float(batches[0][0].arrays.tokens.shape[1])
+        metrics["batch/real_tokens"] = float(sum(b.layout.real_tokens for b, _ in batches))
+        metrics["batch/compiled_programs"] = float(self.compiled_programs())
+        metrics.update(kl_metrics)
+        metrics["rollout/advantage_abs_mean"] = float(np.abs(advantages).mean())
+        # slime's rollout/advantages: per-sample masked mean of the token advantages, averaged over samples.
+        metrics["rollout/advantages"] = float(advantages.mean())
+        return metrics
+
+    def advantages(self, samples: list[Sample]) -> tuple[np.ndarray, dict[str, float]]:
+        """Advantages of a rollout, after `--kl-coef` reward shaping when it is on (with its metrics).
+
+        Shaping (slime's `--kl-coef`): each sample's reward loses kl_coef * sum over its model tokens of the k1
+        estimate log p_old - log p_ref (the current weights before this update vs the initial policy), before
+        the advantages. slime applies it only inside its reinforce++/ppo returns and silently ignores it for
+        grpo/gspo; here it shapes the reward for every estimator (the README's slime table says so).
+        """
+        cfg = self.cfg
+        if cfg.algo.kl_coef == 0.0:
+            return sample_advantages(samples, cfg), {}
+        rewards = np.array([float(s.reward) for s in samples], np.float64)
+        kl_sums = np.zeros(len(samples), np.float64)
+        size = cfg.train.global_batch_size or len(samples)
+        for start in range(0, len(samples), size):
+            chunk = samples[start : start + size]
+            batch, device_batch = self._batch(chunk, np.zeros(len(chunk), np.float32))
+            k1 = self._logprobs(self.state.params, device_batch) - self._logprobs(self.ref_params, device_batch)
+            per_token, mask = per_sample_token_values(batch, np.asarray(jax.device_get(k1)))
+            kl_sums[start : start + len(chunk)] = (per_token * mask).sum(axis=1)
+        shaped = rewards - cfg.algo.kl_coef * kl_sums
+        metrics = {"rollout/kl_penalty_mean": float(cfg.algo.kl_coef * kl_sums.mean()),
+                   "rollout/shaped_reward_mean": float(shaped.mean())}
+        return sample_advantages(samples, cfg, shaped), metrics
+
+    def policy_model(self) -> Any:
+        return nnx.merge(self.graphdef, self.state.params)

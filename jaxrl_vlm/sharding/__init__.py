@@ -1,0 +1,32 @@
+"""Sharding: `rules` (logical axis names -> mesh axes), `layout` (mesh, parameter and batch shardings)
+and `goldens` (the layout dumps checked in under tests/goldens/sharding/).
+
+Names are resolved lazily (PEP 562) so that importing `jaxrl_vlm.sharding.rules`, which the model
+does, never imports `layout` (which imports the model): the package stays free of an import cycle.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    **dict.fromkeys(
+        ["AnyMesh", "BATCH_AXIS", "DEFAULT_RULES", "MESH_AXES", "MeshAxes", "PARAM_LOGICAL_AXES", "Rules",
+         "ShardingError", "axis_sizes", "logical_to_spec", "resolve_rules", "spec_with_notes"], "rules"),
+    **dict.fromkeys(
+        ["MeshSizes", "ParamLayout", "abstract_mesh", "batch_sharding", "batch_shardings", "batch_spec",
+         "build_mesh", "default_row_axis", "mesh_shape", "param_bytes_per_device", "param_layouts",
+         "param_shardings", "put_batch", "row_multiple", "shard_model", "shard_shape", "shardings_for",
+         "state_shardings"], "layout"),
+    **dict.fromkeys(
+        ["GOLDEN_BATCH_LEAVES", "MeshLayout", "diff_shardings", "dump_shardings", "format_dump", "spec_to_json"],
+        "goldens"),
+}  # fmt: skip
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'jaxrl_vlm.sharding' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"jaxrl_vlm.sharding.{_EXPORTS[name]}"), name)

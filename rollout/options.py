@@ -1,0 +1,131 @@
+"""Typed rollout and multi-turn options: the one home of their names, defaults and help text.
+
+`jaxrl_vlm.config` composes `RolloutOptions` and `MultiTurnOptions` as its `rollout` and `multiturn` sections
+(YAML sections, `--flag` names and `Config.to_namespace()` come from these fields). Rollout code receives the
+flat `args` namespace (slime's convention) and reads these options once through `from_args`, which fills any
+attribute the namespace lacks from the dataclass default, so a default is written only here.
+
+This module never imports jax or jaxrl_vlm: a rollout host runs without them.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import types
+import typing
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, TypeVar
+
+_T = TypeVar("_T", bound="ArgsOptions")
+
+
+def opt(default: Any, help: str, *, choices: Collection[Any] | None = None) -> Any:
+    """Declare an option with its help text (and optional allowed values); lists/dicts get a fresh copy each time."""
+    meta = {"help": help, "choices": choices}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: copy.deepcopy(d), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+_SCALARS: tuple[type, ...] = (bool, int, float, str)
+
+
+def _caster(hint: Any) -> Callable[[Any], Any] | None:
+    """How `from_args` normalises a value of type `hint` (`X | None` as X): the cast, or None to keep it."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        members = [a for a in typing.get_args(hint) if a is not type(None)]
+        hint = members[0] if len(members) == 1 else Any
+    if hint in _SCALARS:
+        return hint
+    if typing.get_origin(hint) is list:
+        return list
+    return None
+
+
+@functools.cache
+def _casts(cls: type) -> tuple[tuple[str, Callable[[Any], Any] | None], ...]:
+    """Per field of `cls`: its name and its cast (resolved once per class)."""
+    hints = typing.get_type_hints(cls)
+    return tuple((f.name, _caster(hints[f.name])) for f in dataclasses.fields(cls))
+
+
+class ArgsOptions:
+    """Mixin of the option dataclasses: build one from slime's flat `args` namespace."""
+
+    @classmethod
+    def from_args(cls: type[_T], args: Any) -> _T:
+        """The options on `args` (a flat namespace, or another options object); a missing attribute takes the
+        field's default. Scalars are cast to the declared type, as the rollout code always did at each read."""
+        values: dict[str, Any] = {}
+        for name, cast in _casts(cls):
+            if not hasattr(args, name):
+                continue
+            value = getattr(args, name)
+            # None is kept as None even where the type says otherwise: the reads it replaces treated it as unset.
+            values[name] = cast(value) if cast is not None and value is not None else value
+        return cls(**values)
+
+
+@dataclass
+class RolloutOptions(ArgsOptions):
+    """One rollout step: which functions run it, how many groups of how many episodes, sampling, filtering."""
+
+    rollout_function_path: str = opt("rollout.driver.generate_rollout", "Dotted path of the whole-step rollout function.")
+    custom_generate_function_path: str = opt("rollout.multiturn.generate", "Dotted path of the per-sample episode function.")
+    rollout_interaction_env_path: str | None = opt("envs.geo3k", "Module (dotted or .py path) exposing build_env(sample, args).")
+    custom_config_path: str | None = opt(None, "YAML whose keys become attributes of args (max_turns, ...).")
+    num_rollout: int = opt(10, "Number of rollout -> train iterations.")
+    rollout_batch_size: int = opt(4, "Prompts per rollout step.")
+    n_samples_per_prompt: int = opt(
+        1, "Samples per prompt (a group). slime's default 1; GRPO-style advantages need >= 2 (a group of 1 has "
+        "advantage 0).")
+    over_sampling_batch_size: int | None = opt(None, "Prompts submitted at a time when dynamic filtering drops groups.")
+    rollout_max_response_len: int = opt(512, "Token budget of the whole response, observation tokens included.")
+    rollout_max_context_len: int | None = opt(None, "Maximum prompt+response length (None: no extra limit).")
+    rollout_max_prompt_len: int | None = opt(
+        None,
+        "Skip prompts longer than this many tokens, counted as trained (chat template applied, image pads "
+        "expanded), before their group is generated; the step is filled with other prompts and the skips are "
+        "counted in rollout/filtered_long_prompts (None: no limit). slime filters them at dataset load.",
+    )
+    rollout_temperature: float = opt(1.0, "Sampling temperature.")
+    rollout_top_p: float = opt(1.0, "Nucleus sampling threshold in (0, 1].")
+    rollout_top_k: int = opt(-1, "Top-k sampling (-1: whole vocabulary).")
+    rollout_seed: int = opt(42, "Seed of the rollout sampler.")
+    rollout_stop: list[str] = opt([], "Stop strings (slime's --rollout-stop); the matched text stays in the turn.")
+    rollout_stop_token_ids: list[int] = opt([], "Extra stop token ids (the model's EOS ids always stop).")
+    sglang_server_concurrency: int = opt(
+        512,
+        "Maximum in-flight /generate requests per engine, as slime's: the rollout allows this times the number of "
+        "engines in total (the --engine-worker-urls behind a router, else 1).",
+    )
+    dynamic_filter: str | None = opt(None, "Group filter: drop groups whose rewards are all equal.", choices=(None, "zero_std"))
+    partial_rollout: bool = opt(False, "Resume unfinished episodes in the next step instead of discarding them.")
+    mask_offpolicy_in_partial_rollout: bool = opt(False, "Mask tokens of resumed episodes sampled by older weights.")
+    episode_timeout: float = opt(600.0, "Wall-clock limit of one episode in seconds.")
+    failed_share_warning: float = opt(
+        0.5, "Warn with the top causes when more than this share of a step's finished episodes FAILED.")
+    max_all_failed_steps: int = opt(
+        3, "Stop the run, naming the top causes, after this many consecutive steps in which every finished "
+        "episode FAILED (0: never stop).")
+
+
+@dataclass
+class MultiTurnOptions(ArgsOptions):
+    """One episode of the default multi-turn loop: turn limit, env retries and timeout, the delta check."""
+
+    max_turns: int = opt(3, "Maximum model turns per episode.")
+    max_env_retries_per_turn: int = opt(2, "Retries of an env step that raises or times out before the episode FAILs.")
+    env_step_timeout: float = opt(30.0, "Seconds an env step may take.")
+    delta_check: str = opt("strict", "Prefix-stability check of observation deltas at finalize.", choices=("strict", "warn", "off"))
+
+
+def total_generate_concurrency(per_engine: int, worker_urls: Sequence[str] = ()) -> int:
+    """In-flight /generate requests the rollout allows: slime's `--sglang-server-concurrency` is per engine, and
+    its rollout semaphore is that times the number of engines (here the workers behind a router, else 1)."""
+    if per_engine < 1:
+        raise ValueError(f"sglang_server_concurrency must be >= 1, got {per_engine}")
+    return per_engine * max(1, len(worker_urls))
