@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import sys
 import types
 import typing
@@ -698,6 +699,34 @@ def validate(cfg: Config) -> None:
     gbs = cfg.train.global_batch_size
     if gbs is not None and gbs < 1:
         raise ConfigError(f"global_batch_size must be >= 1, got {gbs}")
+    _validate_numbers(cfg)
+
+
+# Numbers whose meaningful range types cannot express; every float option must also be finite.
+_NON_NEGATIVE = ("lr", "min_lr", "weight_decay", "adam_eps", "clip_grad", "eps_clip", "eps_clip_high", "kl_loss_coef",
+                 "kl_coef", "entropy_coef", "tis_clip_low", "colocate_margin", "failed_share_warning",
+                 "max_all_failed_steps", "lr_warmup_iters", "save_interval", "keep_checkpoints", "engine_max_retries")
+_POSITIVE = ("episode_timeout", "env_step_timeout", "engine_request_timeout", "engine_start_timeout", "tis_clip",
+             "logprob_chunk_size", "engine_max_batch", "engine_max_seq_len", "max_tokens_per_device",
+             "rollout_max_prompt_len", "rollout_max_context_len")
+_UNIT_INTERVAL = ("adam_beta1", "adam_beta2")  # [0, 1)
+
+
+def _validate_numbers(cfg: Config) -> None:
+    """NaN, infinities and out-of-range numbers are errors naming the key (a NaN lr would train nothing)."""
+    for info in FIELDS.values():
+        value = getattr(getattr(cfg, info.section), info.name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        where = f"{info.section}.{info.name}"
+        if not math.isfinite(value):
+            raise ConfigError(f"{where} must be a finite number, got {value}")
+        if info.name in _NON_NEGATIVE and value < 0:
+            raise ConfigError(f"{where} must be >= 0, got {value}")
+        if info.name in _POSITIVE and value <= 0:
+            raise ConfigError(f"{where} must be > 0, got {value}")
+        if info.name in _UNIT_INTERVAL and not 0 <= value < 1:
+            raise ConfigError(f"{where} must be in [0, 1), got {value}")
 
 
 def describe_options() -> str:

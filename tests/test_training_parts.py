@@ -18,6 +18,8 @@ from _train_samples import train_samples
 
 from jaxrl_vlm.checkpoint import CheckpointStore, abstract_like
 from jaxrl_vlm.config import load_config
+from jaxrl_vlm.job.run import weight_sync_root
+from jaxrl_vlm.job.session import rollout_session
 from jaxrl_vlm.job.trainer import Trainer
 from jaxrl_vlm.sglang_launcher import SGLangLaunchError, SGLangProcess
 from jaxrl_vlm.weight_sync import WeightSyncer, WeightSyncFailed, version_dir
@@ -194,3 +196,23 @@ def test_global_batch_size_splits_the_rollout_into_optimizer_steps(tiny_dir, mak
     # Old log-probs come from the weights before the first update, so the first step sees ratio 1 and the
     # later ones do not.
     assert metrics["train/ratio_max"] > 1.0 + 1e-6
+
+
+# ------------------------------------------------------------------------------------------- engine left paused
+async def test_session_resumes_an_external_engine_left_paused_and_runs_use_their_own_sync_dir(tiny_dir, tmp_path):
+    """A trainer killed between pause and continue leaves the engine paused; the next run resumes it on attach.
+    Two runs sharing one --weight-sync-dir write (and delete) only under their own subdirectories."""
+    async with FakeSGLangServer() as server:
+        async with SGLangClient(server.url) as client:
+            await client.pause_generation("abort")
+        assert server.paused is not None
+        cfg = load_config(None, ["--hf-checkpoint", str(tiny_dir), "--engine-url", server.url,
+                                 "--rollout-interaction-env-path", "envs.letter_game"])
+        async with rollout_session(cfg, tiny_dir, tiny_dir, cfg.to_namespace()):
+            assert server.paused is None and server.paths[-1] == "/continue_generation"
+    shared = ["--weight-sync-dir", str(tmp_path / "shm")]
+    a = weight_sync_root(load_config(None, [*shared, "--output-dir", str(tmp_path / "a")]), tmp_path / "a")
+    b = weight_sync_root(load_config(None, [*shared, "--output-dir", str(tmp_path / "b")]), tmp_path / "b")
+    assert a.parent == b.parent == tmp_path / "shm" and a != b
+    assert a == weight_sync_root(load_config(None, [*shared]), tmp_path / "a")  # the same run (or its resume)
+    assert weight_sync_root(load_config(None, []), tmp_path / "a") == tmp_path / "a" / "weights"

@@ -13,6 +13,9 @@ from jaxrl_vlm.config import Config
 
 logger = logging.getLogger(__name__)
 
+# A run longer than this with --save-interval 0 is warned about: it has nothing to resume from until its end.
+UNSAVED_STEPS_WARNING = 20
+
 
 @dataclass
 class ResumePoint:
@@ -48,6 +51,10 @@ class CheckpointCadence:
     def __init__(self, cfg: Config, out_dir: Path):
         self.cfg = cfg
         self.store = CheckpointStore(cfg.checkpoint.save or out_dir / "checkpoints", keep=cfg.checkpoint.keep_checkpoints)
+        steps = cfg.rollout.num_rollout
+        if cfg.checkpoint.save_interval == 0 and steps > UNSAVED_STEPS_WARNING:
+            logger.warning("--save-interval 0: this %d-step run saves a checkpoint only at its end; a crash loses "
+                           "everything (set --save-interval)", steps)
 
     def due(self, done: int) -> bool:
         interval = self.cfg.checkpoint.save_interval

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import time
 from pathlib import Path
@@ -36,6 +37,16 @@ from rollout.loading import load_function
 from rollout.metrics import multi_turn_metrics, rollout_metrics
 
 logger = logging.getLogger(__name__)
+
+
+def weight_sync_root(cfg: Config, out_dir: Path) -> Path:
+    """Where this run's weight versions go. A configured `--weight-sync-dir` (e.g. /dev/shm/...) may be shared by
+    several runs, so each run writes, and deletes, only under its own subdirectory, named after its output
+    directory (the same on every process of a multi-host run, and again when the run resumes)."""
+    if not cfg.engine.weight_sync_dir:
+        return out_dir / "weights"
+    out = out_dir.resolve()
+    return Path(cfg.engine.weight_sync_dir) / f"{out.name}-{hashlib.sha1(str(out).encode()).hexdigest()[:10]}"
 
 
 def _prompt_iterator(cfg: Config, data_path: Path) -> PromptIterator:
@@ -75,7 +86,7 @@ class MainJob:
             self.trainer.state = self.resume.state
             self.prompts.load_state_dict(self.resume.prompt_iterator)
         sync_dtype = cfg.engine.weight_sync_dtype or ("bfloat16" if cfg.engine.engine_url else cfg.model.param_dtype)
-        self.syncer = WeightSyncer(None, cfg.engine.weight_sync_dir or self.out_dir / "weights",
+        self.syncer = WeightSyncer(None, weight_sync_root(cfg, self.out_dir),
                                    copy_from=str(self.model_dir), dtype=jnp.dtype(sync_dtype))
         self.rollout_fn = load_function(cfg.rollout.rollout_function_path, "--rollout-function-path")
         self.checkpoints = CheckpointCadence(cfg, self.out_dir)

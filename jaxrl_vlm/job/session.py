@@ -53,6 +53,11 @@ async def rollout_session(
                                     config=EngineOptions.from_run_config(cfg), weight_version=weight_version)
             client = SGLangClient(engine.start(), **client_options)
         await client.wait_healthy(timeout_s=cfg.engine.engine_start_timeout)
+        if engine is None:
+            # A trainer that died between /pause_generation and /continue_generation leaves an external engine
+            # paused (healthy, yet every /generate hangs): resume every worker before the first rollout.
+            for url in client.worker_urls:
+                await client.continue_generation(url=url)
         encoder = ChatEncoder(load_tokenizer(model_dir), load_image_processor(model_dir))
         env_module = load_module(cfg.rollout.rollout_interaction_env_path, "--rollout-interaction-env-path")
         args.rollout_context = RolloutContext(
