@@ -230,6 +230,7 @@ class MeshConfig:
 class CheckpointConfig:
     save: str | None = opt(None, "Checkpoint directory (None: <output_dir>/checkpoints).")
     load: str | None = opt(None, "Resume from this checkpoint directory (latest complete step).")
+    load_step: int | None = opt(None, "Resume from this step of --load instead of the latest (e.g. when it is corrupt).")
     save_interval: int = opt(0, "Steps between checkpoints (0: only at the end).")
     keep_checkpoints: int = opt(3, "How many recent checkpoints to keep.")
 

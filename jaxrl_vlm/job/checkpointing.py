@@ -8,13 +8,28 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from jaxrl_vlm.checkpoint import CheckpointStore, abstract_like
+from jaxrl_vlm.checkpoint import CheckpointError, CheckpointStore, abstract_like
 from jaxrl_vlm.config import Config
 
 logger = logging.getLogger(__name__)
 
 # A run longer than this with --save-interval 0 is warned about: it has nothing to resume from until its end.
 UNSAVED_STEPS_WARNING = 20
+
+
+# Settings that decide the shapes of the train state (parameters, optimizer moments): a difference is named when
+# a resume does not fit.
+STATE_SHAPING_KEYS = (("model", "hf_checkpoint"), ("model", "param_dtype"), ("optim", "optimizer"), ("optim", "clip_grad"))
+
+
+def config_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """`section.key: saved -> now` for the state-shaping settings that differ between a checkpoint and this run."""
+    out = []
+    for section, key in STATE_SHAPING_KEYS:
+        before, after = saved.get(section, {}).get(key), now.get(section, {}).get(key)
+        if section in saved and before != after:
+            out.append(f"{section}.{key}: {before!r} -> {after!r}")
+    return out
 
 
 @dataclass
@@ -35,7 +50,15 @@ def restore(cfg: Config, like_state: Any) -> ResumePoint | None:
         return None
     store = CheckpointStore(cfg.checkpoint.load, keep=cfg.checkpoint.keep_checkpoints, read_only=True)
     try:
-        step, state, meta = store.restore(abstract_like(like_state))
+        step = cfg.checkpoint.load_step if cfg.checkpoint.load_step is not None else store.latest_step()
+        changed = [] if step is None else config_changes(store.meta(step).get("config", {}), cfg.to_dict())
+        if changed:
+            logger.warning("resuming %s step %d with changed settings: %s", cfg.checkpoint.load, step, "; ".join(changed))
+        try:
+            step, state, meta = store.restore(abstract_like(like_state), step=step)
+        except CheckpointError as e:
+            raise CheckpointError(f"{e}" + (f" (settings changed since the checkpoint: {'; '.join(changed)})"
+                                            if changed else "")) from e
     finally:
         store.close()
     point = ResumePoint(step=step, state=state, weight_version=int(meta["weight_version"]),
