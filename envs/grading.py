@@ -288,8 +288,35 @@ def numbers_match(pred_value: float, pred_places: int | None, gold_value: float,
     return False
 
 
+# Junk after a valid prefix ("1+garbage()", "12trailingwords", "2)"): math-verify parses the prefix and drops the
+# rest, so such an answer would be graded by its prefix. Words of 4+ letters and calls of a non-LaTeX name are
+# not math unless they are one of these (a backslash-prefixed LaTeX command is always fine).
+_MATH_WORDS = frozenset({"sin", "cos", "tan", "cot", "sec", "csc", "log", "ln", "exp", "sqrt", "pi", "arcsin",
+                         "arccos", "arctan", "sinh", "cosh", "tanh", "inf", "infty", "deg", "frac", "cdot", "times"})
+_BARE_WORD = re.compile(r"(?<![\\A-Za-z])([A-Za-z]{4,})")
+_BARE_CALL = re.compile(r"(?<![\\A-Za-z])([A-Za-z]{2,})\(")
+
+
+def _has_junk(norm: str) -> bool:
+    """True when a normalised answer holds text that is not part of a math expression (see _MATH_WORDS)."""
+    depth = 0
+    for ch in norm:
+        depth += {"(": 1, "[": 1, ")": -1, "]": -1}.get(ch, 0)
+        if depth < 0:
+            return True
+    if depth != 0 and not _is_interval(norm):
+        return True
+    words = [m.group(1) for m in _BARE_WORD.finditer(norm)] + [m.group(1) for m in _BARE_CALL.finditer(norm)]
+    return any(w.lower() not in _MATH_WORDS for w in words)
+
+
+def _is_interval(norm: str) -> bool:
+    """Half-open intervals such as "(1,2]" or "[0,\\infty)" legitimately pair different brackets."""
+    return norm[:1] in "([" and norm[-1:] in ")]" and norm.count(",") == 1
+
+
 def _prepare(answer: Any) -> str | None:
-    """Normalised answer, or None when it is malformed (not a string, unbalanced, empty, too long)."""
+    """Normalised answer, or None when it is malformed (not a string, unbalanced, empty, too long, junk)."""
     if not isinstance(answer, str):
         return None
     if len(answer) > 64 * MAX_ANSWER_CHARS and "\\boxed" not in answer and "\\fbox" not in answer:
@@ -302,7 +329,7 @@ def _prepare(answer: Any) -> str | None:
     if len(answer) > MAX_ANSWER_CHARS:
         return None
     norm = normalize_answer(answer)
-    if not norm or not _braces_balanced(norm):
+    if not norm or not _braces_balanced(norm) or _has_junk(norm):
         return None
     return norm
 

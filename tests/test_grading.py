@@ -294,3 +294,22 @@ def test_hung_worker_is_killed_and_replaced():
         assert grading._get_pool().worker_pids() != [pid]
     finally:
         grading.configure_grading(2)
+
+
+@pytest.mark.parametrize(
+    ("pred", "gold"),
+    [("1+garbage()", "1"), ("12 trailing words here", "12"), ("2)", "2"), ("(3", "3"), ("7 foo(2)", "7"),
+     ("\\boxed{5 bananas}", "5")],
+)
+def test_trailing_junk_is_not_graded_by_its_prefix(pred, gold):
+    """math-verify parses a valid prefix and drops the rest; such answers must not count (issue 17 row 13)."""
+    assert not grade_answer(pred, gold)
+
+
+@pytest.mark.parametrize(
+    ("pred", "gold"),
+    [("(1,2]", "(1,2]"), ("[0,\\infty)", "[0,\\infty)"), ("sqrt(3)", "\\sqrt{3}"), ("AB", "AB"), ("5 cm", "5"),
+     ("x = 5", "5"), ("2\\pi", "2\\pi")],
+)
+def test_math_words_intervals_and_units_are_not_junk(pred, gold):
+    assert grade_answer(pred, gold)
