@@ -10,6 +10,9 @@ are small and built offline (nothing may be fetched from a hub):
   and pad `<|endoftext|>`.
 - `QWEN3_VL_CHAT_TEMPLATE`: a Jinja template written for this project that
   renders conversations the way Qwen3-VL-Instruct's template does.
+- `QWEN3_THINKING_CHAT_TEMPLATE` / `QWEN3_VL_THINKING_CHAT_TEMPLATE`: the same
+  for the Qwen3 thinking templates, which rewrite earlier assistant turns
+  (tests of history-rewriting templates; `build_tiny_tokenizer(chat_template=...)`).
 - `tiny_image_processor_config`: Qwen3-VL's preprocessing values with a small
   pixel range, so 64x64..128x128 test images stay a few dozen patches.
 - `tiny_qwen3_vl_hf_config`: a transformers-5 `Qwen3VLConfig` dict whose token
@@ -144,6 +147,135 @@ QWEN3_VL_CHAT_TEMPLATE = r"""
 {%- endif -%}
 """.strip()
 
+# Written for this project to reproduce the semantics of the Qwen3 *thinking*
+# templates (Qwen3 hybrid, Qwen3-2507-Thinking, Qwen3-VL-Thinking), which are
+# NOT append-only. Header, content items, images, tools and tool messages render
+# as in QWEN3_VL_CHAT_TEMPLATE. Then:
+# - the "last user query" is the last user message whose text is not a wrapped
+#   `<tool_response>...</tool_response>`; tool messages never count;
+# - an assistant message after that query is rendered with a think block,
+#   `<think>\n{reasoning}\n</think>\n\n{answer}`, when it is the last message or
+#   has reasoning (so a finished final turn without reasoning gets the empty
+#   block `<think>\n\n</think>\n\n`); reasoning comes from `reasoning_content` or
+#   from the content's `<think>...</think>` part;
+# - an assistant message at or before the last query loses its reasoning;
+# - the generation prompt is `<|im_start|>assistant\n`, plus the empty think
+#   block when `enable_thinking` is false (Qwen3 hybrid). The VL-Thinking
+#   variant below opens `<think>\n` in every generation prompt instead.
+_QWEN3_THINKING_BODY = r"""
+{%- set counts = namespace(images=0, videos=0) -%}
+{%- macro render_content(content, count_vision) -%}
+  {%- if content is string -%}
+    {{- content -}}
+  {%- elif content is iterable and content is not mapping -%}
+    {%- for item in content -%}
+      {%- if item.type == 'image' or 'image' in item or 'image_url' in item -%}
+        {%- if count_vision -%}{%- set counts.images = counts.images + 1 -%}{%- endif -%}
+        {%- if add_vision_id -%}{{- 'Picture ' ~ counts.images ~ ': ' -}}{%- endif -%}
+        {{- '<|vision_start|><|image_pad|><|vision_end|>' -}}
+      {%- elif item.type == 'video' or 'video' in item -%}
+        {%- if count_vision -%}{%- set counts.videos = counts.videos + 1 -%}{%- endif -%}
+        {%- if add_vision_id -%}{{- 'Video ' ~ counts.videos ~ ': ' -}}{%- endif -%}
+        {{- '<|vision_start|><|video_pad|><|vision_end|>' -}}
+      {%- elif 'text' in item -%}
+        {{- item.text -}}
+      {%- else -%}
+        {{- raise_exception('chat template: unsupported content item ' ~ (item | tojson)) -}}
+      {%- endif -%}
+    {%- endfor -%}
+  {%- elif content is defined and content is not none -%}
+    {{- raise_exception('chat template: message content must be a string or a list of items') -}}
+  {%- endif -%}
+{%- endmacro -%}
+{%- macro content_text(content) -%}
+  {%- if content is string -%}
+    {{- content -}}
+  {%- elif content is iterable and content is not mapping -%}
+    {%- for item in content -%}{%- if item.text is defined and item.text is string -%}{{- item.text -}}{%- endif -%}{%- endfor -%}
+  {%- endif -%}
+{%- endmacro -%}
+{%- set has_system = messages | length > 0 and messages[0].role == 'system' -%}
+{%- if tools -%}
+  {{- '<|im_start|>system\n' -}}
+  {%- if has_system -%}{{- render_content(messages[0].content, false) ~ '\n\n' -}}{%- endif -%}
+  {{- '# Tools\n\nYou may call one or more functions to assist with the user query.\n\n' -}}
+  {{- 'You are provided with function signatures within <tools></tools> XML tags:\n<tools>' -}}
+  {%- for tool in tools -%}{{- '\n' ~ (tool | tojson) -}}{%- endfor -%}
+  {{- '\n</tools>\n\nFor each function call, return a json object with function name and arguments within '
+      '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": '
+      '<args-json-object>}\n</tool_call><|im_end|>\n' -}}
+{%- elif has_system -%}
+  {{- '<|im_start|>system\n' ~ render_content(messages[0].content, false) ~ '<|im_end|>\n' -}}
+{%- endif -%}
+{#- Index of the last user query (a tool response, as a tool message or wrapped in a user one, is no query). -#}
+{%- set query = namespace(index=messages | length - 1, found=false) -%}
+{%- for message in messages | reverse -%}
+  {%- if not query.found and message.role == 'user' -%}
+    {%- set text = content_text(message.content) | string -%}
+    {%- if not (text.startswith('<tool_response>') and text.endswith('</tool_response>')) -%}
+      {%- set query.index = messages | length - 1 - loop.index0 -%}
+      {%- set query.found = true -%}
+    {%- endif -%}
+  {%- endif -%}
+{%- endfor -%}
+{%- for message in messages -%}
+  {%- if message.role == 'system' -%}
+    {%- if not loop.first -%}
+      {{- '<|im_start|>system\n' ~ render_content(message.content, true) ~ '<|im_end|>\n' -}}
+    {%- endif -%}
+  {%- elif message.role == 'user' -%}
+    {{- '<|im_start|>user\n' ~ render_content(message.content, true) ~ '<|im_end|>\n' -}}
+  {%- elif message.role == 'assistant' -%}
+    {%- set turn = namespace(text=render_content(message.content, true) | string, reasoning='') -%}
+    {%- if message.reasoning_content is defined and message.reasoning_content is string -%}
+      {%- set turn.reasoning = message.reasoning_content -%}
+    {%- elif '</think>' in turn.text -%}
+      {%- set turn.reasoning = turn.text.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') -%}
+      {%- set turn.text = turn.text.split('</think>')[-1].lstrip('\n') -%}
+    {%- endif -%}
+    {%- if loop.index0 > query.index and (loop.last or turn.reasoning) -%}
+      {{- '<|im_start|>assistant\n<think>\n' ~ turn.reasoning.strip('\n') ~ '\n</think>\n\n' ~ turn.text.lstrip('\n') -}}
+    {%- else -%}
+      {{- '<|im_start|>assistant\n' ~ turn.text -}}
+    {%- endif -%}
+    {%- for call in message.tool_calls or [] -%}
+      {%- if not loop.first or turn.text -%}{{- '\n' -}}{%- endif -%}
+      {%- set fn = call.function if call.function is defined else call -%}
+      {{- '<tool_call>\n{"name": "' ~ fn.name ~ '", "arguments": ' -}}
+      {%- if fn.arguments is string -%}{{- fn.arguments -}}{%- else -%}{{- fn.arguments | tojson -}}{%- endif -%}
+      {{- '}\n</tool_call>' -}}
+    {%- endfor -%}
+    {{- '<|im_end|>\n' -}}
+  {%- elif message.role == 'tool' -%}
+    {%- if loop.first or loop.previtem.role != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}
+    {{- '\n<tool_response>\n' ~ render_content(message.content, true) ~ '\n</tool_response>' -}}
+    {%- if loop.last or loop.nextitem.role != 'tool' -%}{{- '<|im_end|>\n' -}}{%- endif -%}
+  {%- else -%}
+    {{- raise_exception('chat template: unknown role ' ~ (message.role | tojson)) -}}
+  {%- endif -%}
+{%- endfor -%}
+""".strip()
+
+# Qwen3-style hybrid thinking template: the model opens `<think>` itself;
+# `enable_thinking=False` (a template kwarg) closes an empty think block in the
+# generation prompt.
+QWEN3_THINKING_CHAT_TEMPLATE = (
+    "{#- Qwen3-Thinking-style chat template (jaxrl-vlm test fixture). -#}\n"
+    + _QWEN3_THINKING_BODY
+    + "\n{%- if add_generation_prompt -%}\n"
+    "  {{- '<|im_start|>assistant\\n' -}}\n"
+    "  {%- if enable_thinking is defined and enable_thinking is false -%}{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}\n"
+    "{%- endif -%}"
+)
+
+# Qwen3-VL-Thinking-style template: every generation prompt opens `<think>\n`,
+# so the model's turn is `{reasoning}\n</think>\n\n{answer}<|im_end|>`.
+QWEN3_VL_THINKING_CHAT_TEMPLATE = (
+    "{#- Qwen3-VL-Thinking-style chat template (jaxrl-vlm test fixture). -#}\n"
+    + _QWEN3_THINKING_BODY
+    + "\n{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n<think>\\n' -}}{%- endif -%}"
+)
+
 # Word lists for the generated training text: the domains the tests talk
 # about (geometry problems, chat turns, LaTeX answers, JSON tool calls).
 _GEOMETRY_WORDS = """triangle angle circle radius diameter side length area perimeter measure segment
@@ -247,8 +379,11 @@ def build_tiny_backend(vocab_size: int = 1024, seed: int = 0) -> Tokenizer:
     return tok
 
 
-def build_tiny_tokenizer(vocab_size: int = 1024, seed: int = 0) -> PreTrainedTokenizerFast:
-    """A Qwen-style byte-level BPE tokenizer with `len(tokenizer) == vocab_size` and the Qwen3-VL chat template.
+def build_tiny_tokenizer(
+    vocab_size: int = 1024, seed: int = 0, chat_template: str = QWEN3_VL_CHAT_TEMPLATE
+) -> PreTrainedTokenizerFast:
+    """A Qwen-style byte-level BPE tokenizer with `len(tokenizer) == vocab_size` and the Qwen3-VL chat template
+    (or `chat_template`, e.g. `QWEN3_THINKING_CHAT_TEMPLATE`; the vocabulary does not depend on it).
 
     Deterministic: the same (vocab_size, seed) gives the same tokenizer.json in every process. Takes ~0.1 s.
     """
@@ -260,7 +395,7 @@ def build_tiny_tokenizer(vocab_size: int = 1024, seed: int = 0) -> PreTrainedTok
         unk_token=None,
         clean_up_tokenization_spaces=False,
         model_max_length=MODEL_MAX_LENGTH,
-        chat_template=QWEN3_VL_CHAT_TEMPLATE,
+        chat_template=chat_template,
     )
 
 

@@ -13,14 +13,34 @@ Model output is never re-tokenized: the engine's sampled ids are appended as the
 `<|im_end|>`: the template's separator (the `\\n` slime loses), the observation turn and the next
 generation prompt. Special tokens split the tokenizer's input, so tokenizing that delta alone gives the
 same ids as tokenizing the whole rendered conversation; `check_prefix_stability` verifies it at finalize.
+
+Chat templates come in two kinds, told apart once per encoder by rendering probe conversations
+(`ChatEncoder.template_kind`, logged once):
+
+* **append-only** (Qwen3-VL-Instruct): a conversation's rendering is a prefix of the rendering of any continuation.
+  The delta is the rendering of (base conversation + observation + generation prompt) minus the rendering of the
+  base conversation, and the finalize check re-renders the whole episode in one go.
+* **rewrites history** (Qwen3 / Qwen3-VL-Thinking): an assistant turn after the last user query carries a
+  `<think>...</think>` block (empty if it had none), and loses its reasoning once a later user query exists.
+  Rollout stays token-in/token-out all the same: the model keeps seeing its earlier turns, reasoning included,
+  exactly as it sampled them, and the trainer trains on exactly those tokens. The delta is the template's own text
+  after a finished assistant turn: the rendering of (base conversation + observation + generation prompt) cut
+  after the base assistant turn's `<|im_end|>`, so the template's rewriting of that turn stays on the discarded
+  side of the cut. The finalize check compares with `rerender_as_generated`, a rendering that keeps every model
+  turn as generated (a plain `apply_chat_template` of the episode would show the rewritten history the model
+  never saw; `rerender_conversation` is that plain re-render).
+
+Template kwargs (`enable_thinking`, ...; `--apply-chat-template-kwargs`) reach every rendering alike: prompt,
+observation deltas, probes and re-renders.
 """
 
 from __future__ import annotations
 
 import difflib
+import enum
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 from PIL import Image
@@ -37,8 +57,53 @@ _BASE_CONVERSATION: list[dict[str, Any]] = [
 ]
 
 
+# Probe conversations that tell append-only templates from ones that rewrite earlier turns: a finished assistant turn
+# (without and with reasoning), then a follow-up user query or tool response.
+_PROBE_CONVERSATIONS: tuple[list[dict[str, Any]], ...] = (
+    _BASE_CONVERSATION,
+    [
+        {"role": "user", "content": "probe question"},
+        {"role": "assistant", "content": "<think>\nprobe reasoning\n</think>\n\nprobe answer"},
+    ],
+)
+_PROBE_FOLLOW_UPS: tuple[list[dict[str, Any]], ...] = (
+    [{"role": "user", "content": "probe follow-up"}],
+    [{"role": "tool", "content": "probe tool response"}],
+)
+
+# apply_chat_template's own parameters (and the template's `messages`): not template kwargs.
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
+
+
 class DeltaEncodingError(ValueError):
     """The chat template cannot be split into per-turn deltas (it is not prefix-stable)."""
+
+
+class TemplateKind(enum.Enum):
+    """How a chat template treats earlier turns when the conversation grows."""
+
+    APPEND_ONLY = "append-only"
+    REWRITES_HISTORY = "rewrites-history"
+
+
+def checked_template_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Extra variables for the chat template (`enable_thinking`, ...) as a dict; None is none. Raises ValueError
+    for a non-string key or one that is an `apply_chat_template` parameter of its own."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, Mapping):
+        raise ValueError(f"chat template kwargs must be a mapping, got {type(kwargs).__name__} {kwargs!r}")
+    out = dict(kwargs)
+    for key in out:
+        if not isinstance(key, str):
+            raise ValueError(f"chat template kwarg names must be strings, got {key!r}")
+        if key in _RESERVED_TEMPLATE_KWARGS:
+            raise ValueError(f"chat template kwarg {key!r} is an apply_chat_template parameter that rollout sets itself")
+    return out
 
 
 @dataclass
@@ -92,18 +157,77 @@ def _engine_message(message: dict[str, Any]) -> dict[str, Any]:
 class ChatEncoder:
     """Renders chat messages with the model's template and encodes them into both token views."""
 
-    def __init__(self, tokenizer: Any, image_processor: Any, vision: VisionTokens | None = None):
+    def __init__(self, tokenizer: Any, image_processor: Any, vision: VisionTokens | None = None, *,
+                 template_kwargs: Mapping[str, Any] | None = None):
         self.tokenizer = tokenizer
         self.image_processor = image_processor
         self.vision = vision or VisionTokens.from_tokenizer(tokenizer)
         self.merge_size = int(getattr(image_processor, "merge_size", 2))
+        self._template_kwargs = checked_template_kwargs(template_kwargs)
         self._separator_cache: str | None = None
         self._base_render_cache: str | None = None
+        self._kind: TemplateKind | None = None
+
+    # ---------------------------------------------------------------- template
+    @property
+    def template_kwargs(self) -> dict[str, Any]:
+        """Extra variables every rendering passes to the chat template (a copy)."""
+        return dict(self._template_kwargs)
+
+    def set_template_kwargs(self, kwargs: Mapping[str, Any] | None) -> None:
+        """Use these template kwargs from now on (a no-op when unchanged); the template is classified again."""
+        checked = checked_template_kwargs(kwargs)
+        if checked == self._template_kwargs:
+            return
+        self._template_kwargs = checked
+        self._separator_cache = self._base_render_cache = None
+        self._kind = None
+
+    @property
+    def template_kind(self) -> TemplateKind:
+        """Append-only or history-rewriting (`classify_template`)."""
+        return self.classify_template()
+
+    def classify_template(self) -> TemplateKind:
+        """Append-only or history-rewriting: classified once (again after new template kwargs) by rendering probe
+        conversations, a finished assistant turn with and without reasoning followed by a user query or a tool
+        response; the result is logged once."""
+        if self._kind is None:
+            kind, reason = self._probe_template()
+            self._kind = kind
+            kwargs = f" with template kwargs {self._template_kwargs}" if self._template_kwargs else ""
+            if kind is TemplateKind.APPEND_ONLY:
+                logger.info("chat template%s is append-only (Instruct-style): observation deltas are the rendering of "
+                            "each observation after the conversation so far", kwargs)
+            else:
+                logger.info(
+                    "chat template%s rewrites earlier turns (Thinking-style: %s). Rollout stays token-in/token-out: the "
+                    "model sees and is trained on its earlier turns, reasoning included, as it generated them; "
+                    "observation deltas are the template's text after a finished assistant turn, and the finalize "
+                    "check compares with a rendering that keeps every turn as generated", kwargs, reason)
+        return self._kind
+
+    def _probe_template(self) -> tuple[TemplateKind, str]:
+        for conversation in _PROBE_CONVERSATIONS:
+            before = self.render(conversation, add_generation_prompt=False)
+            for follow_up in _PROBE_FOLLOW_UPS:
+                try:
+                    after = self.render([*conversation, *follow_up], add_generation_prompt=True)
+                except Exception as e:  # a template without tool messages: that probe cannot tell, the others do
+                    logger.debug("chat template probe with a %r follow-up failed: %s", follow_up[0]["role"], e)
+                    continue
+                if not after.startswith(before):
+                    reasoning = "with" if "<think>" in conversation[-1]["content"] else "without"
+                    return TemplateKind.REWRITES_HISTORY, (
+                        f"an assistant turn {reasoning} reasoning is rendered differently once a "
+                        f"{follow_up[0]['role']} message follows it\n" + _first_difference(before, after))
+        return TemplateKind.APPEND_ONLY, ""
 
     # ---------------------------------------------------------------- rendering
     def render(self, messages: Sequence[dict[str, Any]], *, tools: list[dict] | None = None, add_generation_prompt: bool) -> str:
         rendered = self.tokenizer.apply_chat_template(
-            [_engine_message(m) for m in messages], tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
+            [_engine_message(m) for m in messages], tools=tools, add_generation_prompt=add_generation_prompt,
+            tokenize=False, **self._template_kwargs,
         )
         if not isinstance(rendered, str):
             raise TypeError(f"apply_chat_template(tokenize=False) returned {type(rendered).__name__}, expected str")
@@ -175,15 +299,42 @@ class ChatEncoder:
             self._base_render_cache = self.render(_BASE_CONVERSATION, add_generation_prompt=False)
         prefix = self._base_render_cache
         full = self.render([*_BASE_CONVERSATION, *messages], add_generation_prompt=True)
-        if not full.startswith(prefix):
-            raise DeltaEncodingError(
-                "chat template is not prefix-stable: rendering an observation changes earlier text\n"
-                + _first_difference(prefix, full)
-            )
+        if self.template_kind is TemplateKind.REWRITES_HISTORY:
+            body = self._delta_after_rewritten_turn(prefix, full)
+        else:
+            if not full.startswith(prefix):
+                raise DeltaEncodingError(
+                    "chat template is not prefix-stable: rendering an observation changes earlier text\n"
+                    + _first_difference(prefix, full)
+                )
+            body = self.turn_separator() + full[len(prefix) :]
         end = self.tokenizer.convert_ids_to_tokens(self.vision.im_end)
         opening = "" if model_ended_turn else end
-        text = opening + self.turn_separator() + full[len(prefix) :]
-        return self._segment(text, message_images(messages))
+        return self._segment(opening + body, message_images(messages))
+
+    def _delta_after_rewritten_turn(self, prefix: str, full: str) -> str:
+        """For a history-rewriting template: the text of `full` (base conversation + observation + generation prompt)
+        after the base assistant turn's `<|im_end|>`, wherever the template's rewriting of that turn put it.
+
+        Only the base assistant turn may differ between `prefix` (the base alone) and `full`: what comes before it
+        must be unchanged, and the cut must leave exactly one turn header between them.
+        """
+        end = self.tokenizer.convert_ids_to_tokens(self.vision.im_end)
+        start = self.tokenizer.convert_ids_to_tokens(self.vision.im_start)
+        turn_at = prefix.rfind(start)
+        cut = _after_nth(full, end, prefix.count(end))
+        if turn_at < 0 or cut < 0 or full[:turn_at] != prefix[:turn_at] or full[turn_at:cut].count(start) != 1:
+            raise DeltaEncodingError(
+                "chat template rewrites more than the assistant turn before an observation: no per-turn delta exists\n"
+                + _first_difference(prefix, full)
+            )
+        delta = full[cut:]
+        if not delta.startswith(self.turn_separator()):
+            raise DeltaEncodingError(
+                f"chat template separates an assistant turn from an observation with {delta[:20]!r}, "
+                f"not with its usual {self.turn_separator()!r}"
+            )
+        return delta
 
     # ---------------------------------------------------------------- check
     def rerender_conversation(
@@ -193,7 +344,11 @@ class ChatEncoder:
         *,
         tools: list[dict] | None = None,
     ) -> str:
-        """Render the whole episode in one go: prompt, then per turn the model's text and its observation."""
+        """Render the whole episode in one go: prompt, then per turn the model's text and its observation.
+
+        This is the plain `apply_chat_template` re-render. For a template that rewrites earlier turns it shows the
+        rewritten history (earlier reasoning dropped), not what the model saw: see `rerender_as_generated`.
+        """
         messages = list(prompt)
         last_obs = True
         for model_ids, observation in turns:
@@ -208,9 +363,69 @@ class ChatEncoder:
                 messages.extend(observation)
         return self.render(messages, tools=tools, add_generation_prompt=last_obs)
 
+    def rerender_as_generated(
+        self,
+        prompt: Sequence[dict[str, Any]],
+        turns: Sequence[tuple[list[int], Sequence[dict[str, Any]] | None]],
+        *,
+        tools: list[dict] | None = None,
+    ) -> str:
+        """The episode as the model saw it, built from template renderings of the real conversation: the prompt
+        with its generation prompt; then per turn the model's text verbatim (decoded with special tokens, closed
+        with `<|im_end|>` if the model stopped otherwise) and, after an observation, what the template renders
+        after that assistant turn for the conversation up to the observation (separator, observation, generation
+        prompt). How the template would rewrite earlier turns lies before each cut and never enters.
+
+        Independent of the base conversation `encode_observation` uses, so it checks the deltas against the
+        template on the episode's own context (system prompt, tools, earlier images). Costs two renderings per turn.
+        """
+        end = self.tokenizer.convert_ids_to_tokens(self.vision.im_end)
+        text = self.render(prompt, tools=tools, add_generation_prompt=True)
+        messages = list(prompt)
+        for model_ids, observation in turns:
+            ids = list(model_ids)
+            ended = bool(ids) and ids[-1] == self.vision.im_end
+            text += self.tokenizer.decode(ids, skip_special_tokens=False)
+            content = self.tokenizer.decode(ids[:-1] if ended else ids, skip_special_tokens=False)
+            messages.append({"role": "assistant", "content": content})
+            if not observation:
+                continue
+            closed = self.render(messages, tools=tools, add_generation_prompt=False)
+            messages.extend(observation)
+            full = self.render(messages, tools=tools, add_generation_prompt=True)
+            cut = _after_nth(full, end, closed.count(end))
+            if cut < 0:
+                raise DeltaEncodingError("chat template re-render has fewer turn ends than the episode's turns")
+            text += ("" if ended else end) + full[cut:]
+        return text
+
+    def reference_render(
+        self,
+        prompt: Sequence[dict[str, Any]],
+        turns: Sequence[tuple[list[int], Sequence[dict[str, Any]] | None]],
+        *,
+        tools: list[dict] | None = None,
+    ) -> str:
+        """What the finalize check compares the incremental ids with: the plain re-render of the whole episode for an
+        append-only template, the as-generated rendering for one that rewrites earlier turns."""
+        if self.template_kind is TemplateKind.REWRITES_HISTORY:
+            return self.rerender_as_generated(prompt, turns, tools=tools)
+        return self.rerender_conversation(prompt, turns, tools=tools)
+
+
+def _after_nth(text: str, token: str, n: int) -> int:
+    """Index just after the n-th occurrence (1-based) of `token` in `text`; -1 if there are fewer (or n < 1)."""
+    at = -len(token)
+    for _ in range(n):
+        at = text.find(token, at + len(token))
+        if at < 0:
+            return -1
+    return at + len(token) if n >= 1 else -1
+
 
 def check_prefix_stability(encoder: ChatEncoder, wire_ids: Sequence[int], rendered: str, mode: str, name: str = "sample") -> bool:
-    """Compare incrementally built compact ids with a full re-render of the conversation.
+    """Compare incrementally built compact ids with the template's rendering of the conversation
+    (`ChatEncoder.reference_render`: the full re-render, or the as-generated one for a history-rewriting template).
 
     The incremental text must equal the rendered text, except that the rendering may close a final model turn
     (with `<|im_end|>` and/or the template's separator). Returns True when they agree; on disagreement raises

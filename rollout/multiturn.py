@@ -86,9 +86,16 @@ class RolloutContext:
 
 
 def get_context(args: Any) -> RolloutContext:
+    """The rollout context on `args`, its encoder set up from `args` (the driver and every episode come through
+    here): `--apply-chat-template-kwargs` when `args` carries it (a namespace without it leaves the encoder's own),
+    and the chat template classified, which logs once."""
     ctx = getattr(args, "rollout_context", None)
     if not isinstance(ctx, RolloutContext):
         raise EpisodeError("args.rollout_context is not set: episodes run inside rollout.driver, which creates it")
+    if isinstance(ctx.encoder, ChatEncoder):  # an offline context (restoring driver state) has none
+        if hasattr(args, "apply_chat_template_kwargs"):
+            ctx.encoder.set_template_kwargs(MultiTurnOptions.from_args(args).apply_chat_template_kwargs)
+        ctx.encoder.classify_template()
     return ctx
 
 
@@ -473,7 +480,7 @@ async def _finalize(ctx: RolloutContext, multiturn: MultiTurnOptions, rewards: R
         model_texts = [model_turn_text(ctx.encoder.tokenizer, ids) for ids in state.model_turns]
         sample.metadata["model_text"] = model_texts
         if sample.status is not Status.FAILED:
-            rendered = ctx.encoder.rerender_conversation(
+            rendered = ctx.encoder.reference_render(
                 sample.prompt, list(zip(state.model_turns, state.observations)), tools=sample.metadata.get("tools")
             )
             sample.metadata["prefix_stable"] = check_prefix_stability(

@@ -121,6 +121,10 @@ class MultiTurnOptions(ArgsOptions):
     max_env_retries_per_turn: int = opt(2, "Retries of an env step that raises or times out before the episode FAILs.")
     env_step_timeout: float = opt(30.0, "Seconds an env step may take.")
     delta_check: str = opt("strict", "Prefix-stability check of observation deltas at finalize.", choices=("strict", "warn", "off"))
+    apply_chat_template_kwargs: dict[str, Any] = opt(
+        {},
+        "Extra chat-template variables, as slime's --apply-chat-template-kwargs (JSON on the command line, e.g. "
+        "'{\"enable_thinking\": false}'); used alike for the prompt, observation deltas and the finalize re-render.")
 
 
 def total_generate_concurrency(per_engine: int, worker_urls: Sequence[str] = ()) -> int:

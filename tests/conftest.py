@@ -43,6 +43,34 @@ def tiny_tokenizer(tiny_processing_dir: Path) -> Any:
     return load_tokenizer(tiny_processing_dir)
 
 
+def _tiny_processing_with_template(tmp_path_factory: pytest.TempPathFactory, name: str, template: str) -> Path:
+    from jaxrl_vlm.tiny_assets import build_tiny_tokenizer, save_tiny_processing
+
+    tokenizer = build_tiny_tokenizer(seed=TINY_SEED, chat_template=template)
+    return save_tiny_processing(tmp_path_factory.mktemp(name), tokenizer, seed=TINY_SEED)
+
+
+@pytest.fixture(scope="session")
+def tiny_thinking_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The tiny tokenizer (same vocabulary and ids) with the Qwen3-style thinking chat template, which rewrites
+    earlier assistant turns; loaded from disk like every component loads a model's tokenizer."""
+    from jaxrl_vlm.tiny_assets import QWEN3_THINKING_CHAT_TEMPLATE
+    from rollout.processing import load_tokenizer
+
+    return load_tokenizer(_tiny_processing_with_template(tmp_path_factory, "tiny_thinking", QWEN3_THINKING_CHAT_TEMPLATE))
+
+
+@pytest.fixture(scope="session")
+def tiny_vl_thinking_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Like `tiny_thinking_tokenizer`, with the Qwen3-VL-Thinking-style template whose generation prompt opens
+    `<think>`."""
+    from jaxrl_vlm.tiny_assets import QWEN3_VL_THINKING_CHAT_TEMPLATE
+    from rollout.processing import load_tokenizer
+
+    return load_tokenizer(
+        _tiny_processing_with_template(tmp_path_factory, "tiny_vl_thinking", QWEN3_VL_THINKING_CHAT_TEMPLATE))
+
+
 @pytest.fixture(scope="session")
 def tiny_image_processor(tiny_processing_dir: Path) -> Any:
     """Qwen3-VL image processing (patch 16, merge 2) with a 64x64..128x128 pixel range."""
