@@ -127,11 +127,15 @@ def _cmd_serve(ns: argparse.Namespace, rest: list[str]) -> int:
     run.engine.engine_prefix_cache = not ns.disable_radix_cache
     run.model.param_dtype = run.model.compute_dtype = ns.dtype
     run.rollout.rollout_seed = ns.seed
+    run.engine.engine_allowed_local_media_path = ns.allowed_local_media_path
+    run.engine.engine_max_image_bytes, run.engine.engine_max_image_pixels = ns.max_image_bytes, ns.max_image_pixels
+    run.engine.engine_max_n, run.engine.engine_max_request_bytes = ns.max_n, ns.max_request_bytes
+    run.engine.engine_control_timeout, run.engine.engine_weight_update_timeout = ns.control_timeout, ns.weight_update_timeout
     try:
         config = EngineOptions.from_run_config(run)
     except ValueError as e:
         raise ConfigError(f"serve: {e}") from e
-    serve(ns.model, host=ns.host, port=ns.port, config=config, weight_version=ns.weight_version)
+    serve(ns.model, host=ns.host, port=ns.port, config=config, weight_version=ns.weight_version, api_key=ns.api_key)
     return 0
 
 
@@ -204,6 +208,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-version", default="default", help="Initial weight_version reported by the server.")
     p.add_argument("--disable-radix-cache", action="store_true",
                    help="Do not reuse finished requests' KV cache for later turns (SGLang's flag name).")
+    engine = Config().engine  # the run config's defaults for the engine limits
+    p.add_argument("--api-key", default=None,
+                   help="Require 'Authorization: Bearer KEY' on every endpoint but /health* (SGLang's flag name).")
+    p.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                   help="image_data may name image files under DIR (default: data URLs and base64 only).")
+    p.add_argument("--max-image-bytes", type=int, default=engine.engine_max_image_bytes, help="Most bytes of one image.")
+    p.add_argument("--max-image-pixels", type=int, default=engine.engine_max_image_pixels, help="Most pixels of one image (checked before decoding).")
+    p.add_argument("--max-n", type=int, default=engine.engine_max_n, help="Most generations one /generate request may start (n x prompts).")
+    p.add_argument("--max-request-bytes", type=int, default=engine.engine_max_request_bytes,
+                   help="Largest request body (default: 8 MiB + 4 KiB per token of --max-seq-len).")
+    p.add_argument("--control-timeout", type=float, default=engine.engine_control_timeout, help="Seconds a control call waits for the scheduler (then 503).")
+    p.add_argument("--weight-update-timeout", type=float, default=engine.engine_weight_update_timeout,
+                   help="Seconds /update_weights_from_disk waits for the scheduler (then 503).")
     p.set_defaults(func=_cmd_serve)
 
     from jaxrl_vlm.bench.cli_args import add_bench_parser

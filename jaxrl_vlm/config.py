@@ -172,6 +172,18 @@ class EngineConfig:
     engine_request_timeout: float = opt(300.0, "Seconds per /generate request.")
     engine_start_timeout: float = opt(900.0, "Seconds to wait for the engine (embedded, launched or external) to become healthy.")
     engine_max_retries: int = opt(3, "Retries of a /generate request on connection errors and 5xx.")
+    engine_allowed_local_media_path: str | None = opt(
+        None, "Embedded engine: image_data may name local image files only under this directory (None: data URLs and "
+        "base64 only; `serve --allowed-local-media-path`).")
+    engine_max_image_bytes: int = opt(64 << 20, "Embedded engine: the most bytes of one image it reads or decodes from base64.")
+    engine_max_image_pixels: int = opt(40_000_000, "Embedded engine: the most pixels of one image (checked from its header, before decoding).")
+    engine_max_n: int = opt(256, "Embedded engine: the most generations one /generate request may start (sampling_params.n x prompts).")
+    engine_max_request_bytes: int | None = opt(
+        None, "Embedded engine: the largest request body (None: 8 MiB + 4 KiB per token of --engine-max-seq-len).")
+    engine_control_timeout: float = opt(60.0, "Embedded engine: seconds a control call waits for the scheduler before answering 503.")
+    engine_weight_update_timeout: float = opt(
+        600.0, "Embedded engine: seconds /update_weights_from_disk waits for the scheduler before answering 503 (an update "
+        "that has not started by then is dropped).")
     weight_sync_dir: str | None = opt(None, "Directory for versioned weight exports (a RAM disk is best; None: under output_dir).")
     disable_weight_sync: bool = opt(False, "Do not push new weights to the engine (for ablations only).")
     weight_sync_dtype: str | None = opt(None, "Dtype of exported weights (None: bfloat16 for --engine-url, the param dtype for the embedded engine).", choices=(None, "float32", "bfloat16"))

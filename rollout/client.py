@@ -11,7 +11,10 @@ httpx helpers (60 blind retries, no timeouts):
 - router mode: `/generate` goes to the router (optionally with sgl-router's consistent-hashing
   header), control calls go to each worker's own URL;
 - `sync_weights_from_disk`: pause -> flush (retried while busy, bounded by time) -> update ->
-  continue, where continue is attempted whatever happened before, so no engine is left paused.
+  continue, where continue is attempted whatever happened before, so no engine is left paused;
+- `api_key`: sent as `Authorization: Bearer <key>` to servers started with SGLang's `--api-key`;
+- `vocab_size`: every token id an engine returns is checked against it, so an id the tokenizer cannot
+  know fails that request with a named cause instead of surfacing later in batching.
 
 This module never imports jax: a rollout host runs without it.
 """
@@ -29,7 +32,14 @@ from typing import Any
 
 import aiohttp
 
-from rollout.sglang_wire import AbortRequest, FinishReason, FinishType, UpdateWeightsRequest, as_pause_mode
+from rollout.sglang_wire import (
+    AbortRequest,
+    FinishReason,
+    FinishType,
+    UpdateWeightsRequest,
+    as_pause_mode,
+    authorization_header,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -197,13 +207,15 @@ def _parse_body(text: str, content_type: str) -> Any:
 
 
 def parse_generate_response(
-    data: Any, *, endpoint: str, return_logprob: bool, attempts: int = 1, raw_text: str = ""
+    data: Any, *, endpoint: str, return_logprob: bool, attempts: int = 1, raw_text: str = "",
+    vocab_size: int | None = None,
 ) -> GenerateResult:
     """Check one `/generate` JSON answer against the wire contract and turn it into a result.
 
     Raises `EngineResponseError` naming the endpoint and the offending key when the answer is a
-    batch list, lacks `meta_info`/`finish_reason`/`text`, has malformed logprob entries, or when
-    `output_ids` disagrees with the ids inside `output_token_logprobs`.
+    batch list, lacks `meta_info`/`finish_reason`/`text`, has malformed logprob entries, when
+    `output_ids` disagrees with the ids inside `output_token_logprobs`, or (with `vocab_size`, the
+    tokenizer's) when a token id lies outside `[0, vocab_size)`.
     """
 
     def bad(why: str) -> EngineResponseError:
@@ -255,6 +267,13 @@ def parse_generate_response(
         if not isinstance(raw_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in raw_ids):
             raise bad("response has no integer list 'output_ids' (and no logprobs were requested)")
         ids, log_probs = list(raw_ids), None
+
+    if vocab_size is not None:
+        bad_ids = [(k, t) for k, t in enumerate(ids) if not 0 <= t < vocab_size]
+        if bad_ids:
+            k, t = bad_ids[0]
+            raise bad(f"output token id {t} at position {k} is outside the tokenizer's vocabulary [0, {vocab_size}) "
+                      f"({len(bad_ids)} such id(s))")
 
     prompt_tokens = meta.get("prompt_tokens")
     if not isinstance(prompt_tokens, int) or isinstance(prompt_tokens, bool):
@@ -315,6 +334,10 @@ class SGLangClient:
 
     Timeouts are seconds. `timeout_s` bounds a whole `/generate` attempt, including the wait for a
     free pooled connection, so keep `max_connections` >= the number of concurrent requests.
+
+    `api_key`: sent as `Authorization: Bearer <key>` on every request (SGLang's `--api-key`); it never
+    appears in error messages. `vocab_size` (the tokenizer's `len(tokenizer)`; settable later as an
+    attribute): `/generate` answers with a token id outside `[0, vocab_size)` raise `EngineResponseError`.
     """
 
     def __init__(
@@ -332,6 +355,8 @@ class SGLangClient:
         keepalive_timeout_s: float = 4.0,
         trust_env: bool = False,
         seed: int | None = None,
+        api_key: str | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         self.url = _strip_url(url)
         self.worker_urls = [_strip_url(u) for u in worker_urls] if worker_urls is not None else [self.url]
@@ -348,6 +373,12 @@ class SGLangClient:
         ):
             if value <= 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {value}")
+        if api_key is not None and (not isinstance(api_key, str) or not api_key):
+            raise ValueError("api_key must be a non-empty string (or None)")
+        if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1):
+            raise ValueError(f"vocab_size must be a positive int (or None), got {vocab_size!r}")
+        self._auth_headers = authorization_header(api_key) if api_key is not None else {}
+        self.vocab_size = vocab_size
         self.is_router = worker_urls is not None
         self.max_connections = max_connections
         self.timeout_s = timeout_s
@@ -431,6 +462,8 @@ class SGLangClient:
         """
         endpoint = base_url + path
         session = self._get_session()
+        if self._auth_headers:
+            headers = {**self._auth_headers, **(headers or {})}
         timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=min(self.connect_timeout_s, timeout_s))
         max_attempts = 1 + (self.retry.max_retries if retries else 0)
         errors: list[str] = []
@@ -526,7 +559,7 @@ class SGLangClient:
         )
         result = parse_generate_response(
             reply.data, endpoint=self.url + "/generate", return_logprob=return_logprob,
-            attempts=reply.attempts, raw_text=reply.text,
+            attempts=reply.attempts, raw_text=reply.text, vocab_size=self.vocab_size,
         )
         result.retries = reply.attempts - 1
         result.retry_errors = reply.errors

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import json
 import os
 import signal
 import socket
@@ -31,8 +30,10 @@ from typing import Any
 from aiohttp import web
 
 from rollout.sglang_wire import (
+    DEFAULT_MAX_N,
     FLUSH_BUSY,
     FLUSH_OK,
+    UNAUTHORIZED_BODY,
     AbortRequest,
     FinishReason,
     PauseMode,
@@ -43,7 +44,9 @@ from rollout.sglang_wire import (
     continued_answer,
     error_body,
     generate_response,
+    is_authorized,
     loads_response,
+    parse_json_body,
     parse_pause,
     paused_answer,
     prompt_field,
@@ -180,6 +183,9 @@ class FakeSGLangServer:
     equal the number of images (else 400, as SGLang's token-preserving path requires).
     `flush_busy_calls`: that many `/flush_cache` calls answer 400 before the normal rule applies.
     `disabled_paths`: endpoints that answer 404 (to emulate older or newer SGLang versions).
+    `api_key`: like SGLang's `--api-key`, every path but the health probes then needs
+    `Authorization: Bearer <key>` (401 otherwise; such a request is recorded, never scripted).
+    `max_n`: the largest `sampling_params.n` accepted (validated as the engines do, `rollout.sglang_wire`).
     """
 
     def __init__(
@@ -199,8 +205,12 @@ class FakeSGLangServer:
         flush_busy_calls: int = 0,
         disabled_paths: Iterable[str] = (),
         max_running_requests: int = 1024,
+        api_key: str | None = None,
+        max_n: int = DEFAULT_MAX_N,
     ) -> None:
         self.host = host
+        self.api_key = api_key
+        self.max_n = max_n
         self.requested_port = port
         self.generate_fn = generate_fn or default_generate_fn(eos_token_id=eos_token_id)
         self.latency_s = latency_s
@@ -306,14 +316,16 @@ class FakeSGLangServer:
     async def _middleware(self, request: web.Request, handler: Callable[..., Any]) -> web.StreamResponse:
         raw = await request.read()
         try:
-            body = json.loads(raw) if raw else None
-        except json.JSONDecodeError:
+            body = parse_json_body(raw, request.path) if raw else None
+        except RequestError:  # recorded as text; the endpoint answers 400 (not a JSON object)
             body = raw.decode("utf-8", "replace")
         peer = request.transport.get_extra_info("peername") if request.transport is not None else None
         record = RecordedRequest(request.method, request.path, dict(request.query), body, dict(request.headers),
                                  tuple(peer[:2]) if peer else None, time.time())
         self.requests.append(record)
         request[_RECORD] = record
+        if not is_authorized(request.path, request.headers.get("Authorization"), self.api_key):
+            return web.json_response(UNAUTHORIZED_BODY, status=401)
         if request.path in self.disabled_paths:
             return web.json_response({"detail": "Not Found"}, status=404)
 
@@ -359,7 +371,7 @@ class FakeSGLangServer:
             raise RequestError("input_ids must be a non-empty list of ints (batch requests are not supported by the fake)")
         if body.get("stream"):
             raise RequestError("the fake engine does not stream")
-        params = SamplingParams.from_json(body.get("sampling_params"))
+        params = SamplingParams.from_json(body.get("sampling_params"), max_n=self.max_n)
         images = body.get("image_data")
         if images is not None and isinstance(images, str):
             images = [images]

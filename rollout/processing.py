@@ -13,6 +13,11 @@ Images travel as lossless RGB PNG data URLs: the engine decodes and
 preprocesses them again, so any lossy step would make its pixels differ from
 the trainer's.
 
+`load_image` reads what its `ImageReadPolicy` allows: the trainer's own inputs may name any local file; a
+server facing requests reads data URLs and base64 only, plus image files under one allowed directory. Every
+image is capped in bytes (checked before reading or base64-decoding) and pixels (checked from its header
+before decoding), so a decompression bomb or a huge file is refused, not decoded.
+
 transformers is imported lazily (it costs seconds); the image helpers need only
 Pillow. Never imports jax.
 """
@@ -25,6 +30,7 @@ import io
 import json
 import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
@@ -38,8 +44,15 @@ if TYPE_CHECKING:
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 __all__ = [
+    "DEFAULT_MAX_IMAGE_BYTES",
+    "DEFAULT_MAX_IMAGE_PIXELS",
+    "IMAGE_SUFFIXES",
+    "TRUSTED_IMAGES",
     "ImageDecodeError",
+    "ImageReadPolicy",
+    "ImageTooLarge",
     "VisionTokens",
+    "check_image_pixels",
     "hf_reference_processor",
     "image_to_data_url",
     "load_image",
@@ -54,6 +67,78 @@ __all__ = [
 
 class ImageDecodeError(ValueError):
     """An image item could not be read or decoded; the message says what was given and why it failed."""
+
+
+class ImageTooLarge(ImageDecodeError):
+    """An image item is over the byte or pixel cap of its `ImageReadPolicy` (refused before it is decoded)."""
+
+
+# Caps of one image: bytes read (file, data URL or base64 payload, decoded) and pixels decoded (width x height,
+# checked from the header before any pixel is decoded). 40 megapixels is ~120 MB as RGB; Qwen3-VL's processor
+# resizes anything above ~16.7 megapixels down anyway.
+DEFAULT_MAX_IMAGE_BYTES = 64 << 20
+DEFAULT_MAX_IMAGE_PIXELS = 40_000_000
+# Local files a restricted reader opens must be named like images (SGLang's rule for local paths).
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".gif", ".bmp", ".webp", ".tif", ".tiff")
+# PIL formats that may be opened: common raster formats only (never EPS, which runs Ghostscript). PIL's JPEG
+# opener also covers multi-picture (MPO) camera JPEGs.
+IMAGE_FORMATS = ("PNG", "JPEG", "GIF", "BMP", "WEBP", "TIFF")
+
+
+@dataclass(frozen=True)
+class ImageReadPolicy:
+    """What `load_image` may read, and how much.
+
+    max_bytes: the most bytes of one image read or decoded from base64 (checked before reading or decoding).
+    max_pixels: the most pixels (width x height) of one image, checked from its header before decoding.
+    read_local_files: whether local paths and `file://` URIs are read at all.
+    local_root: when set, only regular files whose real path (symlinks and `..` resolved) lies under this
+    directory and whose name has an image suffix (`IMAGE_SUFFIXES`) are read.
+
+    `TRUSTED_IMAGES` (the default) is for the trainer's own inputs (datasets, environments): any local path.
+    A server facing requests uses `ImageReadPolicy.for_server`.
+    """
+
+    max_bytes: int = DEFAULT_MAX_IMAGE_BYTES
+    max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    read_local_files: bool = True
+    local_root: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_bytes", "max_pixels"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ImageReadPolicy.{name} must be a positive int, got {value!r}")
+        if self.local_root is not None:
+            object.__setattr__(self, "local_root", os.path.realpath(os.path.expanduser(self.local_root)))
+            object.__setattr__(self, "read_local_files", True)
+
+    @classmethod
+    def for_server(
+        cls,
+        allowed_local_media_path: str | os.PathLike[str] | None,
+        *,
+        max_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
+        max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+    ) -> ImageReadPolicy:
+        """A request-facing reader: data URLs and base64 only, plus image files under
+        `allowed_local_media_path` when it is given (`--allowed-local-media-path`)."""
+        if allowed_local_media_path is None:
+            return cls(max_bytes, max_pixels, read_local_files=False)
+        return cls(max_bytes, max_pixels, read_local_files=True, local_root=os.fspath(allowed_local_media_path))
+
+
+TRUSTED_IMAGES = ImageReadPolicy()
+
+
+def check_image_pixels(size: tuple[int, int], max_pixels: int, source: str) -> None:
+    """Raise `ImageTooLarge` if an image of `size` (width, height, from its header) is over `max_pixels`."""
+    width, height = (int(x) for x in size)
+    if width * height > max_pixels:
+        raise ImageTooLarge(
+            f"{source}: image is {width}x{height} = {width * height} pixels, more than the cap of {max_pixels} "
+            "(max_image_pixels); it was not decoded"
+        )
 
 
 # --------------------------------------------------------------------------- tokenizer
@@ -304,39 +389,83 @@ def _describe(text: str) -> str:
     return repr(text if len(text) <= 60 else text[:60] + "...") + f" ({len(text)} chars)"
 
 
-def _decode_bytes(data: bytes, source: str) -> Image.Image:
+def _too_many_bytes(n: int, policy: ImageReadPolicy, source: str) -> ImageTooLarge:
+    return ImageTooLarge(f"{source}: {n} bytes, more than the cap of {policy.max_bytes} bytes (max_image_bytes)")
+
+
+def _decode_bytes(data: bytes, source: str, policy: ImageReadPolicy) -> Image.Image:
     if not data:
         raise ImageDecodeError(f"{source}: empty image data")
+    if len(data) > policy.max_bytes:
+        raise _too_many_bytes(len(data), policy, source)
     try:
-        image = Image.open(io.BytesIO(data))
-        image.load()  # Image.open is lazy; force the decode so corrupt data fails here
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
+        image = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)  # lazy: reads the header only
+    except Image.DecompressionBombError as e:  # PIL's own guard (above 2 x Image.MAX_IMAGE_PIXELS)
+        raise ImageTooLarge(f"{source}: {e}") from e
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
+        raise ImageDecodeError(f"{source}: cannot decode image ({type(e).__name__}: {e})") from e
+    check_image_pixels(image.size, policy.max_pixels, source)  # before a single pixel is decoded
+    try:
+        image.load()  # force the decode so corrupt data fails here
+    except (OSError, ValueError, SyntaxError, EOFError) as e:
         raise ImageDecodeError(f"{source}: cannot decode image ({type(e).__name__}: {e})") from e
     return to_rgb(image)
 
 
-def _decode_base64(payload: str, source: str) -> bytes:
+def _decode_base64(payload: str, source: str, policy: ImageReadPolicy) -> bytes:
     compact = re.sub(r"\s+", "", payload)
+    if len(compact) // 4 * 3 > policy.max_bytes + 3:  # checked before decoding: base64 carries 3 bytes per 4 chars
+        raise _too_many_bytes(len(compact) // 4 * 3, policy, source)
     try:
         return base64.b64decode(compact, validate=True)
     except (binascii.Error, ValueError) as e:
         raise ImageDecodeError(f"{source}: invalid base64 ({e})") from e
 
 
-def _load_path(path: Path, given: str) -> Image.Image:
-    if not path.is_file():
-        raise ImageDecodeError(f"image file not found: {path} (from {_describe(given)})")
+def _local_path(path: str, given: str, policy: ImageReadPolicy) -> str:
+    """The file `load_image` may read for `path`, or ImageDecodeError saying why it may not."""
+    if not policy.read_local_files:
+        raise ImageDecodeError(
+            f"{_describe(given)} names a local file, which this server does not read: send images as data URLs "
+            "or base64 (or start the server with --allowed-local-media-path DIR to allow image files under DIR)"
+        )
+    path = os.path.expanduser(path)
+    if policy.local_root is None:
+        return path
+    real = os.path.realpath(path)  # symlinks and .. resolved before the containment check
+    root = policy.local_root
+    if os.path.commonpath([real, root]) != root:
+        raise ImageDecodeError(f"image path {_describe(given)} is outside the allowed local media path {root}")
+    if not real.lower().endswith(IMAGE_SUFFIXES):
+        raise ImageDecodeError(f"image path {_describe(given)} is not an image file name (allowed: {', '.join(IMAGE_SUFFIXES)})")
+    return real
+
+
+def _load_path(path_text: str, given: str, policy: ImageReadPolicy) -> Image.Image:
+    path = _local_path(path_text, given, policy)
     try:
-        data = path.read_bytes()
+        info = os.stat(path)
+    except FileNotFoundError:
+        raise ImageDecodeError(f"image file not found: {path} (from {_describe(given)})") from None
     except OSError as e:
         raise ImageDecodeError(f"cannot read image file {path}: {e}") from e
-    return _decode_bytes(data, source=f"image file {path}")
+    if not stat.S_ISREG(info.st_mode):
+        raise ImageDecodeError(f"image path {path} is not a regular file")
+    source = f"image file {path}"
+    if info.st_size > policy.max_bytes:
+        raise _too_many_bytes(info.st_size, policy, source)
+    try:
+        with open(path, "rb") as f:
+            data = f.read(policy.max_bytes + 1)  # a file that grows (or lies about its size) is still capped
+    except OSError as e:
+        raise ImageDecodeError(f"cannot read image file {path}: {e}") from e
+    return _decode_bytes(data, source, policy)
 
 
 _DATA_URL = re.compile(r"^data:(?P<mime>[^;,]*)(?P<params>(?:;[^;,]*)*),(?P<payload>.*)$", re.DOTALL)
 
 
-def _load_data_url(url: str) -> Image.Image:
+def _load_data_url(url: str, policy: ImageReadPolicy) -> Image.Image:
     match = _DATA_URL.match(url)
     if match is None:
         raise ImageDecodeError(f"malformed data URL {_describe(url)}: expected data:image/<type>;base64,<payload>")
@@ -345,28 +474,31 @@ def _load_data_url(url: str) -> Image.Image:
         raise ImageDecodeError(f"data URL {_describe(url)} has media type {mime!r}, not an image")
     if ";base64" not in match["params"].lower():
         raise ImageDecodeError(f"data URL {_describe(url)} is not base64-encoded")
-    data = _decode_base64(match["payload"], source=f"data URL {_describe(url)}")
-    return _decode_bytes(data, source=f"data URL {_describe(url)}")
+    data = _decode_base64(match["payload"], f"data URL {_describe(url)}", policy)
+    return _decode_bytes(data, f"data URL {_describe(url)}", policy)
 
 
-def load_image(item: Image.Image | str | bytes | os.PathLike[str]) -> Image.Image:
+def load_image(item: Image.Image | str | bytes | os.PathLike[str], policy: ImageReadPolicy = TRUSTED_IMAGES) -> Image.Image:
     """Decode one image item into an RGB PIL image.
 
     Accepts a PIL image, a `data:image/...;base64,` URL (png, jpeg, ...), a `file://` URI,
     a local path, raw bytes, or a bare base64 string (SGLang's fallback for any other
     string; base64 never contains '.', so a string with one is taken as a path).
-    http(s) URLs are refused: nothing is downloaded. Raises ImageDecodeError naming the cause.
+    http(s) URLs are refused: nothing is downloaded. `policy` says which local files may be read
+    (the default, for the trainer's own inputs: any) and caps bytes and pixels; an image over a cap
+    raises `ImageTooLarge` before it is decoded. Raises ImageDecodeError naming the cause.
     """
     if isinstance(item, Image.Image):
+        check_image_pixels(item.size, policy.max_pixels, f"PIL image {item!r}")
         try:
             item.load()
         except (OSError, ValueError, SyntaxError) as e:
             raise ImageDecodeError(f"PIL image {item!r}: cannot decode ({type(e).__name__}: {e})") from e
         return to_rgb(item)
     if isinstance(item, (bytes, bytearray, memoryview)):
-        return _decode_bytes(bytes(item), source=f"raw bytes ({len(item)} bytes)")
+        return _decode_bytes(bytes(item), f"raw bytes ({len(item)} bytes)", policy)
     if isinstance(item, os.PathLike):
-        return _load_path(Path(item), str(item))
+        return _load_path(os.fspath(item), os.fspath(item), policy)
     if not isinstance(item, str):
         raise ImageDecodeError(
             f"unsupported image item of type {type(item).__name__}; expected a PIL image, data URL, "
@@ -376,15 +508,23 @@ def load_image(item: Image.Image | str | bytes | os.PathLike[str]) -> Image.Imag
     if not text:
         raise ImageDecodeError("empty string given as an image")
     if text[:5].lower() == "data:":
-        return _load_data_url(text)
+        return _load_data_url(text, policy)
     if text[:7].lower() == "file://":
         path = unquote(text[7:])
         if path.startswith("localhost/"):
             path = path[len("localhost") :]
-        return _load_path(Path(path), text)
+        return _load_path(path, text, policy)
     if text[:7].lower() == "http://" or text[:8].lower() == "https://":
         raise ImageDecodeError(f"refusing to download {_describe(text)}: pass a data URL or a local path instead")
-    if "." in text or os.path.exists(text):
-        return _load_path(Path(text).expanduser(), text)
-    data = _decode_base64(text, source=f"string {_describe(text)} (not an existing path, so read as bare base64)")
-    return _decode_bytes(data, source=f"bare base64 string {_describe(text)}")
+    # A restricted reader never probes the filesystem to tell a path from base64: every file it may read
+    # has an image suffix, hence a '.'.
+    if "." in text or (policy.local_root is None and policy.read_local_files and os.path.exists(text)):
+        return _load_path(text, text, policy)
+    if policy.local_root is None and policy.read_local_files:
+        source = f"string {_describe(text)} (not an existing path, so read as bare base64)"
+    elif policy.read_local_files:
+        source = f"string {_describe(text)} (read as bare base64: it has no image file suffix)"
+    else:
+        source = f"string {_describe(text)} (read as bare base64: this server reads no local paths)"
+    data = _decode_base64(text, source, policy)
+    return _decode_bytes(data, f"bare base64 string {_describe(text)}", policy)

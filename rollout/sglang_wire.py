@@ -9,6 +9,8 @@ control bodies and answers, and the route table. Pure data and small functions: 
 from __future__ import annotations
 
 import enum
+import hmac
+import json
 import math
 import time
 import uuid
@@ -36,6 +38,9 @@ SAMPLING_KEYS = frozenset({
     "custom_params", "logit_bias", "json_schema", "regex", "ebnf", "structural_tag", "stream_interval",
 })
 DEFAULT_MAX_NEW_TOKENS = 128
+# The most generations one `/generate` body may start (sampling_params.n, times the prompts of a batch).
+# SGLang has no such limit; without one, `n = 1e9` makes a server loop and grow until it stops answering.
+DEFAULT_MAX_N = 256
 
 # SGLang treats a temperature below this as greedy (top_k = 1) and then reports log-probs of the untempered
 # distribution (reference/sglang_api.md).
@@ -60,6 +65,38 @@ class RequestError(ValueError):
 def error_body(message: str) -> dict[str, Any]:
     """SGLang's error object."""
     return {"error": {"message": message}}
+
+
+def parse_json_body(raw: bytes | str, where: str) -> Any:
+    """A request body as JSON; RequestError (HTTP 400) for invalid UTF-8, invalid JSON or nesting too deep to
+    parse (json raises RecursionError, which would otherwise be a 500)."""
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise RequestError(f"{where}: request body nests JSON too deeply") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise RequestError(f"{where}: request body is not valid JSON ({e})") from e
+
+
+# ---------------------------------------------------------------------------------------------- API key
+
+# SGLang's `--api-key`: every request must carry `Authorization: Bearer <key>`, except paths starting with
+# these (health probes stay open, as in SGLang's add_api_key_middleware).
+AUTH_EXEMPT_PREFIXES = ("/health", "/metrics")
+UNAUTHORIZED_BODY = {"error": "Unauthorized"}  # SGLang's 401 answer
+
+
+def authorization_header(api_key: str) -> dict[str, str]:
+    """The header a client sends to a server started with `--api-key`."""
+    return {"Authorization": f"Bearer {api_key}"}
+
+
+def is_authorized(path: str, authorization: str | None, api_key: str | None) -> bool:
+    """Whether a request to `path` with this Authorization header may be served (always, without a key)."""
+    if api_key is None or path.startswith(AUTH_EXEMPT_PREFIXES):
+        return True
+    expected = f"Bearer {api_key}".encode()
+    return authorization is not None and hmac.compare_digest(authorization.encode("utf-8", "replace"), expected)
 
 
 def _is_int(x: Any) -> bool:
@@ -122,8 +159,10 @@ class SamplingParams:
         return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
 
     @classmethod
-    def from_json(cls, params: Any, vocab_size: int | None = None, unsupported: Unsupported | None = None) -> SamplingParams:
-        """Validate a `sampling_params` object. `vocab_size` (when known) bounds `logit_bias` ids."""
+    def from_json(cls, params: Any, vocab_size: int | None = None, unsupported: Unsupported | None = None,
+                  max_n: int = DEFAULT_MAX_N) -> SamplingParams:
+        """Validate a `sampling_params` object. `vocab_size` (when known) bounds `logit_bias` ids; `max_n`
+        bounds `n`."""
         if params is None:
             params = {}
         if not isinstance(params, dict):
@@ -181,6 +220,8 @@ class SamplingParams:
             n = 1
         if not _is_int(n) or n < 1:
             raise RequestError(f"sampling_params.n must be an integer >= 1, got {n!r}")
+        if n > max_n:
+            raise RequestError(f"sampling_params.n={n} is more than this server's maximum of {max_n} (max_n)")
         where = "sampling_params."
         return cls(
             max_new_tokens=int(max_new),
@@ -271,8 +312,11 @@ def _image_list(value: Any, where: str, server: str) -> list[str]:
     return list(items)
 
 
-def parse_generate(body: Any, vocab_size: int, unsupported: Unsupported) -> tuple[list[RawGenerate], bool]:
-    """Validate a `/generate` body. Returns (prompts, is_batch); `n > 1` expands into n prompts."""
+def parse_generate(body: Any, vocab_size: int, unsupported: Unsupported,
+                   max_n: int = DEFAULT_MAX_N) -> tuple[list[RawGenerate], bool]:
+    """Validate a `/generate` body. Returns (prompts, is_batch); `n > 1` expands into n prompts.
+
+    At most `max_n` generations in all (n times the prompts of a batch), checked before any is built."""
     check_generate_keys(body)
     for key, default in unsupported.request.items():
         if body.get(key, default) not in (default, None, False):
@@ -311,9 +355,14 @@ def parse_generate(body: Any, vocab_size: int, unsupported: Unsupported) -> tupl
             raise RequestError(f"image_data of a batch must be a list with one entry per prompt ({n_prompts})")
     logprob = _flag(body, "return_logprob", False, "")
     text_in_lp = _flag(body, "return_text_in_logprobs", False, "")
+    all_params = [SamplingParams.from_json(p, vocab_size, unsupported, max_n) for p in params_list]
+    total = sum(p.n for p in all_params)
+    if total > max_n:
+        raise RequestError(f"this request asks for {total} generations ({n_prompts} prompt(s) x n); this server "
+                           f"starts at most {max_n} per request (max_n)")
     out: list[RawGenerate] = []
     for i, prompt in enumerate(prompts):
-        params = SamplingParams.from_json(params_list[i], vocab_size, unsupported)
+        params = all_params[i]
         rid = rids[i]
         if rid is not None and not isinstance(rid, str):
             raise RequestError(f"rid must be a string, got {rid!r}")
@@ -496,10 +545,13 @@ class AbortRequest:
 
     @classmethod
     def from_json(cls, body: Any) -> AbortRequest:
+        """`abort_all` must be a JSON bool: the string "false" is refused, never read as true."""
         if not isinstance(body, dict):
             raise RequestError("abort_request body must be a JSON object with 'rid' or 'abort_all'")
-        rid, abort_all = body.get("rid"), bool(body.get("abort_all", False))
-        if not abort_all and not isinstance(rid, str):
+        rid, abort_all = body.get("rid"), _flag(body, "abort_all", False, "")
+        if rid is not None and not isinstance(rid, str):
+            raise RequestError(f"rid must be a string, got {rid!r}")
+        if not abort_all and rid is None:
             raise RequestError("abort_request needs a string 'rid' or 'abort_all': true")
         return cls(None if abort_all else rid)
 
@@ -525,13 +577,17 @@ class UpdateWeightsRequest:
     def from_json(cls, body: Any) -> UpdateWeightsRequest:
         if not isinstance(body, dict) or not isinstance(body.get("model_path"), str) or not body["model_path"]:
             raise RequestError("update_weights_from_disk needs a non-empty string 'model_path'")
-        version, flush = body.get("weight_version"), body.get("flush_cache")
+        version, load_format = body.get("weight_version"), body.get("load_format")
+        if version is not None and (isinstance(version, bool) or not isinstance(version, (str, int))):
+            raise RequestError(f"weight_version must be a string, got {version!r}")
+        if load_format is not None and not isinstance(load_format, str):
+            raise RequestError(f"load_format must be a string, got {load_format!r}")
         return cls(
             model_path=body["model_path"],
             weight_version=None if version is None else str(version),
-            load_format=body.get("load_format"),
-            flush_cache=None if flush is None else bool(flush),
-            abort_all_requests=bool(body.get("abort_all_requests", False)),
+            load_format=load_format,
+            flush_cache=None if body.get("flush_cache") is None else _flag(body, "flush_cache", True, ""),
+            abort_all_requests=_flag(body, "abort_all_requests", False, ""),  # a JSON bool ("false" is refused)
         )
 
 

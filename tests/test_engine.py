@@ -360,8 +360,9 @@ async def test_bad_image_is_400_and_the_server_keeps_serving(engine, encoder, ma
                                                                {"type": "text", "text": "hi"}]}])
     status, answer = await post(engine, "/generate", {"input_ids": seg.wire_ids, "image_data": ["data:image/png;base64,AAAA"]})
     assert status == 400 and "image_data[0]" in answer["error"]["message"]
+    # Without --allowed-local-media-path the server reads no local file (tests/test_engine_faults.py covers the rest).
     status, answer = await post(engine, "/generate", {"input_ids": seg.wire_ids, "image_data": ["/no/such/file.png"]})
-    assert status == 400 and "not found" in answer["error"]["message"]
+    assert status == 400 and "--allowed-local-media-path" in answer["error"]["message"]
     sliver = image_to_data_url(make_test_image(2, (400, 1)))  # aspect ratio 400: the HF processor refuses it
     status, answer = await post(engine, "/generate", {"input_ids": seg.wire_ids, "image_data": [sliver]})
     assert status == 400 and "aspect ratio" in answer["error"]["message"]

@@ -7,7 +7,9 @@ read relative to the file's directory). In jsonl an image is a path (relative to
 the file's directory), a `data:` URL, a base64 string, or a `{"bytes", "path"}` dict
 with base64 bytes. Unknown columns/keys are ignored.
 
-Every image is verified and fully decoded with PIL, converted to RGB (alpha is
+Every image is checked against byte and pixel caps (`max_image_bytes`, `max_image_pixels`: its size
+before it is read, its width x height from its header before any pixel is decoded), then verified and
+fully decoded with PIL, converted to RGB (alpha is
 composited onto white, so transparent diagrams do not turn black) and re-encoded
 losslessly as a PNG data URL: the Sample stays JSON-serialisable and the engine
 decodes exactly the pixels the trainer's processor sees.
@@ -40,6 +42,13 @@ from PIL import Image
 
 from envs.base import TaskPrompt
 from rollout.loading import LoadError, load_module
+from rollout.processing import (
+    DEFAULT_MAX_IMAGE_BYTES,
+    DEFAULT_MAX_IMAGE_PIXELS,
+    ImageReadPolicy,
+    ImageTooLarge,
+    check_image_pixels,
+)
 from rollout.sample import Sample
 
 logger = logging.getLogger(__name__)
@@ -98,10 +107,17 @@ def to_rgb(image: Image.Image) -> Image.Image:
     return image.convert("RGB") if image.mode != "RGB" else image
 
 
-def _decode_image_bytes(raw: bytes, what: str) -> Image.Image:
-    """Verify and fully decode image bytes; `what` names the image in the error."""
+def _too_many_bytes(n: int, caps: ImageReadPolicy, what: str) -> _BadRow:
+    return _BadRow(f"{what}: {n} bytes, more than the cap of {caps.max_bytes} bytes (max_image_bytes)")
+
+
+def _decode_image_bytes(raw: bytes, what: str, caps: ImageReadPolicy) -> Image.Image:
+    """Verify and fully decode image bytes within `caps`; `what` names the image in the error."""
+    if len(raw) > caps.max_bytes:
+        raise _too_many_bytes(len(raw), caps, what)
     try:
         with Image.open(io.BytesIO(raw)) as probe:
+            check_image_pixels(probe.size, caps.max_pixels, what)  # from the header, before any pixel is decoded
             probe.verify()  # checks structure/CRCs without decoding pixels
         image = Image.open(io.BytesIO(raw))
         image.load()  # decodes every pixel: catches corrupt data that verify() misses
@@ -109,61 +125,70 @@ def _decode_image_bytes(raw: bytes, what: str) -> Image.Image:
     # PIL's decoders raise many unrelated types (OSError, SyntaxError, ValueError,
     # struct.error, EOFError, DecompressionBombError, ...); each is a bad image here,
     # reported with its type and message, never swallowed.
+    except ImageTooLarge as exc:
+        raise _BadRow(str(exc)) from exc
     except Exception as exc:  # noqa: BLE001
         raise _BadRow(f"{what}: undecodable image ({type(exc).__name__}: {exc})") from exc
     return image
 
 
-def _read_image_file(path: str, base_dir: str, what: str) -> Image.Image:
+def _read_image_file(path: str, base_dir: str, what: str, caps: ImageReadPolicy) -> Image.Image:
     full = path if os.path.isabs(path) else os.path.join(base_dir, path)
     if not os.path.isfile(full):
         raise _BadRow(f"{what}: image file not found: {full}")
+    size = os.path.getsize(full)
+    if size > caps.max_bytes:
+        raise _too_many_bytes(size, caps, f"{what} ({full})")
     with open(full, "rb") as f:
-        raw = f.read()
-    return _decode_image_bytes(raw, f"{what} ({full})")
+        raw = f.read(caps.max_bytes + 1)  # capped even if the file grows meanwhile
+    return _decode_image_bytes(raw, f"{what} ({full})", caps)
 
 
-def _b64decode(text: str, what: str) -> bytes:
+def _b64decode(text: str, what: str, caps: ImageReadPolicy) -> bytes:
+    if len(text) // 4 * 3 > caps.max_bytes + 3:  # before decoding: base64 carries 3 bytes per 4 chars
+        raise _too_many_bytes(len(text) // 4 * 3, caps, what)
     try:
         return base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError) as exc:
         raise _BadRow(f"{what}: invalid base64 ({exc})") from exc
 
 
-def _load_image(item: Any, base_dir: str, k: int, fmt: str) -> Image.Image:
-    """Resolve one entry of the `images` list to a decoded PIL image."""
+def _load_image(item: Any, base_dir: str, k: int, fmt: str, caps: ImageReadPolicy) -> Image.Image:
+    """Resolve one entry of the `images` list to a decoded PIL image (within the byte and pixel `caps`)."""
     what = f"image {k}"
     if isinstance(item, dict):
         raw, path = item.get("bytes"), item.get("path")
         if raw is not None:
             if isinstance(raw, str) and fmt == "jsonl":
-                raw = _b64decode(raw, what)
+                raw = _b64decode(raw, what, caps)
             if not isinstance(raw, (bytes, bytearray)):
                 raise _BadRow(f"{what}: 'bytes' has type {type(raw).__name__}, expected bytes")
-            return _decode_image_bytes(bytes(raw), what)
+            return _decode_image_bytes(bytes(raw), what, caps)
         if isinstance(path, str) and path:
-            return _read_image_file(path, base_dir, what)
+            return _read_image_file(path, base_dir, what, caps)
         raise _BadRow(f"{what}: has neither 'bytes' nor 'path'")
     if isinstance(item, (bytes, bytearray)):
-        return _decode_image_bytes(bytes(item), what)
+        return _decode_image_bytes(bytes(item), what, caps)
     if isinstance(item, str) and fmt == "jsonl":
         if item.startswith("data:"):
             match = _DATA_URL_RE.match(item)
             if match is None:
                 raise _BadRow(f"{what}: malformed data URL (expected data:<mime>;base64,<data>)")
-            return _decode_image_bytes(_b64decode(match.group("data"), what), what)
+            return _decode_image_bytes(_b64decode(match.group("data"), what, caps), what, caps)
         full = item if os.path.isabs(item) else os.path.join(base_dir, item)
         if os.path.isfile(full) or item.lower().endswith(_IMAGE_SUFFIXES):
-            return _read_image_file(item, base_dir, what)
+            return _read_image_file(item, base_dir, what, caps)
         # Not an existing file and not named like one: a bare base64 payload, recognised by
         # its image signature (otherwise a mistyped path would be reported as a broken image).
+        if len(item) // 4 * 3 > caps.max_bytes + 3:
+            raise _too_many_bytes(len(item) // 4 * 3, caps, what)
         try:
             raw = base64.b64decode(item, validate=True)
         except (binascii.Error, ValueError):
             raw = b""
         if not raw.startswith(_IMAGE_MAGIC):
             raise _BadRow(f"{what}: {item[:60]!r} is neither an existing file ({full}) nor base64 image data")
-        return _decode_image_bytes(raw, what)
+        return _decode_image_bytes(raw, what, caps)
     raise _BadRow(f"{what}: has type {type(item).__name__}, expected a path, data URL, base64 string or bytes dict")
 
 
@@ -224,6 +249,7 @@ def _parse_row(
     image_key: str,
     system_prompt: str | None,
     instruction: str | None,
+    caps: ImageReadPolicy,
 ) -> tuple[list[dict[str, Any]], str]:
     if not isinstance(record, dict):
         raise _BadRow(f"row is a {type(record).__name__}, expected an object")
@@ -235,7 +261,7 @@ def _parse_row(
     n_markers = problem.count(IMAGE_MARKER)
     if n_markers != len(images):
         raise _BadRow(f"field {input_key!r} has {n_markers} {IMAGE_MARKER} markers but {len(images)} images")
-    urls = [image_to_data_url(_load_image(item, base_dir, k, fmt)) for k, item in enumerate(images)]
+    urls = [image_to_data_url(_load_image(item, base_dir, k, fmt, caps)) for k, item in enumerate(images)]
     return build_messages(problem, urls, system_prompt=system_prompt, instruction=instruction), answer.strip()
 
 
@@ -332,6 +358,8 @@ def load_prompt_dataset(
     tools: list[dict] | None = None,
     max_rows: int | None = None,
     instruction: str | None = None,
+    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
 ) -> PromptDataset:
     """Load a `.parquet` or `.jsonl` prompt file (see the module docstring for the layout).
 
@@ -339,6 +367,8 @@ def load_prompt_dataset(
     and cause); "skip" drops bad rows, records them in `dataset.skipped` and logs
     one warning. max_rows: keep at most this many usable rows (None = all).
     instruction: optional text appended to each user message (e.g. envs.geo3k's GEO3K_USER_INSTRUCTION).
+    max_image_bytes / max_image_pixels: caps of one image (a row with a larger one is a bad row), checked
+    before the image is read or decoded.
     """
     if on_bad_row not in BAD_ROW_POLICIES:
         raise DatasetError(f"on_bad_row must be one of {BAD_ROW_POLICIES}, got {on_bad_row!r}")
@@ -346,6 +376,10 @@ def load_prompt_dataset(
         raise DatasetError(f"max_rows must be a positive int or None, got {max_rows!r}")
     if instruction is not None and IMAGE_MARKER in instruction:
         raise DatasetError(f"instruction must not contain {IMAGE_MARKER!r}")
+    try:
+        caps = ImageReadPolicy(max_bytes=max_image_bytes, max_pixels=max_image_pixels)
+    except ValueError as exc:
+        raise DatasetError(str(exc)) from exc
     if not os.path.isfile(path):
         raise DatasetError(f"{path}: dataset file not found")
     lower = path.lower()
@@ -374,6 +408,7 @@ def load_prompt_dataset(
                 image_key=image_key,
                 system_prompt=system_prompt,
                 instruction=instruction,
+                caps=caps,
             )
         except _BadRow as bad:
             where = f"{path}: row {row}" + (f" (line {row + 1})" if fmt == "jsonl" else "")

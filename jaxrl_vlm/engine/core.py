@@ -40,6 +40,9 @@ class Engine:
     def __init__(self, model_dir: str | os.PathLike, config: EngineOptions | None = None, *, weight_version: str = "default"):
         self.model_path = str(model_dir)
         self.config = config or EngineOptions()
+        media = self.config.allowed_local_media_path
+        if media is not None and not Path(media).is_dir():
+            raise ValueError(f"allowed_local_media_path={media!r} is not a directory")
         model = from_hf(model_dir, param_dtype=self.config.jnp_param_dtype, compute_dtype=self.config.jnp_compute_dtype)
         self.cfg = model.cfg
         self.tokenizer = load_tokenizer(model_dir)
@@ -52,7 +55,7 @@ class Engine:
         self.eos_ids = read_eos_ids(model_dir, self.tokenizer, self.cfg.eos_token_id)
         self.runner = ModelRunner(model, self.config, banned)
         self.scheduler = Scheduler(self.runner, self.tokenizer, self.eos_ids, weight_version=weight_version)
-        self.preparer = PromptPreparer(self.tokenizer, self.image_processor, self.cfg)
+        self.preparer = PromptPreparer(self.tokenizer, self.image_processor, self.cfg, self.config.image_policy)
         self.architectures = _architectures(model_dir)
 
     @property

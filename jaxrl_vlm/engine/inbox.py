@@ -56,10 +56,12 @@ class LoadsMsg:
 
 @dataclass(frozen=True)
 class UpdateWeightsMsg:
-    """Queued until it may run (SGLang's writer lock); answered with the `/update_weights_from_disk` body."""
+    """Queued until it may run (SGLang's writer lock); answered with the `/update_weights_from_disk` body.
+    `deadline` (time.monotonic()): past it the caller has given up, so an update that has not started is dropped."""
 
     update: UpdateWeightsRequest
     reply: Reply
+    deadline: float | None = None
 
 
 @dataclass(frozen=True)

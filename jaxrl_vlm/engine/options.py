@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import jax.numpy as jnp
 
 from jaxrl_vlm.config import Config
+from rollout.processing import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS, ImageReadPolicy
+from rollout.sglang_wire import DEFAULT_MAX_N
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -26,6 +28,12 @@ def powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
         b *= 2
     out.append(hi)
     return tuple(out)
+
+
+# `max_request_bytes` when not set: a fixed allowance (JSON framing, sampling params, ids) plus, per token of
+# context, the base64 of one 32x32 RGB patch (3 KiB raw -> 4 KiB), which is what an image token stands for.
+REQUEST_BYTES_BASE = 8 << 20
+REQUEST_BYTES_PER_TOKEN = 4 << 10
 
 
 def bucket_for(n: int, buckets: tuple[int, ...], what: str) -> int:
@@ -50,6 +58,16 @@ class EngineOptions:
     turn of a multi-turn episode re-sends the whole conversation). prefix_cache_min_tokens: the
     shortest prefix worth reusing: a shorter match (a chat-template header) rarely shrinks the
     padded prefill bucket, so it is not worth taking a warm slot or copying its rows.
+
+    What the server accepts (`rollout.sglang_wire`, `rollout.processing`):
+    allowed_local_media_path: `image_data` may name local image files only under this directory (None: data
+    URLs and base64 only). max_image_bytes / max_image_pixels: caps of one image, checked before it is read
+    or decoded. max_n: the most generations one `/generate` body may start (n x prompts). max_request_bytes:
+    the largest request body (None: REQUEST_BYTES_BASE + REQUEST_BYTES_PER_TOKEN x max_seq_len, see
+    `request_bytes_cap`). control_timeout_s: how long a control call (pause, continue, flush, loads, server
+    info) waits for the scheduler before answering 503. weight_update_timeout_s: the same for
+    `/update_weights_from_disk` (which waits for in-flight generations unless paused); an update that has
+    not started by then is dropped.
     """
 
     max_batch: int = 32
@@ -64,6 +82,13 @@ class EngineOptions:
     max_prefills_per_step: int = 64
     prefix_cache: bool = True
     prefix_cache_min_tokens: int = 32
+    allowed_local_media_path: str | None = None
+    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    max_n: int = DEFAULT_MAX_N
+    max_request_bytes: int | None = None
+    control_timeout_s: float = 60.0
+    weight_update_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
@@ -83,6 +108,14 @@ class EngineOptions:
             raise ValueError(f"max_prefills_per_step must be >= 1, got {self.max_prefills_per_step}")
         if self.prefix_cache_min_tokens < 1:
             raise ValueError(f"prefix_cache_min_tokens must be >= 1, got {self.prefix_cache_min_tokens}")
+        for name in ("max_image_bytes", "max_image_pixels", "max_n", "max_request_bytes"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("control_timeout_s", "weight_update_timeout_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ValueError(f"{name} must be a positive finite number of seconds, got {value!r}")
 
     @classmethod
     def from_run_config(cls, cfg: Config) -> EngineOptions:
@@ -95,7 +128,27 @@ class EngineOptions:
             compute_dtype=cfg.model.compute_dtype,
             seed=cfg.rollout.rollout_seed,
             prefix_cache=cfg.engine.engine_prefix_cache,
+            allowed_local_media_path=cfg.engine.engine_allowed_local_media_path,
+            max_image_bytes=cfg.engine.engine_max_image_bytes,
+            max_image_pixels=cfg.engine.engine_max_image_pixels,
+            max_n=cfg.engine.engine_max_n,
+            max_request_bytes=cfg.engine.engine_max_request_bytes,
+            control_timeout_s=cfg.engine.engine_control_timeout,
+            weight_update_timeout_s=cfg.engine.engine_weight_update_timeout,
         )
+
+    @property
+    def request_bytes_cap(self) -> int:
+        """The largest request body the server reads (`max_request_bytes`, or derived from max_seq_len)."""
+        if self.max_request_bytes is not None:
+            return self.max_request_bytes
+        return REQUEST_BYTES_BASE + REQUEST_BYTES_PER_TOKEN * self.max_seq_len
+
+    @property
+    def image_policy(self) -> ImageReadPolicy:
+        """How the server reads `image_data` items (see `ImageReadPolicy.for_server`)."""
+        return ImageReadPolicy.for_server(self.allowed_local_media_path, max_bytes=self.max_image_bytes,
+                                          max_pixels=self.max_image_pixels)
 
     @property
     def jnp_param_dtype(self) -> jnp.dtype:

@@ -20,7 +20,7 @@ from jaxrl_vlm.engine.prefix_cache import ImageSpan, image_spans
 from jaxrl_vlm.models.config import Qwen3VLConfig
 from jaxrl_vlm.models.rope import get_rope_index
 from rollout.encoding import ChatEncoder, compact_pad_runs
-from rollout.processing import ImageDecodeError, load_image, process_images
+from rollout.processing import ImageDecodeError, ImageReadPolicy, load_image, process_images
 from rollout.sglang_wire import (
     FinishReason,
     FinishType,
@@ -83,13 +83,16 @@ class GenerateRequest:
 class PromptPreparer:
     """Turns `RawGenerate` into `GenerateRequest`: tokenize, decode images, expand pads, positions.
 
-    Thread-safe for concurrent `prepare` calls (stateless apart from read-only tokenizer/processor).
+    `image_policy` says what `image_data` items may be read (data URLs and base64, local files only under the
+    allowed directory) and caps their bytes and pixels. Thread-safe for concurrent `prepare` calls (stateless
+    apart from read-only tokenizer/processor).
     """
 
-    def __init__(self, tokenizer: Any, image_processor: Any | None, cfg: Qwen3VLConfig):
+    def __init__(self, tokenizer: Any, image_processor: Any | None, cfg: Qwen3VLConfig, image_policy: ImageReadPolicy):
         self.tokenizer = tokenizer
         self.image_processor = image_processor
         self.cfg = cfg
+        self.image_policy = image_policy
         self.encoder = ChatEncoder(tokenizer, image_processor) if image_processor is not None else None
 
     def prepare(self, raw: RawGenerate) -> GenerateRequest:
@@ -112,7 +115,7 @@ class PromptPreparer:
             images = []
             for i, item in enumerate(raw.image_data):
                 try:
-                    images.append(load_image(item))
+                    images.append(load_image(item, self.image_policy))
                 except ImageDecodeError as e:
                     raise RequestError(f"image_data[{i}]: {e}") from e
             try:

@@ -583,17 +583,26 @@ class Scheduler:
             elif self._running and not self._paused:
                 return  # SGLang's writer lock: wait for in-flight generations to finish
             self._updates.popleft()
+            if upd.deadline is not None and time.monotonic() > upd.deadline:
+                # The HTTP handler has answered 503 already: loading now would change weights behind its back.
+                logger.warning("update_weights_from_disk(%s) dropped: its caller timed out before it could run",
+                               upd.update.model_path)
+                upd.reply(update_weights_answer(
+                    False, f"Timed out before the update from {upd.update.model_path} could start; nothing was loaded", 0))
+                continue
             upd.reply(self._load_weights(upd))
 
     def _load_weights(self, upd: UpdateWeightsMsg) -> dict[str, Any]:
+        """Load new weights; any failure (a corrupt file, a MemoryError, a bug) is answered `success: false`
+        with the old weights still serving and this thread alive."""
         paused = len(self._running) + len(self._waiting) + len(self._held)
         path = upd.update.model_path
         started = time.monotonic()
         try:
             self.runner.load_weights(path)
-        except (OSError, ValueError, RuntimeError, KeyError) as exc:
-            logger.warning("update_weights_from_disk(%s) failed: %s", path, exc)
-            return update_weights_answer(False, f"Failed to update weights from {path}: {exc}", paused)
+        except Exception as exc:  # noqa: BLE001 - the parameters are built off to the side: nothing changed
+            logger.warning("update_weights_from_disk(%s) failed: %s: %s", path, type(exc).__name__, exc)
+            return update_weights_answer(False, f"Failed to update weights from {path}: {type(exc).__name__}: {exc}", paused)
         # Cached K/V was computed by the old weights (a failed load above changed nothing).
         self._invalidate_prefix_cache()
         if upd.update.weight_version is not None:

@@ -8,13 +8,20 @@
 
 The server binds loopback by default. Malformed requests get HTTP 400 with SGLang's error object
 `{"error": {"message": ...}}` and the server keeps serving.
+
+Limits (`EngineOptions`): a body over `request_bytes_cap` is refused with 413 before it is read; a large
+body is parsed off the event loop; `image_data` is read as `EngineOptions.image_policy` allows (data URLs
+and base64, local image files only under `allowed_local_media_path`, capped bytes and pixels); a control
+call the scheduler does not answer within `control_timeout_s` (`weight_update_timeout_s` for weight
+updates) gets 503 with a message. With an API key (SGLang's `--api-key`) every path but the health probes
+needs `Authorization: Bearer <key>`; binding a non-loopback address without one logs a warning.
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib.metadata
-import json
+import ipaddress
 import logging
 import signal
 import socket
@@ -32,6 +39,7 @@ from jaxrl_vlm.engine.protocol import EMBEDDED_UNSUPPORTED, GenerateOutput, Gene
 from rollout.sglang_wire import (
     FLUSH_BUSY,
     FLUSH_OK,
+    UNAUTHORIZED_BODY,
     AbortRequest,
     FinishType,
     RawGenerate,
@@ -39,8 +47,10 @@ from rollout.sglang_wire import (
     SamplingParams,
     UpdateWeightsRequest,
     error_body,
+    is_authorized,
     loads_response,
     parse_generate,
+    parse_json_body,
     parse_pause,
     route_handlers,
     update_weights_answer,
@@ -59,33 +69,75 @@ def _package_version() -> str:
 VERSION = f"jaxrl-vlm-embedded-{_package_version()}"
 
 HEALTH_TIMEOUT_S = 20.0  # SGLang's /health_generate waits this long for scheduler output
+JSON_INLINE_BYTES = 256 << 10  # bodies above this are parsed in a worker thread, not on the event loop
 _ENGINE = web.AppKey("engine", Engine)
 _SERVER = web.AppKey("server_args", dict)
 _EXECUTOR = web.AppKey("executor", ThreadPoolExecutor)
+
+
+class BodyTooLarge(RequestError):
+    """A request body over the server's cap (HTTP 413)."""
+
+
+class SchedulerUnavailable(RuntimeError):
+    """The scheduler thread is not running, or did not answer a control call in time (HTTP 503)."""
 
 
 def _bad(message: str, status: int = 400) -> web.Response:
     return web.json_response(error_body(message), status=status)
 
 
+def _refused(e: RequestError) -> web.Response:
+    return _bad(str(e), status=413 if isinstance(e, BodyTooLarge) else 400)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding `host` keeps the server on this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 async def _json_body(request: web.Request, *, optional: bool = False) -> Any:
-    raw = await request.read()
+    """The request's JSON body. Over the cap: BodyTooLarge, before reading it when Content-Length says so;
+    a large body is parsed in the app's worker threads so the event loop keeps serving."""
+    cap = request.app[_ENGINE].config.request_bytes_cap
+    if request.content_length is not None and request.content_length > cap:
+        raise BodyTooLarge(f"{request.path}: request body of {request.content_length} bytes is over the server's "
+                           f"cap of {cap} bytes (max_request_bytes)")
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise BodyTooLarge(f"{request.path}: request body is over the server's cap of {cap} bytes "
+                           "(max_request_bytes)") from None
     if not raw.strip():
         if optional:
             return {}
         raise RequestError(f"{request.path}: empty request body, expected a JSON object")
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise RequestError(f"{request.path}: request body is not valid JSON ({e})") from e
+    if len(raw) <= JSON_INLINE_BYTES:
+        return parse_json_body(raw, request.path)
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(request.app[_EXECUTOR], parse_json_body, raw, request.path)
 
 
-async def _scheduler_call(engine: Engine, make: Callable[[Reply], ControlMsg]) -> Any:
-    """Send the control message `make(reply)` to the scheduler thread and await its answer."""
+async def _scheduler_call(engine: Engine, make: Callable[[Reply], ControlMsg], timeout_s: float | None = None) -> Any:
+    """Send the control message `make(reply)` to the scheduler thread and await its answer, for at most
+    `timeout_s` (default: the engine's control_timeout_s); SchedulerUnavailable if it does not come."""
+    timeout_s = engine.config.control_timeout_s if timeout_s is None else timeout_s
+    if not engine.scheduler.alive:
+        raise SchedulerUnavailable("the engine scheduler is not running")
     loop = asyncio.get_running_loop()
     future: asyncio.Future[Any] = loop.create_future()
-    engine.scheduler.call(make(_threadsafe_setter(loop, future)))
-    return await future
+    msg = make(_threadsafe_setter(loop, future))
+    engine.scheduler.call(msg)
+    try:
+        return await asyncio.wait_for(future, timeout_s)
+    except asyncio.TimeoutError:
+        state = "is not running" if not engine.scheduler.alive else "is busy or stuck (e.g. in a device call)"
+        raise SchedulerUnavailable(f"the engine scheduler did not answer within {timeout_s:g} s: it {state}") from None
 
 
 def _threadsafe_setter(loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any]) -> Callable[[Any], None]:
@@ -115,7 +167,7 @@ async def generate(request: web.Request) -> web.Response:
     engine = request.app[_ENGINE]
     try:
         body = await _json_body(request)
-        raws, is_batch = parse_generate(body, engine.cfg.text.vocab_size, EMBEDDED_UNSUPPORTED)
+        raws, is_batch = parse_generate(body, engine.cfg.text.vocab_size, EMBEDDED_UNSUPPORTED, engine.config.max_n)
         loop = asyncio.get_running_loop()
         executor = request.app[_EXECUTOR]
         # Tokenizing and image preprocessing are CPU work: keep them off the event loop.
@@ -127,7 +179,7 @@ async def generate(request: web.Request) -> web.Response:
                     f"context length ({engine.config.max_seq_len} tokens)."
                 )
     except RequestError as e:
-        return _bad(str(e))
+        return _refused(e)
     outputs = await asyncio.gather(*(_run_request(engine, req) for req in prepared))
     failed = [o.error for o in outputs if o.error is not None]
     if failed:
@@ -148,7 +200,10 @@ async def health_generate(request: web.Request) -> web.Response:
     sched = engine.scheduler
     if not sched.alive:
         return web.Response(status=503, text="engine scheduler is not running")
-    loads = await _scheduler_call(engine, LoadsMsg)
+    try:
+        loads = await _scheduler_call(engine, LoadsMsg, min(HEALTH_TIMEOUT_S, engine.config.control_timeout_s))
+    except SchedulerUnavailable as e:
+        return web.Response(status=503, text=str(e))
     if loads["paused"]:  # paused on purpose (weight sync): a probe would only wait for continue
         return web.Response(status=200)
     if loads["num_running_reqs"] or loads["num_waiting_reqs"]:
@@ -218,7 +273,7 @@ async def pause_generation(request: web.Request) -> web.Response:
     try:
         mode = parse_pause(await _json_body(request, optional=True))
     except RequestError as e:
-        return _bad(str(e))
+        return _refused(e)
     return web.json_response(await _scheduler_call(request.app[_ENGINE], lambda reply: PauseMsg(mode, reply)))
 
 
@@ -226,7 +281,7 @@ async def continue_generation(request: web.Request) -> web.Response:
     try:
         await _json_body(request, optional=True)
     except RequestError as e:
-        return _bad(str(e))
+        return _refused(e)
     return web.json_response(await _scheduler_call(request.app[_ENGINE], ContinueMsg))
 
 
@@ -234,20 +289,29 @@ async def abort_request(request: web.Request) -> web.Response:
     try:
         abort = AbortRequest.from_json(await _json_body(request))
     except RequestError as e:
-        return _bad(str(e))
+        return _refused(e)
     request.app[_ENGINE].scheduler.abort(abort.rid)
     return web.Response(status=200)
 
 
 async def update_weights_from_disk(request: web.Request) -> web.Response:
+    engine = request.app[_ENGINE]
     try:
         update = UpdateWeightsRequest.from_json(await _json_body(request))
     except RequestError as e:
-        return _bad(str(e))
+        return _refused(e)
     if update.load_format not in (None, "auto", "safetensors"):
         message = f"load_format={update.load_format!r} is not supported (safetensors only)"
         return web.json_response(update_weights_answer(False, message, 0), status=400)
-    result = await _scheduler_call(request.app[_ENGINE], lambda reply: UpdateWeightsMsg(update, reply))
+    timeout_s = engine.config.weight_update_timeout_s
+    deadline = time.monotonic() + timeout_s
+    try:
+        result = await _scheduler_call(engine, lambda reply: UpdateWeightsMsg(update, reply, deadline), timeout_s)
+    except SchedulerUnavailable as e:
+        # Not started by the deadline: the scheduler drops it. Started: it may still finish (check the version).
+        message = (f"{e}. An update that had not started is dropped; one that had started may still finish "
+                   "(check /get_weight_version).")
+        return web.json_response(update_weights_answer(False, message, 0), status=503)
     return web.json_response(result, status=200 if result["success"] else 400)
 
 
@@ -272,14 +336,32 @@ async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitab
         raise
     except (asyncio.CancelledError, KeyboardInterrupt):
         raise
+    except SchedulerUnavailable as exc:
+        return _bad(f"{request.path}: {exc}", status=503)
     except Exception as exc:
         logger.exception("%s %s failed", request.method, request.path)
         return _bad(f"{request.path}: internal error: {type(exc).__name__}: {exc}", status=500)
 
 
-def build_app(engine: Engine, *, host: str = "127.0.0.1", port: int | None = None, prepare_workers: int = 4) -> web.Application:
-    """The aiohttp application; the caller starts `engine` and cleans up the app."""
-    app = web.Application(middlewares=[_errors], client_max_size=1 << 30)
+def _api_key_middleware(api_key: str) -> Callable[..., Awaitable[web.StreamResponse]]:
+    """SGLang's `--api-key`: `Authorization: Bearer <key>` on every path but the health probes, else 401."""
+
+    @web.middleware
+    async def authenticate(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+        if not is_authorized(request.path, request.headers.get("Authorization"), api_key):
+            return web.json_response(UNAUTHORIZED_BODY, status=401)
+        return await handler(request)
+
+    return authenticate
+
+
+def build_app(engine: Engine, *, host: str = "127.0.0.1", port: int | None = None, prepare_workers: int = 4,
+              api_key: str | None = None) -> web.Application:
+    """The aiohttp application; the caller starts `engine` and cleans up the app. With `api_key`, requests
+    need `Authorization: Bearer <api_key>` (health probes excepted)."""
+    middlewares = [_errors] if api_key is None else [_errors, _api_key_middleware(api_key)]
+    # aiohttp stops reading a body past client_max_size; `_json_body` answers 413 then.
+    app = web.Application(middlewares=middlewares, client_max_size=engine.config.request_bytes_cap)
     app[_ENGINE] = engine
     app[_SERVER] = {"host": host, "port": port}
     executor = ThreadPoolExecutor(max_workers=prepare_workers, thread_name_prefix="jaxrl-vlm-prepare")
@@ -329,8 +411,12 @@ class EmbeddedEngine:
         port: int = 0,
         config: EngineOptions | None = None,
         weight_version: str = "default",
+        api_key: str | None = None,
     ):
+        if api_key is not None and not api_key:
+            raise ValueError("api_key must be a non-empty string (or None for no key)")
         self.model_dir = str(model_dir)
+        self.api_key = api_key
         self.host = host
         self.requested_port = port
         self.config = config or EngineOptions()
@@ -352,6 +438,11 @@ class EmbeddedEngine:
         """Load the model, start scheduler and HTTP server; return the base URL once it listens."""
         if self._thread is not None:
             raise RuntimeError("EmbeddedEngine already started")
+        if self.api_key is None and not is_loopback(self.host):
+            logger.warning(
+                "the engine server binds %s, which is not a loopback address, without an API key: anyone who can "
+                "reach it can generate, pause or abort requests and load weights from any server path "
+                "(start it with --api-key)", self.host)
         self.engine = Engine(self.model_dir, self.config, weight_version=self.weight_version)
         self.engine.start()
         sock = _bind(self.host, self.requested_port)
@@ -363,7 +454,7 @@ class EmbeddedEngine:
         def run() -> None:
             asyncio.set_event_loop(self._loop)
             try:
-                app = build_app(self.engine, host=self.host, port=self.port)
+                app = build_app(self.engine, host=self.host, port=self.port, api_key=self.api_key)
                 self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
                 self._loop.run_until_complete(self._runner.setup())
                 self._loop.run_until_complete(web.SockSite(self._runner, sock, backlog=1024).start())
@@ -416,9 +507,10 @@ class EmbeddedEngine:
 
 
 def serve(model_dir: str, *, host: str = "127.0.0.1", port: int = 30000, config: EngineOptions | None = None,
-          weight_version: str = "default") -> None:
+          weight_version: str = "default", api_key: str | None = None) -> None:
     """Run the engine server in the foreground until SIGINT or SIGTERM."""
-    engine = EmbeddedEngine(model_dir, host=host, port=port, config=config, weight_version=weight_version)
+    engine = EmbeddedEngine(model_dir, host=host, port=port, config=config, weight_version=weight_version,
+                            api_key=api_key)
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:

@@ -59,6 +59,7 @@ async def rollout_session(
             for url in client.worker_urls:
                 await client.continue_generation(url=url)
         encoder = ChatEncoder(load_tokenizer(model_dir), load_image_processor(model_dir))
+        client.vocab_size = len(encoder.tokenizer)  # an engine returning an id outside it fails the sample by name
         env_module = load_module(cfg.rollout.rollout_interaction_env_path, "--rollout-interaction-env-path")
         args.rollout_context = RolloutContext(
             client=client, encoder=encoder, env_module=env_module,
