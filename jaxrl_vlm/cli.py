@@ -62,6 +62,40 @@ def _cmd_rollout(ns: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
+def _cmd_eval(ns: argparse.Namespace, rest: list[str]) -> int:
+    """Evaluate a checkpoint (ours, or an HF directory) on the config's eval sets and print a table."""
+    config_path, overrides = split_config_argv(rest)
+    cfg = load_config(config_path, overrides)
+    import asyncio
+    import json
+    from pathlib import Path
+
+    from jaxrl_vlm.job.eval import evaluate_weights
+
+    report = asyncio.run(evaluate_weights(cfg, ns.load, dump_dir=Path(ns.dump_dir) if ns.dump_dir else None))
+    print(f"evaluated {report.weights}")
+    print(report.table())
+    if ns.metrics_json:
+        Path(ns.metrics_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(ns.metrics_json).write_text(json.dumps({"weights": report.weights, "step": report.step,
+                                                     "metrics": report.metrics}, indent=1, allow_nan=True))
+    return 0
+
+
+def _cmd_plot(ns: argparse.Namespace, rest: list[str]) -> int:
+    """Overlay several runs' curves, one PNG per metric."""
+    if rest:
+        raise ConfigError(f"plot: unexpected arguments {rest}")
+    from jaxrl_vlm.job.run_log import plot_runs
+
+    try:
+        written = plot_runs(ns.runs, ns.out)
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(str(e)) from e
+    print(f"wrote {len(written)} plots to {ns.out}: {', '.join(p.name for p in written)}")
+    return 0
+
+
 def _cmd_make_dataset(ns: argparse.Namespace, rest: list[str]) -> int:
     if rest:
         raise ConfigError(f"make-dataset: unexpected arguments {rest}")
@@ -168,6 +202,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.usage = "jaxrl-vlm rollout CONFIG.yaml [--flag value ...] [--dump FILE.jsonl]"
     p.add_argument("--dump", default=None, help="Write every sample with per-turn decoded text to this JSONL file.")
     p.set_defaults(func=_cmd_rollout)
+
+    p = sub.add_parser("eval", help="Evaluate a checkpoint or HF directory on the config's eval sets; print a table.")
+    p.usage = ("jaxrl-vlm eval CONFIG.yaml [--load CHECKPOINT_DIR | HF_DIR] [--flag value ...] "
+               "[--dump-dir DIR] [--metrics-json FILE]")
+    p.add_argument("--load", default=None,
+                   help="A checkpoint directory of ours (its latest step, restored onto --hf-checkpoint) or an HF "
+                        "model directory (default: --hf-checkpoint itself).")
+    p.add_argument("--dump-dir", default=None, help="Write each set's samples to DIR/<set>/step_<k>.jsonl.")
+    p.add_argument("--metrics-json", default=None, help="Also write the metrics as JSON to this file.")
+    p.set_defaults(func=_cmd_eval)
+
+    p = sub.add_parser("plot", help="Overlay runs' curves (reward, eval reward, repetition, length, turns, truncation).")
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="Run output directories (or their metrics.jsonl).")
+    p.add_argument("--out", default="plots_compare", help="Directory for the PNGs (one per metric).")
+    p.set_defaults(func=_cmd_plot)
 
     p = sub.add_parser("make-dataset", help="Write a synthetic Geometry3K-style parquet dataset with real diagrams.")
     p.add_argument("out", help="Output .parquet path.")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 import sys
 import types
 import typing
@@ -198,17 +199,93 @@ class EngineConfig:
 
 @dataclass
 class EvalConfig:
-    eval_interval: int | None = opt(None, "Evaluate every N steps (None: never).")
-    eval_prompt_data: list[str] = opt(
-        [], "Eval sets as NAME PATH pairs, PATH optionally sliced as PATH@[start:end] (slime's syntax)."
+    eval_interval: int | None = opt(
+        None, "Also evaluate every N steps (None: only before training and at the end, when eval sets are given)."
     )
-    n_samples_per_eval_prompt: int = opt(1, "Samples per eval prompt.")
+    eval_prompt_data: list[str] = opt(
+        [],
+        "Eval sets as NAME PATH pairs (slime's syntax), PATH optionally sliced by file rows as PATH@[start:end] "
+        "(python slice semantics; either end may be omitted: @[:64], @[10:]). Loaded like --prompt-data.",
+    )
+    n_samples_per_eval_prompt: int = opt(1, "Samples per eval prompt (a group; pass@k needs k <= this).")
     eval_temperature: float | None = opt(None, "Eval sampling temperature (None: --rollout-temperature).")
     eval_top_p: float | None = opt(None, "Eval top-p (None: --rollout-top-p).")
     eval_top_k: int | None = opt(None, "Eval top-k (None: --rollout-top-k).")
     eval_max_response_len: int | None = opt(None, "Eval response budget (None: --rollout-max-response-len).")
-    log_passrate: bool = opt(False, "Log pass@k over the eval samples of each prompt.")
+    log_passrate: bool = opt(
+        False, "Log pass@k (k = 1, 2, 4, ... <= the samples per prompt; reward == 1 is a pass) for eval sets "
+        "(eval/<name>/pass@k) and the training rollout (passrate/pass@k).")
     skip_eval_before_train: bool = opt(False, "Do not evaluate at step 0.")
+
+
+# An eval set's name becomes a metric namespace (eval/<name>/...) and a directory (<output_dir>/eval/<name>/).
+_EVAL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+# slime's generalized path: PATH@[start:end], integers (possibly negative), either may be omitted.
+_SLICED_PATH = re.compile(r"^(?P<path>.+)@\[(?P<start>-?\d*):(?P<end>-?\d*)\]$")
+
+
+@dataclass(frozen=True)
+class EvalSetSpec:
+    """One `--eval-prompt-data` pair: the set's name, its file, and the file rows it keeps (`rows`)."""
+
+    name: str
+    path: str
+    start: int | None = None
+    end: int | None = None
+
+    @property
+    def rows(self) -> slice:
+        """The kept file rows, with python slice semantics (row = jsonl line - 1, or parquet row)."""
+        return slice(self.start, self.end)
+
+    @property
+    def sliced(self) -> bool:
+        return self.start is not None or self.end is not None
+
+    def __str__(self) -> str:
+        if not self.sliced:
+            return self.path
+        return f"{self.path}@[{'' if self.start is None else self.start}:{'' if self.end is None else self.end}]"
+
+
+def parse_eval_prompt_data(values: list[str]) -> list[EvalSetSpec]:
+    """`--eval-prompt-data NAME PATH[@[start:end]] [NAME PATH ...]` -> one `EvalSetSpec` per set.
+
+    Raises ConfigError naming the set for: a NAME without a PATH, a name that is not a metric-safe word (or looks
+    like a path, i.e. the pairs are shifted), a repeated name, and a malformed slice. Paths are checked when the
+    sets are loaded (`jaxrl_vlm.job.assets.load_eval_sets`), not here: a config may name another host's files.
+    """
+    values = list(values)
+    if len(values) % 2:
+        raise ConfigError(
+            f"--eval-prompt-data takes NAME PATH pairs, got {len(values)} values {values}: the last name "
+            f"{values[-1]!r} has no path (slime's syntax: --eval-prompt-data aime /data/aime.jsonl@[0:64])"
+        )
+    specs: list[EvalSetSpec] = []
+    for name, raw in zip(values[0::2], values[1::2]):
+        if not _EVAL_NAME.match(name) or name.lower().endswith((".jsonl", ".parquet")):
+            raise ConfigError(
+                f"--eval-prompt-data: eval set name {name!r} (paired with {raw!r}) must be a word of letters, digits, "
+                "'_', '.', '-' (it names the metrics eval/<name>/... and not a file); the values are NAME PATH pairs"
+            )
+        if any(s.name == name for s in specs):
+            raise ConfigError(f"--eval-prompt-data: eval set {name!r} is given twice")
+        if not raw.strip():
+            raise ConfigError(f"--eval-prompt-data: eval set {name!r} has an empty path")
+        start = end = None
+        path = raw
+        if "@[" in raw:
+            m = _SLICED_PATH.match(raw)
+            if m is None:
+                raise ConfigError(
+                    f"--eval-prompt-data: eval set {name!r}: bad row slice in {raw!r}; the form is PATH@[start:end] "
+                    "with integers, either of which may be omitted (PATH@[0:64], PATH@[:64], PATH@[10:], PATH@[-50:])"
+                )
+            path = m["path"]
+            start = int(m["start"]) if m["start"] else None
+            end = int(m["end"]) if m["end"] else None
+        specs.append(EvalSetSpec(name, path, start, end))
+    return specs
 
 
 @dataclass
@@ -713,6 +790,7 @@ def validate(cfg: Config) -> None:
     if gbs is not None and gbs < 1:
         raise ConfigError(f"global_batch_size must be >= 1, got {gbs}")
     _validate_numbers(cfg)
+    _validate_eval(cfg.eval)
 
 
 # Numbers whose meaningful range types cannot express; every float option must also be finite.
@@ -740,6 +818,23 @@ def _validate_numbers(cfg: Config) -> None:
             raise ConfigError(f"{where} must be > 0, got {value}")
         if info.name in _UNIT_INTERVAL and not 0 <= value < 1:
             raise ConfigError(f"{where} must be in [0, 1), got {value}")
+
+
+def _validate_eval(e: EvalConfig) -> None:
+    """The eval section: NAME PATH pairs with valid slices (parse_eval_prompt_data), and its sampling settings."""
+    parse_eval_prompt_data(e.eval_prompt_data)
+    if e.eval_interval is not None and e.eval_interval < 1:
+        raise ConfigError(f"eval_interval must be >= 1 (or None), got {e.eval_interval}")
+    if e.eval_interval is not None and not e.eval_prompt_data:
+        raise ConfigError(f"--eval-interval {e.eval_interval} needs eval sets: --eval-prompt-data NAME PATH ...")
+    if e.n_samples_per_eval_prompt < 1:
+        raise ConfigError(f"n_samples_per_eval_prompt must be >= 1, got {e.n_samples_per_eval_prompt}")
+    if e.eval_temperature is not None and e.eval_temperature < 0:
+        raise ConfigError(f"eval_temperature must be >= 0, got {e.eval_temperature}")
+    if e.eval_top_p is not None and not 0.0 < e.eval_top_p <= 1.0:
+        raise ConfigError(f"eval_top_p must be in (0, 1], got {e.eval_top_p}")
+    if e.eval_max_response_len is not None and e.eval_max_response_len < 1:
+        raise ConfigError(f"eval_max_response_len must be >= 1, got {e.eval_max_response_len}")
 
 
 def describe_options() -> str:

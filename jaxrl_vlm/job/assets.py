@@ -1,15 +1,18 @@
-"""What a run needs on disk before it starts: the model directory and the prompt data (created on demand)."""
+"""What a run needs on disk before it starts: the model directory, the prompt data (created on demand) and the
+eval sets (`--eval-prompt-data`, loaded like the prompt data)."""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from jaxrl_vlm.config import Config
+from jaxrl_vlm.config import Config, ConfigError, EvalSetSpec, parse_eval_prompt_data
 from envs.geo3k.synthetic import make_dataset
-from jaxrl_vlm.data.geo3k import load_styled_dataset
+from jaxrl_vlm.data.geo3k import DatasetError, PromptDataset, load_styled_dataset
 from jaxrl_vlm.tiny import make_tiny
+from rollout.sample import Sample
 
 logger = logging.getLogger(__name__)
 
@@ -41,3 +44,50 @@ def load_dataset(cfg: Config, data_path: Path) -> Any:
     d = cfg.data
     common = dict(input_key=d.input_key, label_key=d.label_key, image_key=d.image_key, on_bad_row=d.on_bad_row)
     return load_styled_dataset(str(data_path), d.prompt_style, system_prompt=d.system_prompt, **common)
+
+
+@dataclass
+class EvalSet:
+    """One eval set: its spec, the dataset loaded like the training prompts, and the dataset items it keeps
+    (those whose file row lies in the spec's slice), in file order."""
+
+    spec: EvalSetSpec
+    dataset: PromptDataset
+    items: list[int]
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def prompts(self) -> list[Sample]:
+        """Fresh prompt Samples of the set, one per kept row."""
+        return [self.dataset[i] for i in self.items]
+
+
+def load_eval_set(cfg: Config, spec: EvalSetSpec) -> EvalSet:
+    """Load one eval set with the training prompts' loader and prompt style; errors name the set."""
+    where = f"eval set {spec.name!r} ({spec})"
+    if not Path(spec.path).is_file():
+        raise ConfigError(f"{where}: {spec.path} does not exist")
+    try:
+        dataset = load_dataset(cfg, Path(spec.path))
+    except DatasetError as e:
+        raise ConfigError(f"{where}: {e}") from e
+    # The slice selects file rows, as slime's PATH@[a:b] does (rows skipped by --on-bad-row skip stay skipped).
+    total = len(dataset) + dataset.num_skipped
+    wanted = set(range(total)[spec.rows])
+    items = [i for i, row in enumerate(dataset.rows) if row in wanted]
+    if not items:
+        raise ConfigError(f"{where}: the slice keeps no usable row of the {total} in {spec.path}")
+    return EvalSet(spec, dataset, items)
+
+
+def load_eval_sets(cfg: Config) -> list[EvalSet]:
+    """Every `--eval-prompt-data` set, loaded (empty when none is given)."""
+    sets = [load_eval_set(cfg, spec) for spec in parse_eval_prompt_data(cfg.eval.eval_prompt_data)]
+    for s in sets:
+        logger.info("eval set %s: %d prompts from %s", s.name, len(s), s.spec)
+    return sets

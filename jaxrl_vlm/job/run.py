@@ -6,6 +6,10 @@ engine unless `--engine-url` points at SGLang (or a router) or `--launch-sglang`
 
 With several processes, process 0 runs the rollout (and logs, plots, talks to the engine); every process
 trains on the broadcast samples, checkpoints its shards and joins the exports.
+
+Evaluation (`job/eval.py`, `--eval-prompt-data`) runs on process 0 before rollout k when it is due, on the weights
+after k steps (synced at the end of step k - 1), and once more after the last step; it never touches the training
+rollout's state.
 """
 
 from __future__ import annotations
@@ -23,8 +27,9 @@ import jax.numpy as jnp
 from jaxrl_vlm.config import Config
 from jaxrl_vlm.data.geo3k import PromptIterator
 from jaxrl_vlm.distributed import barrier, broadcast_samples, broadcast_stop, export_hf, is_main_process
-from jaxrl_vlm.job.assets import load_dataset, prepare_assets
+from jaxrl_vlm.job.assets import load_dataset, load_eval_sets, prepare_assets
 from jaxrl_vlm.job.checkpointing import CheckpointCadence, ResumePoint, restore
+from jaxrl_vlm.job.eval import Evaluator, eval_due, passrate_metrics
 from jaxrl_vlm.job.run_log import RunLog, plot_run
 from jaxrl_vlm.job.session import rollout_session
 from jaxrl_vlm.job.tracking import open_sinks
@@ -89,11 +94,14 @@ class MainJob:
         self.syncer = WeightSyncer(None, weight_sync_root(cfg, self.out_dir),
                                    copy_from=str(self.model_dir), dtype=jnp.dtype(sync_dtype))
         self.rollout_fn = load_function(cfg.rollout.rollout_function_path, "--rollout-function-path")
+        # Evaluation runs on process 0 only (it talks to the engine; no other process takes part).
+        self.evaluator = Evaluator(cfg, load_eval_sets(cfg), self.rollout_fn) if self.main else None
         self.checkpoints = CheckpointCadence(cfg, self.out_dir)
         self.log = None
         if self.main:
             sinks = open_sinks(cfg.tracking, self.out_dir, cfg.to_dict())
-            self.log = RunLog(self.out_dir, total_steps=cfg.rollout.num_rollout, sinks=sinks)
+            self.log = RunLog(self.out_dir, total_steps=cfg.rollout.num_rollout, sinks=sinks,
+                              resumed_at=self.start_step if self.resume is not None else None)
 
     async def serve_dir(self) -> Path:
         """The weights the engine starts from: a resumed run's own version, not the original checkpoint."""
@@ -130,6 +138,9 @@ class MainJob:
         if self.main:
             metrics.update(rollout_metrics(result.samples, result))
             metrics.update(multi_turn_metrics(result.samples, self.cfg.rollout.rollout_max_response_len))
+            if self.cfg.eval.log_passrate:  # slime's passrate/pass@k over the training groups
+                passrate = passrate_metrics(result.samples, self.cfg.rollout.n_samples_per_prompt)
+                metrics.update({f"passrate/{k}": v for k, v in passrate.items()})
         metrics["perf/rollout_time"] = time.perf_counter() - t0
         return result, samples, metrics
 
@@ -171,6 +182,19 @@ class MainJob:
         self.checkpoint(step + 1)
         return metrics
 
+    async def evaluate(self, done: int) -> dict[str, Any] | None:
+        """Evaluate the engine's current weights (after `done` training steps, synced) when the schedule says so
+        (`eval_due`); logged as the eval record of step `done`, samples dumped under <output_dir>/eval/."""
+        if self.evaluator is None or not self.evaluator.sets or not eval_due(self.cfg, done):
+            return None
+        t0 = time.perf_counter()
+        metrics: dict[str, Any] = await self.evaluator.run(self.args, done, dump_dir=self.out_dir / "eval")
+        metrics["perf/eval_time"] = time.perf_counter() - t0
+        metrics["weight_version"] = self.version
+        if self.log is not None:
+            self.log.log_eval(done, metrics)
+        return metrics
+
     def finish(self) -> None:
         export_hf(self.trainer.policy_model(), self.out_dir / "final_model", copy_from=str(self.model_dir))
         if self.log is not None:
@@ -178,14 +202,18 @@ class MainJob:
 
     # -------------------------------------------------------------------------- the whole run
     async def run(self) -> dict[str, Any]:
-        """The whole job; returns the last step's metrics."""
+        """The whole job; returns the last step's metrics (the final eval is in metrics.jsonl)."""
         self.prepare()
         last: dict[str, Any] = {}
         try:
             async with self.session(await self.serve_dir()) as client:
                 self.attach(client)
-                for step in range(self.start_step, self.cfg.rollout.num_rollout):
-                    last = await self.step(step)
+                # Eval of the weights after `step` steps runs before rollout `step` (after the previous step's
+                # sync), and once more after the last step.
+                for step in range(self.start_step, self.cfg.rollout.num_rollout + 1):
+                    await self.evaluate(step)
+                    if step < self.cfg.rollout.num_rollout:
+                        last = await self.step(step)
             self.finish()
             return last
         finally:

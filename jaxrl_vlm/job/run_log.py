@@ -1,16 +1,28 @@
-"""Per-step metrics of a run: JSONL (always), a live progress line, PNG plots, and the opt-in TensorBoard / wandb
-sinks of `job/tracking.py`.
+"""Per-step metrics of a run: JSONL (always), a live progress line, PNG plots, the opt-in TensorBoard / wandb
+sinks of `job/tracking.py`, and overlays of several runs (`jaxrl-vlm plot`).
 
-The JSONL file is the source of truth (one object per step, appended and flushed), so a killed run keeps
-everything it logged and a resumed run appends to the same file.
+The JSONL file is the source of truth (lines appended and flushed), so a killed run keeps everything it logged and
+a resumed run appends to the same file. Its lines:
+
+* a step's training record `{"step": s, "time": ..., "rollout/...", "train/...", ...}`;
+* an eval record `{"step": s, "time": ..., "eval/<name>/...", "perf/eval_time", "weight_version"}` for the
+  weights that sample step s's rollout (after s training steps: written before step s's record; the final eval
+  of a run of N steps is the only line of step N);
+* `{"resumed_at_step": s, "time": ...}`, written when a run resumes from its step-s checkpoint.
+
+`read_metrics` merges the lines of each step into one record (later lines win on a shared key) and drops
+whatever an interrupted run had logged for steps >= s at each resume marker, so the resumed run's lines replace
+them whole.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import math
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,26 +35,65 @@ PLOTS = {
     "truncation.png": ("rollout/truncated_ratio", "truncated ratio"),
     "entropy_kl.png": (("train/entropy_loss", "train/approx_kl"), "entropy / approx KL"),
     "step_time.png": (("perf/rollout_time", "perf/train_time", "perf/update_weights_time"), "seconds per step"),
+    # Keys may be fnmatch patterns (one curve per eval set); a plot listed in ONLY_WITH_DATA is written only when
+    # the run has its metrics.
+    "eval_reward.png": (("eval/*/raw_reward",), "eval mean reward per set (x: steps trained)"),
+}
+ONLY_WITH_DATA = frozenset({"eval_reward.png"})
+
+# `jaxrl-vlm plot`: one PNG per metric, one curve per run (the seed article's panels). A pattern gives one PNG per
+# match (per eval set).
+COMPARE_PLOTS: dict[str, tuple[str, str]] = {
+    "reward": ("rollout/raw_reward", "rollout mean reward"),
+    "eval_reward": ("eval/*/raw_reward", "eval mean reward"),
+    "repetition_frac": ("rollout/repetition_frac", "repetition fraction"),
+    "response_length": ("rollout/response_len/mean", "response length (tokens)"),
+    "turns": ("rollout/turns/mean", "turns per episode"),
+    "truncation": ("rollout/truncated_ratio", "truncated ratio"),
 }
 
 
 class RunLog:
-    def __init__(self, out_dir: str | Path, *, total_steps: int, sinks: list[MetricSink] | None = None):
+    def __init__(self, out_dir: str | Path, *, total_steps: int, sinks: list[MetricSink] | None = None,
+                 resumed_at: int | None = None):
+        """`resumed_at`: the step a resumed run starts from; a marker line tells `read_metrics` to drop what the
+        interrupted run logged from that step on."""
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.out_dir / "metrics.jsonl"
         self.total_steps = total_steps
+        had_lines = self.path.exists() and self.path.stat().st_size > 0
         self._file = self.path.open("a", buffering=1)
+        if resumed_at is not None and had_lines:
+            self._file.write(json.dumps({RESUMED_AT: int(resumed_at), "time": time.time()}) + "\n")
         self._sinks = list(sinks or [])
         self._t_start = time.perf_counter()
 
-    def log(self, step: int, metrics: dict[str, Any]) -> None:
+    def _write(self, step: int, metrics: dict[str, Any]) -> dict[str, float | None]:
         clean = {k: _to_float(v) for k, v in metrics.items()}
         record = {"step": step, "time": time.time(), **clean}
         self._file.write(json.dumps(record, allow_nan=True) + "\n")
         for sink in self._sinks:
             sink.write(step, clean)
-        self._progress(step, clean)
+        return clean
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        """The training record of `step`."""
+        self._progress(step, self._write(step, metrics))
+
+    def log_eval(self, step: int, metrics: dict[str, Any]) -> None:
+        """The eval record of the weights that sample step `step`'s rollout (after `step` training steps)."""
+        clean = self._write(step, metrics)
+        names = sorted({k.split("/")[1] for k in clean if k.startswith("eval/") and k.count("/") >= 2})
+        parts = []
+        for name in names:
+            reward = clean.get(f"eval/{name}/raw_reward")
+            turns = clean.get(f"eval/{name}/turns/mean")
+            parts.append(f"{name} reward {'-' if reward is None else format(reward, '.3f')} "
+                         f"turns {'-' if turns is None else format(turns, '.2f')}")
+        took = clean.get("perf/eval_time")
+        print(f"eval after {step} steps: {'; '.join(parts)} ({'-' if took is None else format(took, '.1f')}s)",
+              file=sys.stderr, flush=True)
 
     def _progress(self, step: int, m: dict[str, float | None]) -> None:
         done = step + 1
@@ -75,41 +126,83 @@ def _to_float(value: Any) -> float | None:
         return None
 
 
+RESUMED_AT = "resumed_at_step"
+
+
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """All records of a metrics.jsonl; for a resumed run, the last record of each step wins."""
+    """One record per step of a metrics.jsonl, in step order (module docstring): the lines of a step merged in
+    file order (its eval record and its training record; a later line wins on a shared key), after dropping at
+    each resume marker what the interrupted run had logged for steps >= the resumed step. A run's final eval is the
+    record of step num_rollout (eval keys only)."""
     by_step: dict[int, dict[str, Any]] = {}
     with Path(path).open() as f:
         for line in f:
             line = line.strip()
-            if line:
-                record = json.loads(line)
-                by_step[int(record["step"])] = record
+            if not line:
+                continue
+            record = json.loads(line)
+            if RESUMED_AT in record:
+                start = int(record[RESUMED_AT])
+                by_step = {k: v for k, v in by_step.items() if k < start}
+                continue
+            step = int(record["step"])
+            by_step[step] = {**by_step.get(step, {}), **record}
     return [by_step[k] for k in sorted(by_step)]
 
 
-def plot_run(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
-    """PNG plots of reward, response length, turns, truncation, entropy/KL and the step-time breakdown."""
-    import matplotlib
+def _expand(keys: Sequence[str], records: list[dict[str, Any]]) -> list[str]:
+    """`keys` with fnmatch patterns replaced by the matching keys of `records` (sorted)."""
+    out: list[str] = []
+    for key in keys:
+        if any(c in key for c in "*?["):
+            out.extend(sorted({k for r in records for k in r if fnmatch.fnmatchcase(k, key)}))
+        else:
+            out.append(key)
+    return out
+
+
+def _points(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    points = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+    return [p[0] for p in points], [p[1] for p in points]
+
+
+def _pyplot() -> Any:
+    import matplotlib  # optional plotting stack, imported only when plotting
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _integer_steps(ax: Any) -> None:
+    from matplotlib.ticker import MaxNLocator  # optional plotting stack, imported only when plotting
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def plot_run(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
+    """PNG plots of reward, response length, turns, truncation, entropy/KL, the step-time breakdown, and the eval
+    reward of each eval set (when the run evaluated)."""
+    plt = _pyplot()
     records = read_metrics(metrics_path)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for name, (keys, title) in PLOTS.items():
-        keys = (keys,) if isinstance(keys, str) else keys
+        keys = _expand((keys,) if isinstance(keys, str) else keys, records)
+        if name in ONLY_WITH_DATA and not any(_points(records, key)[0] for key in keys):
+            continue
         fig, ax = plt.subplots(figsize=(6, 3.5))
         plotted = False
         for key in keys:
-            points = [(r["step"], r[key]) for r in records if r.get(key) is not None and math.isfinite(r[key])]
-            if points:
-                xs, ys = zip(*points)
+            xs, ys = _points(records, key)
+            if xs:
                 ax.plot(xs, ys, marker="o", markersize=3, label=key)
                 plotted = True
         ax.set_title(title)
         ax.set_xlabel("step")
+        _integer_steps(ax)
         if plotted:
             ax.legend(fontsize=7)
         else:
@@ -119,4 +212,58 @@ def plot_run(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
         fig.savefig(path, dpi=80)
         plt.close(fig)
         written.append(path)
+    return written
+
+
+def _run_metrics(run: str | Path) -> Path:
+    path = Path(run)
+    path = path / "metrics.jsonl" if path.is_dir() else path
+    if not path.is_file():
+        raise FileNotFoundError(f"{run}: no metrics.jsonl (pass a run's output directory or its metrics.jsonl)")
+    return path
+
+
+def _labels(runs: Sequence[str | Path]) -> list[str]:
+    """A legend label per run: its directory name, or its path where two names are equal."""
+    names = [(Path(r).parent if Path(r).name == "metrics.jsonl" else Path(r)).name or str(r) for r in runs]
+    return [str(r) if names.count(n) > 1 else n for r, n in zip(runs, names)]
+
+
+def plot_runs(runs: Sequence[str | Path], out_dir: str | Path) -> list[Path]:
+    """`jaxrl-vlm plot`: one PNG per metric of COMPARE_PLOTS (one per eval set for the eval reward), one curve
+    per run with a legend, so runs (loss variants, seeds, a run beside the seed's figures) can be compared."""
+    plt = _pyplot()
+    if not runs:
+        raise ValueError("plot_runs needs at least one run")
+    loaded = [read_metrics(_run_metrics(r)) for r in runs]
+    labels = _labels(runs)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    everything = [r for records in loaded for r in records]
+    written = []
+    for stem, (pattern, title) in COMPARE_PLOTS.items():
+        keys = _expand((pattern,), everything)
+        for key in keys:
+            file_stem = stem if key == pattern else f"{stem}_{key.split('/')[1]}"
+            fig, ax = plt.subplots(figsize=(6, 3.5))
+            plotted = False
+            for label, records in zip(labels, loaded):
+                xs, ys = _points(records, key)
+                if xs:
+                    ax.plot(xs, ys, marker="o", markersize=3, label=label)
+                    plotted = True
+            ax.set_title(title if key == pattern else f"{title}: {key.split('/')[1]}")
+            ax.set_xlabel("step")
+            _integer_steps(ax)
+            ax.set_ylabel(key, fontsize=7)
+            ax.grid(alpha=0.3)
+            if plotted:
+                ax.legend(fontsize=7)
+            else:
+                ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
+            fig.tight_layout()
+            path = out / f"{file_stem}.png"
+            fig.savefig(path, dpi=80)
+            plt.close(fig)
+            written.append(path)
     return written
