@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -67,18 +70,30 @@ def _wandb_records(path: Path) -> list[Any]:
     return records
 
 
-def test_wandb_offline_run_records_config_and_metrics(tmp_path, monkeypatch):
-    monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    cfg = load_config(None, ["--use-wandb", "--wandb-project", "jaxrl-test", "--wandb-group", "g1",
-                             "--wandb-mode", "offline", "--wandb-dir", str(tmp_path / "wb"), "--lr", "3e-6",
-                             "--wandb-key", "secret-key-123"])
-    out_dir = tmp_path / "run"
-    (sink,) = open_sinks(cfg.tracking, out_dir, cfg.to_dict())
-    log = RunLog(out_dir, total_steps=2, sinks=[sink])
-    for step, metrics in enumerate(STEPS):
-        log.log(step, metrics)
-    log.close()
+def test_wandb_offline_run_records_config_and_metrics(tmp_path):
+    # In a fresh interpreter: wandb keeps process-wide state (its service, settings, env) that earlier tests in the
+    # same process can disturb.
+    script = f"""
+import json, sys
+from pathlib import Path
+from jaxrl_vlm.config import load_config
+from jaxrl_vlm.job.run_log import RunLog
+from jaxrl_vlm.job.tracking import open_sinks
+cfg = load_config(None, ["--use-wandb", "--wandb-project", "jaxrl-test", "--wandb-group", "g1", "--wandb-mode",
+                         "offline", "--wandb-dir", {str(tmp_path / "wb")!r}, "--lr", "3e-6", "--wandb-key",
+                         "secret-key-123"])
+out_dir = Path({str(tmp_path / "run")!r})
+(sink,) = open_sinks(cfg.tracking, out_dir, cfg.to_dict())
+log = RunLog(out_dir, total_steps=2, sinks=[sink])
+for step, metrics in enumerate(json.loads(sys.argv[1])):
+    log.log(step, metrics)
+log.close()
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env["WANDB_SILENT"] = "true"
+    done = subprocess.run([sys.executable, "-c", script, json.dumps(STEPS)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
     (run_file,) = (tmp_path / "wb" / "wandb").glob("offline-run-*/run-*.wandb")
     records = _wandb_records(run_file)
     (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
