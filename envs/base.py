@@ -21,6 +21,18 @@ Episode protocol, as the rollout runs it: `reset()`, then per model turn
 turn, and reward is computed on the model's own text: environment feedback never counts as the
 answer.
 
+Time limits and threads (rollout/multiturn.py `call_env_hook`): `step` runs under
+`--env-step-timeout` (an overrun is retried like an error), and `reset`, `verdict`, `close` and the
+module's `reward_fn` under `--env-hook-timeout` each; `--episode-timeout` bounds reset, turns and
+the reward, after which `close()` still runs. A hook past its limit FAILs the episode (cause
+`env_timeout`, naming the hook; a step whose retries run out is `env_error`), never the rollout.
+A sync hook runs in a daemon worker thread of its own, so it may block (file or network I/O, a
+subprocess) without stalling the event loop, but it must not touch the loop (no
+`asyncio.get_running_loop()`; make the hook `async def` for that). An `async def` hook runs on the
+loop and must not block. A stuck sync hook cannot be killed: its thread is abandoned and runs on
+in the background until the function returns (its result is dropped), while the episode FAILs and
+the rollout goes on; a stuck async hook is cancelled and never awaited again.
+
 Observation dict:
     {"obs_str": str,
      "multi_modal_data": {"image": [PIL.Image.Image | "data:image/...;base64,...", ...]},  # optional
@@ -189,7 +201,7 @@ class BaseInteractionEnv(abc.ABC):
 
     @abc.abstractmethod
     def reset(self) -> None:
-        """Start (or restart) the episode."""
+        """Start (or restart) the episode. Bounded by `--env-hook-timeout`; a sync one runs in a worker thread."""
 
     @abc.abstractmethod
     def step(
@@ -200,12 +212,14 @@ class BaseInteractionEnv(abc.ABC):
     def verdict(self) -> float | None:
         """The episode's final reward as decided by the environment, or None if it has no opinion.
 
-        None makes the rollout fall back to the module's `reward_fn` on the model's text.
+        None makes the rollout fall back to the module's `reward_fn` on the model's text. Bounded by
+        `--env-hook-timeout` (an overrun FAILs the episode with cause `env_timeout`).
         """
         return None
 
     def close(self) -> None:
-        """Release resources. Always called by the rollout, exactly once per episode."""
+        """Release resources. Always called by the rollout, exactly once per episode (also after a failed or
+        stuck `reset`), under `--env-hook-timeout`: one that overruns FAILs the episode with cause `env_timeout`."""
         self.closed = True
 
     def check_step(self, response_text: Any) -> None:

@@ -797,7 +797,7 @@ def validate(cfg: Config) -> None:
 _NON_NEGATIVE = ("lr", "min_lr", "weight_decay", "adam_eps", "clip_grad", "eps_clip", "eps_clip_high", "kl_loss_coef",
                  "kl_coef", "entropy_coef", "tis_clip_low", "colocate_margin", "failed_share_warning",
                  "max_all_failed_steps", "lr_warmup_iters", "save_interval", "keep_checkpoints", "engine_max_retries")
-_POSITIVE = ("episode_timeout", "env_step_timeout", "engine_request_timeout", "engine_start_timeout", "tis_clip",
+_POSITIVE = ("episode_timeout", "env_step_timeout", "env_hook_timeout", "engine_request_timeout", "engine_start_timeout", "tis_clip",
              "logprob_chunk_size", "engine_max_batch", "engine_max_seq_len", "max_tokens_per_device",
              "rollout_max_prompt_len", "rollout_max_context_len")
 _UNIT_INTERVAL = ("adam_beta1", "adam_beta2")  # [0, 1)

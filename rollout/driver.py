@@ -49,7 +49,7 @@ from typing import Any, Callable, Protocol
 
 from rollout.failures import failure_report
 from rollout.loading import load_function
-from rollout.multiturn import RolloutContext, default_sampling_params, get_context
+from rollout.multiturn import RolloutContext, close_env, default_sampling_params, get_context
 from rollout.options import RolloutOptions
 from rollout.rewards import RewardError, RewardSettings, reward_components, scalar_reward
 from rollout.sample import Sample, Status, Termination, TerminationKind
@@ -500,10 +500,8 @@ async def _discard_aborted(ctx: RolloutContext, samples: list[Sample]) -> None:
         if state is None:
             continue
         try:
-            closing = state.env.close()
-            if asyncio.iscoroutine(closing):
-                await closing
-        except Exception as e:  # best effort, but said
+            await close_env(state)  # under --env-hook-timeout; a sync close runs in a daemon thread
+        except Exception as e:  # best effort, but said (an overrun raises EnvHookTimeout)
             logger.warning("%s: env.close() raised %s: %s", sample.name, type(e).__name__, e)
 
 
@@ -535,10 +533,8 @@ async def close_suspended(args: Any) -> None:
     for key in list(ctx.suspended):
         state = ctx.suspended.pop(key)
         try:
-            result = state.env.close()
-            if asyncio.iscoroutine(result):
-                await result
-        except Exception as e:  # best effort, but said
+            await close_env(state)  # under --env-hook-timeout; a sync close runs in a daemon thread
+        except Exception as e:  # best effort, but said (an overrun raises EnvHookTimeout)
             logger.warning("closing suspended episode %s raised %s", key, e)
 
 

@@ -6,7 +6,7 @@ Phases of one episode (slime's loop, with its defects fixed; reference/slime.md)
    wire view (compact pads) kept for the engine; prompt images go to `image_data` and the tensor buffer.
 2. **generate**: POST `/generate` with the wire ids so far and every image so far; append the sampled ids
    and log-probs with loss mask 1. The engine's ids are never re-tokenized.
-3. **env.step** on the model's text of this turn, with a timeout and bounded retries.
+3. **env.step** on the model's text of this turn, with a timeout (`--env-step-timeout`) and bounded retries.
 4. **observe**: encode the observation as delta tokens (template separator + observation + generation
    prompt) with loss mask 0 and log-prob 0.
 5. **multimodal state**: observation images are appended to `image_data` and their tensors buffered; the
@@ -20,6 +20,15 @@ unreachable, an env that keeps failing, the episode's wall-clock limit, or a rew
 None of these raise: one bad episode never kills a rollout. `env.close()` always runs. Every ending goes through
 `_end_episode`, which sets the status and the typed `Sample.termination` together.
 
+Env hooks are user code and run bounded (`call_env_hook`): `step` under `--env-step-timeout` (then retried), and
+`reset`, `verdict`, `close` and the env module's `reward_fn` under `--env-hook-timeout` each; an overrun FAILs the
+episode with cause `env_timeout` naming the hook. A sync hook runs in a worker thread of its own (a daemon thread,
+not the loop's default executor), so a blocking one never stalls the event loop or the other episodes. A thread
+running a truly stuck function cannot be killed: it is abandoned (it holds no executor slot, and as a daemon it
+does not keep the process alive) and its result, if it ever comes, is ignored. An async hook runs on the loop; on
+overrun it is cancelled and never awaited again. `--episode-timeout` bounds the whole episode, `reset` and
+finalize (reward) included; `close()` then still runs, under its own `--env-hook-timeout`.
+
 Options are read once per episode as `RolloutOptions` / `MultiTurnOptions` (rollout/options.py) from `args`.
 The reward is the env's verdict by default; `--rm-type` grades the model's own turns instead (rollout/rewards.py).
 """
@@ -27,9 +36,11 @@ The reward is the env's verdict by default; `--rm-type` grades the model's own t
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import hashlib
 import inspect
 import logging
+import threading
 import time
 import traceback
 import uuid
@@ -61,6 +72,18 @@ BANNED_TOKEN_BIAS = -1.0e9
 
 class EpisodeError(RuntimeError):
     """An episode could not be run at all (missing context, bad env module); names the sample."""
+
+
+class EnvHookTimeout(Exception):
+    """An env hook (`env.reset`, `env.step`, `env.verdict`, `env.close`, the module's `reward_fn`) overran its limit.
+
+    Deliberately not a TimeoutError: the episode's own wall-clock limit raises that, and the two end an episode
+    with different causes (`env_timeout` and `episode_timeout`).
+    """
+
+    def __init__(self, hook: str, timeout_s: float, option: str) -> None:
+        self.hook, self.timeout_s, self.option = hook, timeout_s, option
+        super().__init__(f"{hook} did not return within {timeout_s:g} s ({option}); it was abandoned")
 
 
 @dataclass
@@ -111,6 +134,8 @@ class EpisodeState:
     routing_key: str = field(default_factory=lambda: uuid.uuid4().hex)
     # wire_ids index where the current (possibly resumed) model turn started: a resumed turn keeps growing it.
     open_turn: bool = False
+    # --env-hook-timeout of the episode, kept for `close_env` (the driver closes suspended episodes' envs too).
+    hook_timeout_s: float = field(default_factory=lambda: MultiTurnOptions().env_hook_timeout)
 
 
 def default_sampling_params(args: Any, banned_ids: tuple[int, ...], eos_ids: tuple[int, ...]) -> dict[str, Any]:
@@ -169,22 +194,114 @@ def merge_multimodal_chunks(chunks: list[dict[str, np.ndarray]], name: str) -> d
     return {key: np.concatenate([c[key] for c in chunks], axis=0) for key in sorted(keys)}
 
 
+def _settle(future: asyncio.Future, ok: bool, value: Any) -> None:
+    if future.done():  # the caller gave up (timeout or cancel): the late result is dropped
+        return
+    if ok:
+        future.set_result(value)
+    else:
+        future.set_exception(value)
+
+
+def run_in_daemon_thread(fn: Callable[..., Any], *args: Any, name: str = "hook") -> asyncio.Future:
+    """Start `fn(*args)` in a new daemon thread; a future of the running loop gets its result or exception.
+
+    Not the loop's default executor: a stuck call would hold one of its few workers for good (starving every
+    later `to_thread`), and its non-daemon threads are joined at loop and interpreter shutdown. A daemon thread
+    whose caller stopped waiting is simply abandoned; whatever it returns later is dropped.
+    """
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+    context = contextvars.copy_context()
+
+    def target() -> None:
+        try:
+            outcome: tuple[bool, Any] = (True, context.run(fn, *args))
+        except Exception as e:
+            outcome = (False, e)
+        except BaseException as e:  # SystemExit & co. in a hook must not escape as such into the loop
+            outcome = (False, RuntimeError(f"{name} raised {type(e).__name__}: {e}"))
+        try:
+            loop.call_soon_threadsafe(_settle, future, *outcome)
+        except RuntimeError:  # the loop is closed: nobody waits for this result any more
+            pass
+
+    threading.Thread(target=target, name=f"env-hook:{name}", daemon=True).start()
+    return future
+
+
+def _drop_outcome(task: asyncio.Future) -> None:
+    """Done callback of an abandoned hook: read its outcome so asyncio does not log it as never retrieved."""
+    if not task.cancelled():
+        task.exception()
+
+
+async def _within(awaitable: Any, deadline: float, hook: str, timeout_s: float, option: str) -> Any:
+    """Await `awaitable` until the loop time `deadline`; past it, cancel it without waiting and raise EnvHookTimeout.
+
+    The awaitable is never awaited after the cancel, so a coroutine that swallows cancellation cannot hang the
+    episode either (it is left to finish on its own).
+    """
+    loop = asyncio.get_running_loop()
+    task = asyncio.ensure_future(awaitable)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=max(0.0, deadline - loop.time()))
+    finally:  # also when the episode's own deadline cancels us
+        if not task.done():
+            task.cancel()
+            task.add_done_callback(_drop_outcome)
+    if not done:
+        raise EnvHookTimeout(hook, timeout_s, option)
+    return task.result()
+
+
+async def call_env_hook(fn: Callable[..., Any], *args: Any, timeout_s: float, hook: str,
+                        option: str = "--env-hook-timeout") -> Any:
+    """`fn(*args)` (an env hook: user code) with a time limit; raises EnvHookTimeout (naming `hook`) past it.
+
+    An `async def` runs on the loop; a sync function runs in its own daemon thread (`run_in_daemon_thread`), so
+    a blocking one cannot stall the loop, and an awaitable it returns is awaited within the same limit.
+    """
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    if inspect.iscoroutinefunction(fn):
+        result = await _within(fn(*args), deadline, hook, timeout_s, option)
+    else:
+        result = await _within(run_in_daemon_thread(fn, *args, name=hook), deadline, hook, timeout_s, option)
+    if inspect.isawaitable(result):
+        result = await _within(result, deadline, hook, timeout_s, option)
+    return result
+
+
+async def close_env(state: EpisodeState) -> None:
+    """`env.close()` of an episode under its `--env-hook-timeout`; raises EnvHookTimeout or what close raised."""
+    await call_env_hook(state.env.close, timeout_s=state.hook_timeout_s, hook="env.close")
+
+
 async def _call_env_step(env: Any, text: str, timeout_s: float) -> tuple[dict, bool, dict]:
     """Run `env.step` with a time limit; a sync step runs in a worker thread so it cannot block the loop."""
-    if inspect.iscoroutinefunction(env.step):
-        result = await asyncio.wait_for(env.step(text), timeout_s)
-    else:
-        result = await asyncio.wait_for(asyncio.to_thread(env.step, text), timeout_s)
-        if inspect.isawaitable(result):
-            result = await asyncio.wait_for(result, timeout_s)
+    result = await call_env_hook(env.step, text, timeout_s=timeout_s, hook="env.step", option="--env-step-timeout")
     if not (isinstance(result, tuple) and len(result) == 3):
         raise TypeError(f"{type(env).__name__}.step must return (observation, done, info), got {type(result).__name__}")
     observation, done, info = result
     return observation, bool(done), info or {}
 
 
-async def _maybe_await(value: Any) -> Any:
-    return await value if inspect.isawaitable(value) else value
+@dataclass(frozen=True)
+class _Deadline:
+    """The episode's wall-clock limit (`--episode-timeout`) as a loop time, shared by the turns and finalize."""
+
+    at: float
+    limit_s: float
+
+    @classmethod
+    def after(cls, limit_s: float) -> "_Deadline":
+        return cls(asyncio.get_running_loop().time() + limit_s, limit_s)
+
+    def remaining(self) -> float:
+        return self.at - asyncio.get_running_loop().time()
+
+    def error(self, where: str) -> str:
+        return f"episode exceeded its {self.limit_s:g} s wall-clock limit (--episode-timeout) {where}"
 
 
 async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any] | None = None) -> Sample:
@@ -196,27 +313,31 @@ async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any] | 
     ctx = get_context(args)
     opts, multiturn = RolloutOptions.from_args(args), MultiTurnOptions.from_args(args)
     rewards = RewardSettings.from_args(args)
-    timeout_s = opts.episode_timeout
+    deadline = _Deadline.after(opts.episode_timeout)
     key = (sample.group_index, sample.index)
     state: EpisodeState | None = None
     try:
         state = ctx.suspended.pop(key, None)
+        fresh = state is None
         if state is None:
-            state = await _init_episode(ctx, args, sample)
+            state = _init_episode(ctx, args, sample, multiturn)
+        state.hook_timeout_s = multiturn.env_hook_timeout
         run = _EpisodeRun.start(ctx, opts, multiturn, sample, state, sampling_params)
-        await asyncio.wait_for(run.run_turns(), timeout_s)
+        await asyncio.wait_for(run.run(reset=fresh), deadline.remaining())
     except asyncio.TimeoutError:
-        _end_episode(sample, Termination(TerminationKind.EPISODE_TIMEOUT),
-                     error=f"episode exceeded its {timeout_s:g} s wall-clock limit (--episode-timeout)")
+        _end_episode(sample, Termination(TerminationKind.EPISODE_TIMEOUT), error=deadline.error("in its turns"))
+    except EnvHookTimeout as e:
+        logger.warning("%s: %s", sample.name, e)
+        _end_episode(sample, Termination(TerminationKind.ENV_TIMEOUT), error=f"env: {e}")
     except Exception as e:  # an episode must never take the rollout down; the error is recorded on the sample
         logger.warning("%s failed: %s", sample.name, e)
         _end_episode(sample, Termination(TerminationKind.EXCEPTION), error=f"{type(e).__name__}: {e}",
                      detail=traceback.format_exc(limit=5))
-    if state is not None:
+    if state is not None:  # once the env is built, it is closed (or suspended for a partial rollout)
         if sample.status is Status.ABORTED and opts.partial_rollout:
             ctx.suspended[key] = state
         else:
-            await _finalize(ctx, multiturn, rewards, sample, state)
+            await _finalize(ctx, multiturn, rewards, sample, state, deadline)
     return sample
 
 
@@ -255,7 +376,11 @@ def _end_episode(sample: Sample, termination: Termination, *, error: str | None 
     sample.termination = termination
 
 
-async def _init_episode(ctx: RolloutContext, args: Any, sample: Sample) -> EpisodeState:
+def _init_episode(ctx: RolloutContext, args: Any, sample: Sample, multiturn: MultiTurnOptions) -> EpisodeState:
+    """Encode the prompt and build the env (not yet reset: `_EpisodeRun.run` resets it, within the deadline).
+
+    From here on the env is always closed, also when its `reset()` fails or hangs.
+    """
     if ctx.env_module is None:
         raise EpisodeError(f"{sample.name}: no environment module (--rollout-interaction-env-path)")
     tools = sample.metadata.get("tools")
@@ -263,10 +388,9 @@ async def _init_episode(ctx: RolloutContext, args: Any, sample: Sample) -> Episo
     sample.set_prompt_tokens(seg.train_ids)
     sample.image_data = list(seg.image_data)
     env = ctx.env_module.build_env(sample, args)
-    state = EpisodeState(wire_ids=list(seg.wire_ids), env=env)
+    state = EpisodeState(wire_ids=list(seg.wire_ids), env=env, hook_timeout_s=multiturn.env_hook_timeout)
     if seg.mm_inputs is not None:
         state.mm_chunks.append(seg.mm_inputs)
-    await _maybe_await(env.reset())
     return state
 
 
@@ -309,6 +433,12 @@ class _EpisodeRun:
         base_params = episode_sampling_params(sampling_params, vision.banned_ids, vision.eos_ids)
         configured_max_new = int(base_params.get("max_new_tokens", opts.rollout_max_response_len))
         return cls(ctx, opts, multiturn, sample, state, base_params, configured_max_new)
+
+    async def run(self, *, reset: bool) -> None:
+        """`env.reset()` first for a fresh episode (not for a resumed one), then the turns."""
+        if reset:
+            await call_env_hook(self.state.env.reset, timeout_s=self.multiturn.env_hook_timeout, hook="env.reset")
+        await self.run_turns()
 
     async def run_turns(self) -> None:
         sample, state = self.sample, self.state
@@ -450,15 +580,15 @@ async def _step_with_retries(
     for attempt in range(retries + 1):
         try:
             return await _call_env_step(env, text, timeout_s)
-        except asyncio.TimeoutError:
+        except EnvHookTimeout:  # the stuck call is abandoned (a sync step's thread runs on, unawaited)
             errors.append(f"attempt {attempt + 1}: env.step timed out after {timeout_s:g} s")
         except Exception as e:  # env code is user code: record and retry within the bound
             errors.append(f"attempt {attempt + 1}: {type(e).__name__}: {e}")
         record.env_retries = attempt + 1 if attempt < retries else attempt
         if attempt < retries and getattr(env, "recoverable", False):
             try:
-                await _maybe_await(env.reset())
-            except Exception as e:  # a reset that fails ends the retries
+                await call_env_hook(env.reset, timeout_s=multiturn.env_hook_timeout, hook="env.reset")
+            except Exception as e:  # a reset that fails (or overruns) ends the retries
                 errors.append(f"env.reset failed: {type(e).__name__}: {e}")
                 break
     record.error = "env: " + "; ".join(errors)
@@ -471,8 +601,12 @@ def _json_friendly(info: dict) -> dict:
 
 
 async def _finalize(ctx: RolloutContext, multiturn: MultiTurnOptions, rewards: RewardSettings, sample: Sample,
-                    state: EpisodeState) -> None:
-    """Merge multimodal tensors once, check the template, compute the reward, close the env."""
+                    state: EpisodeState, deadline: _Deadline | None = None) -> None:
+    """Merge multimodal tensors once, check the template, compute the reward, close the env.
+
+    The reward runs within what is left of the episode's `deadline` (and each env hook within its own limit);
+    `env.close()` runs last, always, under `--env-hook-timeout`, and a close that overruns FAILs the episode.
+    """
     try:
         sample.multimodal_train_inputs = merge_multimodal_chunks(state.mm_chunks, sample.name)
         response_ids = sample.tokens[sample.prompt_length :]
@@ -486,38 +620,61 @@ async def _finalize(ctx: RolloutContext, multiturn: MultiTurnOptions, rewards: R
             sample.metadata["prefix_stable"] = check_prefix_stability(
                 ctx.encoder, state.wire_ids, rendered, multiturn.delta_check, sample.name
             )
-            await _assign_reward(ctx, rewards, sample, state, model_texts)
+            assign = _assign_reward(ctx, multiturn, rewards, sample, state, model_texts)
+            if deadline is None:
+                await assign
+            else:
+                await asyncio.wait_for(assign, deadline.remaining())
+    except asyncio.TimeoutError:  # the episode's deadline (an env hook's own limit raises EnvHookTimeout)
+        sample.reward = None
+        _end_episode(sample, Termination(TerminationKind.EPISODE_TIMEOUT),
+                     error=deadline.error("in finalize (reward)") if deadline else "finalize timed out")
+    except EnvHookTimeout as e:
+        logger.warning("%s: %s", sample.name, e)
+        sample.reward = None
+        _end_episode(sample, Termination(TerminationKind.ENV_TIMEOUT), error=f"env: {e}")
     except RewardError as e:  # the reward exists but cannot be trained on: its own cause, named
         _end_episode(sample, Termination(TerminationKind.REWARD_ERROR), error=f"reward: {e}")
     except Exception as e:  # a finalize failure marks the sample, it does not kill the rollout
         _end_episode(sample, Termination(TerminationKind.FINALIZE_ERROR), error=f"finalize: {type(e).__name__}: {e}")
     finally:
         try:
-            await _maybe_await(state.env.close())
+            await close_env(state)
+        except EnvHookTimeout as e:  # a stuck close leaks whatever the env holds: the episode FAILs, named
+            logger.warning("%s: %s", sample.name, e)
+            sample.reward = None
+            _end_episode(sample, Termination(TerminationKind.ENV_TIMEOUT), error=f"env: {e}")
         except Exception as e:  # closing is best effort but never silent
             logger.warning("%s: env.close() raised %s: %s", sample.name, type(e).__name__, e)
             sample.metadata.setdefault("errors", []).append(f"env.close: {type(e).__name__}: {e}")
 
 
-async def _assign_reward(ctx: RolloutContext, rewards: RewardSettings, sample: Sample, state: EpisodeState,
-                         model_texts: list[str]) -> None:
+async def _assign_reward(ctx: RolloutContext, multiturn: MultiTurnOptions, rewards: RewardSettings, sample: Sample,
+                         state: EpisodeState, model_texts: list[str]) -> None:
     """The reward: `--rm-type`'s function when set, else the env's verdict, else the module's reward_fn.
 
     Reward functions see the model's own text only (all its turns, never an observation); a mapping reward is
-    reduced by `--reward-key` (rollout/rewards.py).
+    reduced by `--reward-key` (rollout/rewards.py). The env's `verdict` and the module's `reward_fn` are env hooks
+    (`--env-hook-timeout`); the `--rm-type` function runs in a daemon thread within the episode's deadline.
     """
     model_text = "\n".join(model_texts)
+    hook_timeout = multiturn.env_hook_timeout
     if rewards.rm_type is not None:
         fn = rm_function(rewards.rm_type)
-        raw, source = await asyncio.to_thread(fn, model_text, sample.label), f"rm_type:{rewards.rm_type}"
+        raw = await run_in_daemon_thread(fn, model_text, sample.label, name=f"rm_type:{rewards.rm_type}")
+        source = f"rm_type:{rewards.rm_type}"
     else:
-        verdict = await _maybe_await(state.env.verdict()) if hasattr(state.env, "verdict") else None
+        verdict = None
+        if hasattr(state.env, "verdict"):
+            verdict = await call_env_hook(state.env.verdict, timeout_s=hook_timeout, hook="env.verdict")
         if verdict is not None:
             raw, source = verdict, "env_verdict"
         elif ctx.reward_fn is None:
             raise EpisodeError(f"{sample.name}: the env gave no verdict and its module has no reward_fn")
         else:
-            raw, source = await asyncio.to_thread(ctx.reward_fn, model_text, sample.label), "reward_fn"
+            raw = await call_env_hook(ctx.reward_fn, model_text, sample.label, timeout_s=hook_timeout,
+                                      hook=f"{getattr(ctx.env_module, '__name__', 'env module')}.reward_fn")
+            source = "reward_fn"
     sample.metadata["reward_source"] = source
     components = reward_components(raw)
     if components is not None:

@@ -105,7 +105,9 @@ class RolloutOptions(ArgsOptions):
     dynamic_filter: str | None = opt(None, "Group filter: drop groups whose rewards are all equal.", choices=(None, "zero_std"))
     partial_rollout: bool = opt(False, "Resume unfinished episodes in the next step instead of discarding them.")
     mask_offpolicy_in_partial_rollout: bool = opt(False, "Mask tokens of resumed episodes sampled by older weights.")
-    episode_timeout: float = opt(600.0, "Wall-clock limit of one episode in seconds.")
+    episode_timeout: float = opt(
+        600.0, "Wall-clock limit of one episode in seconds: env reset, turns and finalize (reward) included; an "
+        "episode past it FAILs with cause episode_timeout. env.close() then still runs, under --env-hook-timeout.")
     failed_share_warning: float = opt(
         0.5, "Warn with the top causes when more than this share of a step's finished episodes FAILED.")
     max_all_failed_steps: int = opt(
@@ -119,7 +121,12 @@ class MultiTurnOptions(ArgsOptions):
 
     max_turns: int = opt(3, "Maximum model turns per episode.")
     max_env_retries_per_turn: int = opt(2, "Retries of an env step that raises or times out before the episode FAILs.")
-    env_step_timeout: float = opt(30.0, "Seconds an env step may take.")
+    env_step_timeout: float = opt(30.0, "Seconds an env step may take (an overrun is retried like an error).")
+    env_hook_timeout: float = opt(
+        30.0,
+        "Seconds each other env hook may take: env.reset(), env.verdict(), env.close() and the env module's "
+        "reward_fn. An overrun FAILs the episode with cause env_timeout naming the hook; a sync hook runs in its own "
+        "daemon thread, which is abandoned (it cannot be killed) while the rollout goes on.")
     delta_check: str = opt("strict", "Prefix-stability check of observation deltas at finalize.", choices=("strict", "warn", "off"))
     apply_chat_template_kwargs: dict[str, Any] = opt(
         {},

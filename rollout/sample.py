@@ -80,7 +80,8 @@ class TerminationKind(str, enum.Enum):
     # FAILED episodes, by cause.
     ENGINE_ERROR = "engine_error"
     BANNED_TOKEN = "banned_token"
-    ENV_ERROR = "env_error"
+    ENV_ERROR = "env_error"  # env.step kept failing (raising or overrunning --env-step-timeout) through its retries
+    ENV_TIMEOUT = "env_timeout"  # env.reset/verdict/close or the module's reward_fn overran --env-hook-timeout
     EPISODE_TIMEOUT = "episode_timeout"
     EXCEPTION = "exception"
     FINALIZE_ERROR = "finalize_error"

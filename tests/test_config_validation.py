@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
         (["--rollout-temperature", "nan"], r"rollout\.rollout_temperature must be a finite number"),
         (["--episode-timeout", "-5"], r"rollout\.episode_timeout must be > 0"),
         (["--env-step-timeout", "0"], r"multiturn\.env_step_timeout must be > 0"),
+        (["--env-hook-timeout", "-1"], r"multiturn\.env_hook_timeout must be > 0"),
         (["--engine-request-timeout", "-inf"], r"engine\.engine_request_timeout must be a finite number"),
         (["--adam-beta2", "1.0"], r"optim\.adam_beta2 must be in \[0, 1\)"),
         (["--kl-coef", "-0.1"], r"algo\.kl_coef must be >= 0"),

@@ -14,6 +14,10 @@ composited onto white, so transparent diagrams do not turn black) and re-encoded
 losslessly as a PNG data URL: the Sample stays JSON-serialisable and the engine
 decodes exactly the pixels the trainer's processor sees.
 
+A bad row (missing field, broken image, ...) is an error or skipped (`on_bad_row`). A damaged file is
+always an error: a parquet row group that cannot be read (a corrupt page; page CRCs are verified where
+the writer stored them) raises DatasetError naming the file and the row group, under either policy.
+
 What a task adds to each prompt (system prompt, tool schema, instruction) is not defined here: it is
 the `TASK_PROMPT` of the task module (e.g. `envs.geo3k`), imported by path like the env
 (`load_task_dataset`, `load_styled_dataset` for `--prompt-style`).
@@ -278,10 +282,24 @@ def _iter_jsonl(path: str) -> Iterator[tuple[int, Any]]:
                 yield row, _BadRow(f"invalid JSON ({exc})")
 
 
+# What pyarrow raises for damaged parquet data: a bad page or a failed decompression is a bare OSError, a bad
+# encoding an ArrowInvalid (a ValueError), bad UTF-8 a UnicodeDecodeError (a ValueError too).
+_PARQUET_READ_ERRORS = (pa.ArrowException, OSError, ValueError)
+
+
 def _iter_parquet(path: str, columns: list[str]) -> Iterator[tuple[int, Any]]:
+    """(row, record) per row, read one row group at a time so that a damaged one is named.
+
+    Pages are checked against their CRC where the writer stored one (`page_checksum_verification`). A row group
+    that cannot be read (a corrupt page, failed decompression, bad encoding) raises DatasetError naming the file,
+    the row group and its rows, under either bad-row policy: it is damage to the file, not a bad sample. The
+    loader reads the whole file before training starts, so this stops a run at startup, never midway; and
+    silently training on whatever part of a damaged file still reads would change the dataset (and its size,
+    which a resumed data cursor checks) without anyone deciding to. Re-download or repair the file.
+    """
     try:
-        pf = pq.ParquetFile(path)
-    except (pa.ArrowException, OSError) as exc:
+        pf = pq.ParquetFile(path, page_checksum_verification=True)
+    except _PARQUET_READ_ERRORS as exc:
         raise DatasetError(f"{path}: cannot read parquet file ({type(exc).__name__}: {exc})") from exc
     names = pf.schema_arrow.names
     missing = [c for c in columns if c not in names]
@@ -289,13 +307,25 @@ def _iter_parquet(path: str, columns: list[str]) -> Iterator[tuple[int, Any]]:
         # A missing column makes every row bad: a file-level error under either policy.
         raise DatasetError(f"{path}: missing column(s) {missing}; the file has {names}")
     row = 0
-    try:
-        for batch in pf.iter_batches(batch_size=256, columns=columns):
-            for record in batch.to_pylist():
+    n_groups = pf.metadata.num_row_groups
+    for group in range(n_groups):
+        first, size = row, pf.metadata.row_group(group).num_rows
+        batches = pf.iter_batches(batch_size=256, row_groups=[group], columns=columns)
+        while True:
+            try:
+                batch = next(batches, None)
+                records = None if batch is None else batch.to_pylist()
+            except _PARQUET_READ_ERRORS as exc:
+                raise DatasetError(
+                    f"{path}: row group {group} of {n_groups} (rows {first}..{first + size - 1}) is unreadable "
+                    f"({type(exc).__name__}: {exc}); the file is damaged: re-download or repair it "
+                    "(on_bad_row='skip' skips bad rows, not unreadable parts of a file)"
+                ) from exc
+            if records is None:
+                break
+            for record in records:
                 yield row, record
                 row += 1
-    except pa.ArrowException as exc:
-        raise DatasetError(f"{path}: corrupt parquet data after row {row} ({type(exc).__name__}: {exc})") from exc
 
 
 # ---------------------------------------------------------------------------- dataset
@@ -365,7 +395,10 @@ def load_prompt_dataset(
 
     on_bad_row: "error" raises DatasetError at the first bad row (naming file, row
     and cause); "skip" drops bad rows, records them in `dataset.skipped` and logs
-    one warning. max_rows: keep at most this many usable rows (None = all).
+    one warning. A damaged file is an error under either policy: a parquet row group
+    that cannot be read (corrupt page) raises DatasetError naming the file and the row
+    group (`_iter_parquet`), as does a missing column. max_rows: keep at most this many
+    usable rows (None = all).
     instruction: optional text appended to each user message (e.g. envs.geo3k's GEO3K_USER_INSTRUCTION).
     max_image_bytes / max_image_pixels: caps of one image (a row with a larger one is a bad row), checked
     before the image is read or decoded.
