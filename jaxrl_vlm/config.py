@@ -68,9 +68,18 @@ class DataConfig:
     rollout_shuffle: bool = opt(True, "Shuffle prompts each epoch (deterministic by --seed).")
     system_prompt: str | None = opt(None, "System prompt prepended to every conversation (None: the task's default).")
     prompt_style: str = opt("geo3k", "Task prompt: geo3k's tool-call instructions and tool schema, or the bare problem.", choices=("geo3k", "plain"))
-    synthetic_rows: int = opt(256, "Rows of synthetic geo3k to generate when --prompt-data is missing and --make-data is on.")
-    make_data: bool = opt(False, "Generate a synthetic geo3k dataset at --prompt-data if the file does not exist.")
-    synthetic_image_size: int = opt(224, "Side in pixels of generated synthetic diagrams.")
+    synthetic_rows: int = opt(256, "Rows of synthetic data to generate when --prompt-data is missing and --make-data is on.")
+    make_data: bool = opt(
+        False, "Generate synthetic data (--synthetic-data-module) at --prompt-data, and at each --eval-prompt-data "
+        "path, where the file does not exist.")
+    synthetic_image_size: int = opt(224, "Side in pixels of generated synthetic images.")
+    synthetic_data_module: str = opt(
+        "envs.geo3k.synthetic",
+        "The task's generator for --make-data: a module (dotted name or .py file) with "
+        "make_dataset(path, num_rows, seed=, image_size=).")
+    synthetic_eval_rows: int = opt(
+        64, "Rows --make-data generates at a missing --eval-prompt-data path (seed: --seed + 1 + the set's position, "
+        "so they are not the training prompts).")
 
 
 # The rollout and multi-turn sections are declared where the rollout code reads them (rollout/options.py).
@@ -185,6 +194,10 @@ class EngineConfig:
     engine_weight_update_timeout: float = opt(
         600.0, "Embedded engine: seconds /update_weights_from_disk waits for the scheduler before answering 503 (an update "
         "that has not started by then is dropped).")
+    engine_api_key: str | None = opt(
+        None, "SGLang's --api-key: sent as `Authorization: Bearer` to --engine-url and its workers, passed to a launched "
+        "SGLang, and required by the embedded engine's server. A credential: redacted from config dumps, checkpoints "
+        "and trackers, and not in the args that rollout and env functions receive.")
     weight_sync_dir: str | None = opt(None, "Directory for versioned weight exports (a RAM disk is best; None: under output_dir).")
     disable_weight_sync: bool = opt(False, "Do not push new weights to the engine (for ablations only).")
     weight_sync_dtype: str | None = opt(None, "Dtype of exported weights (None: bfloat16 for --engine-url, the param dtype for the embedded engine).", choices=(None, "float32", "bfloat16"))
@@ -352,7 +365,7 @@ SECTIONS: dict[str, type] = {
 
 
 # Options that are credentials: never written to config dumps, checkpoint metadata or trackers.
-SECRETS: tuple[tuple[str, str], ...] = (("tracking", "wandb_key"),)
+SECRETS: tuple[tuple[str, str], ...] = (("tracking", "wandb_key"), ("engine", "engine_api_key"))
 REDACTED = "<redacted>"
 
 
@@ -378,10 +391,13 @@ class Config:
     notes: list[str] = field(default_factory=list)
 
     def to_namespace(self) -> types.SimpleNamespace:
-        """The flat `args` that rollout functions and environments receive (slime's convention)."""
+        """The flat `args` that rollout functions and environments receive (slime's convention), without the
+        credentials (SECRETS): no env, hook or dump needs them."""
         flat: dict[str, Any] = {}
         for section in SECTIONS:
             flat.update(dataclasses.asdict(getattr(self, section)))
+        for _, key in SECRETS:
+            del flat[key]
         flat.update(self.extra)
         return types.SimpleNamespace(**flat)
 
@@ -780,6 +796,11 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"eps_clip_c must be > 1 (dual clip), got {a.eps_clip_c}")
     if cfg.multiturn.max_env_retries_per_turn < 0:
         raise ConfigError("max_env_retries_per_turn must be >= 0")
+    if cfg.engine.engine_api_key is not None and not cfg.engine.engine_api_key.strip():
+        raise ConfigError("engine_api_key must be a non-empty string (or unset for no key)")
+    if any(arg.split("=", 1)[0] == "--api-key" for arg in cfg.engine.sglang_args):
+        raise ConfigError("sglang_args: set the key with --engine-api-key instead of --api-key there (the client must "
+                          "send it too, and --engine-api-key keeps it out of dumps)")
     for name in ("seq_buckets", "row_buckets"):
         buckets = getattr(b, name)
         if not buckets or sorted(set(buckets)) != buckets or buckets[0] < 1:

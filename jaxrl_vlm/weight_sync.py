@@ -3,8 +3,9 @@
 Each version is exported as an HF safetensors directory of its own (`weights_v000012/`), written under a
 temporary name and renamed when complete, so an engine never reads a half-written version. Then every
 engine (every worker behind a router) runs pause -> flush (retried while busy) -> `/update_weights_from_disk`
-with the `weight_version` -> continue (`SGLangClient.sync_weights_from_disk`). Older versions are deleted only
-after the engines acknowledged the new one. A sync that still fails after the retries stops the run with a
+with the `weight_version` -> continue (`SGLangClient.sync_weights_from_disk`), and then every engine must report
+that version on `/get_weight_version` (an engine that answers success yet keeps other weights is caught here,
+not by silently off-policy training). Older versions are deleted only after the engines acknowledged the new one. A sync that still fails after the retries stops the run with a
 clear error: training on by stale rollouts silently is worse than stopping.
 
 Multi-host: every process calls `push` (gathering a sharded parameter is a collective); only process 0
@@ -114,14 +115,36 @@ class WeightSyncer:
         main = jax.process_index() == 0
         report = SyncReport(version=version, path=path, export_s=export_s, sync_s=0.0,
                             bytes_written=_dir_bytes(path) if main else 0, attempts=0)
+        return await self.load(report)
+
+    async def load(self, report: SyncReport) -> SyncReport:
+        """Make every engine load the exported `report` and confirm its version (no engine attached: export only).
+
+        Also serves a version exported before the engine was attached (a resumed run's own weights)."""
+        main = jax.process_index() == 0
         t1 = time.perf_counter()
         if self.client is not None and main:
             await self._sync(report)
+            await self.confirm(report.version)
         report.sync_s = time.perf_counter() - t1
         if main:
-            self._delete_old_versions(keep=version)
+            self._delete_old_versions(keep=report.version)
         self.history.append(report)
         return report
+
+    async def confirm(self, version: int) -> None:
+        """Every engine reports `version` on `/get_weight_version`, or WeightSyncFailed naming the ones that don't."""
+        if self.client is None:
+            raise RuntimeError("WeightSyncer.confirm needs an attached client")
+        try:
+            reported = await self.client.get_weight_versions()
+        except EngineError as e:
+            raise WeightSyncFailed(f"could not read the engines' weight version (expected {version}): {e}") from e
+        wrong = {url: v for url, v in reported.items() if v != str(version)}
+        if wrong:
+            raise WeightSyncFailed(
+                f"engines report weight version(s) {wrong}, but the trainer's weights are version {version}; "
+                "stopping rather than training on rollouts of other weights")
 
     async def _sync(self, report: SyncReport) -> None:
         for attempt in range(1, self.retries + 2):

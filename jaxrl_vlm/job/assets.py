@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from jaxrl_vlm.config import Config, ConfigError, EvalSetSpec, parse_eval_prompt_data
-from envs.geo3k.synthetic import make_dataset
 from jaxrl_vlm.data.geo3k import DatasetError, PromptDataset, load_styled_dataset
 from jaxrl_vlm.tiny import make_tiny
+from rollout.loading import LoadError, load_module
 from rollout.sample import Sample
 
 logger = logging.getLogger(__name__)
@@ -32,11 +32,28 @@ def prepare_assets(cfg: Config) -> tuple[Path, Path]:
     data_path = Path(cfg.data.prompt_data)
     if not data_path.exists():
         if not cfg.data.make_data:
-            raise FileNotFoundError(f"--prompt-data {data_path} does not exist (set --make-data to generate synthetic geo3k)")
-        logger.info("generating %d synthetic geo3k rows at %s", cfg.data.synthetic_rows, data_path)
-        data_path.parent.mkdir(parents=True, exist_ok=True)
-        make_dataset(str(data_path), cfg.data.synthetic_rows, seed=cfg.train.seed, image_size=cfg.data.synthetic_image_size)
+            raise FileNotFoundError(f"--prompt-data {data_path} does not exist (set --make-data to generate synthetic data)")
+        make_synthetic_data(cfg, data_path, cfg.data.synthetic_rows, seed=cfg.train.seed)
+    if cfg.data.make_data:  # missing eval set files too, each with its own seed (never the training prompts)
+        for k, spec in enumerate(parse_eval_prompt_data(cfg.eval.eval_prompt_data)):
+            if not Path(spec.path).exists():
+                make_synthetic_data(cfg, Path(spec.path), cfg.data.synthetic_eval_rows, seed=cfg.train.seed + 1 + k)
     return model_dir, data_path
+
+
+def make_synthetic_data(cfg: Config, path: Path, num_rows: int, seed: int) -> None:
+    """`--make-data`: write `num_rows` rows of the `--synthetic-data-module` generator at `path`."""
+    what = "--synthetic-data-module"
+    try:
+        module = load_module(cfg.data.synthetic_data_module, what)
+    except LoadError as e:
+        raise ConfigError(str(e)) from e
+    make_dataset = getattr(module, "make_dataset", None)
+    if not callable(make_dataset):
+        raise ConfigError(f"{what} {cfg.data.synthetic_data_module}: the module has no make_dataset(path, num_rows, seed=, image_size=)")
+    logger.info("generating %d synthetic rows (%s, seed %d) at %s", num_rows, cfg.data.synthetic_data_module, seed, path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    make_dataset(str(path), num_rows, seed=seed, image_size=cfg.data.synthetic_image_size)
 
 
 def load_dataset(cfg: Config, data_path: Path) -> Any:

@@ -1,8 +1,10 @@
 """The main job: rollout -> advantages -> batching -> train step -> weight sync -> metrics, for --num-rollout steps.
 
 Synchronous on purpose (like slime's `train.py`): rollout k+1 starts after the weights of step k reached the
-engine, so every sample is on-policy up to the recorded `weight_versions`. The engine is the embedded JAX
-engine unless `--engine-url` points at SGLang (or a router) or `--launch-sglang` starts one.
+engine, so every sample is on-policy: before the first rollout the engine is made to hold the trainer's weights
+and every engine's version is confirmed (`MainJob.attach`), and every sample's recorded `weight_versions` must be
+that confirmed version (`job/staleness.py`), else the run stops. The engine is the embedded JAX engine unless
+`--engine-url` points at SGLang (or a router) or `--launch-sglang` starts one.
 
 With several processes, process 0 runs the rollout (and logs, plots, talks to the engine); every process
 trains on the broadcast samples, checkpoints its shards and joins the exports.
@@ -32,9 +34,10 @@ from jaxrl_vlm.job.checkpointing import CheckpointCadence, ResumePoint, restore
 from jaxrl_vlm.job.eval import Evaluator, eval_due, passrate_metrics
 from jaxrl_vlm.job.run_log import RunLog, plot_run
 from jaxrl_vlm.job.session import rollout_session
+from jaxrl_vlm.job.staleness import check_sample_versions
 from jaxrl_vlm.job.tracking import open_sinks
 from jaxrl_vlm.job.trainer import Trainer
-from jaxrl_vlm.weight_sync import WeightSyncer
+from jaxrl_vlm.weight_sync import SyncReport, WeightSyncer
 from rollout.driver import RolloutResult, driver_checkpoint_state, restore_driver_state
 from rollout.failures import AllFailedStepsError, all_failed_streak, failure_report
 from rollout.dump import dump_samples
@@ -71,6 +74,8 @@ class MainJob:
         self.start_step = 0
         self.resume: ResumePoint | None = None
         self.all_failed_steps = 0  # consecutive steps in which every finished episode FAILED
+        self.resumed_export: SyncReport | None = None  # a resumed run's weights, exported before the engine starts
+        self.engine_version = 0  # the weight version every engine was last confirmed to hold
 
     # -------------------------------------------------------------------------- phases
     def prepare(self) -> None:
@@ -104,9 +109,11 @@ class MainJob:
                               resumed_at=self.start_step if self.resume is not None else None)
 
     async def serve_dir(self) -> Path:
-        """The weights the engine starts from: a resumed run's own version, not the original checkpoint."""
-        if self.start_step > 0:
-            return (await self.syncer.push(self.trainer.policy_model(), self.version)).path
+        """The weights an engine this job starts (embedded or launched) starts from: a resumed run's own version,
+        exported here (not yet loaded anywhere), or the original checkpoint on a fresh start."""
+        if self.start_step > 0 and not self.cfg.engine.engine_url:
+            self.resumed_export = await self.syncer.push(self.trainer.policy_model(), self.version)
+            return self.resumed_export.path
         return self.model_dir
 
     def session(self, serve_dir: Path) -> contextlib.AbstractAsyncContextManager[Any]:
@@ -114,8 +121,23 @@ class MainJob:
             return contextlib.nullcontext()
         return rollout_session(self.cfg, self.model_dir, serve_dir, self.args, str(self.version))
 
-    def attach(self, client: Any) -> None:
+    async def attach(self, client: Any) -> None:
+        """Connect the syncer, and make sure the engine holds exactly the trainer's weights before any rollout.
+
+        The embedded engine started from them (labelled with the version): confirmed. An external or launched
+        SGLang holds whatever it was started with: the trainer's weights are pushed (a resumed run's export is
+        reused) and their version confirmed on every worker.
+        """
         self.syncer.client = client
+        if self.main:
+            if self.cfg.engine.engine_url or self.cfg.engine.launch_sglang:
+                if self.resumed_export is not None:
+                    await self.syncer.load(self.resumed_export)
+                else:
+                    await self.syncer.push(self.trainer.policy_model(), self.version)
+            else:
+                await self.syncer.confirm(self.version)
+        self.engine_version = self.version
         if self.main and self.resume is not None:
             restore_driver_state(self.args, self.resume.driver_state, next_group_index=self.resume.next_group_index)
 
@@ -133,9 +155,12 @@ class MainJob:
         stop = broadcast_stop(stop)  # every process stops together, none waits in the next collective
         if stop is not None:
             raise AllFailedStepsError(stop)
+        if self.main:  # synchronous mode trains on-policy only: every sample from the confirmed version
+            versions = check_sample_versions(result.samples, str(self.engine_version), step=step)
         samples = broadcast_samples(result.samples if self.main else None)
         metrics: dict[str, Any] = {}
         if self.main:
+            metrics["rollout/samples_without_weight_version"] = versions.unreported
             metrics.update(rollout_metrics(result.samples, result))
             metrics.update(multi_turn_metrics(result.samples, self.cfg.rollout.rollout_max_response_len))
             if self.cfg.eval.log_passrate:  # slime's passrate/pass@k over the training groups
@@ -155,6 +180,7 @@ class MainJob:
         t2 = time.perf_counter()
         if not self.cfg.engine.disable_weight_sync:
             report = await self.syncer.push(self.trainer.policy_model(), self.version)
+            self.engine_version = self.version
             metrics["sync/export_s"] = report.export_s
             metrics["sync/gbytes"] = report.bytes_written / 1e9
         metrics["perf/update_weights_time"] = time.perf_counter() - t2
@@ -207,7 +233,7 @@ class MainJob:
         last: dict[str, Any] = {}
         try:
             async with self.session(await self.serve_dir()) as client:
-                self.attach(client)
+                await self.attach(client)
                 # Eval of the weights after `step` steps runs before rollout `step` (after the previous step's
                 # sync), and once more after the last step.
                 for step in range(self.start_step, self.cfg.rollout.num_rollout + 1):

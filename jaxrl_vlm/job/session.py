@@ -37,20 +37,23 @@ async def rollout_session(
     engine: EmbeddedEngine | None = None
     launched: SGLangProcess | None = None
     client: SGLangClient | None = None
-    client_options = dict(timeout_s=cfg.engine.engine_request_timeout, retry=RetryPolicy(max_retries=cfg.engine.engine_max_retries))
+    key = cfg.engine.engine_api_key
+    client_options = dict(timeout_s=cfg.engine.engine_request_timeout, retry=RetryPolicy(max_retries=cfg.engine.engine_max_retries),
+                          api_key=key)
     try:
         if cfg.engine.engine_url:
             client = SGLangClient(cfg.engine.engine_url, worker_urls=cfg.engine.engine_worker_urls or None, **client_options)
         elif cfg.engine.launch_sglang:
             launched = SGLangProcess(
                 cfg.engine.sglang_python or "", str(serve_dir), host=cfg.engine.engine_host, port=cfg.engine.engine_port,
-                extra_args=cfg.engine.sglang_args, log_path=Path(cfg.train.output_dir) / "sglang.log",
+                extra_args=[*cfg.engine.sglang_args, *(["--api-key", key] if key else [])], log_path=Path(cfg.train.output_dir) / "sglang.log",
             )
             client = SGLangClient(launched.start(), **client_options)
             await launched.wait_ready(client, timeout_s=cfg.engine.engine_start_timeout)
         else:
             engine = EmbeddedEngine(str(serve_dir), host=cfg.engine.engine_host, port=cfg.engine.engine_port,
-                                    config=EngineOptions.from_run_config(cfg), weight_version=weight_version)
+                                    config=EngineOptions.from_run_config(cfg), weight_version=weight_version,
+                                    api_key=key)
             client = SGLangClient(engine.start(), **client_options)
         await client.wait_healthy(timeout_s=cfg.engine.engine_start_timeout)
         if engine is None:
