@@ -235,7 +235,8 @@ def _prepare(position: int, sample: Sample, cfg: Qwen3VLConfig, max_len: int, ov
     grid, pixels = _sample_images(sample, tokens, cfg, where)
 
     mask = np.zeros(n, np.float32)
-    mask[n - resp :] = loss_mask
+    # slime's remove_sample (a --rollout-sample-filter-path verdict): the sample trains no token.
+    mask[n - resp :] = 0.0 if sample.remove_sample else loss_mask
     lp = np.zeros(n, np.float32)
     lp[n - resp :] = logprobs
     response = np.zeros(n, bool)

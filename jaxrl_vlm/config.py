@@ -37,6 +37,7 @@ import yaml
 from jaxrl_vlm import slime_flags
 from jaxrl_vlm.errors import ConfigError
 from jaxrl_vlm.rl.registries import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
+from rollout.hooks import HOOK_OPTIONS, load_hook
 from rollout.loading import LoadError, load_function, load_module
 from rollout.options import MultiTurnOptions, RolloutOptions, opt
 
@@ -91,7 +92,29 @@ MultiTurnConfig = MultiTurnOptions
 class AlgoConfig:
     advantage_estimator: str = opt("grpo", "Advantage estimator (a registry name).", choices=ADVANTAGE_ESTIMATORS)
     disable_grpo_std_normalization: bool = opt(False, "Dr.GRPO: do not divide group-centred rewards by their std.")
+    custom_advantage_function_path: str | None = opt(
+        None,
+        "Our advantage hook, in place of --advantage-estimator: `fn(rewards [N], group_index [N], *, "
+        "std_normalization, eps) -> advantages [N]` (numpy, one per sample), the signature of the registered "
+        "estimators (rl/advantages.py); called on the host before batching (docs/hooks.md).")
+    custom_reward_post_process_path: str | None = opt(
+        None,
+        "slime's reward post-processing: `fn(args, samples) -> (raw_rewards, rewards)`, two lists of one float per "
+        "sample, called by the trainer before the advantages. `rewards` replace the rewards the advantage "
+        "estimator sees (after it, --kl-coef shaping); `raw_rewards` are logged as rollout/raw_reward. Unlike "
+        "slime, GRPO's group normalisation is the estimator's here, not the post-processing's.")
     policy_loss: str = opt("ppo_clip", "Policy loss (a loss registry name).", choices=POLICY_LOSSES)
+    loss_type: str = opt(
+        "policy_loss",
+        "slime's --loss-type: policy_loss trains --policy-loss; custom_loss trains the function of "
+        "--custom-loss-function-path.",
+        choices=("policy_loss", "custom_loss"),
+    )
+    custom_loss_function_path: str | None = opt(
+        None,
+        "The loss of --loss-type custom_loss: a JAX function `fn(inputs: LossInputs, cfg: LossConfig) -> (loss, "
+        "metrics)` on the loss registry's contract (rl/losses.py), traced inside the compiled train step (slime's "
+        "torch signature does not apply).")
     eps_clip: float = opt(0.2, "Lower PPO clip range.")
     eps_clip_high: float | None = opt(None, "Upper PPO clip range (None: equal to --eps-clip; DAPO uses 0.28).")
     eps_clip_c: float | None = opt(None, "Dual-clip constant (> 1) capping the loss of negative-advantage tokens.")
@@ -117,6 +140,12 @@ class AlgoConfig:
     use_tis: bool = opt(False, "Truncated importance sampling against rollout log-probs.")
     tis_clip: float = opt(2.0, "Upper clip of TIS weights.")
     tis_clip_low: float = opt(0.0, "Lower clip of TIS weights.")
+    custom_tis_function_path: str | None = opt(
+        None,
+        "slime's custom TIS/RS function, JAX-native, used with --use-tis in place of the clipped weight: "
+        "`fn(pg_loss [B, T], inputs: LossInputs, cfg: LossConfig) -> (pg_loss [B, T], loss_mask [B, T], metrics)` "
+        "inside the compiled step; masked-out tokens leave every loss term (the aggregation denominators stay the "
+        "host's, unlike slime's rebuilt ones); metrics are per-token [B, T] arrays logged as train/tis/<name>.")
     loss_aggregation: str = opt("seq_mean_token_mean", "How token losses are reduced.", choices=("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"))
     loss_aggregation_constant: float | None = opt(None, "Divisor for seq_mean_token_sum_norm (Dr.GRPO; default: --rollout-max-response-len).")
 
@@ -812,6 +841,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"global_batch_size must be >= 1, got {gbs}")
     _validate_numbers(cfg)
     _validate_eval(cfg.eval)
+    _validate_hooks(cfg)
 
 
 # Numbers whose meaningful range types cannot express; every float option must also be finite.
@@ -839,6 +869,30 @@ def _validate_numbers(cfg: Config) -> None:
             raise ConfigError(f"{where} must be > 0, got {value}")
         if info.name in _UNIT_INTERVAL and not 0 <= value < 1:
             raise ConfigError(f"{where} must be in [0, 1), got {value}")
+
+
+def _validate_hooks(cfg: Config) -> None:
+    """slime's hooks (rollout/hooks.py): every path set loads now, so a bad one fails at startup naming its flag
+    (this imports the user's file, which may import jax); and the options that go with them agree."""
+    for option in HOOK_OPTIONS:
+        info = FIELDS[option]
+        try:
+            load_hook(getattr(getattr(cfg, info.section), option), option)
+        except LoadError as e:
+            raise ConfigError(str(e)) from e
+    r, a = cfg.rollout, cfg.algo
+    if (a.loss_type == "custom_loss") != (a.custom_loss_function_path is not None):
+        raise ConfigError("--loss-type custom_loss and --custom-loss-function-path go together (slime's "
+                          f"convention), got --loss-type {a.loss_type} and --custom-loss-function-path "
+                          f"{a.custom_loss_function_path}")
+    if a.custom_tis_function_path is not None and not a.use_tis:
+        raise ConfigError(f"--custom-tis-function-path {a.custom_tis_function_path} replaces the TIS weight of "
+                          "--use-tis, which is off: add --use-tis")
+    if r.group_rm and r.custom_rm_path is None:
+        raise ConfigError("--group-rm scores groups with --custom-rm-path, which is not set")
+    if r.custom_rm_path is not None and a.rm_type is not None:
+        raise ConfigError(f"--custom-rm-path {r.custom_rm_path} and --rm-type {a.rm_type} both replace the env's "
+                          "reward: set one")
 
 
 def _validate_eval(e: EvalConfig) -> None:

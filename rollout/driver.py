@@ -16,6 +16,11 @@
 * passes every episode the `sampling_params` dict built once from the rollout options (slime's convention),
   and reduces a mapping reward to its `--reward-key` entry;
 * stamps `rollout_id` into each sample's metadata;
+* calls slime's rollout hooks where slime's default rollout calls them (`_StepHooks`, docs/hooks.md):
+  `--custom-rm-path` on each finished episode whose reward is unset (or each group, `--group-rm`),
+  `--dynamic-sampling-filter-path` on each finished group, `--buffer-filter-path` on the groups carried by partial
+  rollout, and at the end of the step `--rollout-sample-filter-path`, `--rollout-all-samples-process-path` and
+  `--custom-rollout-log-function-path`;
 * warns once per step when it keeps fewer groups than asked, or when more than `--failed-share-warning` of the
   finished episodes FAILED, naming the top causes (rollout/failures.py).
 
@@ -43,11 +48,13 @@ import asyncio
 import copy
 import json
 import logging
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from rollout.failures import failure_report
+from rollout.hooks import Hook, dynamic_filter_verdict, finite_metric, is_reward, load_hook
 from rollout.loading import load_function
 from rollout.multiturn import RolloutContext, close_env, default_sampling_params, get_context
 from rollout.options import RolloutOptions
@@ -81,6 +88,10 @@ class RolloutResult:
     # Prompts skipped for --rollout-max-prompt-len in this step, and over the whole run (checkpointed).
     filtered_long_prompts: int = 0
     filtered_long_prompts_total: int = 0
+    # What a --custom-rollout-log-function-path hook said: skip the default rollout/* metrics, and the metrics it
+    # added to its `rollout_extra_metrics` (logged as named).
+    skip_default_log: bool = False
+    hook_metrics: dict[str, float] = field(default_factory=dict)
 
     @property
     def samples(self) -> list[Sample]:
@@ -292,8 +303,10 @@ def _new_group(prompts: _Prompts, n: int) -> _Group:
     return _Group(group_index, prompt, make_group(prompt, group_index, n))
 
 
-def _keep_group(group: list[Sample], dynamic_filter: str | None, result: RolloutResult) -> list[Sample] | None:
-    """Apply the failure policy and the dynamic filter; count every drop by reason."""
+def _keep_group(group: list[Sample], dynamic_filter: str | None, result: RolloutResult,
+                custom_filter: Hook | None = None, args: Any = None) -> list[Sample] | None:
+    """Apply the failure policy, the dynamic filter and then `--dynamic-sampling-filter-path` (called as slime
+    calls it, `fn(args, samples)`, on the group's trainable samples); count every drop by reason."""
     result.episodes += len(group)
     kept = []
     for s in group:
@@ -312,6 +325,11 @@ def _keep_group(group: list[Sample], dynamic_filter: str | None, result: Rollout
     if dynamic_filter == "zero_std" and len({float(s.reward) for s in kept}) == 1:
         result.dropped["zero_std_group"] += 1
         return None
+    if custom_filter is not None:
+        verdict = dynamic_filter_verdict(custom_filter, custom_filter(args, kept))
+        if not verdict.keep:
+            result.dropped[verdict.reason or "dynamic_sampling_filter"] += 1
+            return None
     return kept
 
 
@@ -328,11 +346,84 @@ def _fail(sample: Sample, kind: TerminationKind, error: str) -> Sample:
     return sample
 
 
+@dataclass(frozen=True)
+class _StepHooks:
+    """slime's rollout hooks of one step (rollout/options.py declares them, docs/hooks.md has their signatures),
+    loaded once per step by the same loader as the generate function."""
+
+    rm: Hook | None = None
+    group_rm: bool = False
+    rm_timeout_s: float = 600.0
+    dynamic_filter: Hook | None = None
+    buffer_filter: Hook | None = None
+    sample_filter: Hook | None = None
+    all_samples: Hook | None = None
+    log: Hook | None = None
+
+    @classmethod
+    def load(cls, opts: RolloutOptions) -> "_StepHooks":
+        return cls(
+            rm=load_hook(opts.custom_rm_path, "custom_rm_path"), group_rm=opts.group_rm,
+            rm_timeout_s=opts.episode_timeout,
+            dynamic_filter=load_hook(opts.dynamic_sampling_filter_path, "dynamic_sampling_filter_path"),
+            buffer_filter=load_hook(opts.buffer_filter_path, "buffer_filter_path"),
+            sample_filter=load_hook(opts.rollout_sample_filter_path, "rollout_sample_filter_path"),
+            all_samples=load_hook(opts.rollout_all_samples_process_path, "rollout_all_samples_process_path"),
+            log=load_hook(opts.custom_rollout_log_function_path, "custom_rollout_log_function_path"),
+        )
+
+
+_SCORABLE = (Status.COMPLETED, Status.TRUNCATED)
+
+
+async def _custom_rewards(rm: Hook, args: Any, samples: list[Sample], *, batched: bool, timeout_s: float,
+                          reward_key: str | None) -> None:
+    """Score finished episodes with `--custom-rm-path`, as slime does: `await rm(args, sample)` per sample, or
+    `await rm(args, samples)` for a whole group with `--group-rm`, each call within `timeout_s`.
+
+    A reward of the wrong type raises HookError (a bug in the hook: the rollout stops, naming it). A hook that
+    raises or overruns, and a reward that cannot be trained on (a mapping without its --reward-key, a non-finite
+    number), FAIL the samples concerned with cause `reward_error`.
+    """
+    try:
+        if batched:
+            raw = await asyncio.wait_for(rm.call_async(args, samples), timeout_s)
+        else:
+            raw = [await asyncio.wait_for(rm.call_async(args, samples[0]), timeout_s)]
+    except asyncio.TimeoutError:
+        for s in samples:
+            _fail(s, TerminationKind.REWARD_ERROR, f"reward: {rm.flag} {rm.path} did not return within "
+                  f"{timeout_s:g} s (--episode-timeout)")
+        return
+    except Exception as e:  # user code: the samples it was scoring fail, the rollout goes on
+        logger.warning("%s %s raised %s: %s", rm.flag, rm.path, type(e).__name__, e)
+        for s in samples:
+            _fail(s, TerminationKind.REWARD_ERROR, f"reward: {rm.flag} {rm.path} raised {type(e).__name__}: {e}")
+        return
+    if batched:
+        rm.expect_list(raw, len(samples), is_reward, "rewards (a number, or a mapping reduced by --reward-key)",
+                       f"the rewards of a group of {len(samples)}")
+    else:
+        rm.expect(is_reward(raw[0]), "a reward (a number, or a mapping reduced by --reward-key)", raw[0],
+                  samples[0].name)
+    for sample, reward in zip(samples, raw):
+        sample.metadata["reward_source"] = "custom_rm"
+        components = reward_components(reward)
+        if components is not None:
+            sample.metadata["reward_components"] = components
+        try:
+            sample.reward = scalar_reward(reward, reward_key, f"{sample.name}: {rm.flag} {rm.path}")
+        except RewardError as e:
+            sample.reward = None
+            _fail(sample, TerminationKind.REWARD_ERROR, f"reward: {e}")
+
+
 async def _run_episode(generate_fn: Callable, args: Any, sample: Sample, sampling_params: dict[str, Any],
-                       reward_key: str | None) -> Sample:
+                       reward_key: str | None, hooks: _StepHooks = _StepHooks()) -> Sample:
     """One episode through the loaded function, called as slime calls it: `fn(args, sample, sampling_params)`
     with its own copy of the step's params. A function that raises fails its sample, not the rollout; a reward
-    it set is reduced to the float to train on (`--reward-key`)."""
+    it set is reduced to the float to train on (`--reward-key`); a finished episode without one is scored by
+    `--custom-rm-path` (unless `--group-rm` scores its whole group)."""
     if sample.status not in _RUNNABLE:
         return sample
     name = getattr(generate_fn, "__qualname__", repr(generate_fn))
@@ -356,21 +447,35 @@ async def _run_episode(generate_fn: Callable, args: Any, sample: Sample, samplin
         except RewardError as e:
             out.reward = None
             return _fail(out, TerminationKind.REWARD_ERROR, f"reward: {e}")
+    elif hooks.rm is not None and not hooks.group_rm and out.status in _SCORABLE:
+        await _custom_rewards(hooks.rm, args, [out], batched=False, timeout_s=hooks.rm_timeout_s,
+                              reward_key=reward_key)
     return out
 
 
 async def _run_group(generate_fn: Callable, args: Any, group: list[Sample], sampling_params: dict[str, Any],
-                     reward_key: str | None) -> list[Sample]:
-    return list(await asyncio.gather(*(_run_episode(generate_fn, args, s, sampling_params, reward_key)
-                                       for s in group)))
+                     reward_key: str | None, hooks: _StepHooks = _StepHooks()) -> list[Sample]:
+    """The group's episodes concurrently; with `--group-rm`, then one `--custom-rm-path` call on its finished
+    episodes (skipped while the driver aborts stragglers: such a group is never kept in this step, and a carried
+    one is scored when it finishes)."""
+    samples = list(await asyncio.gather(*(_run_episode(generate_fn, args, s, sampling_params, reward_key, hooks)
+                                          for s in group)))
+    if hooks.rm is not None and hooks.group_rm and not get_context(args).aborting:
+        finished = [s for s in samples if s.status in _SCORABLE]
+        if finished:
+            await _custom_rewards(hooks.rm, args, finished, batched=True, timeout_s=hooks.rm_timeout_s,
+                                  reward_key=reward_key)
+    return samples
 
 
 async def generate_rollout(args: Any, rollout_id: int, data_source: PromptSource) -> RolloutResult:
     """Produce `rollout_batch_size` groups for one training step (fewer only if over-sampling is exhausted)."""
+    t0 = time.perf_counter()
     ctx = get_context(args)
     opts = RolloutOptions.from_args(args)
     reward_key = RewardSettings.from_args(args).reward_key
     generate_fn = load_function(opts.custom_generate_function_path, "--custom-generate-function-path")
+    hooks = _StepHooks.load(opts)
     # Built once per step from the rollout options, as slime does; each episode gets its own copy.
     vision = ctx.encoder.vision
     sampling_params = default_sampling_params(opts, vision.banned_ids, vision.eos_ids)
@@ -384,19 +489,27 @@ async def generate_rollout(args: Any, rollout_id: int, data_source: PromptSource
                        lambda prompt: prompt_train_length(ctx, prompt))
 
     pending: list[_Group] = []
+    carried_groups, state.partial_groups = state.partial_groups, []
+    if hooks.buffer_filter is not None and carried_groups:
+        carried_groups, state.partial_groups, discarded = _take_buffered(
+            hooks.buffer_filter, args, rollout_id, carried_groups, submit_batch)
+        for gone in discarded:
+            result.dropped["buffer_filter_discarded_group"] += 1
+            await _discard_aborted(ctx, gone.samples)
     # Groups suspended by the previous step go first, so partially generated work is not lost.
-    for carried in state.partial_groups:
+    for carried in carried_groups:
         if opts.mask_offpolicy_in_partial_rollout:
             for s in carried.samples:
                 if s.status is Status.ABORTED:  # only episodes that continue; finished ones pass through
                     _mask_existing_response(s)
         pending.append(_Group(carried.group_index, carried.prompt, carried.samples, resumed=True))
-    state.partial_groups = []
 
     running: list[_Group] = []
+    finished_groups: list[list[Sample]] = []  # every group that finished in this step, for the all-samples hook
 
     def submit(group: _Group) -> None:
-        group.task = asyncio.ensure_future(_run_group(generate_fn, args, group.samples, sampling_params, reward_key))
+        group.task = asyncio.ensure_future(
+            _run_group(generate_fn, args, group.samples, sampling_params, reward_key, hooks))
         running.append(group)
         result.groups_submitted += 1
 
@@ -415,11 +528,12 @@ async def generate_rollout(args: Any, rollout_id: int, data_source: PromptSource
                 samples = group.task.result()
                 for s in samples:
                     s.metadata["rollout_id"] = rollout_id
+                finished_groups.append(samples)
                 if len(result.groups) >= target:
                     # Finished in the same wake-up as the group that filled the batch (never silently lost).
                     await _carry_or_drop(ctx, state, group, samples, partial, result, "surplus_group")
                     continue
-                kept = _keep_group(samples, opts.dynamic_filter, result)
+                kept = _keep_group(samples, opts.dynamic_filter, result, hooks.dynamic_filter, args)
                 # An episode aborted by the engine inside a finished group is not resumed: release its env.
                 await _discard_aborted(ctx, samples)
                 if kept is not None:
@@ -438,8 +552,66 @@ async def generate_rollout(args: Any, rollout_id: int, data_source: PromptSource
     if running:
         await _abort_stragglers(ctx, running, partial, result, state)
     result.filtered_long_prompts_total = state.filtered_long_prompts
+    _end_of_step_hooks(hooks, args, rollout_id, result, finished_groups, data_source, time.perf_counter() - t0)
     _log_step_problems(rollout_id, result, target, opts)
     return result
+
+
+def _take_buffered(hook: Hook, args: Any, rollout_id: int, carried: list[CarriedGroup], num_samples: int
+                   ) -> tuple[list[CarriedGroup], list[CarriedGroup], list[CarriedGroup]]:
+    """`--buffer-filter-path` over the groups carried by partial rollout, called as slime calls it:
+    `fn(args, rollout_id, buffer, num_samples) -> list[list[Sample]]` with `buffer` the carried groups.
+
+    Returns (resumed now, still carried, discarded): the groups it returned, in its order; those it left in
+    `buffer`; and those it removed from `buffer` without returning them. A returned group must be one of the
+    buffer's groups (the same samples), each at most once.
+    """
+    def key(samples: list[Sample]) -> frozenset[int]:
+        return frozenset(id(s) for s in samples)
+
+    by_key = {key(c.samples): c for c in carried}
+    buffer = [c.samples for c in carried]
+    taken = hook(args, rollout_id, buffer, num_samples)
+    hook.expect_list(taken, None, lambda g: isinstance(g, list) and all(isinstance(s, Sample) for s in g),
+                     "groups (list[Sample])")
+    resumed: list[CarriedGroup] = []
+    for i, group in enumerate(taken):
+        c = by_key.get(key(group))
+        hook.expect(c is not None, "a group of the buffer it was given (the same samples)", group, f"group {i}")
+        hook.expect(all(c is not r for r in resumed), "each buffered group returned at most once", group,
+                    f"group {i}")
+        resumed.append(c)
+    taken_keys = {key(c.samples) for c in resumed}
+    kept: list[CarriedGroup] = []  # in the buffer's order after the call (it may have sorted it)
+    for group in buffer:
+        c = by_key.get(key(group)) if isinstance(group, list) else None
+        if c is not None and key(c.samples) not in taken_keys and all(c is not k for k in kept):
+            kept.append(c)
+    discarded = [c for c in carried if all(c is not r for r in resumed + kept)]
+    return resumed, kept, discarded
+
+
+def _end_of_step_hooks(hooks: _StepHooks, args: Any, rollout_id: int, result: RolloutResult,
+                       finished_groups: list[list[Sample]], data_source: PromptSource, rollout_time: float) -> None:
+    """slime's end-of-rollout hooks, in slime's order and with its signatures: the sample filter on the kept
+    groups, the all-samples hook on every finished group, then the rollout log function."""
+    if hooks.sample_filter is not None:
+        out = hooks.sample_filter(args, result.groups)
+        hooks.sample_filter.expect(out is None, "None (it marks samples with sample.remove_sample = True)", out)
+        for s in result.samples:
+            hooks.sample_filter.expect(isinstance(s.remove_sample, bool), "sample.remove_sample to be a bool",
+                                       s.remove_sample, s.name)
+    if hooks.all_samples is not None:
+        out = hooks.all_samples(args, finished_groups, data_source)
+        hooks.all_samples.expect(out is None, "None (it only reads the samples)", out)
+    if hooks.log is not None:
+        given = {f"rollout/dynamic_filter/drop_{reason}": float(n) for reason, n in sorted(result.dropped.items())}
+        extra = dict(given)
+        skip = hooks.log(rollout_id, args, result.samples, extra, rollout_time)
+        hooks.log.expect(isinstance(skip, bool), "a bool (True skips the default rollout metrics)", skip)
+        result.skip_default_log = skip
+        result.hook_metrics = {k: finite_metric(hooks.log, k, v) for k, v in extra.items()
+                               if k not in given or v != given[k]}
 
 
 def _log_step_problems(rollout_id: int, result: RolloutResult, target: int, opts: RolloutOptions) -> None:

@@ -254,8 +254,12 @@ def rollout_metrics(
     """All metrics of one rollout step as `{prefix + name: value}`.
 
     `samples`: the training samples (usually `result.samples`). With `result`, episode metrics also cover
-    `result.failed`, and the driver's drop counts are added.
+    `result.failed`, and the driver's drop counts are added. A `--custom-rollout-log-function-path` hook that
+    returned True leaves only the metrics it added (`result.hook_metrics`, logged under the names it gave).
     """
+    hook_metrics = dict(result.hook_metrics) if result is not None else {}
+    if result is not None and result.skip_default_log:
+        return hook_metrics
     samples = list(samples)
     episodes = _unique([*samples, *(result.failed if result is not None else ())])
     out: dict[str, float] = {"samples": float(len(samples)), "episodes": float(len(episodes))}
@@ -270,6 +274,8 @@ def rollout_metrics(
     if samples:
         out["repetition_frac"] = repetition_frac(samples)
         out["truncated_ratio"] = float(np.mean([s.status is Status.TRUNCATED for s in samples]))
+        # Samples a --rollout-sample-filter-path hook left out of the loss (slime's remove_sample).
+        out["removed_samples"] = float(sum(s.remove_sample for s in samples))
     if result is not None:
         out.update(dropped_metrics(result))
-    return {prefix + k: float(v) for k, v in out.items()}
+    return {**{prefix + k: float(v) for k, v in out.items()}, **hook_metrics}

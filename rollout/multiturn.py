@@ -30,7 +30,8 @@ overrun it is cancelled and never awaited again. `--episode-timeout` bounds the 
 finalize (reward) included; `close()` then still runs, under its own `--env-hook-timeout`.
 
 Options are read once per episode as `RolloutOptions` / `MultiTurnOptions` (rollout/options.py) from `args`.
-The reward is the env's verdict by default; `--rm-type` grades the model's own turns instead (rollout/rewards.py).
+The reward is the env's verdict by default; `--rm-type` grades the model's own turns instead (rollout/rewards.py);
+with `--custom-rm-path` the episode leaves it unset and the driver scores it (rollout/driver.py).
 """
 
 from __future__ import annotations
@@ -656,7 +657,11 @@ async def _assign_reward(ctx: RolloutContext, multiturn: MultiTurnOptions, rewar
     Reward functions see the model's own text only (all its turns, never an observation); a mapping reward is
     reduced by `--reward-key` (rollout/rewards.py). The env's `verdict` and the module's `reward_fn` are env hooks
     (`--env-hook-timeout`); the `--rm-type` function runs in a daemon thread within the episode's deadline.
+    With `--custom-rm-path` the reward stays unset: the driver scores the finished episode (or its group) with it,
+    as slime's `generate_and_rm` does.
     """
+    if rewards.custom_rm_path is not None:
+        return
     model_text = "\n".join(model_texts)
     hook_timeout = multiturn.env_hook_timeout
     if rewards.rm_type is not None:

@@ -113,6 +113,39 @@ class RolloutOptions(ArgsOptions):
     max_all_failed_steps: int = opt(
         3, "Stop the run, naming the top causes, after this many consecutive steps in which every finished "
         "episode FAILED (0: never stop).")
+    # slime's rollout hooks (rollout/hooks.py loads them; docs/hooks.md has each signature). The default
+    # --rollout-function-path (rollout.driver) calls them; a custom rollout function calls what it wants.
+    custom_rm_path: str | None = opt(
+        None,
+        "slime's custom reward: `async def rm(args, sample) -> float` (or a mapping, reduced by --reward-key), "
+        "called by the driver for each finished episode whose reward is unset (the default episode then leaves it "
+        "unset: this replaces the env's verdict), within --episode-timeout. With --group-rm: "
+        "`async def rm(args, samples) -> list[float]`, once per finished group.")
+    group_rm: bool = opt(False, "Score each finished group with one --custom-rm-path call (slime's --group-rm).")
+    dynamic_sampling_filter_path: str | None = opt(
+        None,
+        "slime's dynamic sampling filter: `fn(args, samples) -> bool | DynamicFilterOutput(keep, reason)` on each "
+        "finished group (its trainable samples), after --dynamic-filter; a dropped group is counted as "
+        "rollout/dynamic_filter/drop_<reason> and over-sampling refills the step.")
+    buffer_filter_path: str | None = opt(
+        None,
+        "slime's buffer filter: `fn(args, rollout_id, buffer, num_samples) -> list[list[Sample]]` picks which "
+        "groups carried by --partial-rollout resume in this step (default: all); groups it leaves in `buffer` stay "
+        "carried, groups it removes without returning are discarded. Only consulted when groups are carried.")
+    rollout_sample_filter_path: str | None = opt(
+        None,
+        "slime's rollout sample filter: `fn(args, groups) -> None` on the kept groups at the end of the step; it "
+        "sets `sample.remove_sample = True` on samples to leave out of the loss (they still count in their "
+        "group's advantage statistics, as in slime).")
+    rollout_all_samples_process_path: str | None = opt(
+        None,
+        "slime's all-samples hook: `fn(args, all_groups, data_source) -> None` at the end of the step with every "
+        "group that finished in it, dropped ones (filters, FAILED episodes) included; for logging and analysis.")
+    custom_rollout_log_function_path: str | None = opt(
+        None,
+        "slime's rollout log function: `fn(rollout_id, args, samples, rollout_extra_metrics, rollout_time) -> "
+        "bool` at the end of each training step's rollout; True skips the default rollout/* metrics. Entries it "
+        "adds to the `rollout_extra_metrics` dict are logged with the step.")
 
 
 @dataclass

@@ -33,10 +33,12 @@ class RewardError(ValueError):
 @dataclass
 class RewardSettings(ArgsOptions):
     """`rm_type` and `reward_key` as the rollout reads them (declared, with help text, in the config's algo
-    section; None here means unset, which is also their default there)."""
+    section; None here means unset, which is also their default there), and whether `--custom-rm-path` (declared
+    in rollout/options.py) scores episodes instead: the default episode then leaves the reward to the driver."""
 
     rm_type: str | None = None
     reward_key: str | None = None
+    custom_rm_path: str | None = None
 
 
 def rm_function(rm_type: str) -> Callable[[str, Any], Any]:

@@ -203,6 +203,9 @@ class Sample:
     turns: list[TurnRecord] = field(default_factory=list)
     weight_versions: list[str] = field(default_factory=list)
     metadata: dict[str, Any] = field(default_factory=dict)
+    # slime's `remove_sample`: set by a `--rollout-sample-filter-path` hook to leave the sample out of the loss
+    # (the batch gives it no trainable token); it still counts in its group's advantage statistics.
+    remove_sample: bool = False
 
     # ------------------------------------------------------------------ views
     @property
@@ -281,6 +284,8 @@ class Sample:
                 raise SampleError(f"{self.name}: rollout_log_probs[{i}]={lp} where loss_mask is 0")
         if not isinstance(self.status, Status):
             raise SampleError(f"{self.name}: status {self.status!r} is not a Status")
+        if not isinstance(self.remove_sample, bool):
+            raise SampleError(f"{self.name}: remove_sample {self.remove_sample!r} is not a bool")
         if self.termination is not None:
             if not isinstance(self.termination, Termination):
                 raise SampleError(f"{self.name}: termination {self.termination!r} is not a Termination")

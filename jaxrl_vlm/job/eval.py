@@ -9,7 +9,8 @@ in which
   `--n-samples-per-eval-prompt`;
 * `rollout_batch_size` is the size of the set, whose prompts the source hands out once, in file order: every
   prompt of the set is one group, once per round;
-* there is no dynamic filter, no over-sampling and no partial rollout;
+* there is no dynamic filter, no over-sampling and no partial rollout, and none of slime's training-rollout hooks
+  (`TRAINING_ONLY_HOOKS`; `--custom-rm-path` does score eval episodes, as in slime);
 * the driver state (group counter, prompt buffer, carried groups) is a fresh one, and the rollout context is a copy
   with its own (empty) table of suspended episodes: the training rollout's state is neither read nor advanced;
 * `rollout_seed` is `eval_seed(rollout_seed, name)`: the run's seed plus a fixed offset, hashed with the set's
@@ -71,6 +72,9 @@ logger = logging.getLogger(__name__)
 EVAL_SEED_OFFSET = 1_000_003
 # Metadata key of a prompt handed out again after the set was used up (only a group dropped whole asks for more).
 EVAL_PASS = "eval_pass"
+# slime calls these only in its training rollout (its eval path has its own log function, not offered here).
+TRAINING_ONLY_HOOKS = ("dynamic_sampling_filter_path", "buffer_filter_path", "rollout_sample_filter_path",
+                       "rollout_all_samples_process_path", "custom_rollout_log_function_path")
 
 
 # ----------------------------------------------------------------------------- schedule, seeds, settings
@@ -121,6 +125,8 @@ def eval_namespace(args: Any, cfg: Config, eval_set: EvalSet) -> Any:
     eval_args.n_samples_per_prompt = cfg.eval.n_samples_per_eval_prompt
     eval_args.over_sampling_batch_size = None
     eval_args.dynamic_filter = None
+    for hook in TRAINING_ONLY_HOOKS:
+        setattr(eval_args, hook, None)
     eval_args.partial_rollout = False
     eval_args.mask_offpolicy_in_partial_rollout = False
     eval_args.rollout_seed = eval_seed(cfg.rollout.rollout_seed, eval_set.name)

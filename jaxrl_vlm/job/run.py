@@ -162,8 +162,9 @@ class MainJob:
         if self.main:
             metrics["rollout/samples_without_weight_version"] = versions.unreported
             metrics.update(rollout_metrics(result.samples, result))
-            metrics.update(multi_turn_metrics(result.samples, self.cfg.rollout.rollout_max_response_len))
-            if self.cfg.eval.log_passrate:  # slime's passrate/pass@k over the training groups
+            if not result.skip_default_log:  # a --custom-rollout-log-function-path hook that returned True
+                metrics.update(multi_turn_metrics(result.samples, self.cfg.rollout.rollout_max_response_len))
+            if self.cfg.eval.log_passrate and not result.skip_default_log:  # slime's passrate/pass@k, training groups
                 passrate = passrate_metrics(result.samples, self.cfg.rollout.n_samples_per_prompt)
                 metrics.update({f"passrate/{k}": v for k, v in passrate.items()})
         metrics["perf/rollout_time"] = time.perf_counter() - t0

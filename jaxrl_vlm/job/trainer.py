@@ -24,6 +24,7 @@ from jaxrl_vlm.rl.losses import LossConfig
 from jaxrl_vlm.rl.train_step import StepConfig, TrainState, compile_train_step, compute_logprobs, make_optimizer
 from jaxrl_vlm.sharding.layout import batch_shardings, build_mesh, param_shardings, row_multiple, shardings_for
 from jaxrl_vlm.sharding.rules import resolve_rules
+from rollout.hooks import Hook, load_hook
 from rollout.sample import Sample
 from rollout.sglang_wire import logprob_temperature
 
@@ -45,6 +46,7 @@ def loss_config(cfg: Config, num_sequences: int) -> LossConfig:
         use_tis=a.use_tis,
         tis_clip=a.tis_clip,
         tis_clip_low=a.tis_clip_low,
+        custom_tis_function_path=a.custom_tis_function_path,
         use_kl_loss=a.use_kl_loss,
         kl_loss_coef=a.kl_loss_coef,
         kl_loss_type=a.kl_loss_type,
@@ -68,6 +70,7 @@ def step_config(cfg: Config, num_sequences: int, *, old_from_current: bool, acti
     return StepConfig(
         loss_name=cfg.algo.policy_loss,
         loss=loss_config(cfg, num_sequences),
+        custom_loss_path=cfg.algo.custom_loss_function_path if cfg.algo.loss_type == "custom_loss" else None,
         logprob_chunk_size=cfg.model.logprob_chunk_size,
         need_entropy=True,  # train/entropy_loss is always logged, as slime does
         temperature=training_temperature(cfg),
@@ -82,13 +85,23 @@ def sequences_bucket(n: int) -> int:
 
 
 def sample_advantages(samples: list[Sample], cfg: Config, rewards: np.ndarray | None = None) -> np.ndarray:
-    """One advantage per sample from its reward (or the given shaped `rewards`), grouped by `group_index`."""
+    """One advantage per sample from its reward (or the given shaped `rewards`), grouped by `group_index`, by
+    `--advantage-estimator` or the `--custom-advantage-function-path` hook that replaces it."""
     if rewards is None:
         rewards = np.array([float(s.reward) for s in samples], np.float64)
     groups = np.array([s.group_index for s in samples], np.int64)
-    return compute_advantages(
-        rewards, groups, cfg.algo.advantage_estimator, std_normalization=not cfg.algo.disable_grpo_std_normalization
-    )
+    a = cfg.algo
+    estimator = load_hook(a.custom_advantage_function_path, "custom_advantage_function_path") or a.advantage_estimator
+    return compute_advantages(rewards, groups, estimator, std_normalization=not a.disable_grpo_std_normalization)
+
+
+def post_process_rewards(hook: Hook, args: Any, samples: list[Sample]) -> tuple[list[float], list[float]]:
+    """slime's `--custom-reward-post-process-path`: `fn(args, samples) -> (raw_rewards, rewards)`, each one finite
+    float per sample (HookError naming the flag and path otherwise)."""
+    out = hook(args, samples)
+    hook.expect(isinstance(out, tuple) and len(out) == 2, "a (raw_rewards, rewards) tuple", out)
+    n = len(samples)
+    return hook.expect_finite_numbers(out[0], n, "raw_rewards"), hook.expect_finite_numbers(out[1], n, "rewards")
 
 
 def per_sample_token_values(batch: TrainBatch, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -238,7 +251,8 @@ class Trainer:
         return metrics
 
     def advantages(self, samples: list[Sample]) -> tuple[np.ndarray, dict[str, float]]:
-        """Advantages of a rollout, after `--kl-coef` reward shaping when it is on (with its metrics).
+        """Advantages of a rollout, after `--custom-reward-post-process-path` (its rewards replace the samples'; it
+        runs on every training process) and `--kl-coef` reward shaping when they are on (with their metrics).
 
         Shaping (slime's `--kl-coef`): each sample's reward loses kl_coef * sum over its model tokens of the k1
         estimate log p_old - log p_ref (the current weights before this update vs the initial policy), before
@@ -246,9 +260,16 @@ class Trainer:
         grpo/gspo; here it shapes the reward for every estimator (the README's slime table says so).
         """
         cfg = self.cfg
-        if cfg.algo.kl_coef == 0.0:
-            return sample_advantages(samples, cfg), {}
         rewards = np.array([float(s.reward) for s in samples], np.float64)
+        metrics: dict[str, float] = {}
+        hook = load_hook(cfg.algo.custom_reward_post_process_path, "custom_reward_post_process_path")
+        if hook is not None:  # slime's reward post-processing, before the estimator (and before --kl-coef)
+            raw, processed = post_process_rewards(hook, cfg.to_namespace(), samples)
+            rewards = np.array(processed, np.float64)
+            metrics["rollout/raw_reward"] = float(np.mean(raw))
+            metrics["rollout/rewards"] = float(rewards.mean())
+        if cfg.algo.kl_coef == 0.0:
+            return sample_advantages(samples, cfg, rewards), metrics
         kl_sums = np.zeros(len(samples), np.float64)
         size = cfg.train.global_batch_size or len(samples)
         for start in range(0, len(samples), size):
@@ -258,8 +279,8 @@ class Trainer:
             per_token, mask = per_sample_token_values(batch, np.asarray(jax.device_get(k1)))
             kl_sums[start : start + len(chunk)] = (per_token * mask).sum(axis=1)
         shaped = rewards - cfg.algo.kl_coef * kl_sums
-        metrics = {"rollout/kl_penalty_mean": float(cfg.algo.kl_coef * kl_sums.mean()),
-                   "rollout/shaped_reward_mean": float(shaped.mean())}
+        metrics.update({"rollout/kl_penalty_mean": float(cfg.algo.kl_coef * kl_sums.mean()),
+                        "rollout/shaped_reward_mean": float(shaped.mean())})
         return sample_advantages(samples, cfg, shaped), metrics
 
     def policy_model(self) -> Any:

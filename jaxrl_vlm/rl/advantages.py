@@ -12,6 +12,11 @@ Adding an estimator is one decorated function:
     @register_advantage("my_estimator")
     def my_estimator(rewards, group_index, *, std_normalization, eps): ...
 
+or, without editing the package, the same function in a user file passed by
+`--custom-advantage-function-path` (loaded as a `rollout.hooks.Hook` and given to
+`compute_advantages` in place of the name; its output is checked and a wrong one
+names the flag and the path).
+
 Estimators:
 - `grpo`: (r - group mean) / (group std + eps), std UNBIASED (ddof=1), eps=1e-6,
   exactly slime's `_post_process_rewards` (torch.std). `std_normalization=False`
@@ -40,6 +45,7 @@ from typing import Protocol
 import numpy as np
 
 from jaxrl_vlm.rl.registries import ADVANTAGE_ESTIMATORS
+from rollout.hooks import Hook
 
 
 class AdvantageFn(Protocol):
@@ -56,15 +62,16 @@ registered_advantage_estimators = ADVANTAGE_ESTIMATORS.names
 def compute_advantages(
     rewards: np.ndarray,
     group_index: np.ndarray,
-    estimator: str,
+    estimator: str | Hook,
     *,
     std_normalization: bool = True,
     eps: float = 1e-6,
 ) -> np.ndarray:
     """Per-sample advantages [N] (float64) from rewards [N], grouped by `group_index` [N] values.
 
-    Raises ValueError naming the offending sample on non-finite rewards, and on
-    shape or dtype mismatches.
+    `estimator`: a registry name, or the `--custom-advantage-function-path` hook (same signature), whose output
+    must be N finite numbers (HookError otherwise). Raises ValueError naming the offending sample on non-finite
+    rewards, and on shape or dtype mismatches.
     """
     r = np.asarray(rewards)
     g = np.asarray(group_index)
@@ -84,6 +91,9 @@ def compute_advantages(
         raise ValueError(f"non-finite reward at sample index {int(bad[0])}: {r[bad[0]]!r}")
     if eps < 0:
         raise ValueError(f"eps must be >= 0, got {eps}")
+    if isinstance(estimator, Hook):
+        out = estimator(r.copy(), g.copy(), std_normalization=std_normalization, eps=eps)
+        return np.asarray(estimator.expect_array(out, r.shape, "advantages", finite=True, sequence=True), np.float64)
     fn = get_advantage_estimator(estimator)
     out = np.asarray(fn(r, g, std_normalization=std_normalization, eps=eps), dtype=np.float64)
     if out.shape != r.shape:

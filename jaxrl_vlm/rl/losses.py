@@ -29,7 +29,13 @@ Semantics follow slime (`utils/ppo_utils.py`, `megatron_utils/loss.py`):
   advantages (tested). The token form keeps the backward local (no segment sum).
 - cispo (MiniMax-M1): -sg(clip(r, 1-eps, 1+eps_high)) * A * logp.
 - TIS: clip(exp(old - rollout), tis_clip_low, tis_clip), stop-gradient, multiplies
-  the per-token policy-gradient loss.
+  the per-token policy-gradient loss. `--custom-tis-function-path` replaces that weighting
+  (`custom_tis_function`): it returns the new per-token pg loss and a mask; tokens it masks
+  out leave the pg, KL and entropy terms (diagnostics keep them, as slime's mismatch
+  metrics do), while the token weights (the aggregation denominators, computed on the host)
+  stay as they were (slime rebuilds its denominators).
+- `--loss-type custom_loss`: a user function on this module's contract replaces the
+  registry's (`custom_loss`), checked at trace time.
 - KL(ref) loss with lr = logp - ref: k1 = lr, k2 = lr^2/2, k3 = low_var_kl =
   exp(-lr) - 1 + lr; slime negates lr before exp(lr) - 1 - lr, which is the same
   expression. Only low_var_kl is clamped to [-10, 10].
@@ -47,12 +53,15 @@ micro-batches (`accumulate_metrics`) and normalise once (`finalize_metrics`);
   `weight_sum` in `finalize_metrics`. Under token_mean and seq_mean_token_mean the
   global weights sum to 1, so these equal slime's `sum_of_sample_mean` values.
 - "max": `ratio_max` over masked tokens (0 where there are none).
+A name not in the table is a "sum" (a custom loss's own metrics), except a custom TIS
+function's `tis/<name>`, which are "mean" (`metric_kind`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -62,6 +71,7 @@ from flax import struct
 # Host-side aggregation lives in a numpy-only module (batching imports it without jax); re-exported here.
 from jaxrl_vlm.rl.aggregation import AGGREGATION_MODES, _check_aggregation, aggregation_weights  # noqa: F401
 from jaxrl_vlm.rl.registries import POLICY_LOSSES
+from rollout.hooks import load_hook
 
 KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
 LOW_VAR_KL_CLAMP = 10.0
@@ -102,6 +112,8 @@ class LossConfig:
     eps_clip_c: dual-clip constant (> 1) for A < 0; None disables it.
     use_tis / tis_clip / tis_clip_low: truncated importance sampling against the
         rollout log-probs, weights clipped to [tis_clip_low, tis_clip].
+    custom_tis_function_path: with use_tis, the user's TIS/RS function in place of the
+        clipped weight (`custom_tis_function`).
     use_kl_loss / kl_loss_coef / kl_loss_type: KL(ref) as a loss term.
     entropy_coef: weight of the entropy bonus (subtracted from the loss).
     num_sequences: static upper bound on sequences per micro-batch (gspo's
@@ -116,6 +128,7 @@ class LossConfig:
     use_tis: bool = False
     tis_clip: float = 2.0
     tis_clip_low: float = 0.0
+    custom_tis_function_path: str | None = None
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.0
     kl_loss_type: str = "k1"
@@ -276,27 +289,42 @@ def _assemble(
     def wsum(x: jax.Array) -> jax.Array:
         return jnp.sum(w * masked(x, mask))
 
+    # The loss terms' reduction: `wsum`, unless a custom TIS function removes tokens. Its mask applies to the
+    # pg, KL and entropy terms only; diagnostics (and weight_sum, their denominator) keep the trainable tokens,
+    # as slime reduces its mismatch metrics with the original mask.
+    lsum = wsum
+    custom_tis = cfg.use_tis and cfg.custom_tis_function_path is not None
+    tis_metrics: Mapping[str, jax.Array] = {}
+    if custom_tis:
+        pg_per_token, kept, tis_metrics = custom_tis_function(cfg.custom_tis_function_path)(pg_per_token, inputs, cfg)
+        kept_w = masked(inputs.token_weights, kept).astype(pg_per_token.dtype)
+
+        def lsum(x: jax.Array) -> jax.Array:
+            return jnp.sum(kept_w * masked(x, kept))
+
     metrics: dict[str, jax.Array] = {}
     if inputs.rollout_logprobs is not None:
         old, rollout = sg(inputs.old_logprobs), sg(inputs.rollout_logprobs)
         tis = jnp.exp(masked(old - rollout, mask))
         tis_w = jnp.clip(tis, cfg.tis_clip_low, cfg.tis_clip)
-        if cfg.use_tis:
+        if cfg.use_tis and not custom_tis:
             pg_per_token = pg_per_token * tis_w
         metrics["tis"] = wsum(tis)
         metrics["tis_clipfrac"] = wsum((tis_w != tis).astype(w.dtype))
         metrics["train_rollout_logprob_abs_diff"] = wsum(jnp.abs(old - rollout))
+    for k, v in tis_metrics.items():
+        metrics[f"tis/{k}"] = wsum(sg(v))
 
-    pg_loss = wsum(pg_per_token)
+    pg_loss = lsum(pg_per_token)
     loss = pg_loss
     if inputs.ref_logprobs is not None:
         kl = kl_estimate(masked(inputs.logprobs, mask), masked(sg(inputs.ref_logprobs), mask), cfg.kl_loss_type)
-        kl_loss = wsum(kl)
+        kl_loss = lsum(kl)
         if cfg.use_kl_loss and cfg.kl_loss_coef != 0.0:
             loss = loss + cfg.kl_loss_coef * kl_loss
         metrics["kl_loss"] = sg(kl_loss)
     if inputs.entropy is not None:
-        entropy = wsum(inputs.entropy)
+        entropy = lsum(inputs.entropy)
         if cfg.entropy_coef != 0.0:
             loss = loss - cfg.entropy_coef * entropy
         metrics["entropy_loss"] = sg(entropy)
@@ -366,6 +394,66 @@ def cispo_loss(inputs: LossInputs, cfg: LossConfig) -> tuple[jax.Array, dict[str
     return _assemble(pg, ratio, -log_ratio, clipped, {}, inputs, cfg)
 
 
+# ----------------------------------------------------------------------------- user functions (slime's hooks)
+
+
+def custom_loss(path: str) -> LossFn:
+    """The loss of `--loss-type custom_loss --custom-loss-function-path path`, on this module's contract.
+
+    The user's `fn(inputs: LossInputs, cfg: LossConfig) -> (loss, metrics)` is traced inside the compiled
+    train step like a registered loss: `loss` a float scalar array (the micro-batch's `sum_t w_t * loss_t`, so
+    micro-batching stays exact), `metrics` a dict of float scalars, added over micro-batches (`metric_kind`).
+    `loss` and `weight_sum` are filled in when it leaves them out. A wrong return type raises HookError naming
+    the flag and the path, at trace time.
+    """
+    hook = load_hook(path, "custom_loss_function_path")
+
+    def loss_fn(inputs: LossInputs, cfg: LossConfig) -> tuple[jax.Array, dict[str, jax.Array]]:
+        out = hook(inputs, cfg)
+        hook.expect(isinstance(out, tuple) and len(out) == 2, "a (loss, metrics) tuple", out)
+        loss, metrics = out
+        hook.expect_array(loss, (), "loss")
+        _expect_metrics(hook, metrics, ())
+        metrics = {k: jax.lax.stop_gradient(v) for k, v in metrics.items()}
+        metrics.setdefault("loss", jax.lax.stop_gradient(loss))
+        metrics.setdefault("weight_sum", jnp.sum(masked(inputs.token_weights, inputs.loss_mask)))
+        return loss, metrics
+
+    return loss_fn
+
+
+def custom_tis_function(path: str) -> Callable[[jax.Array, LossInputs, LossConfig], tuple[jax.Array, jax.Array, dict]]:
+    """The TIS/RS function of `--custom-tis-function-path path` (with `--use-tis`), JAX-native.
+
+    The user's `fn(pg_loss, inputs, cfg) -> (pg_loss, loss_mask, metrics)` gets the per-token policy-gradient
+    loss [B, T] before any weighting and returns it weighted, a [B, T] mask of the tokens to keep, and per-token
+    [B, T] metrics (logged as `train/tis/<name>`, token-weighted means). Called inside the compiled step; its mask
+    can only remove tokens (it multiplies `inputs.loss_mask`). A wrong return raises HookError at trace time.
+    """
+    hook = load_hook(path, "custom_tis_function_path")
+
+    def tis_fn(pg_loss: jax.Array, inputs: LossInputs, cfg: LossConfig) -> tuple[jax.Array, jax.Array, dict]:
+        out = hook(pg_loss, inputs, cfg)
+        hook.expect(isinstance(out, tuple) and len(out) == 3, "a (pg_loss, loss_mask, metrics) tuple", out)
+        weighted, keep, metrics = out
+        shape = tuple(pg_loss.shape)
+        hook.expect_array(weighted, shape, "pg_loss")
+        hook.expect(hasattr(keep, "shape") and hasattr(keep, "dtype") and tuple(keep.shape) == shape,
+                    f"an array of shape {shape}", keep, "loss_mask")
+        _expect_metrics(hook, metrics, shape)
+        return weighted, inputs.loss_mask * keep.astype(inputs.loss_mask.dtype), dict(metrics)
+
+    return tis_fn
+
+
+def _expect_metrics(hook: Any, metrics: Any, shape: tuple[int, ...]) -> None:
+    hook.expect(isinstance(metrics, Mapping), f"metrics: a dict of str -> float arrays of shape {shape}", metrics,
+                "metrics")
+    for k, v in metrics.items():
+        hook.expect(isinstance(k, str), "metric names that are str", k, "metrics")
+        hook.expect_array(v, shape, f"metrics[{k!r}]")
+
+
 # ----------------------------------------------------------------------------- metrics over micro-batches
 
 METRIC_KINDS: dict[str, str] = {
@@ -386,19 +474,23 @@ METRIC_KINDS: dict[str, str] = {
 }
 
 
+def metric_kind(name: str) -> str:
+    """How a metric combines over micro-batches: its `METRIC_KINDS` entry; else "mean" for a custom TIS
+    function's `tis/<name>` and "sum" for anything else (a custom loss's own metrics)."""
+    return METRIC_KINDS.get(name) or ("mean" if name.startswith("tis/") else "sum")
+
+
 def accumulate_metrics(acc: Mapping[str, jax.Array] | None, new: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
     """Combine the metrics of one more micro-batch (jittable): add, or max for "max" kinds."""
     if acc is None:
         return dict(new)
     if set(acc) != set(new):
         raise ValueError(f"metric keys differ between micro-batches: {sorted(acc)} vs {sorted(new)}")
-    return {
-        k: jnp.maximum(acc[k], v) if METRIC_KINDS.get(k) == "max" else acc[k] + v for k, v in new.items()
-    }
+    return {k: jnp.maximum(acc[k], v) if metric_kind(k) == "max" else acc[k] + v for k, v in new.items()}
 
 
 def finalize_metrics(acc: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
     """Divide the "mean" metrics by the total weight of masked tokens (0 if there were none)."""
     total = acc["weight_sum"]
     safe = jnp.where(total > 0, total, 1.0)
-    return {k: (v / safe if METRIC_KINDS.get(k) == "mean" else v) for k, v in acc.items()}
+    return {k: (v / safe if metric_kind(k) == "mean" else v) for k, v in acc.items()}

@@ -26,7 +26,7 @@ from flax import nnx
 
 from jaxrl_vlm.models.activation_sharding import ActivationSharding, activation_sharding
 from jaxrl_vlm.models.qwen3_vl import Qwen3VL, token_logprobs
-from jaxrl_vlm.rl.losses import LossConfig, LossInputs, accumulate_metrics, finalize_metrics, get_loss
+from jaxrl_vlm.rl.losses import LossConfig, LossInputs, accumulate_metrics, custom_loss, finalize_metrics, get_loss
 
 
 class TrainState(NamedTuple):
@@ -44,6 +44,8 @@ class StepConfig:
 
     loss_name: str
     loss: LossConfig
+    # --loss-type custom_loss: the user's loss (rl/losses.py `custom_loss`) in place of the registry's `loss_name`.
+    custom_loss_path: str | None = None
     logprob_chunk_size: int = 512
     need_entropy: bool = False
     # Log-probs and entropy are those of softmax(logits / temperature): the rollout's sampling distribution.
@@ -119,7 +121,7 @@ def train_step(
 
 
 def _train_step(graphdef, tx, cfg: StepConfig, state: TrainState, batch, old_logprobs, ref_logprobs):
-    loss_fn = get_loss(cfg.loss_name)
+    loss_fn = custom_loss(cfg.custom_loss_path) if cfg.custom_loss_path is not None else get_loss(cfg.loss_name)
     num_micro = batch.tokens.shape[0]
 
     def micro_loss(params, k):
