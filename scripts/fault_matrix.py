@@ -134,8 +134,10 @@ FAULT_CLASSES: tuple[FaultClass, ...] = (
                 VERSIONS + "test_an_engine_that_keeps_other_weights_stops_the_run_before_any_rollout",
                 VERSIONS + "test_resume_pushes_the_resumed_version_to_the_external_engine")),
     FaultClass("shared_weight_sync_dir", "row 8",
-               "two runs sharing one --weight-sync-dir -> each writes under its own run subdirectory",
-               (TP + "test_session_resumes_an_external_engine_left_paused_and_runs_use_their_own_sync_dir",)),
+               "two runs sharing one --weight-sync-dir -> each writes under its own run subdirectory and prunes "
+               "only its own versions",
+               (TP + "test_session_resumes_an_external_engine_left_paused_and_runs_use_their_own_sync_dir",
+                TP + "test_two_runs_sharing_a_sync_dir_never_delete_each_others_versions")),
     FaultClass("engine_left_paused", "row 9",
                "the trainer dies (or is cancelled) between pause and continue -> continue is sent in a finally, "
                "and again on attach to an engine found paused",
@@ -262,6 +264,10 @@ FAULT_CLASSES: tuple[FaultClass, ...] = (
                "SIGKILL while a checkpoint is being written -> the partial step is never restored, the next writer "
                "cleans it up",
                (TP + "test_checkpoint_killed_mid_write_is_never_restored",)),
+    FaultClass("disk_full", "survived",
+               "writes fail past a file-size limit (EFBIG, as ENOSPC) while saving a checkpoint and exporting "
+               "weights -> both raise, the failed step is never listed, the previous step and version stay whole",
+               ("tests/test_disk_full.py::test_a_full_disk_fails_the_save_and_the_export_and_keeps_the_previous_ones",)),
     FaultClass("weight_sync_failure", "survived",
                "the engine fails to load pushed weights (one router worker, or a flush that stays busy) -> the old "
                "version stays, the run stops naming the worker, every engine is resumed",

@@ -217,3 +217,19 @@ async def test_session_resumes_an_external_engine_left_paused_and_runs_use_their
     assert a.parent == b.parent == tmp_path / "shm" and a != b
     assert a == weight_sync_root(load_config(None, [*shared]), tmp_path / "a")  # the same run (or its resume)
     assert weight_sync_root(load_config(None, []), tmp_path / "a") == tmp_path / "a" / "weights"
+
+
+async def test_two_runs_sharing_a_sync_dir_never_delete_each_others_versions(trainer, tiny_dir, tmp_path):
+    """Run B exporting (and pruning) its versions under the shared --weight-sync-dir leaves run A's untouched."""
+    shared = ["--weight-sync-dir", str(tmp_path / "shm")]
+    roots = [weight_sync_root(load_config(None, [*shared, "--output-dir", str(tmp_path / run)]), tmp_path / run)
+             for run in ("a", "b")]
+    a, b = (WeightSyncer(None, root, copy_from=str(tiny_dir)) for root in roots)
+    model = trainer.policy_model()
+    await a.push(model, 1)
+    await a.push(model, 2)
+    for version in (1, 2, 3):
+        await b.push(model, version)
+    assert [p.name for p in roots[0].iterdir()] == ["weights_v000002"]  # A keeps its own latest
+    assert [p.name for p in roots[1].iterdir()] == ["weights_v000003"]
+    assert sorted(p.name for p in (tmp_path / "shm").iterdir()) == sorted(r.name for r in roots)
