@@ -321,7 +321,7 @@ async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any] | 
         state = ctx.suspended.pop(key, None)
         fresh = state is None
         if state is None:
-            state = _init_episode(ctx, args, sample, multiturn)
+            state = await _init_episode(ctx, args, sample, multiturn)
         state.hook_timeout_s = multiturn.env_hook_timeout
         run = _EpisodeRun.start(ctx, opts, multiturn, sample, state, sampling_params)
         await asyncio.wait_for(run.run(reset=fresh), deadline.remaining())
@@ -377,8 +377,9 @@ def _end_episode(sample: Sample, termination: Termination, *, error: str | None 
     sample.termination = termination
 
 
-def _init_episode(ctx: RolloutContext, args: Any, sample: Sample, multiturn: MultiTurnOptions) -> EpisodeState:
+async def _init_episode(ctx: RolloutContext, args: Any, sample: Sample, multiturn: MultiTurnOptions) -> EpisodeState:
     """Encode the prompt and build the env (not yet reset: `_EpisodeRun.run` resets it, within the deadline).
+    `build_env` is user code too: bounded by `--env-hook-timeout` like the other env hooks.
 
     From here on the env is always closed, also when its `reset()` fails or hangs.
     """
@@ -388,7 +389,8 @@ def _init_episode(ctx: RolloutContext, args: Any, sample: Sample, multiturn: Mul
     seg = ctx.encoder.encode_prompt(sample.prompt, tools=tools)
     sample.set_prompt_tokens(seg.train_ids)
     sample.image_data = list(seg.image_data)
-    env = ctx.env_module.build_env(sample, args)
+    env = await call_env_hook(ctx.env_module.build_env, sample, args, timeout_s=multiturn.env_hook_timeout,
+                              hook="build_env")
     state = EpisodeState(wire_ids=list(seg.wire_ids), env=env, hook_timeout_s=multiturn.env_hook_timeout)
     if seg.mm_inputs is not None:
         state.mm_chunks.append(seg.mm_inputs)

@@ -1,6 +1,6 @@
 """Issue 17 row 5: an env hook that hangs or blocks fails its own episode, never the rollout.
 
-`reset`, `verdict`, `close`, the module's `reward_fn` and `step` run under time limits; sync ones in daemon
+`build_env`, `reset`, `verdict`, `close`, the module's `reward_fn` and `step` run under time limits; sync ones in daemon
 worker threads, so a blocking one neither stalls the event loop nor holds up the loop's shutdown. The faults are
 injected into real episodes run by the driver against the scripted SGLang server, as tests/test_driver.py does.
 """
@@ -82,7 +82,7 @@ class FaultyEnv(BaseInteractionEnv):
 # Sample index -> the fault of its env (None: a healthy episode), and the cause and hook each fault must be named by.
 FAULTS: dict[int, str | None] = {
     0: None, 1: "reset_blocks", 2: "verdict_hangs", 3: "close_never_returns", 4: None, 5: "step_blocks",
-    6: "reward_fn_hangs",
+    6: "reward_fn_hangs", 7: "build_env_blocks",
 }
 EXPECTED: dict[str, tuple[str, str]] = {
     "reset_blocks": ("env_timeout", "env.reset did not return within 0.5 s (--env-hook-timeout)"),
@@ -90,11 +90,14 @@ EXPECTED: dict[str, tuple[str, str]] = {
     "close_never_returns": ("env_timeout", "env.close did not return within 0.5 s (--env-hook-timeout)"),
     "step_blocks": ("env_error", "env.step timed out after 0.5 s"),
     "reward_fn_hangs": ("env_timeout", "faulty_env.reward_fn did not return within 0.5 s (--env-hook-timeout)"),
+    "build_env_blocks": ("env_timeout", "build_env did not return within 0.5 s (--env-hook-timeout)"),
 }
 
 
 def faulty_module(blocker: Blocker, envs: dict[int, FaultyEnv]) -> types.ModuleType:
-    def build_env(sample: Sample, args: Any) -> FaultyEnv:
+    def build_env(sample: Sample, args: Any) -> FaultyEnv:  # sync: runs in a worker thread
+        if FAULTS[sample.index] == "build_env_blocks":
+            blocker.block()
         env = envs[sample.index] = FaultyEnv(FAULTS[sample.index], blocker)
         return env
 
@@ -178,7 +181,7 @@ def test_stuck_hooks_fail_their_own_samples_and_the_group_finishes_in_bounded_ti
     # The stuck sync calls were abandoned in daemon threads (they cannot be killed), not in executor workers.
     assert stuck and all(t.daemon for t in stuck)
     assert {t.name for t in stuck} >= {"env-hook:env.reset", "env-hook:env.verdict", "env-hook:env.step",
-                                       "env-hook:faulty_env.reward_fn"}
+                                       "env-hook:faulty_env.reward_fn", "env-hook:build_env"}
 
     failed = {s.index: s for s in result.failed}
     assert sorted(failed) == sorted(i for i, f in FAULTS.items() if f is not None)
@@ -192,8 +195,8 @@ def test_stuck_hooks_fail_their_own_samples_and_the_group_finishes_in_bounded_ti
     assert sorted(s.index for s in kept) == [0, 4]
     assert all(s.status is Status.COMPLETED and s.reward == 1.0 for s in kept)
     assert result.episodes == len(FAULTS)
-    # close() ran exactly once for every env, the one whose reset is stuck included.
-    assert {i: e.closes for i, e in envs.items()} == {i: 1 for i in FAULTS}
+    # close() ran exactly once for every env that was built, the one whose reset is stuck included.
+    assert {i: e.closes for i, e in envs.items()} == {i: 1 for i, f in FAULTS.items() if f != "build_env_blocks"}
     for t in stuck:
         t.join(timeout=5.0)
 
