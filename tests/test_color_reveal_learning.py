@@ -13,6 +13,7 @@ Each arm is a full 100-step run (about 3.5 minutes on 2 cores); the three share 
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,7 @@ INITIAL_SLACK = 0.1  # the untrained policy is a chance-level guesser
 def ablations():
     spec = importlib.util.spec_from_file_location("color_reveal_ablations", SCRIPT)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve the module's annotations through sys.modules
     spec.loader.exec_module(module)
     return module
 
