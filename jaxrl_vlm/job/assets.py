@@ -17,8 +17,8 @@ from rollout.sample import Sample
 logger = logging.getLogger(__name__)
 
 
-def prepare_assets(cfg: Config) -> tuple[Path, Path]:
-    """The model directory and the prompt data, created on first use when the config asks for it."""
+def prepare_model(cfg: Config) -> Path:
+    """The model directory, created on first use with `--make-tiny`."""
     if not cfg.model.hf_checkpoint:
         raise ValueError("--hf-checkpoint is required (a Qwen3-VL HF directory, or a path for --make-tiny to create)")
     model_dir = Path(cfg.model.hf_checkpoint)
@@ -27,6 +27,12 @@ def prepare_assets(cfg: Config) -> tuple[Path, Path]:
             raise FileNotFoundError(f"--hf-checkpoint {model_dir}: no config.json (set --make-tiny to create a tiny random model)")
         logger.info("creating a tiny random Qwen3-VL at %s", model_dir)
         make_tiny(str(model_dir), seed=cfg.train.seed)
+    return model_dir
+
+
+def prepare_assets(cfg: Config) -> tuple[Path, Path]:
+    """The model directory and the prompt data, created on first use when the config asks for it."""
+    model_dir = prepare_model(cfg)
     if not cfg.data.prompt_data:
         raise ValueError("--prompt-data is required (parquet or jsonl in the Geometry3K layout)")
     data_path = Path(cfg.data.prompt_data)
