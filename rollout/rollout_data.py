@@ -30,6 +30,7 @@ This module never imports jax.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gzip
 import hashlib
@@ -142,11 +143,14 @@ def write_rollout_data(path: str | Path, rollout_id: int, result: RolloutResult,
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
-        with _open_write(tmp, compress=path.suffix == ".gz") as f:
-            f.write(_line(header))
-            for line in body:
-                f.write(line)
-            f.write(_line({"end": {"lines": len(body), "sha256": digest.hexdigest()}}))
+        with tmp.open("wb") as raw:
+            # No name and no time in a gzip header: the same step gives the same bytes.
+            with (gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) if path.suffix == ".gz"
+                  else contextlib.nullcontext(raw)) as f:
+                f.write(_line(header))
+                for line in body:
+                    f.write(line)
+                f.write(_line({"end": {"lines": len(body), "sha256": digest.hexdigest()}}))
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -155,11 +159,6 @@ def write_rollout_data(path: str | Path, rollout_id: int, result: RolloutResult,
 
 def _line(obj: dict[str, Any]) -> bytes:
     return (json.dumps(obj, allow_nan=True, separators=(",", ":")) + "\n").encode("utf-8")
-
-
-def _open_write(path: Path, *, compress: bool) -> IO[bytes]:
-    # mtime=0: the same step written twice gives the same bytes.
-    return gzip.GzipFile(path, "wb", compresslevel=6, mtime=0) if compress else path.open("wb")
 
 
 # ----------------------------------------------------------------------------- reading

@@ -40,11 +40,18 @@ def prepare_assets(cfg: Config) -> tuple[Path, Path]:
         if not cfg.data.make_data:
             raise FileNotFoundError(f"--prompt-data {data_path} does not exist (set --make-data to generate synthetic data)")
         make_synthetic_data(cfg, data_path, cfg.data.synthetic_rows, seed=cfg.train.seed)
-    if cfg.data.make_data:  # missing eval set files too, each with its own seed (never the training prompts)
-        for k, spec in enumerate(parse_eval_prompt_data(cfg.eval.eval_prompt_data)):
-            if not Path(spec.path).exists():
-                make_synthetic_data(cfg, Path(spec.path), cfg.data.synthetic_eval_rows, seed=cfg.train.seed + 1 + k)
+    prepare_eval_data(cfg)
     return model_dir, data_path
+
+
+def prepare_eval_data(cfg: Config) -> None:
+    """With `--make-data`, the eval set files that do not exist yet, each with its own seed (never the training
+    prompts')."""
+    if not cfg.data.make_data:
+        return
+    for k, spec in enumerate(parse_eval_prompt_data(cfg.eval.eval_prompt_data)):
+        if not Path(spec.path).exists():
+            make_synthetic_data(cfg, Path(spec.path), cfg.data.synthetic_eval_rows, seed=cfg.train.seed + 1 + k)
 
 
 def make_synthetic_data(cfg: Config, path: Path, num_rows: int, seed: int) -> None:

@@ -35,6 +35,7 @@ import logging
 import math
 import re
 import shlex
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +43,7 @@ from typing import Any
 
 from jaxrl_vlm.checkpoint import CheckpointStore
 from jaxrl_vlm.config import Config, ConfigError, load_config, read_yaml
+from jaxrl_vlm.job.assets import load_eval_sets, prepare_eval_data, prepare_model
 from jaxrl_vlm.job.eval import eval_due, evaluate_weights
 from jaxrl_vlm.job.run import train
 from jaxrl_vlm.job.run_log import RunLog, plot_runs, read_metrics
@@ -77,7 +79,7 @@ class LossVariant:
 
     @property
     def description(self) -> str:
-        return self.source or "(base config)"
+        return self.source or " ".join(self.flags) or "(base config)"
 
 
 def parse_variant(spec: str) -> LossVariant:
@@ -175,9 +177,16 @@ def compare_losses(base_path: str | None, base_argv: Sequence[str], variants: Se
     if repeated:
         raise ConfigError(f"compare-losses: variant names must differ, {repeated} repeat")
     run_dirs = [out / "runs" / v.name for v in variants]
+    used = [str(d) for d in run_dirs if d.exists() and any(d.iterdir())]
+    if used:  # a variant's metrics and checkpoints would mix with an earlier comparison's
+        raise ConfigError(f"compare-losses: {', '.join(used)} already hold a run; choose another --out or remove them")
     cfgs = [variant_config(base_path, base_argv, v, d, base=base) for v, d in zip(variants, run_dirs)]
     start = _start_step(base)
     eval_steps = [s for s in range(start, base.rollout.num_rollout + 1) if eval_due(base, s)]
+    if eval_steps:  # eval sets that cannot be read fail now, not after every variant trained
+        prepare_model(base)
+        prepare_eval_data(base)
+        load_eval_sets(base)
 
     for variant, cfg in zip(variants, cfgs):
         logger.info("compare-losses: training variant %s (%s)", variant.name, variant.description)
@@ -229,8 +238,10 @@ def _start_weights(cfg: Config) -> str | None:
 
 
 def _evaluate(cfg: Config, load: str | None, dump_dir: Path) -> dict[str, float]:
+    """`jaxrl-vlm eval` of `load` (None: the start model): the eval metrics, as a run logs them."""
+    t0 = time.perf_counter()
     report = asyncio.run(evaluate_weights(cfg, load, dump_dir=dump_dir))
-    return report.metrics
+    return {**report.metrics, "perf/eval_time": time.perf_counter() - t0}
 
 
 # ----------------------------------------------------------------------------- the table
