@@ -21,11 +21,12 @@ One file per step, JSON lines (gzip-compressed when the path ends in `.gz`):
 4. an end record `{"end": {"lines": n, "sha256": hex}}` over the bytes of lines 2-3, so a truncated or altered file
    is an error, never a silently different batch.
 
-Lists stay lists and tuples become lists (JSON); a value JSON cannot hold (an object a custom hook put in
-`metadata`) is an error naming the sample and the field. Files are written to a temporary name and renamed, so a
+Lists stay lists, tuples become lists and mapping keys strings (JSON); a value JSON cannot hold (an object a custom
+hook put in `metadata`) is an error naming the sample and the field. Files are written to a temporary name and renamed, so a
 killed run never leaves a half-written step under the final name.
 
-This module never imports jax.
+The flags are declared with the other rollout options (`rollout/options.py`, `DebugOptions`); the main job saves
+and replays (`jaxrl_vlm/job/replay.py`). This module never imports jax.
 """
 
 from __future__ import annotations
@@ -100,19 +101,19 @@ def _result_from(groups: list[list[Sample]], failed: list[Sample], accounting: d
     return RolloutResult(groups=groups, failed=failed, **kwargs)
 
 
-def _sample_json(sample: Sample, where: str) -> dict[str, Any]:
+def _sample_line(kind: str, sample: Sample, where: str) -> bytes:
+    """`{kind: sample}` as one line; a field JSON cannot hold is an error naming the sample and the field."""
     data = sample.to_dict()
     try:
-        json.dumps(data, allow_nan=True)
+        return _line({kind: data})
     except (TypeError, ValueError):
-        for key, value in data.items():  # name the field JSON cannot hold
+        for key, value in data.items():
             try:
                 json.dumps(value, allow_nan=True)
             except (TypeError, ValueError) as e:
                 raise RolloutDataError(f"{where}: {sample.name} field {key!r} cannot be saved: {e} (save only "
                                        "JSON data, numbers, strings, lists, dicts and numpy arrays in samples)") from None
         raise
-    return data
 
 
 # ----------------------------------------------------------------------------- writing
@@ -126,12 +127,12 @@ def write_rollout_data(path: str | Path, rollout_id: int, result: RolloutResult,
     position = {id(s): i for i, s in enumerate(kept)}
     body: list[bytes] = []
     for s in kept:
-        body.append(_line({"sample": _sample_json(s, where)}))
+        body.append(_sample_line("sample", s, where))
     for s in result.failed:
         if id(s) in position:
             body.append(_line({"failed_same_as": position[id(s)]}))
         else:
-            body.append(_line({"failed": _sample_json(s, where)}))
+            body.append(_sample_line("failed", s, where))
     digest = hashlib.sha256()
     for line in body:
         digest.update(line)

@@ -25,7 +25,14 @@ import pytest
 from _slime_geo3k_args import argv as slime_argv
 
 from jaxrl_vlm.config import ConfigError, load_config
-from jaxrl_vlm.job.compare import LossVariant, comparison_row, csv_table, markdown_table, parse_variant
+from jaxrl_vlm.job.compare import (
+    LossVariant,
+    compare_losses,
+    comparison_row,
+    csv_table,
+    markdown_table,
+    parse_variant,
+)
 from jaxrl_vlm.job.replay import RolloutReplay
 from jaxrl_vlm.job.run_log import read_metrics
 from rollout.driver import RolloutResult
@@ -220,6 +227,33 @@ def test_comparison_rows_give_means_lasts_and_eval_and_a_dash_for_what_a_loss_do
     assert "| a | --lr 1 | 2 | 2 | 3 |" in md[2] and " - |" in md[2]
     rows = list(csv.DictReader(csv_table([row]).splitlines()))
     assert rows[0]["loss mean"] == "2.0" and rows[0]["entropy mean"] == ""
+
+
+def test_compare_losses_refuses_before_training_what_cannot_be_compared(tmp_path):
+    template = str(tmp_path / "step_{rollout_id}.jsonl")
+    for k in range(2):
+        write_rollout_data(step_path(template, k), k, _result(np.random.default_rng(k)),
+                           settings={"rollout_temperature": 1.0})
+    base = ["--hf-checkpoint", str(tmp_path / "model"), "--num-rollout", "2", "--load-debug-rollout-data", template]
+    gspo = parse_variant("gspo=--policy-loss gspo")
+    cases = [
+        (base[:-2], [gspo], r"add --load-debug-rollout-data PATH"),
+        (base, [], r"at least one --variant"),
+        (base, [gspo, parse_variant("gspo=--eps-clip 0.1")], r"variant names must differ, \['gspo'\] repeat"),
+        (base, [parse_variant(f"m=--hf-checkpoint {tmp_path / 'other'}")], r"variant m: changes hf_checkpoint"),
+        (base, [parse_variant(f"d=--load-debug-rollout-data {tmp_path / 'x_{rollout_id}.jsonl'}")],
+         r"variant d: changes load_debug_rollout_data"),
+        (base, [parse_variant("hot=--rollout-temperature 0.5")], r"sampled at --rollout-temperature 1.0, this run has 0.5"),
+        (base, [parse_variant("long=--num-rollout 3")], r"no saved rollout for step 2"),
+    ]
+    for argv, variants, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            compare_losses(None, argv, variants, tmp_path / "out")
+    (tmp_path / "out" / "runs" / "gspo").mkdir(parents=True)
+    (tmp_path / "out" / "runs" / "gspo" / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(ConfigError, match=r"already hold a run; choose another --out"):
+        compare_losses(None, base, [gspo], tmp_path / "out")
+    assert not (tmp_path / "model").exists()  # nothing trained, nothing created
 
 
 # ----------------------------------------------------------------------------- end to end, one CPU device

@@ -45,8 +45,10 @@ from jaxrl_vlm.checkpoint import CheckpointStore
 from jaxrl_vlm.config import Config, ConfigError, load_config, read_yaml
 from jaxrl_vlm.job.assets import load_eval_sets, prepare_eval_data, prepare_model
 from jaxrl_vlm.job.eval import eval_due, evaluate_weights
+from jaxrl_vlm.job.replay import RolloutReplay
 from jaxrl_vlm.job.run import train
 from jaxrl_vlm.job.run_log import RunLog, plot_runs, read_metrics
+from rollout.rollout_data import RolloutDataError, read_rollout_data, step_path
 
 logger = logging.getLogger(__name__)
 
@@ -182,6 +184,7 @@ def compare_losses(base_path: str | None, base_argv: Sequence[str], variants: Se
         raise ConfigError(f"compare-losses: {', '.join(used)} already hold a run; choose another --out or remove them")
     cfgs = [variant_config(base_path, base_argv, v, d, base=base) for v, d in zip(variants, run_dirs)]
     start = _start_step(base)
+    _preflight(cfgs, start)
     eval_steps = [s for s in range(start, base.rollout.num_rollout + 1) if eval_due(base, s)]
     if eval_steps:  # eval sets that cannot be read fail now, not after every variant trained
         prepare_model(base)
@@ -213,6 +216,19 @@ def compare_losses(base_path: str | None, base_argv: Sequence[str], variants: Se
     table_csv.write_text(csv_table(rows))
     plots = plot_runs(run_dirs, out / "plots", plots=LOSS_METRICS, labels=names, skip_empty=True)
     return Comparison(list(variants), run_dirs, table_md, table_csv, plots, markdown)
+
+
+def _preflight(cfgs: Sequence[Config], start: int) -> None:
+    """Every variant can replay every step it trains (the files exist, the settings fit), before any trains."""
+    first = step_path(cfgs[0].debug.load_debug_rollout_data, start)
+    try:
+        settings = read_rollout_data(first, rollout_id=start).settings
+    except RolloutDataError as e:
+        raise ConfigError(f"--load-debug-rollout-data: {e}") from e
+    for cfg in cfgs:
+        replay = RolloutReplay(cfg)
+        replay.check_available(start, cfg.rollout.num_rollout)
+        replay.check_settings(settings, first)
 
 
 def _start_step(cfg: Config) -> int:

@@ -77,10 +77,10 @@ class RolloutReplay:
             saved = read_rollout_data(path, rollout_id=step)
         except RolloutDataError as e:
             raise ConfigError(f"--load-debug-rollout-data: {e}") from e
-        self._check(saved.settings, path)
+        self.check_settings(saved.settings, path)
         return saved.result
 
-    def _check(self, settings: dict[str, Any], path: Path) -> None:
+    def check_settings(self, settings: dict[str, Any], path: Path) -> None:
         """The trainer scores samples at the rollout temperature (the distribution that sampled them): another
         temperature would compare different policies in every ratio and TIS weight, so it is an error. Another
         model is allowed (e.g. a different start), said once."""
