@@ -96,6 +96,19 @@ def _cmd_plot(ns: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
+def _cmd_compare_losses(ns: argparse.Namespace, rest: list[str]) -> int:
+    """Train each loss variant on the same saved rollouts from the same weights; a table and one plot per metric."""
+    config_path, overrides = split_config_argv(rest)
+    from jaxrl_vlm.job.compare import compare_losses, parse_variant
+
+    variants = [parse_variant(spec) for spec in ns.variant]
+    report = compare_losses(config_path, overrides, variants, ns.out)
+    print(report.markdown)
+    print(f"wrote {report.table_md}, {report.table_csv} and {len(report.plots)} plots to {report.plots[0].parent}: "
+          f"{', '.join(p.name for p in report.plots)}; each variant's run under {report.run_dirs[0].parent}")
+    return 0
+
+
 def _cmd_make_dataset(ns: argparse.Namespace, rest: list[str]) -> int:
     if rest:
         raise ConfigError(f"make-dataset: unexpected arguments {rest}")
@@ -217,6 +230,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="Run output directories (or their metrics.jsonl).")
     p.add_argument("--out", default="plots_compare", help="Directory for the PNGs (one per metric).")
     p.set_defaults(func=_cmd_plot)
+
+    p = sub.add_parser("compare-losses",
+                       help="Train loss variants on the same saved rollouts from the same weights; table and plots.")
+    p.usage = ("jaxrl-vlm compare-losses CONFIG.yaml --load-debug-rollout-data PATH --variant SPEC [--variant SPEC ...] "
+               "--out DIR [--flag value ...]")
+    p.add_argument("--variant", action="append", required=True, metavar="SPEC",
+                   help="A loss variant: NAME=FLAGS ('gspo=--policy-loss gspo'; 'base=' is the base config), a config "
+                        "YAML (named after the file), or NAME=FILE.yaml. Repeat for each variant.")
+    p.add_argument("--out", required=True, help="Directory for the table (comparison.md, .csv), plots/ and runs/.")
+    p.set_defaults(func=_cmd_compare_losses)
 
     p = sub.add_parser("make-dataset", help="Write a synthetic Geometry3K-style parquet dataset with real diagrams.")
     p.add_argument("out", help="Output .parquet path.")

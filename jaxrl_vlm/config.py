@@ -27,7 +27,7 @@ import re
 import sys
 import types
 import typing
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -39,7 +39,7 @@ from jaxrl_vlm.errors import ConfigError
 from jaxrl_vlm.rl.registries import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
 from rollout.hooks import HOOK_OPTIONS, load_hook
 from rollout.loading import LoadError, load_function, load_module
-from rollout.options import MultiTurnOptions, RolloutOptions, opt
+from rollout.options import DebugOptions, MultiTurnOptions, RolloutOptions, check_template, opt
 
 
 # --------------------------------------------------------------------------- sections
@@ -83,9 +83,11 @@ class DataConfig:
         "so they are not the training prompts).")
 
 
-# The rollout and multi-turn sections are declared where the rollout code reads them (rollout/options.py).
+# The rollout and multi-turn sections are declared where the rollout code reads them (rollout/options.py), the
+# debug section (saved rollouts) where their files are written and read (rollout/rollout_data.py).
 RolloutConfig = RolloutOptions
 MultiTurnConfig = MultiTurnOptions
+DebugConfig = DebugOptions
 
 
 @dataclass
@@ -390,6 +392,7 @@ SECTIONS: dict[str, type] = {
     "mesh": MeshConfig,
     "checkpoint": CheckpointConfig,
     "distributed": DistributedConfig,
+    "debug": DebugConfig,
 }
 
 
@@ -414,6 +417,7 @@ class Config:
     mesh: MeshConfig = field(default_factory=MeshConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
     # Keys declared by the loaded env / generate module (CONFIG_KEYS) and set via --custom-config-path.
     extra: dict[str, Any] = field(default_factory=dict)
     # What became of slime flags and spellings (one line each; logged once by the run, not part of the config).
@@ -714,13 +718,22 @@ def _apply(cfg: Config, flat: dict[str, Any], source: str, declared: dict[str, t
             raise ConfigError(f"{source}: unknown key {key!r}{_closest(key, list(FIELDS) + list(declared))}")
 
 
-def load_config(path: str | None = None, argv: list[str] | None = None) -> Config:
-    """Resolve defaults <- YAML file <- custom config <- CLI flags into a validated Config."""
+def load_config(path: str | None = None, argv: list[str] | None = None, *,
+                overlays: Sequence[tuple[str, dict[str, Any]]] = ()) -> Config:
+    """Resolve defaults <- YAML file <- custom config <- CLI flags <- `overlays` into a validated Config.
+
+    `overlays`: (source name, config mapping, nested or flat as in a YAML file) layers applied last, in order;
+    `jaxrl-vlm compare-losses` puts each loss variant there, over the base run's file and flags.
+    """
     notes: list[str] = []
     file_flat = flatten_config_mapping(read_yaml(path), str(path)) if path else {}
     cli_flat = parse_cli_overrides(list(argv or []), notes)
     for flat, source in ((file_flat, str(path)), (cli_flat, "command line")):
         _slime_spellings(flat, source, notes)
+    for source, data in overlays:  # later layers win, like later flags on the command line
+        overlay = flatten_config_mapping(data, source)
+        _slime_spellings(overlay, source, notes)
+        cli_flat = {**cli_flat, **overlay}
     merged = {**file_flat, **cli_flat}
 
     mesh_path = merged.get("mesh_config")
@@ -744,7 +757,7 @@ def load_config(path: str | None = None, argv: list[str] | None = None) -> Confi
         _slime_spellings(custom_data, str(custom_path), notes)
     # env/generate paths may themselves be set by the custom config (slime's example does this).
     paths_view = {**merged, **{k: v for k, v in custom_data.items() if k in FIELDS}, **cli_flat}
-    needs_declared = any(k not in FIELDS for k in custom_data) or any(k.startswith("extra.") for k in file_flat)
+    needs_declared = any(k not in FIELDS for k in custom_data) or any(k.startswith("extra.") for k in merged)
     declared = declared_extra_keys(paths_view) if needs_declared else {}
 
     cfg = Config()
@@ -842,6 +855,7 @@ def validate(cfg: Config) -> None:
     _validate_numbers(cfg)
     _validate_eval(cfg.eval)
     _validate_hooks(cfg)
+    _validate_debug(cfg.debug)
 
 
 # Numbers whose meaningful range types cannot express; every float option must also be finite.
@@ -893,6 +907,20 @@ def _validate_hooks(cfg: Config) -> None:
     if r.custom_rm_path is not None and a.rm_type is not None:
         raise ConfigError(f"--custom-rm-path {r.custom_rm_path} and --rm-type {a.rm_type} both replace the env's "
                           "reward: set one")
+
+
+def _validate_debug(d: DebugConfig) -> None:
+    """Saved-rollout paths: a `{rollout_id}` template each, and not both (a replay would rewrite its own input)."""
+    for name in ("save_debug_rollout_data", "load_debug_rollout_data"):
+        template = getattr(d, name)
+        if template is not None:
+            try:
+                check_template(template, "--" + name.replace("_", "-"))
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+    if d.save_debug_rollout_data is not None and d.load_debug_rollout_data is not None:
+        raise ConfigError("--load-debug-rollout-data replays saved rollouts and --save-debug-rollout-data saves new "
+                          "ones: set one (a replay would only copy its input)")
 
 
 def _validate_eval(e: EvalConfig) -> None:

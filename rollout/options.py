@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import string
 import types
 import typing
 from collections.abc import Collection, Sequence
@@ -165,6 +166,40 @@ class MultiTurnOptions(ArgsOptions):
         {},
         "Extra chat-template variables, as slime's --apply-chat-template-kwargs (JSON on the command line, e.g. "
         "'{\"enable_thinking\": false}'); used alike for the prompt, observation deltas and the finalize re-render.")
+
+
+@dataclass
+class DebugOptions(ArgsOptions):
+    """slime's debug group: save every step's rollout, or train on saved ones without an engine."""
+
+    save_debug_rollout_data: str | None = opt(
+        None,
+        "Save every training step's rollout losslessly (samples, masks, log-probs, image patches, rewards, weight "
+        "versions, the step's drop accounting) to PATH.format(rollout_id=k), one file per step; PATH must contain "
+        "{rollout_id} (slime's flag; our own format, rollout/rollout_data.py; a .gz suffix compresses).")
+    load_debug_rollout_data: str | None = opt(
+        None,
+        "Train on the rollouts saved by --save-debug-rollout-data instead of rolling out: step k reads "
+        "PATH.format(rollout_id=k); no engine is started or contacted, there is no weight sync and no evaluation "
+        "(slime's flag). The same config replays a run's per-step losses bit for bit (one device, fp32).")
+
+
+# The field a saved-rollout path template fills in (slime's `PATH.format(rollout_id=k)`).
+PLACEHOLDER = "rollout_id"
+
+
+def check_template(template: str, flag: str) -> None:
+    """`template` must name `{rollout_id}` and nothing else to fill in; raises ValueError naming `flag`."""
+    try:
+        fields = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+    except ValueError as e:
+        raise ValueError(f"{flag} {template!r}: not a valid path template ({e})") from None
+    if PLACEHOLDER not in fields:
+        raise ValueError(f"{flag} {template!r} must contain {{{PLACEHOLDER}}}: each step has its own file "
+                         f"(e.g. runs/x/rollouts/step_{{{PLACEHOLDER}}}.jsonl)")
+    other = sorted(set(fields) - {PLACEHOLDER})
+    if other:
+        raise ValueError(f"{flag} {template!r}: only {{{PLACEHOLDER}}} is filled in, not {other}")
 
 
 def total_generate_concurrency(per_engine: int, worker_urls: Sequence[str] = ()) -> int:

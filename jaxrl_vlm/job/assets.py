@@ -17,8 +17,8 @@ from rollout.sample import Sample
 logger = logging.getLogger(__name__)
 
 
-def prepare_assets(cfg: Config) -> tuple[Path, Path]:
-    """The model directory and the prompt data, created on first use when the config asks for it."""
+def prepare_model(cfg: Config) -> Path:
+    """The model directory, created on first use with `--make-tiny`."""
     if not cfg.model.hf_checkpoint:
         raise ValueError("--hf-checkpoint is required (a Qwen3-VL HF directory, or a path for --make-tiny to create)")
     model_dir = Path(cfg.model.hf_checkpoint)
@@ -27,6 +27,12 @@ def prepare_assets(cfg: Config) -> tuple[Path, Path]:
             raise FileNotFoundError(f"--hf-checkpoint {model_dir}: no config.json (set --make-tiny to create a tiny random model)")
         logger.info("creating a tiny random Qwen3-VL at %s", model_dir)
         make_tiny(str(model_dir), seed=cfg.train.seed)
+    return model_dir
+
+
+def prepare_assets(cfg: Config) -> tuple[Path, Path]:
+    """The model directory and the prompt data, created on first use when the config asks for it."""
+    model_dir = prepare_model(cfg)
     if not cfg.data.prompt_data:
         raise ValueError("--prompt-data is required (parquet or jsonl in the Geometry3K layout)")
     data_path = Path(cfg.data.prompt_data)
@@ -34,11 +40,18 @@ def prepare_assets(cfg: Config) -> tuple[Path, Path]:
         if not cfg.data.make_data:
             raise FileNotFoundError(f"--prompt-data {data_path} does not exist (set --make-data to generate synthetic data)")
         make_synthetic_data(cfg, data_path, cfg.data.synthetic_rows, seed=cfg.train.seed)
-    if cfg.data.make_data:  # missing eval set files too, each with its own seed (never the training prompts)
-        for k, spec in enumerate(parse_eval_prompt_data(cfg.eval.eval_prompt_data)):
-            if not Path(spec.path).exists():
-                make_synthetic_data(cfg, Path(spec.path), cfg.data.synthetic_eval_rows, seed=cfg.train.seed + 1 + k)
+    prepare_eval_data(cfg)
     return model_dir, data_path
+
+
+def prepare_eval_data(cfg: Config) -> None:
+    """With `--make-data`, the eval set files that do not exist yet, each with its own seed (never the training
+    prompts')."""
+    if not cfg.data.make_data:
+        return
+    for k, spec in enumerate(parse_eval_prompt_data(cfg.eval.eval_prompt_data)):
+        if not Path(spec.path).exists():
+            make_synthetic_data(cfg, Path(spec.path), cfg.data.synthetic_eval_rows, seed=cfg.train.seed + 1 + k)
 
 
 def make_synthetic_data(cfg: Config, path: Path, num_rows: int, seed: int) -> None:

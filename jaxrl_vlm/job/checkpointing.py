@@ -39,7 +39,7 @@ class ResumePoint:
     step: int
     state: Any
     weight_version: int
-    prompt_iterator: dict[str, Any]
+    prompt_iterator: dict[str, Any] | None  # None: a replay's checkpoint (it reads no prompts)
     driver_state: dict[str, Any] | None
     next_group_index: int | None  # only checkpoints older than the driver state's version 2 keep it beside
 
@@ -83,7 +83,7 @@ class CheckpointCadence:
         interval = self.cfg.checkpoint.save_interval
         return done == self.cfg.rollout.num_rollout or bool(interval and done % interval == 0)
 
-    def save(self, done: int, state: Any, *, weight_version: int, prompt_iterator: dict[str, Any],
+    def save(self, done: int, state: Any, *, weight_version: int, prompt_iterator: dict[str, Any] | None,
              driver_state: dict[str, Any] | None) -> None:
         self.store.save(done, state, {
             "prompt_iterator": prompt_iterator, "weight_version": weight_version, "config": self.cfg.to_dict(),

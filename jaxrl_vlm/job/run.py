@@ -12,6 +12,13 @@ trains on the broadcast samples, checkpoints its shards and joins the exports.
 Evaluation (`job/eval.py`, `--eval-prompt-data`) runs on process 0 before rollout k when it is due, on the weights
 after k steps (synced at the end of step k - 1), and once more after the last step; it never touches the training
 rollout's state.
+
+Saved rollouts (`job/replay.py`, slime's flags): `--save-debug-rollout-data` writes each step's rollout result
+before it is trained on. `--load-debug-rollout-data` replays them: step k trains on the saved result of step k in
+place of a rollout, and the job has no engine session, no weight sync and no evaluation (it needs an engine; the
+run says so once). The trainer sees the same samples in the same order and computes everything else (advantages
+from the saved rewards, batches, old and reference log-probs) as the saving run did, so the same config gives the
+same per-step losses bit for bit (tests/test_replay.py).
 """
 
 from __future__ import annotations
@@ -29,12 +36,13 @@ import jax.numpy as jnp
 from jaxrl_vlm.config import Config
 from jaxrl_vlm.data.geo3k import PromptIterator
 from jaxrl_vlm.distributed import barrier, broadcast_samples, broadcast_stop, export_hf, is_main_process
-from jaxrl_vlm.job.assets import load_dataset, load_eval_sets, prepare_assets
+from jaxrl_vlm.job.assets import load_dataset, load_eval_sets, prepare_assets, prepare_model
 from jaxrl_vlm.job.checkpointing import CheckpointCadence, ResumePoint, restore
 from jaxrl_vlm.job.eval import Evaluator, eval_due, passrate_metrics
+from jaxrl_vlm.job.replay import RolloutReplay, RolloutSaver
 from jaxrl_vlm.job.run_log import RunLog, plot_run
 from jaxrl_vlm.job.session import rollout_session
-from jaxrl_vlm.job.staleness import check_sample_versions
+from jaxrl_vlm.job.staleness import check_sample_versions, unreported_versions
 from jaxrl_vlm.job.tracking import open_sinks
 from jaxrl_vlm.job.trainer import Trainer
 from jaxrl_vlm.weight_sync import SyncReport, WeightSyncer
@@ -76,6 +84,9 @@ class MainJob:
         self.all_failed_steps = 0  # consecutive steps in which every finished episode FAILED
         self.resumed_export: SyncReport | None = None  # a resumed run's weights, exported before the engine starts
         self.engine_version = 0  # the weight version every engine was last confirmed to hold
+        # Saved rollouts: replayed in place of rollouts (no engine at all), or saved as they are made (process 0).
+        self.replay = RolloutReplay(cfg) if cfg.debug.load_debug_rollout_data else None
+        self.saver = RolloutSaver(cfg) if cfg.debug.save_debug_rollout_data and self.main else None
 
     # -------------------------------------------------------------------------- phases
     def prepare(self) -> None:
@@ -83,24 +94,41 @@ class MainJob:
         cfg = self.cfg
         for note in cfg.notes:
             logger.info("%s", note)
+        # A replay reads no prompts: only the model is needed.
+        prepare = prepare_model if self.replay is not None else prepare_assets
         if self.main:
-            prepare_assets(cfg)
+            prepare(cfg)
         barrier("jaxrl_vlm.assets")
-        self.model_dir, data_path = prepare_assets(cfg)
-        self.prompts = _prompt_iterator(cfg, data_path)
+        if self.replay is not None:
+            self.model_dir, self.prompts = prepare_model(cfg), None
+        else:
+            self.model_dir, data_path = prepare_assets(cfg)
+            self.prompts = _prompt_iterator(cfg, data_path)
         self.trainer.build_policy(self.model_dir)
         self.args = cfg.to_namespace()
         self.resume = restore(cfg, self.trainer.state)
         if self.resume is not None:
             self.start_step, self.version = self.resume.step, self.resume.weight_version
             self.trainer.state = self.resume.state
-            self.prompts.load_state_dict(self.resume.prompt_iterator)
+            if self.prompts is not None:
+                if self.resume.prompt_iterator is None:  # a replay's checkpoint: it read no prompts
+                    logger.warning("the checkpoint of step %d comes from a replay (no data cursor): prompts start "
+                                   "from the beginning", self.start_step)
+                else:
+                    self.prompts.load_state_dict(self.resume.prompt_iterator)
         sync_dtype = cfg.engine.weight_sync_dtype or ("bfloat16" if cfg.engine.engine_url else cfg.model.param_dtype)
         self.syncer = WeightSyncer(None, weight_sync_root(cfg, self.out_dir),
                                    copy_from=str(self.model_dir), dtype=jnp.dtype(sync_dtype))
-        self.rollout_fn = load_function(cfg.rollout.rollout_function_path, "--rollout-function-path")
-        # Evaluation runs on process 0 only (it talks to the engine; no other process takes part).
-        self.evaluator = Evaluator(cfg, load_eval_sets(cfg), self.rollout_fn) if self.main else None
+        self.evaluator = None
+        if self.replay is not None:
+            self.rollout_fn = None
+            if self.main:
+                self._announce_replay()
+                self.replay.check_available(self.start_step, cfg.rollout.num_rollout)
+        else:
+            self.rollout_fn = load_function(cfg.rollout.rollout_function_path, "--rollout-function-path")
+            # Evaluation runs on process 0 only (it talks to the engine; no other process takes part).
+            self.evaluator = Evaluator(cfg, load_eval_sets(cfg), self.rollout_fn) if self.main else None
         self.checkpoints = CheckpointCadence(cfg, self.out_dir)
         self.log = None
         if self.main:
@@ -108,16 +136,30 @@ class MainJob:
             self.log = RunLog(self.out_dir, total_steps=cfg.rollout.num_rollout, sinks=sinks,
                               resumed_at=self.start_step if self.resume is not None else None)
 
+    def _announce_replay(self) -> None:
+        """Say once what a replay does not do."""
+        cfg = self.cfg
+        logger.info("replaying the rollouts saved at %s (steps %d..%d): no engine is started or contacted, no "
+                    "weights are synced", cfg.debug.load_debug_rollout_data, self.start_step, cfg.rollout.num_rollout - 1)
+        if cfg.eval.eval_prompt_data:
+            logger.warning("evaluation needs an engine and a replay has none: --eval-prompt-data is skipped (evaluate "
+                           "the replay's checkpoints afterwards with `jaxrl-vlm eval CONFIG --load DIR`, or use "
+                           "`jaxrl-vlm compare-losses`, which does)")
+        if cfg.engine.engine_url or cfg.engine.launch_sglang:
+            logger.info("--engine-url / --launch-sglang are not used by a replay")
+
     async def serve_dir(self) -> Path:
         """The weights an engine this job starts (embedded or launched) starts from: a resumed run's own version,
         exported here (not yet loaded anywhere), or the original checkpoint on a fresh start."""
+        if self.replay is not None:  # no engine to serve
+            return self.model_dir
         if self.start_step > 0 and not self.cfg.engine.engine_url:
             self.resumed_export = await self.syncer.push(self.trainer.policy_model(), self.version)
             return self.resumed_export.path
         return self.model_dir
 
     def session(self, serve_dir: Path) -> contextlib.AbstractAsyncContextManager[Any]:
-        if not self.main:
+        if not self.main or self.replay is not None:
             return contextlib.nullcontext()
         return rollout_session(self.cfg, self.model_dir, serve_dir, self.args, str(self.version))
 
@@ -126,8 +168,11 @@ class MainJob:
 
         The embedded engine started from them (labelled with the version): confirmed. An external or launched
         SGLang holds whatever it was started with: the trainer's weights are pushed (a resumed run's export is
-        reused) and their version confirmed on every worker.
+        reused) and their version confirmed on every worker. A replay has no engine: nothing to attach.
         """
+        if self.replay is not None:
+            self.engine_version = self.version
+            return
         self.syncer.client = client
         if self.main:
             if self.cfg.engine.engine_url or self.cfg.engine.launch_sglang:
@@ -142,9 +187,17 @@ class MainJob:
             restore_driver_state(self.args, self.resume.driver_state, next_group_index=self.resume.next_group_index)
 
     async def rollout(self, step: int) -> tuple[RolloutResult | None, list[Any], dict[str, Any]]:
-        """Process 0 rolls out; every process receives the samples."""
+        """Process 0 rolls out (or reads step `step`'s saved rollout), and saves it when asked; every process
+        receives the samples."""
         t0 = time.perf_counter()
-        result = await self.rollout_fn(self.args, step, self.prompts) if self.main else None
+        result: RolloutResult | None = None
+        if self.main:
+            if self.replay is not None:
+                result = self.replay.load(step)
+            else:
+                result = await self.rollout_fn(self.args, step, self.prompts)
+            if self.saver is not None:  # before any check: a step that stops the run is saved too
+                self.saver.save(step, result, weight_version=self.engine_version)
         stop: str | None = None
         if self.main:  # stop a run that only fails (--max-all-failed-steps), naming the causes
             try:
@@ -156,7 +209,9 @@ class MainJob:
         if stop is not None:
             raise AllFailedStepsError(stop)
         if self.main:  # synchronous mode trains on-policy only: every sample from the confirmed version
-            versions = check_sample_versions(result.samples, str(self.engine_version), step=step)
+            # (a replay's samples were checked when they were made, against the engine of the run that saved them)
+            versions = (unreported_versions(result.samples) if self.replay is not None
+                        else check_sample_versions(result.samples, str(self.engine_version), step=step))
         samples = broadcast_samples(result.samples if self.main else None)
         metrics: dict[str, Any] = {}
         if self.main:
@@ -178,6 +233,8 @@ class MainJob:
 
     async def sync(self, metrics: dict[str, Any]) -> None:
         """Push the new weights to the engine (pause, flush, update, continue), unless sync is off (ablations)."""
+        if self.replay is not None:  # no engine
+            return
         t2 = time.perf_counter()
         if not self.cfg.engine.disable_weight_sync:
             report = await self.syncer.push(self.trainer.policy_model(), self.version)
@@ -190,8 +247,9 @@ class MainJob:
         if not self.checkpoints.due(done):
             return
         self.checkpoints.save(
-            done, self.trainer.state, weight_version=self.version, prompt_iterator=self.prompts.state_dict(),
-            driver_state=driver_checkpoint_state(self.args) if self.main else None,
+            done, self.trainer.state, weight_version=self.version,
+            prompt_iterator=self.prompts.state_dict() if self.prompts is not None else None,
+            driver_state=driver_checkpoint_state(self.args) if self.main and self.replay is None else None,
         )
 
     async def step(self, step: int) -> dict[str, Any]:
@@ -249,9 +307,9 @@ class MainJob:
             self.checkpoints.close()
 
 
-def train(cfg: Config) -> dict[str, Any]:
-    """Run the main job to the end; returns the last step's metrics."""
-    return asyncio.run(MainJob(cfg).run())
+def train(cfg: Config, *, devices: list[Any] | None = None) -> dict[str, Any]:
+    """Run the main job to the end (on `devices`, default all); returns the last step's metrics."""
+    return asyncio.run(MainJob(cfg, devices=devices).run())
 
 
 async def run_one_rollout(cfg: Config, dump_path: str | None = None) -> RolloutResult:

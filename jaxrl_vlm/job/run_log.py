@@ -229,20 +229,27 @@ def _labels(runs: Sequence[str | Path]) -> list[str]:
     return [str(r) if names.count(n) > 1 else n for r, n in zip(runs, names)]
 
 
-def plot_runs(runs: Sequence[str | Path], out_dir: str | Path) -> list[Path]:
-    """`jaxrl-vlm plot`: one PNG per metric of COMPARE_PLOTS (one per eval set for the eval reward), one curve
-    per run with a legend, so runs (loss variants, seeds, a run beside the seed's figures) can be compared."""
+def plot_runs(runs: Sequence[str | Path], out_dir: str | Path, *, plots: dict[str, tuple[str, str]] | None = None,
+              labels: Sequence[str] | None = None, skip_empty: bool = False) -> list[Path]:
+    """`jaxrl-vlm plot`: one PNG per metric of `plots` (default COMPARE_PLOTS; `{stem: (key or pattern, title)}`,
+    one PNG per eval set for a pattern), one curve per run with a legend (`labels`, default the run directories'
+    names), so runs (loss variants, seeds, a run beside the seed's figures) can be compared. With `skip_empty`, a
+    metric no run logged gets no PNG."""
     plt = _pyplot()
     if not runs:
         raise ValueError("plot_runs needs at least one run")
     loaded = [read_metrics(_run_metrics(r)) for r in runs]
-    labels = _labels(runs)
+    labels = list(labels) if labels is not None else _labels(runs)
+    if len(labels) != len(runs):
+        raise ValueError(f"plot_runs: {len(labels)} labels for {len(runs)} runs")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     everything = [r for records in loaded for r in records]
     written = []
-    for stem, (pattern, title) in COMPARE_PLOTS.items():
+    for stem, (pattern, title) in (COMPARE_PLOTS if plots is None else plots).items():
         keys = _expand((pattern,), everything)
+        if skip_empty:
+            keys = [k for k in keys if any(_points(records, k)[0] for records in loaded)]
         for key in keys:
             file_stem = stem if key == pattern else f"{stem}_{key.split('/')[1]}"
             fig, ax = plt.subplots(figsize=(6, 3.5))

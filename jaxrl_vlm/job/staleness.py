@@ -45,3 +45,9 @@ def check_sample_versions(samples: Sequence[Any], expected: str, *, step: int) -
             f"step {step}: {len(wrong)} of {len(samples)} samples were not made by the engine's weight version "
             f"{expected!r} (synchronous mode trains on-policy only): {shown}")
     return VersionReport(checked=len(samples) - unreported, unreported=unreported)
+
+
+def unreported_versions(samples: Sequence[Any]) -> VersionReport:
+    """The count `check_sample_versions` reports, without checking against an engine (a replay has none)."""
+    unreported = sum(1 for s in samples if not list(getattr(s, "weight_versions", None) or []))
+    return VersionReport(checked=len(samples) - unreported, unreported=unreported)

@@ -403,8 +403,10 @@ def custom_loss(path: str) -> LossFn:
     The user's `fn(inputs: LossInputs, cfg: LossConfig) -> (loss, metrics)` is traced inside the compiled
     train step like a registered loss: `loss` a float scalar array (the micro-batch's `sum_t w_t * loss_t`, so
     micro-batching stays exact), `metrics` a dict of float scalars, added over micro-batches (`metric_kind`).
-    `loss` and `weight_sum` are filled in when it leaves them out. A wrong return type raises HookError naming
-    the flag and the path, at trace time.
+    `loss` and `weight_sum` are filled in when it leaves them out, and so are the diagnostics that do not depend
+    on the loss, as every registered loss logs them: `entropy_loss` (train/entropy_loss is always logged) and
+    `train_rollout_logprob_abs_diff` (the drift from the behaviour policy, which `jaxrl-vlm compare-losses`
+    plots for every variant). A wrong return type raises HookError naming the flag and the path, at trace time.
     """
     hook = load_hook(path, "custom_loss_function_path")
 
@@ -416,7 +418,14 @@ def custom_loss(path: str) -> LossFn:
         _expect_metrics(hook, metrics, ())
         metrics = {k: jax.lax.stop_gradient(v) for k, v in metrics.items()}
         metrics.setdefault("loss", jax.lax.stop_gradient(loss))
-        metrics.setdefault("weight_sum", jnp.sum(masked(inputs.token_weights, inputs.loss_mask)))
+        w = masked(inputs.token_weights, inputs.loss_mask)
+        metrics.setdefault("weight_sum", jnp.sum(w))
+        sg = jax.lax.stop_gradient
+        if inputs.entropy is not None:
+            metrics.setdefault("entropy_loss", jnp.sum(w * masked(sg(inputs.entropy), inputs.loss_mask)))
+        if inputs.rollout_logprobs is not None:
+            diff = jnp.abs(sg(inputs.old_logprobs) - sg(inputs.rollout_logprobs))
+            metrics.setdefault("train_rollout_logprob_abs_diff", jnp.sum(w * masked(diff, inputs.loss_mask)))
         return loss, metrics
 
     return loss_fn
