@@ -3,7 +3,7 @@
 The same run (tiny random Qwen3-VL trained by the real trainer, GRPO with TIS, the letter game with 3 turns per
 episode, the same seed and config) is run once per K. The engine is the fake SGLang server
 (`rollout/fake_engine.py`) serving from its own thread, as a real engine serves from its own process: it answers
-each `/generate` with 8-24 tokens after a heavy-tailed latency, lognormal with median `--median-latency` and
+each `/generate` with 4-12 tokens (`--tokens`) after a heavy-tailed latency, lognormal with median `--median-latency` and
 sigma `--sigma` (capped at `--max-latency`), drawn from a hash of (group, sample, turn), so every mode meets the
 same latencies for the same requests. A weight update's pause aborts the requests in flight, as SGLang's does.
 
@@ -14,9 +14,11 @@ rollout in K = 0), train, weight update (export + load), engine idle/paused, ove
     .venv/bin/python scripts/bench_async.py [--steps 12] [--warmup 3] [--ks 0 1 2] [--json out.json]
 
 The last line is `RATIO async/sync end-to-end: X` (K = 1 over K = 0; target >= 1.4). On a shared machine take
-the ratio, not the absolute numbers; the fake engine costs no CPU, so the ratio is what overlap buys when rollout
-and training take comparable time (the default latencies put the synchronous rollout near the train time, as in
-the README's tiny run); `--median-latency` moves that balance.
+the ratio, not the absolute numbers. The fake engine costs no CPU, so the ratio is what overlap and streaming buy
+for this balance of rollout and training; `--median-latency` and `--tokens` move that balance. Two effects add
+up: generation overlaps training (at most (rollout + train) / max(rollout, train)), and a step no longer waits
+for its slowest group (the stream hands the trainer the first groups to finish; the K = 0 baseline is the default
+synchronous driver, without over-sampling).
 """
 
 from __future__ import annotations
@@ -63,8 +65,9 @@ def _request_key(record: RecordedRequest | dict[str, Any]) -> str:
 class LongTailEngine:
     """The fake SGLang server on its own event loop thread, with heavy-tailed latencies and varied lengths."""
 
-    def __init__(self, median_s: float, sigma: float, max_s: float, token_ids: list[int]):
+    def __init__(self, median_s: float, sigma: float, max_s: float, token_ids: list[int], lengths: tuple[int, int]):
         self.median_s, self.sigma, self.max_s, self.token_ids = median_s, sigma, max_s, token_ids
+        self.lengths = lengths
         self.url = ""
         self._ready = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -80,7 +83,8 @@ class LongTailEngine:
 
     def _generate(self, body: dict[str, Any]) -> Tokens:
         key = _request_key(body)
-        n = 8 + int(_unit(key, "length") * 17)
+        low, high = self.lengths
+        n = low + int(_unit(key, "length") * (high - low + 1))
         ids = [self.token_ids[int(_unit(f"{key}:{i}", "token") * len(self.token_ids))] for i in range(n)]
         stops = (body.get("sampling_params") or {}).get("stop_token_ids") or []
         ids.append(int(stops[0]))
@@ -176,9 +180,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch", type=int, default=8, help="groups (prompts) per step")
     p.add_argument("--n", type=int, default=4, help="samples per prompt")
     p.add_argument("--turns", type=int, default=3, help="model turns per episode")
-    p.add_argument("--median-latency", type=float, default=0.12, help="median seconds per /generate")
+    p.add_argument("--median-latency", type=float, default=0.25, help="median seconds per /generate")
     p.add_argument("--sigma", type=float, default=1.0, help="lognormal sigma of the latency (the tail)")
     p.add_argument("--max-latency", type=float, default=4.0, help="cap of one request's latency, seconds")
+    p.add_argument("--tokens", type=int, nargs=2, default=[4, 12], metavar=("MIN", "MAX"),
+                   help="tokens the engine answers per turn (before the stop token)")
     p.add_argument("--out", default=None, help="directory for the runs (default: a temporary one)")
     p.add_argument("--json", default=None, help="write the summaries here")
     args = p.parse_args(argv)
@@ -193,10 +199,11 @@ def main(argv: list[str] | None = None) -> None:
             f.write(json.dumps({"problem": f"Say something about number {i}.", "answer": "x", "images": []}) + "\n")
     print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at start; runs in {tmp}")
     print(f"engine: fake SGLang, lognormal latency median {args.median_latency:g} s sigma {args.sigma:g} "
-          f"(cap {args.max_latency:g} s), 8-24 tokens per turn; {args.batch} prompts x {args.n} samples x "
+          f"(cap {args.max_latency:g} s), {args.tokens[0]}-{args.tokens[1]} tokens per turn; {args.batch} prompts x {args.n} samples x "
           f"{args.turns} turns per step; {args.warmup} warm-up + {args.steps} timed steps per mode")
     rows = []
-    with LongTailEngine(args.median_latency, args.sigma, args.max_latency, list(range(300, 900))) as engine:
+    with LongTailEngine(args.median_latency, args.sigma, args.max_latency, list(range(300, 900)),
+                        tuple(args.tokens)) as engine:
         for k in args.ks:
             t0 = time.perf_counter()
             train(_config(tmp, engine.url, k, args))
@@ -209,8 +216,9 @@ def main(argv: list[str] | None = None) -> None:
     base = next(r for r in rows if r["k"] == 0)
     sync_parts = base["rollout_wait_s"] + base["train_s"] + base["update_s"]
     print(f"\nK=0 step = rollout {base['rollout_wait_s']:.2f} + train {base['train_s']:.2f} + update "
-          f"{base['update_s']:.2f} = {sync_parts:.2f} s; perfect overlap would give "
-          f"{sync_parts / max(base['rollout_wait_s'], base['train_s'] + base['update_s']):.2f}x")
+          f"{base['update_s']:.2f} = {sync_parts:.2f} s; overlapping whole steps alone would give "
+          f"{sync_parts / max(base['rollout_wait_s'], base['train_s'] + base['update_s']):.2f}x (the stream also "
+          "stops waiting for each step's slowest group)")
     for r in rows:
         if r["k"] > 0:
             print(f"K={r['k']}: {r['tokens_per_s'] / base['tokens_per_s']:.2f}x K=0 trained tokens/s; off-policy token "
