@@ -229,14 +229,15 @@ class GroupStream:
 
     def checkpoint_state(self) -> dict[str, Any]:
         """The driver-state dict of this moment (module docstring); it only reads."""
+        # The buffer in its own order (the order batches take it), then the groups to restart.
         carried = [CarriedGroup(g.group_index, g.prompt, list(g.samples)) for g in self.buffer]
-        for group in [*self._to_start, *self.running]:
+        for group in sorted([*self._to_start, *self.running], key=lambda g: g.group_index):
             if not group.superseded:  # its replacement is already queued or running
                 carried.append(CarriedGroup(group.group_index, group.prompt, make_group(
                     group.prompt, group.group_index, len(group.samples))))
         state = DriverState(next_group_index=self.state.next_group_index,
                             prompt_buffer=[*self._regenerate, *self.state.prompt_buffer],
-                            partial_groups=sorted(carried, key=lambda c: c.group_index),
+                            partial_groups=carried,
                             filtered_long_prompts=self.state.filtered_long_prompts)
         return state.to_dict()
 

@@ -387,3 +387,87 @@ async def test_main_job_trains_asynchronously_and_no_sample_exceeds_the_bound(ti
         for key in ("async/overlap_fraction", "async/trainer_idle_s", "async/engine_idle_s", "train/tis",
                     "async/offpolicy_token_frac", "perf/train_time", "perf/update_weights_time"):
             assert key in r, key
+
+
+# ----------------------------------------------------------------------------- SIGKILL and resume
+def _read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.mark.slow
+def test_sigkill_then_load_trains_the_buffered_samples_of_the_checkpoint(tiny, tmp_path):
+    """An asynchronous run killed with SIGKILL resumes with `--load` and first trains exactly the groups that were
+    buffered at its checkpoint (same samples, same tokens, same weight versions); the groups in flight restart."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from jaxrl_vlm.job.run_log import read_metrics
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    engine = subprocess.Popen([sys.executable, "-m", "rollout.fake_engine", "--port", "0", "--latency-s", "0.02"],
+                              cwd=repo, env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        url = engine.stdout.readline().strip().rsplit(" ", 1)[-1]
+        assert url.startswith("http://"), url
+        prompts = tmp_path / "prompts.jsonl"
+        prompts.write_text("".join(json.dumps({"problem": f"Q{i}", "answer": "x", "images": []}) + "\n"
+                                   for i in range(16)))
+        out = tmp_path / "run"
+
+        def cmd(*extra: str) -> list[str]:
+            return [sys.executable, "-m", "jaxrl_vlm.cli", "train", "--hf-checkpoint", str(tiny),
+                    "--prompt-data", str(prompts), "--prompt-style", "plain",
+                    "--rollout-interaction-env-path", "envs.letter_game", "--max-turns", "1", "--engine-url", url,
+                    "--num-rollout", "7", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
+                    "--rollout-max-response-len", "8", "--seq-buckets", "64", "--row-buckets", "8",
+                    "--patch-buckets", "0", "--use-tis", "--max-staleness", "1", "--save-interval", "1",
+                    "--keep-checkpoints", "10", "--custom-rollout-log-function-path",
+                    str(repo / "tests" / "_trained_log.py") + ":log_trained", "--output-dir", str(out), *extra]
+
+        proc = subprocess.Popen(cmd(), cwd=repo, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 600
+        try:
+            while time.monotonic() < deadline:
+                metrics = out / "metrics.jsonl"
+                if metrics.exists() and len(read_metrics(metrics)) >= 3:
+                    break
+                assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+                time.sleep(0.1)
+            else:
+                pytest.fail("the run did not reach step 3 in time")
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+        killed = _read_jsonl(out / "trained.jsonl")
+        assert len(killed) < 7, "the run finished before it could be killed"
+        checkpoint = max(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
+        meta = json.loads((out / "checkpoints" / str(checkpoint) / "meta" / "metadata").read_text())
+        carried = meta["driver_state"]["partial_groups"]
+        buffered = [g for g in carried if not g["restart"]]
+        assert len(buffered) >= 2, carried  # the run generated one batch ahead
+        expected = [[s["group_index"], s["index"], s["tokens"], s["weight_versions"]]
+                    for g in buffered[:2] for s in g["finished"]]  # the buffer's order is the order it trains
+
+        (out / "trained.jsonl").rename(out / "trained_killed.jsonl")
+        resumed = subprocess.run(cmd("--load", str(out / "checkpoints")), cwd=repo, env=env, capture_output=True,
+                                 text=True, timeout=600)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+    finally:
+        engine.terminate()
+        engine.wait(10)
+    after = _read_jsonl(out / "trained.jsonl")
+    assert [r["rollout_id"] for r in after] == list(range(checkpoint, 7))
+    assert after[0]["samples"] == expected  # the buffered samples, exactly
+    same_step = [r for r in killed if r["rollout_id"] == checkpoint]
+    if same_step:  # the killed run trained that step before it died: on the very same samples
+        assert same_step[0]["samples"] == expected
+    # No group is trained twice, and none is skipped between the checkpoint's last trained step and the resume.
+    trained_before = {(s[0], s[1]) for r in killed if r["rollout_id"] < checkpoint for s in r["samples"]}
+    trained_after = [(s[0], s[1]) for r in after for s in r["samples"]]
+    assert not trained_before & set(trained_after) and len(trained_after) == len(set(trained_after))
+    records = {r["step"]: r for r in read_metrics(out / "metrics.jsonl")}
+    assert sorted(records) == list(range(7)) and records[6]["weight_version"] == 7
