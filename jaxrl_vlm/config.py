@@ -856,6 +856,7 @@ def validate(cfg: Config) -> None:
     _validate_eval(cfg.eval)
     _validate_hooks(cfg)
     _validate_debug(cfg.debug)
+    _validate_async(cfg)
 
 
 # Numbers whose meaningful range types cannot express; every float option must also be finite.
@@ -921,6 +922,40 @@ def _validate_debug(d: DebugConfig) -> None:
     if d.save_debug_rollout_data is not None and d.load_debug_rollout_data is not None:
         raise ConfigError("--load-debug-rollout-data replays saved rollouts and --save-debug-rollout-data saves new "
                           "ones: set one (a replay would only copy its input)")
+
+
+# Options of the synchronous driver's step that the asynchronous stream replaces (rollout/streaming.py).
+_SYNC_ONLY_ROLLOUT = {
+    "partial_rollout": "in-flight episodes continue across steps anyway; --inflight-update-policy says what a weight "
+                       "update does to them",
+    "mask_offpolicy_in_partial_rollout": "off-policy tokens are corrected by --use-tis and bounded by --max-staleness",
+    "over_sampling_batch_size": "the stream replaces every dropped group as it goes",
+    "buffer_filter_path": "there are no carried partial groups to filter",
+}
+
+
+def _validate_async(cfg: Config) -> None:
+    """--max-staleness K >= 1 runs the streaming rollout (rollout/streaming.py): the default rollout function only,
+    without the step-bound options it replaces."""
+    r = cfg.rollout
+    if r.max_staleness < 0:
+        raise ConfigError(f"max_staleness must be >= 0 (0: synchronous), got {r.max_staleness}")
+    if r.max_staleness == 0:
+        return
+    if r.rollout_function_path != RolloutOptions().rollout_function_path:
+        raise ConfigError(f"--max-staleness {r.max_staleness} streams groups with the default rollout driver; "
+                          f"--rollout-function-path {r.rollout_function_path} produces whole steps (use "
+                          "--max-staleness 0 with it)")
+    for key, why in _SYNC_ONLY_ROLLOUT.items():
+        if getattr(r, key) not in (None, False):
+            raise ConfigError(f"--{key.replace('_', '-')} does not apply with --max-staleness {r.max_staleness}: {why}")
+    if cfg.engine.disable_weight_sync:
+        raise ConfigError("--disable-weight-sync with --max-staleness >= 1: the engine would never reach a newer "
+                          "version, so every sample would soon be too stale to train")
+    for name in ("save_debug_rollout_data", "load_debug_rollout_data"):
+        if getattr(cfg.debug, name) is not None:
+            raise ConfigError(f"--{name.replace('_', '-')} works on whole synchronous steps; it does not apply with "
+                              f"--max-staleness {r.max_staleness} (use --max-staleness 0)")
 
 
 def _validate_eval(e: EvalConfig) -> None:

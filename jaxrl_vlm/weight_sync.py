@@ -96,6 +96,7 @@ class WeightSyncer:
         retry_wait_s: float = 2.0,
         keep_versions: int = 1,
         flush_timeout_s: float = 60.0,
+        flush_poll_s: float = 1.0,
     ):
         self.client = client
         self.root = Path(root)
@@ -105,17 +106,24 @@ class WeightSyncer:
         self.retry_wait_s = retry_wait_s
         self.keep_versions = max(1, keep_versions)
         self.flush_timeout_s = flush_timeout_s
+        # Asynchronous training meets requests in flight, which the pause aborts: the first flush is then usually
+        # busy for a moment, and a short poll keeps the engine's stop short.
+        self.flush_poll_s = flush_poll_s
         self.history: list[SyncReport] = []
 
     async def push(self, model: Any, version: int) -> SyncReport:
         """Export `model` as `version` and load it into every engine (all of them, or none: see WeightSyncFailed)."""
+        return await self.load(self.export(model, version))
+
+    def export(self, model: Any, version: int) -> SyncReport:
+        """Write `model` as `version` (blocking; the asynchronous loop runs it in a worker thread, generation goes
+        on meanwhile); `load` then makes the engines take it."""
         t0 = time.perf_counter()
         path = export_version(model, self.root, version, dtype=self.dtype, copy_from=self.copy_from)
         export_s = time.perf_counter() - t0
         main = jax.process_index() == 0
-        report = SyncReport(version=version, path=path, export_s=export_s, sync_s=0.0,
-                            bytes_written=_dir_bytes(path) if main else 0, attempts=0)
-        return await self.load(report)
+        return SyncReport(version=version, path=path, export_s=export_s, sync_s=0.0,
+                          bytes_written=_dir_bytes(path) if main else 0, attempts=0)
 
     async def load(self, report: SyncReport) -> SyncReport:
         """Make every engine load the exported `report` and confirm its version (no engine attached: export only).
@@ -150,7 +158,9 @@ class WeightSyncer:
         for attempt in range(1, self.retries + 2):
             report.attempts = attempt
             try:
-                await self.client.sync_weights_from_disk(str(report.path), str(report.version), flush_timeout_s=self.flush_timeout_s)
+                await self.client.sync_weights_from_disk(str(report.path), str(report.version),
+                                                         flush_timeout_s=self.flush_timeout_s,
+                                                         flush_poll_s=self.flush_poll_s)
                 return
             except (WeightSyncError, EngineError) as e:
                 report.errors.append(f"attempt {attempt}: {e}")

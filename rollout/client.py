@@ -26,7 +26,7 @@ import json
 import logging
 import random
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -169,6 +169,8 @@ class GenerateResult:
     meta_info: dict[str, Any]
     retries: int = 0
     retry_errors: list[str] = field(default_factory=list)
+    # An abort caused by this client's own weight update (its /pause_generation), not by the engine or a caller.
+    aborted_by_weight_update: bool = False
 
     @property
     def finish_reason(self) -> FinishType:
@@ -184,6 +186,40 @@ class GenerateResult:
     def finish_message(self) -> str | None:
         """The abort message, if the engine gave one."""
         return self.finish.message
+
+
+class WeightUpdateGate:
+    """Holds this client's `/generate` requests back while it updates the engines' weights.
+
+    Asynchronous training generates while the trainer works, so a weight update meets requests in flight. Its
+    `/pause_generation` (abort mode) ends them as aborted, and `/flush_cache` answers 400 while any request runs or
+    waits: a request sent during the update would stall it. So the update closes the gate first, requests wait for
+    it to open before each attempt, and every close starts a new epoch: an abort answer to a request sent in an
+    earlier epoch was caused by the update (`GenerateResult.aborted_by_weight_update`). In the synchronous loop
+    nothing generates during an update and the gate is never waited on.
+    """
+
+    def __init__(self) -> None:
+        self._open = asyncio.Event()
+        self._open.set()
+        self.epoch = 0
+
+    @property
+    def is_open(self) -> bool:
+        return self._open.is_set()
+
+    def close(self) -> None:
+        self.epoch += 1
+        self._open.clear()
+
+    def open(self) -> None:
+        self._open.set()
+
+    async def wait_open(self) -> int:
+        """Wait until no update runs; the epoch the caller's request then belongs to."""
+        while not self._open.is_set():
+            await self._open.wait()
+        return self.epoch
 
 
 @dataclass
@@ -392,6 +428,7 @@ class SGLangClient:
         self.keepalive_timeout_s = keepalive_timeout_s
         self.trust_env = trust_env
         self._rng = random.Random(seed)
+        self.update_gate = WeightUpdateGate()
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.sessions_created = 0
@@ -453,12 +490,14 @@ class SGLangClient:
         timeout_s: float,
         retries: bool = True,
         answer_statuses: frozenset[int] = frozenset(),
+        before_attempt: Callable[[], Awaitable[Any]] | None = None,
     ) -> _Reply:
         """Send one HTTP request with bounded retries; return the first 2xx (or `answer_statuses`) reply.
 
         Retried: connection errors, dropped connections, timeouts, HTTP >= 500. A 4xx not listed in
         `answer_statuses` raises `EngineRequestError` at once. `body_for_attempt(k)` (k = 1, 2, ...)
-        overrides `json_body` when each attempt needs its own body.
+        overrides `json_body` when each attempt needs its own body. `before_attempt` is awaited before each
+        attempt (the weight-update gate of `/generate`).
         """
         endpoint = base_url + path
         session = self._get_session()
@@ -470,6 +509,8 @@ class SGLangClient:
         last_status: int | None = None
         last_body = ""
         for attempt in range(1, max_attempts + 1):
+            if before_attempt is not None:
+                await before_attempt()
             body = body_for_attempt(attempt) if body_for_attempt is not None else json_body
             try:
                 async with session.request(
@@ -553,9 +594,15 @@ class SGLangClient:
             return body if attempt == 1 else {**body, "rid": f"{base_rid}.retry{attempt - 1}"}
 
         headers = {ROUTING_KEY_HEADER: routing_key} if routing_key is not None else None
+        sent_in_epoch = self.update_gate.epoch
+
+        async def wait_for_gate() -> None:
+            nonlocal sent_in_epoch
+            sent_in_epoch = await self.update_gate.wait_open()
+
         reply = await self._request(
             "POST", self.url, "/generate", body_for_attempt=body_for_attempt, headers=headers,
-            timeout_s=timeout_s if timeout_s is not None else self.timeout_s,
+            timeout_s=timeout_s if timeout_s is not None else self.timeout_s, before_attempt=wait_for_gate,
         )
         result = parse_generate_response(
             reply.data, endpoint=self.url + "/generate", return_logprob=return_logprob,
@@ -563,6 +610,8 @@ class SGLangClient:
         )
         result.retries = reply.attempts - 1
         result.retry_errors = reply.errors
+        result.aborted_by_weight_update = (result.finish_reason is FinishType.ABORT
+                                           and sent_in_epoch != self.update_gate.epoch)
         return result
 
     # ---- health ----------------------------------------------------------------------------
@@ -833,11 +882,15 @@ class SGLangClient:
         pause_mode = as_pause_mode(pause_mode)
         if flush_timeout_s < 0 or flush_poll_s <= 0:
             raise ValueError("flush_timeout_s must be >= 0 and flush_poll_s > 0 seconds")
-        results = await asyncio.gather(
-            *(self._sync_worker(u, model_path, weight_version, flush_timeout_s, flush_poll_s, pause_mode,
-                                update_options) for u in self.worker_urls),
-            return_exceptions=True,
-        )
+        self.update_gate.close()  # this client's /generate calls wait until every worker continued
+        try:
+            results = await asyncio.gather(
+                *(self._sync_worker(u, model_path, weight_version, flush_timeout_s, flush_poll_s, pause_mode,
+                                    update_options) for u in self.worker_urls),
+                return_exceptions=True,
+            )
+        finally:
+            self.update_gate.open()
         failures: dict[str, str] = {}
         answers: dict[str, dict[str, Any]] = {}
         for url, res in zip(self.worker_urls, results):

@@ -16,7 +16,7 @@
 * passes every episode the `sampling_params` dict built once from the rollout options (slime's convention),
   and reduces a mapping reward to its `--reward-key` entry;
 * stamps `rollout_id` into each sample's metadata;
-* calls slime's rollout hooks where slime's default rollout calls them (`_StepHooks`, docs/hooks.md):
+* calls slime's rollout hooks where slime's default rollout calls them (`StepHooks`, docs/hooks.md):
   `--custom-rm-path` on each finished episode whose reward is unset (or each group, `--group-rm`),
   `--dynamic-sampling-filter-path` on each finished group, `--buffer-filter-path` on the groups carried by partial
   rollout, and at the end of the step `--rollout-sample-filter-path`, `--rollout-all-samples-process-path` and
@@ -153,9 +153,9 @@ class DriverState:
                 "group_index": int(carried.group_index),
                 "prompt": _sample_json(carried.prompt, f"{where} prompt"),
                 "finished": [_sample_json(s, f"{where} sample {s.index}")
-                             for s in carried.samples if s.status not in _RUNNABLE],
+                             for s in carried.samples if s.status not in RUNNABLE],
                 # Unfinished episodes are restarted on resume: only their indices are needed.
-                "restart": sorted(int(s.index) for s in carried.samples if s.status in _RUNNABLE),
+                "restart": sorted(int(s.index) for s in carried.samples if s.status in RUNNABLE),
             })
         return {"version": DRIVER_STATE_VERSION, "next_group_index": int(self.next_group_index),
                 "prompt_buffer": buffer, "partial_groups": groups,
@@ -220,7 +220,7 @@ class _Group:
         return CarriedGroup(self.group_index, self.prompt, samples)
 
 
-class _Prompts:
+class PromptTaker:
     """Hands out one prompt at a time from a batch-wise source, numbering groups globally.
 
     It works on the driver state itself: prompts fetched but not used stay buffered for the next step, and the
@@ -286,10 +286,10 @@ def prompt_train_length(ctx: RolloutContext, prompt: Sample) -> int:
 
 def make_group(prompt: Sample, group_index: int, n: int) -> list[Sample]:
     """n independent copies of a prompt sample, sharing `group_index`, with `index` 0..n-1."""
-    return [_episode_copy(prompt, group_index, i) for i in range(n)]
+    return [episode_copy(prompt, group_index, i) for i in range(n)]
 
 
-def _episode_copy(prompt: Sample, group_index: int, index: int) -> Sample:
+def episode_copy(prompt: Sample, group_index: int, index: int) -> Sample:
     """A fresh episode of `prompt`: also how a restored group restarts an episode, so both start identically."""
     s = copy.deepcopy(prompt)
     s.group_index = group_index
@@ -298,13 +298,13 @@ def _episode_copy(prompt: Sample, group_index: int, index: int) -> Sample:
     return s
 
 
-def _new_group(prompts: _Prompts, n: int) -> _Group:
+def _new_group(prompts: PromptTaker, n: int) -> _Group:
     group_index, prompt = prompts.take()
     return _Group(group_index, prompt, make_group(prompt, group_index, n))
 
 
-def _keep_group(group: list[Sample], dynamic_filter: str | None, result: RolloutResult,
-                custom_filter: Hook | None = None, args: Any = None) -> list[Sample] | None:
+def keep_group(group: list[Sample], dynamic_filter: str | None, result: RolloutResult,
+               custom_filter: Hook | None = None, args: Any = None) -> list[Sample] | None:
     """Apply the failure policy, the dynamic filter and then `--dynamic-sampling-filter-path` (called as slime
     calls it, `fn(args, samples)`, on the group's trainable samples); count every drop by reason."""
     result.episodes += len(group)
@@ -334,7 +334,7 @@ def _keep_group(group: list[Sample], dynamic_filter: str | None, result: Rollout
 
 
 # A resumed group may hold episodes that already finished in an earlier step: they pass through unchanged.
-_RUNNABLE = (Status.PENDING, Status.ABORTED)
+RUNNABLE = (Status.PENDING, Status.ABORTED)
 
 
 def _fail(sample: Sample, kind: TerminationKind, error: str) -> Sample:
@@ -347,7 +347,7 @@ def _fail(sample: Sample, kind: TerminationKind, error: str) -> Sample:
 
 
 @dataclass(frozen=True)
-class _StepHooks:
+class StepHooks:
     """slime's rollout hooks of one step (rollout/options.py declares them, docs/hooks.md has their signatures),
     loaded once per step by the same loader as the generate function."""
 
@@ -361,7 +361,7 @@ class _StepHooks:
     log: Hook | None = None
 
     @classmethod
-    def load(cls, opts: RolloutOptions) -> "_StepHooks":
+    def load(cls, opts: RolloutOptions) -> "StepHooks":
         return cls(
             rm=load_hook(opts.custom_rm_path, "custom_rm_path"), group_rm=opts.group_rm,
             rm_timeout_s=opts.episode_timeout,
@@ -418,13 +418,13 @@ async def _custom_rewards(rm: Hook, args: Any, samples: list[Sample], *, batched
             _fail(sample, TerminationKind.REWARD_ERROR, f"reward: {e}")
 
 
-async def _run_episode(generate_fn: Callable, args: Any, sample: Sample, sampling_params: dict[str, Any],
-                       reward_key: str | None, hooks: _StepHooks = _StepHooks()) -> Sample:
+async def run_episode(generate_fn: Callable, args: Any, sample: Sample, sampling_params: dict[str, Any],
+                       reward_key: str | None, hooks: StepHooks = StepHooks()) -> Sample:
     """One episode through the loaded function, called as slime calls it: `fn(args, sample, sampling_params)`
     with its own copy of the step's params. A function that raises fails its sample, not the rollout; a reward
     it set is reduced to the float to train on (`--reward-key`); a finished episode without one is scored by
     `--custom-rm-path` (unless `--group-rm` scores its whole group)."""
-    if sample.status not in _RUNNABLE:
+    if sample.status not in RUNNABLE:
         return sample
     name = getattr(generate_fn, "__qualname__", repr(generate_fn))
     try:
@@ -453,13 +453,37 @@ async def _run_episode(generate_fn: Callable, args: Any, sample: Sample, samplin
     return out
 
 
-async def _run_group(generate_fn: Callable, args: Any, group: list[Sample], sampling_params: dict[str, Any],
-                     reward_key: str | None, hooks: _StepHooks = _StepHooks()) -> list[Sample]:
+# An episode restarted by `--inflight-update-policy rerun` this many times and stopped again stays ABORTED (dropped
+# from its group and counted, like any aborted episode).
+MAX_WEIGHT_UPDATE_RERUNS = 4
+
+
+def _rerun_requested(sample: Sample) -> bool:
+    return sample.termination is not None and sample.termination.kind is TerminationKind.WEIGHT_UPDATE_RERUN
+
+
+async def run_group(generate_fn: Callable, args: Any, group: list[Sample], sampling_params: dict[str, Any],
+                    reward_key: str | None, hooks: StepHooks = StepHooks(), *,
+                    prompt: Sample | None = None) -> list[Sample]:
     """The group's episodes concurrently; with `--group-rm`, then one `--custom-rm-path` call on its finished
     episodes (skipped while the driver aborts stragglers: such a group is never kept in this step, and a carried
-    one is scored when it finishes)."""
-    samples = list(await asyncio.gather(*(_run_episode(generate_fn, args, s, sampling_params, reward_key, hooks)
-                                          for s in group)))
+    one is scored when it finishes).
+
+    With the group's pristine `prompt` (the asynchronous stream passes it), an episode that a weight update ended
+    WEIGHT_UPDATE_RERUN runs again from a fresh copy of the prompt, with the same group and index (so the same
+    per-request seeds), at most MAX_WEIGHT_UPDATE_RERUNS times; `metadata["weight_update_reruns"]` counts them.
+    """
+    async def episode(sample: Sample) -> Sample:
+        out = await run_episode(generate_fn, args, sample, sampling_params, reward_key, hooks)
+        reruns = 0
+        while prompt is not None and _rerun_requested(out) and reruns < MAX_WEIGHT_UPDATE_RERUNS:
+            reruns += 1
+            fresh = episode_copy(prompt, sample.group_index, sample.index)
+            fresh.metadata["weight_update_reruns"] = reruns
+            out = await run_episode(generate_fn, args, fresh, sampling_params, reward_key, hooks)
+        return out
+
+    samples = list(await asyncio.gather(*(episode(s) for s in group)))
     if hooks.rm is not None and hooks.group_rm and not get_context(args).aborting:
         finished = [s for s in samples if s.status in _SCORABLE]
         if finished:
@@ -475,7 +499,7 @@ async def generate_rollout(args: Any, rollout_id: int, data_source: PromptSource
     opts = RolloutOptions.from_args(args)
     reward_key = RewardSettings.from_args(args).reward_key
     generate_fn = load_function(opts.custom_generate_function_path, "--custom-generate-function-path")
-    hooks = _StepHooks.load(opts)
+    hooks = StepHooks.load(opts)
     # Built once per step from the rollout options, as slime does; each episode gets its own copy.
     vision = ctx.encoder.vision
     sampling_params = default_sampling_params(opts, vision.banned_ids, vision.eos_ids)
@@ -485,7 +509,7 @@ async def generate_rollout(args: Any, rollout_id: int, data_source: PromptSource
     submit_batch = opts.over_sampling_batch_size or target
     result = RolloutResult(groups=[])
     state = driver_state(args)
-    prompts = _Prompts(data_source, state, result, opts.rollout_max_prompt_len,
+    prompts = PromptTaker(data_source, state, result, opts.rollout_max_prompt_len,
                        lambda prompt: prompt_train_length(ctx, prompt))
 
     pending: list[_Group] = []
@@ -509,7 +533,7 @@ async def generate_rollout(args: Any, rollout_id: int, data_source: PromptSource
 
     def submit(group: _Group) -> None:
         group.task = asyncio.ensure_future(
-            _run_group(generate_fn, args, group.samples, sampling_params, reward_key, hooks))
+            run_group(generate_fn, args, group.samples, sampling_params, reward_key, hooks))
         running.append(group)
         result.groups_submitted += 1
 
@@ -533,7 +557,7 @@ async def generate_rollout(args: Any, rollout_id: int, data_source: PromptSource
                     # Finished in the same wake-up as the group that filled the batch (never silently lost).
                     await _carry_or_drop(ctx, state, group, samples, partial, result, "surplus_group")
                     continue
-                kept = _keep_group(samples, opts.dynamic_filter, result, hooks.dynamic_filter, args)
+                kept = keep_group(samples, opts.dynamic_filter, result, hooks.dynamic_filter, args)
                 # An episode aborted by the engine inside a finished group is not resumed: release its env.
                 await _discard_aborted(ctx, samples)
                 if kept is not None:
@@ -552,8 +576,8 @@ async def generate_rollout(args: Any, rollout_id: int, data_source: PromptSource
     if running:
         await _abort_stragglers(ctx, running, partial, result, state)
     result.filtered_long_prompts_total = state.filtered_long_prompts
-    _end_of_step_hooks(hooks, args, rollout_id, result, finished_groups, data_source, time.perf_counter() - t0)
-    _log_step_problems(rollout_id, result, target, opts)
+    end_of_step_hooks(hooks, args, rollout_id, result, finished_groups, data_source, time.perf_counter() - t0)
+    log_step_problems(rollout_id, result, target, opts)
     return result
 
 
@@ -591,8 +615,8 @@ def _take_buffered(hook: Hook, args: Any, rollout_id: int, carried: list[Carried
     return resumed, kept, discarded
 
 
-def _end_of_step_hooks(hooks: _StepHooks, args: Any, rollout_id: int, result: RolloutResult,
-                       finished_groups: list[list[Sample]], data_source: PromptSource, rollout_time: float) -> None:
+def end_of_step_hooks(hooks: StepHooks, args: Any, rollout_id: int, result: RolloutResult,
+                      finished_groups: list[list[Sample]], data_source: PromptSource, rollout_time: float) -> None:
     """slime's end-of-rollout hooks, in slime's order and with its signatures: the sample filter on the kept
     groups, the all-samples hook on every finished group, then the rollout log function."""
     if hooks.sample_filter is not None:
@@ -614,7 +638,7 @@ def _end_of_step_hooks(hooks: _StepHooks, args: Any, rollout_id: int, result: Ro
                                if k not in given or v != given[k]}
 
 
-def _log_step_problems(rollout_id: int, result: RolloutResult, target: int, opts: RolloutOptions) -> None:
+def log_step_problems(rollout_id: int, result: RolloutResult, target: int, opts: RolloutOptions) -> None:
     """One warning per step for what needs attention: fewer groups kept than asked, a FAILED share above
     `--failed-share-warning` (with the top causes), prompts skipped for `--rollout-max-prompt-len`."""
     problems = []
@@ -783,7 +807,7 @@ def _carried_from(data: Any, where: str) -> CarriedGroup:
     for s in finished:
         if s.group_index != group_index:
             raise DriverStateError(f"{where}: finished {s.name} belongs to group {s.group_index}")
-        if s.status in _RUNNABLE:
+        if s.status in RUNNABLE:
             raise DriverStateError(f"{where}: finished {s.name} has status {s.status.value}, which is not finished")
     indices = Counter([s.index for s in finished] + restart)
     repeated = sorted(i for i, count in indices.items() if count > 1)
@@ -796,7 +820,7 @@ def _carried_from(data: Any, where: str) -> CarriedGroup:
 
 
 def _restarted(prompt: Sample, group_index: int, index: int) -> Sample:
-    sample = _episode_copy(prompt, group_index, index)
+    sample = episode_copy(prompt, group_index, index)
     sample.metadata["restarted_on_resume"] = True  # its pre-checkpoint tokens were lost (module docstring)
     return sample
 

@@ -406,6 +406,13 @@ def _turn_budget(opts: RolloutOptions, sample: Sample) -> tuple[int, TruncationC
     return limits[cause], cause
 
 
+class _TurnContinues:
+    """A weight update aborted the turn's request; the turn goes on (see `_EpisodeRun._generate`)."""
+
+
+_TURN_CONTINUES = _TurnContinues()
+
+
 @dataclass(frozen=True)
 class _Ending:
     """How a turn ends its episode: the termination and, for a failure, the error message."""
@@ -460,6 +467,8 @@ class _EpisodeRun:
     async def _turn(self, record: TurnRecord) -> _Ending | None:
         """One turn; its record is filled in place. Returns how the episode ends, or None to go on."""
         ending = await self._generate(record)
+        if ending is _TURN_CONTINUES:  # a weight update cut the request: the same turn goes on (next record)
+            return None
         if ending is not None:
             return ending
         stepped = await self._step_env(record)
@@ -467,8 +476,15 @@ class _EpisodeRun:
             return stepped
         return self._append_observation(record, stepped)
 
-    async def _generate(self, record: TurnRecord) -> _Ending | None:
-        """POST /generate within the budget and append the sampled ids (mask 1)."""
+    async def _generate(self, record: TurnRecord) -> _Ending | _TurnContinues | None:
+        """POST /generate within the budget and append the sampled ids (mask 1).
+
+        Asynchronous training (`--max-staleness` >= 1) meets weight updates mid-episode (`--inflight-update-policy`):
+        `continue` appends what the aborted request produced and returns `_TURN_CONTINUES` (the turn is re-sent
+        with the new weights, each request's tokens keeping their own version); `rerun` ends the episode
+        WEIGHT_UPDATE_RERUN, before appending, as soon as an answer's version differs from the episode's, so the
+        driver restarts it from the prompt.
+        """
         ctx, sample, state = self.ctx, self.sample, self.state
         budget, binding = _turn_budget(self.opts, sample)
         max_new = min(self.configured_max_new, budget)
@@ -500,7 +516,17 @@ class _EpisodeRun:
         record.finish_reason = result.finish_reason
         record.weight_version = result.weight_version
         record.env_retries = 0
-        if result.weight_version is not None and (not sample.weight_versions or sample.weight_versions[-1] != result.weight_version):
+        if self.opts.max_staleness > 0 and self.opts.inflight_update_policy == "rerun":
+            # Would this episode's tokens span two versions? (A cut request that made nothing yet is just re-sent.)
+            made = bool(sample.weight_versions)
+            crossed = (result.aborted_by_weight_update and (made or bool(result.output_ids))) or (
+                made and result.weight_version is not None and sample.weight_versions[-1] != result.weight_version)
+            if crossed:
+                record.truncation_cause = TruncationCause.WEIGHT_UPDATE
+                return _Ending(Termination(TerminationKind.WEIGHT_UPDATE_RERUN))
+        # A version is recorded for the tokens it made (an aborted request may have made none).
+        if result.weight_version is not None and result.output_ids and (
+                not sample.weight_versions or sample.weight_versions[-1] != result.weight_version):
             sample.weight_versions.append(result.weight_version)
 
         banned = set(ctx.encoder.vision.banned_ids).intersection(result.output_ids)
@@ -517,6 +543,10 @@ class _EpisodeRun:
             state.observations.append(None)
 
         status = FINISH_REASON_STATUS.get(result.finish_reason)
+        if status is Status.ABORTED and result.aborted_by_weight_update and self.opts.max_staleness > 0:
+            state.open_turn = True  # continue policy (rerun returned above): the turn goes on with the new weights
+            record.truncation_cause = TruncationCause.WEIGHT_UPDATE
+            return _TURN_CONTINUES
         if status is Status.ABORTED:
             state.open_turn = True
             record.truncation_cause = TruncationCause.ENGINE_ABORT

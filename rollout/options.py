@@ -105,6 +105,24 @@ class RolloutOptions(ArgsOptions):
     )
     dynamic_filter: str | None = opt(None, "Group filter: drop groups whose rewards are all equal.", choices=(None, "zero_std"))
     partial_rollout: bool = opt(False, "Resume unfinished episodes in the next step instead of discarding them.")
+    max_staleness: int = opt(
+        0,
+        "Asynchronous training with bounded staleness K: with K >= 1 the rollout keeps generating groups into a "
+        "bounded buffer while the trainer trains, new weights reach the engine at step boundaries, and no sample "
+        "trains whose oldest token's weight version lags the trainer's version by more than K (such groups are "
+        "handled by --stale-group-policy and counted). 0: the synchronous loop (every sample on-policy).")
+    inflight_update_policy: str = opt(
+        "continue",
+        "With --max-staleness >= 1, what a weight update does to episodes in flight: `continue` (partial rollout: "
+        "the request the update aborted is re-sent with the tokens so far, each token keeps the weight version that "
+        "made it, and the off-policy tokens are counted) or `rerun` (an episode whose tokens would span two weight "
+        "versions is restarted from its prompt, so every sample comes from one version).",
+        choices=("continue", "rerun"))
+    stale_group_policy: str = opt(
+        "regenerate",
+        "With --max-staleness >= 1, a finished group too stale to train (its oldest token lags the trainer by more "
+        "than K): `regenerate` its prompt as a new group, or `drop` it. Either is counted (async/stale_groups_*).",
+        choices=("regenerate", "drop"))
     mask_offpolicy_in_partial_rollout: bool = opt(False, "Mask tokens of resumed episodes sampled by older weights.")
     episode_timeout: float = opt(
         600.0, "Wall-clock limit of one episode in seconds: env reset, turns and finalize (reward) included; an "

@@ -58,6 +58,8 @@ class TruncationCause(str, enum.Enum):
     OBSERVATION_EXCEEDS_CONTEXT = "observation_exceeds_context"
     ENGINE_ABORT = "engine_abort"  # the engine answered finish_reason abort
     ROLLOUT_ABORT = "rollout_abort"  # the driver was aborting stragglers before this turn's request
+    # A weight update (asynchronous training) aborted this request; the turn continued, or the episode was rerun.
+    WEIGHT_UPDATE = "weight_update"
 
     def by_observation(self) -> "TruncationCause":
         """The cause when an observation, not a generated turn, does not fit under this limit."""
@@ -77,6 +79,9 @@ class TerminationKind(str, enum.Enum):
     MAX_TURNS = "max_turns"
     TRUNCATED = "truncated"  # with a TruncationCause
     ABORT = "abort"
+    # Asynchronous training with --inflight-update-policy rerun: its tokens would have spanned two weight versions,
+    # so the episode is discarded and run again from its prompt.
+    WEIGHT_UPDATE_RERUN = "weight_update_rerun"
     # FAILED episodes, by cause.
     ENGINE_ERROR = "engine_error"
     BANNED_TOKEN = "banned_token"
@@ -99,6 +104,7 @@ _KIND_STATUS = {
     TerminationKind.MAX_TURNS: Status.COMPLETED,
     TerminationKind.TRUNCATED: Status.TRUNCATED,
     TerminationKind.ABORT: Status.ABORTED,
+    TerminationKind.WEIGHT_UPDATE_RERUN: Status.ABORTED,
 }
 
 

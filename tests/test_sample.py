@@ -181,7 +181,7 @@ def test_termination_strings_round_trip_and_give_the_status(kind):
         assert Termination.parse(str(t)) == t
         assert t.metric_name == str(t).replace(":", "/")
         expected = {"env_done": Status.COMPLETED, "max_turns": Status.COMPLETED, "truncated": Status.TRUNCATED,
-                    "abort": Status.ABORTED}.get(kind.value, Status.FAILED)
+                    "abort": Status.ABORTED, "weight_update_rerun": Status.ABORTED}.get(kind.value, Status.FAILED)
         assert t.status is expected
 
 

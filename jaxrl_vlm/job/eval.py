@@ -224,9 +224,11 @@ class Evaluator:
         self.rollout_fn = rollout_fn
         self.passrate = cfg.eval.log_passrate if passrate is None else passrate
 
-    async def run(self, args: Any, step: int, dump_dir: Path | None = None) -> dict[str, float]:
+    async def run(self, args: Any, step: int, dump_dir: Path | None = None, *, flush_engine: bool = True) -> dict[str, float]:
         """One round on the engine's current weights; returns every set's metrics. With `dump_dir`, each set's
-        samples (scored and FAILED) go to `dump_dir/<name>/step_<step>.jsonl`."""
+        samples (scored and FAILED) go to `dump_dir/<name>/step_<step>.jsonl`. `flush_engine=False` leaves the
+        prefix cache (asynchronous training generates meanwhile, so the engine is never idle to flush, and its
+        training does not replay a run without eval anyway)."""
         ctx = get_context(args)
         saved = random.getstate(), np.random.get_state()
         metrics: dict[str, float] = {}
@@ -245,7 +247,8 @@ class Evaluator:
         finally:
             random.setstate(saved[0])
             np.random.set_state(saved[1])
-            await _flush_engine(ctx.client)
+            if flush_engine:
+                await _flush_engine(ctx.client)
         return metrics
 
 

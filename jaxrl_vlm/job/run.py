@@ -1,10 +1,20 @@
 """The main job: rollout -> advantages -> batching -> train step -> weight sync -> metrics, for --num-rollout steps.
 
-Synchronous on purpose (like slime's `train.py`): rollout k+1 starts after the weights of step k reached the
-engine, so every sample is on-policy: before the first rollout the engine is made to hold the trainer's weights
-and every engine's version is confirmed (`MainJob.attach`), and every sample's recorded `weight_versions` must be
-that confirmed version (`job/staleness.py`), else the run stops. The engine is the embedded JAX engine unless
-`--engine-url` points at SGLang (or a router) or `--launch-sglang` starts one.
+Synchronous by default (`--max-staleness 0`, like slime's `train.py`): rollout k+1 starts after the weights of
+step k reached the engine, so every sample is on-policy: before the first rollout the engine is made to hold the
+trainer's weights and every engine's version is confirmed (`MainJob.attach`), and every sample's recorded
+`weight_versions` must be that confirmed version (`job/staleness.py`), else the run stops. The engine is the
+embedded JAX engine unless `--engine-url` points at SGLang (or a router) or `--launch-sglang` starts one.
+
+Asynchronous with `--max-staleness K >= 1` (`MainJob.run_async`): a `rollout.streaming.GroupStream` task keeps
+generating groups into a bounded buffer on the event loop while the compiled train step runs in a worker thread
+(`asyncio.to_thread`; only that thread touches the train state until the step returns). At each step boundary the
+new weights are exported in a worker thread too (generation goes on), then the engine stops only for
+pause -> flush -> update -> continue (the client's weight-update gate holds new requests back meanwhile), and
+episodes in flight continue or rerun by `--inflight-update-policy`. Groups are admitted against the trainer's
+version (`staleness.too_stale`), and every batch is checked and accounted before it trains
+(`staleness.check_bounded_staleness`: no sample whose oldest token lags the trainer by more than K). Single
+process only.
 
 With several processes, process 0 runs the rollout (and logs, plots, talks to the engine); every process
 trains on the broadcast samples, checkpoints its shards and joins the exports.
@@ -31,9 +41,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from jaxrl_vlm.config import Config
+from jaxrl_vlm.errors import ConfigError
 from jaxrl_vlm.data.geo3k import PromptIterator
 from jaxrl_vlm.distributed import barrier, broadcast_samples, broadcast_stop, export_hf, is_main_process
 from jaxrl_vlm.job.assets import load_dataset, load_eval_sets, prepare_assets, prepare_model
@@ -42,7 +54,7 @@ from jaxrl_vlm.job.eval import Evaluator, eval_due, passrate_metrics
 from jaxrl_vlm.job.replay import RolloutReplay, RolloutSaver
 from jaxrl_vlm.job.run_log import RunLog, plot_run
 from jaxrl_vlm.job.session import rollout_session
-from jaxrl_vlm.job.staleness import check_sample_versions, unreported_versions
+from jaxrl_vlm.job.staleness import check_bounded_staleness, check_sample_versions, too_stale, unreported_versions
 from jaxrl_vlm.job.tracking import open_sinks
 from jaxrl_vlm.job.trainer import Trainer
 from jaxrl_vlm.weight_sync import SyncReport, WeightSyncer
@@ -51,6 +63,11 @@ from rollout.failures import AllFailedStepsError, all_failed_streak, failure_rep
 from rollout.dump import dump_samples
 from rollout.loading import load_function
 from rollout.metrics import multi_turn_metrics, rollout_metrics
+from rollout.sample import Sample, TruncationCause
+from rollout.streaming import GroupStream, StepBatch
+
+# /flush_cache poll of a weight update in asynchronous mode: the requests the pause aborted are answering.
+ASYNC_FLUSH_POLL_S = 0.02
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +104,8 @@ class MainJob:
         # Saved rollouts: replayed in place of rollouts (no engine at all), or saved as they are made (process 0).
         self.replay = RolloutReplay(cfg) if cfg.debug.load_debug_rollout_data else None
         self.saver = RolloutSaver(cfg) if cfg.debug.save_debug_rollout_data and self.main else None
+        self.stream: GroupStream | None = None  # the asynchronous rollout (--max-staleness >= 1)
+        self.next_train_version = 0  # asynchronous mode: the trainer version the next batch taken trains at
 
     # -------------------------------------------------------------------------- phases
     def prepare(self) -> None:
@@ -94,6 +113,9 @@ class MainJob:
         cfg = self.cfg
         for note in cfg.notes:
             logger.info("%s", note)
+        if cfg.rollout.max_staleness > 0 and jax.process_count() > 1:
+            raise ConfigError(f"--max-staleness {cfg.rollout.max_staleness} runs in one process only; this job has "
+                              f"{jax.process_count()} (use --max-staleness 0)")
         # A replay reads no prompts: only the model is needed.
         prepare = prepare_model if self.replay is not None else prepare_assets
         if self.main:
@@ -216,14 +238,18 @@ class MainJob:
         metrics: dict[str, Any] = {}
         if self.main:
             metrics["rollout/samples_without_weight_version"] = versions.unreported
-            metrics.update(rollout_metrics(result.samples, result))
-            if not result.skip_default_log:  # a --custom-rollout-log-function-path hook that returned True
-                metrics.update(multi_turn_metrics(result.samples, self.cfg.rollout.rollout_max_response_len))
-            if self.cfg.eval.log_passrate and not result.skip_default_log:  # slime's passrate/pass@k, training groups
-                passrate = passrate_metrics(result.samples, self.cfg.rollout.n_samples_per_prompt)
-                metrics.update({f"passrate/{k}": v for k, v in passrate.items()})
+            metrics.update(self._rollout_metrics(result))
         metrics["perf/rollout_time"] = time.perf_counter() - t0
         return result, samples, metrics
+
+    def _rollout_metrics(self, result: RolloutResult) -> dict[str, Any]:
+        metrics = rollout_metrics(result.samples, result)
+        if not result.skip_default_log:  # a --custom-rollout-log-function-path hook that returned True
+            metrics.update(multi_turn_metrics(result.samples, self.cfg.rollout.rollout_max_response_len))
+        if self.cfg.eval.log_passrate and not result.skip_default_log:  # slime's passrate/pass@k, training groups
+            passrate = passrate_metrics(result.samples, self.cfg.rollout.n_samples_per_prompt)
+            metrics.update({f"passrate/{k}": v for k, v in passrate.items()})
+        return metrics
 
     def train(self, samples: list[Any], metrics: dict[str, Any]) -> None:
         t1 = time.perf_counter()
@@ -246,10 +272,15 @@ class MainJob:
     def checkpoint(self, done: int) -> None:
         if not self.checkpoints.due(done):
             return
+        # Asynchronous mode: the stream's buffered and in-flight groups, read in the same instant as the data cursor.
+        if self.stream is not None:
+            driver = self.stream.checkpoint_state()
+        else:
+            driver = driver_checkpoint_state(self.args) if self.main and self.replay is None else None
         self.checkpoints.save(
             done, self.trainer.state, weight_version=self.version,
             prompt_iterator=self.prompts.state_dict() if self.prompts is not None else None,
-            driver_state=driver_checkpoint_state(self.args) if self.main and self.replay is None else None,
+            driver_state=driver,
         )
 
     async def step(self, step: int) -> dict[str, Any]:
@@ -273,7 +304,8 @@ class MainJob:
         if self.evaluator is None or not self.evaluator.sets or not eval_due(self.cfg, done):
             return None
         t0 = time.perf_counter()
-        metrics: dict[str, Any] = await self.evaluator.run(self.args, done, dump_dir=self.out_dir / "eval")
+        metrics: dict[str, Any] = await self.evaluator.run(self.args, done, dump_dir=self.out_dir / "eval",
+                                                           flush_engine=self.stream is None)
         metrics["perf/eval_time"] = time.perf_counter() - t0
         metrics["weight_version"] = self.version
         if self.log is not None:
@@ -285,6 +317,86 @@ class MainJob:
         if self.log is not None:
             plot_run(self.log.path, self.out_dir / "plots")
 
+    # -------------------------------------------------------------------------- asynchronous mode
+    def too_stale(self, samples: list[Sample]) -> bool:
+        """The stream's admission verdict: `samples` would lag the version the next batch trains at by more than K."""
+        return too_stale(samples, self.next_train_version, self.cfg.rollout.max_staleness)
+
+    async def run_async(self) -> dict[str, Any]:
+        """The steps of `--max-staleness K >= 1` (module docstring); returns the last step's metrics."""
+        self.syncer.flush_poll_s = ASYNC_FLUSH_POLL_S
+        self.next_train_version = self.version
+        self.stream = GroupStream(self.args, self.prompts, engine_version=self.engine_version,
+                                  batches_taken=self.version, too_stale=self.too_stale)
+        self.stream.start()
+        last: dict[str, Any] = {}
+        try:
+            for step in range(self.start_step, self.cfg.rollout.num_rollout + 1):
+                await self.evaluate(step)
+                if step < self.cfg.rollout.num_rollout:
+                    last = await self.async_step(step)
+        finally:
+            await self.stream.close()
+        return last
+
+    async def async_step(self, step: int) -> dict[str, Any]:
+        """Take a batch from the stream, check and account its staleness, train in a worker thread (generation goes
+        on), then export and load the new weights."""
+        stream, k = self.stream, self.cfg.rollout.max_staleness
+        t0 = time.perf_counter()
+        busy0 = stream.busy_seconds()
+        batch = await stream.take(self.cfg.rollout.rollout_batch_size, step)
+        result, samples = batch.result, batch.result.samples
+        self.all_failed_steps = all_failed_streak(self.all_failed_steps, failure_report(result), step=step,
+                                                  limit=self.cfg.rollout.max_all_failed_steps)
+        report = check_bounded_staleness(samples, trainer_version=self.version, engine_version=self.engine_version,
+                                         max_staleness=k, step=step)
+        if samples:  # groups finishing from now on train at the next version
+            self.next_train_version = self.version + 1
+        metrics: dict[str, Any] = self._rollout_metrics(result)
+        metrics.update(report.metrics(k))
+        metrics.update(_stream_metrics(batch, samples))
+        metrics["perf/rollout_time"] = batch.waited_s  # slime's name; here the wait for the batch
+        paused = 0.0
+        if samples:
+            t1 = time.perf_counter()
+            busy1 = stream.busy_seconds()
+            metrics.update(await asyncio.to_thread(self.trainer.train_on, samples))
+            train_s = time.perf_counter() - t1
+            metrics["perf/train_time"] = train_s
+            metrics["async/overlap_fraction"] = (stream.busy_seconds() - busy1) / train_s if train_s > 0 else 0.0
+            self.version += 1
+            paused = await self.sync_async(metrics)
+        else:
+            logger.warning("step %d: no trainable samples (dropped %s); no update", step, dict(result.dropped))
+        step_s = time.perf_counter() - t0
+        metrics["perf/step_time"] = step_s
+        # The engine idles while no group generates, and while the update pauses it (groups wait at the gate).
+        metrics["async/engine_idle_s"] = max(0.0, step_s - (stream.busy_seconds() - busy0)) + paused
+        metrics["async/engine_paused_s"] = paused
+        metrics["async/buffered_groups"] = float(len(stream.buffer))
+        metrics["async/running_groups"] = float(len(stream.running))
+        metrics["weight_version"] = self.version
+        if self.log is not None:
+            self.log.log(step, metrics)
+        self.checkpoint(step + 1)
+        return metrics
+
+    async def sync_async(self, metrics: dict[str, Any]) -> float:
+        """Export in a worker thread while generation goes on, then load (the engine stops only for this part);
+        returns the seconds the engine was stopped (pause -> flush -> update -> continue, and the confirmation)."""
+        t2 = time.perf_counter()
+        report = await asyncio.to_thread(self.syncer.export, self.trainer.policy_model(), self.version)
+        t3 = time.perf_counter()
+        await self.syncer.load(report)
+        paused = time.perf_counter() - t3
+        self.engine_version = self.version
+        self.stream.engine_updated(self.version)
+        metrics["sync/export_s"] = report.export_s
+        metrics["sync/gbytes"] = report.bytes_written / 1e9
+        metrics["perf/update_weights_time"] = time.perf_counter() - t2
+        return paused
+
     # -------------------------------------------------------------------------- the whole run
     async def run(self) -> dict[str, Any]:
         """The whole job; returns the last step's metrics (the final eval is in metrics.jsonl)."""
@@ -293,18 +405,36 @@ class MainJob:
         try:
             async with self.session(await self.serve_dir()) as client:
                 await self.attach(client)
-                # Eval of the weights after `step` steps runs before rollout `step` (after the previous step's
-                # sync), and once more after the last step.
-                for step in range(self.start_step, self.cfg.rollout.num_rollout + 1):
-                    await self.evaluate(step)
-                    if step < self.cfg.rollout.num_rollout:
-                        last = await self.step(step)
+                if self.cfg.rollout.max_staleness > 0:
+                    last = await self.run_async()
+                else:
+                    # Eval of the weights after `step` steps runs before rollout `step` (after the previous step's
+                    # sync), and once more after the last step.
+                    for step in range(self.start_step, self.cfg.rollout.num_rollout + 1):
+                        await self.evaluate(step)
+                        if step < self.cfg.rollout.num_rollout:
+                            last = await self.step(step)
             self.finish()
             return last
         finally:
             if self.log is not None:
                 self.log.close()
             self.checkpoints.close()
+
+
+def _stream_metrics(batch: StepBatch, samples: list[Sample]) -> dict[str, float]:
+    """What the stream did for this batch: the trainer's wait, stale groups by policy, in-flight episodes that a
+    weight update made continue (requests re-sent) or rerun."""
+    continued = sum(1 for s in samples for r in s.turns if r.truncation_cause is TruncationCause.WEIGHT_UPDATE)
+    return {
+        "async/trainer_idle_s": batch.waited_s,
+        "async/stale_groups": float(batch.result.dropped.get("stale_group", 0)),
+        "async/stale_groups_regenerated": float(batch.counters.stale_groups_regenerated),
+        "async/stale_groups_dropped": float(batch.counters.stale_groups_dropped),
+        "async/stale_samples": float(batch.counters.stale_samples),
+        "async/continued_requests": float(continued),
+        "async/rerun_episodes": float(sum(int(s.metadata.get("weight_update_reruns", 0)) for s in samples)),
+    }
 
 
 def train(cfg: Config, *, devices: list[Any] | None = None) -> dict[str, Any]:
