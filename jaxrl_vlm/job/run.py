@@ -26,7 +26,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from jaxrl_vlm.config import Config
+from jaxrl_vlm.config import Config, is_sft
 from jaxrl_vlm.data.geo3k import PromptIterator
 from jaxrl_vlm.distributed import barrier, broadcast_samples, broadcast_stop, export_hf, is_main_process
 from jaxrl_vlm.job.assets import load_dataset, load_eval_sets, prepare_assets
@@ -34,6 +34,7 @@ from jaxrl_vlm.job.checkpointing import CheckpointCadence, ResumePoint, restore
 from jaxrl_vlm.job.eval import Evaluator, eval_due, passrate_metrics
 from jaxrl_vlm.job.run_log import RunLog, plot_run
 from jaxrl_vlm.job.session import rollout_session
+from jaxrl_vlm.job.sft import SFTJob
 from jaxrl_vlm.job.staleness import check_sample_versions
 from jaxrl_vlm.job.tracking import open_sinks
 from jaxrl_vlm.job.trainer import Trainer
@@ -76,6 +77,7 @@ class MainJob:
         self.all_failed_steps = 0  # consecutive steps in which every finished episode FAILED
         self.resumed_export: SyncReport | None = None  # a resumed run's weights, exported before the engine starts
         self.engine_version = 0  # the weight version every engine was last confirmed to hold
+        self.warm_started = False  # --load named an SFT run's checkpoint: the policy starts from its weights
 
     # -------------------------------------------------------------------------- phases
     def prepare(self) -> None:
@@ -91,6 +93,9 @@ class MainJob:
         self.trainer.build_policy(self.model_dir)
         self.args = cfg.to_namespace()
         self.resume = restore(cfg, self.trainer.state)
+        if self.resume is not None and self.resume.warm_start:  # an SFT run's checkpoint: its weights, our step 0
+            self.trainer.start_from(self.resume.state.params)
+            self.warm_started, self.resume = True, None
         if self.resume is not None:
             self.start_step, self.version = self.resume.step, self.resume.weight_version
             self.trainer.state = self.resume.state
@@ -109,9 +114,9 @@ class MainJob:
                               resumed_at=self.start_step if self.resume is not None else None)
 
     async def serve_dir(self) -> Path:
-        """The weights an engine this job starts (embedded or launched) starts from: a resumed run's own version,
-        exported here (not yet loaded anywhere), or the original checkpoint on a fresh start."""
-        if self.start_step > 0 and not self.cfg.engine.engine_url:
+        """The weights an engine this job starts (embedded or launched) starts from: a resumed or warm-started
+        run's own weights, exported here (not yet loaded anywhere), or the original checkpoint on a fresh start."""
+        if (self.start_step > 0 or self.warm_started) and not self.cfg.engine.engine_url:
             self.resumed_export = await self.syncer.push(self.trainer.policy_model(), self.version)
             return self.resumed_export.path
         return self.model_dir
@@ -250,7 +255,9 @@ class MainJob:
 
 
 def train(cfg: Config) -> dict[str, Any]:
-    """Run the main job to the end; returns the last step's metrics."""
+    """Run the main job to the end (an SFT job for `--loss-type sft_loss`); returns the last step's metrics."""
+    if is_sft(cfg):
+        return SFTJob(cfg).run()
     return asyncio.run(MainJob(cfg).run())
 
 
