@@ -10,7 +10,7 @@ import argparse
 import logging
 import sys
 
-from jaxrl_vlm.config import Config, ConfigError, describe_options, load_config
+from jaxrl_vlm.config import Config, ConfigError, describe_options, is_sft, load_config
 
 
 def _cmd_config(ns: argparse.Namespace, rest: list[str]) -> int:
@@ -44,9 +44,16 @@ def _cmd_train(ns: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
+def _no_sft(cfg: Config, command: str) -> None:
+    if is_sft(cfg):
+        raise ConfigError(f"{command} samples from an engine; an SFT config (--loss-type sft_loss) has no rollout "
+                          "(its held-out NLL is logged by `jaxrl-vlm train` with --eval-prompt-data)")
+
+
 def _cmd_rollout(ns: argparse.Namespace, rest: list[str]) -> int:
     config_path, overrides = split_config_argv(rest)
     cfg = load_config(config_path, overrides)
+    _no_sft(cfg, "jaxrl-vlm rollout")
     import asyncio
 
     from jaxrl_vlm.job.run import run_one_rollout
@@ -66,6 +73,7 @@ def _cmd_eval(ns: argparse.Namespace, rest: list[str]) -> int:
     """Evaluate a checkpoint (ours, or an HF directory) on the config's eval sets and print a table."""
     config_path, overrides = split_config_argv(rest)
     cfg = load_config(config_path, overrides)
+    _no_sft(cfg, "jaxrl-vlm eval")
     import asyncio
     import json
     from pathlib import Path
@@ -109,13 +117,32 @@ def _cmd_compare_losses(ns: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
+# `make-dataset --task NAME`: the shipped tasks' generators (any other value is a module path, loaded like the env).
+DATASET_TASKS = {"geo3k": "envs.geo3k.synthetic", "color_reveal": "envs.color_reveal.synthetic"}
+
+
 def _cmd_make_dataset(ns: argparse.Namespace, rest: list[str]) -> int:
+    """A task's synthetic prompts (`make_dataset`) or, with --sft, its SFT transcripts (`make_sft_dataset`)."""
     if rest:
         raise ConfigError(f"make-dataset: unexpected arguments {rest}")
-    from envs.geo3k.synthetic import make_dataset
+    from rollout.loading import LoadError, load_module
 
-    path = make_dataset(ns.out, num_rows=ns.num_rows, seed=ns.seed, image_size=ns.image_size)
-    print(f"wrote {ns.num_rows} synthetic geo3k rows to {path}")
+    module_path = DATASET_TASKS.get(ns.task, ns.task)
+    try:
+        module = load_module(module_path, "make-dataset --task")
+    except LoadError as e:
+        raise ConfigError(str(e)) from e
+    name = "make_sft_dataset" if ns.sft else "make_dataset"
+    make = getattr(module, name, None)
+    if not callable(make):
+        raise ConfigError(f"make-dataset --task {ns.task}: {module_path} has no {name}(path, num_rows, seed=, image_size=)")
+    kwargs = {} if ns.image_size is None else {"image_size": ns.image_size}
+    try:
+        path = make(ns.out, ns.num_rows, seed=ns.seed, **kwargs)
+    except ValueError as e:
+        raise ConfigError(f"make-dataset: {e}") from e
+    what = "SFT transcripts" if ns.sft else "rows"
+    print(f"wrote {ns.num_rows} synthetic {ns.task} {what} to {path}")
     return 0
 
 
@@ -207,7 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--help-options", action="store_true", help="List every option with its flag, default and meaning.")
     p.set_defaults(func=_cmd_config)
 
-    p = sub.add_parser("train", help="Run the main RL job: rollout -> train -> weight sync, for --num-rollout steps.")
+    p = sub.add_parser("train", help="Run the main RL job: rollout -> train -> weight sync, for --num-rollout steps "
+                       "(with --loss-type sft_loss: supervised fine-tuning on conversations, no engine).")
     p.usage = "jaxrl-vlm train CONFIG.yaml [--flag value ...]"
     p.set_defaults(func=_cmd_train)
 
@@ -241,11 +269,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="Directory for the table (comparison.md, .csv), plots/ and runs/.")
     p.set_defaults(func=_cmd_compare_losses)
 
-    p = sub.add_parser("make-dataset", help="Write a synthetic Geometry3K-style parquet dataset with real diagrams.")
-    p.add_argument("out", help="Output .parquet path.")
+    p = sub.add_parser("make-dataset", help="Write a task's synthetic prompts (or, with --sft, SFT transcripts) with "
+                       "real pictures.")
+    p.add_argument("out", help="Output .parquet path (.jsonl too for color_reveal and for --sft).")
+    p.add_argument("--task", default="geo3k",
+                   help=f"{' | '.join(DATASET_TASKS)}, or a module with make_dataset / make_sft_dataset (default geo3k).")
+    p.add_argument("--sft", action="store_true",
+                   help="SFT transcripts (conversations with a right answer, for --loss-type sft_loss) instead of prompts.")
     p.add_argument("--num-rows", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--image-size", type=int, default=224)
+    p.add_argument("--image-size", type=int, default=None, help="Picture side in pixels (default: the task's, 224 "
+                   "for geo3k, 64 for color_reveal).")
     p.set_defaults(func=_cmd_make_dataset)
 
     p = sub.add_parser("make-tiny", help="Write a tiny random Qwen3-VL checkpoint (our init + exporter) with tokenizer/processor.")

@@ -61,10 +61,17 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    prompt_data: str | None = opt(None, "Training prompts: parquet or jsonl in the Geometry3K layout.")
-    input_key: str = opt("problem", "Row field holding the problem text (with <image> markers).")
+    prompt_data: str | None = opt(
+        None, "Training data: prompts (parquet or jsonl in the Geometry3K layout), or with --loss-type sft_loss "
+        "conversations (jaxrl_vlm/data/sft.py).")
+    input_key: str | None = opt(
+        None, "Row field holding the problem text with <image> markers (None: problem), or with --loss-type sft_loss "
+        "the conversation, a list of {role, content} messages (None: messages; slime's --input-key).")
     label_key: str = opt("answer", "Row field holding the reference answer.")
     image_key: str = opt("images", "Row field holding the list of images.")
+    tool_key: str = opt(
+        "tools", "--loss-type sft_loss: the optional row field holding the conversation's tool schemas (a JSON list, "
+        "rendered by the chat template as the task's tools are in rollout; slime's --tool-key).")
     on_bad_row: str = opt("error", "What to do with a malformed row: raise, or skip and count it.", choices=("error", "skip"))
     rollout_shuffle: bool = opt(True, "Shuffle prompts each epoch (deterministic by --seed).")
     system_prompt: str | None = opt(None, "System prompt prepended to every conversation (None: the task's default).")
@@ -109,8 +116,9 @@ class AlgoConfig:
     loss_type: str = opt(
         "policy_loss",
         "slime's --loss-type: policy_loss trains --policy-loss; custom_loss trains the function of "
-        "--custom-loss-function-path.",
-        choices=("policy_loss", "custom_loss"),
+        "--custom-loss-function-path; sft_loss is supervised fine-tuning on the conversations of --prompt-data: the "
+        "mean NLL (temperature 1) of their assistant tokens, no engine, no rollout (jaxrl_vlm/job/sft.py).",
+        choices=("policy_loss", "custom_loss", "sft_loss"),
     )
     custom_loss_function_path: str | None = opt(
         None,
@@ -448,6 +456,23 @@ class Config:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
 
+# ------------------------------------------------------------------ what a run is
+SFT_LOSS = "sft_loss"  # --loss-type of a supervised fine-tuning run (slime's value)
+
+
+def is_sft(cfg: Config) -> bool:
+    """Whether the run is supervised fine-tuning on conversations (`--loss-type sft_loss`), not RL."""
+    return cfg.algo.loss_type == SFT_LOSS
+
+
+def row_input_key(cfg: Config) -> str:
+    """The dataset field of `--input-key`: as set, else `messages` for an SFT run's conversations and `problem`
+    for RL prompts (slime's SFT runs pass `--input-key messages`; here that is the default)."""
+    if cfg.data.input_key is not None:
+        return cfg.data.input_key
+    return "messages" if is_sft(cfg) else "problem"
+
+
 # ------------------------------------------------------------------ field index
 @dataclass(frozen=True)
 class FieldInfo:
@@ -766,9 +791,21 @@ def load_config(path: str | None = None, argv: list[str] | None = None, *,
     _apply(cfg, custom_data, str(custom_path), declared)
     _apply(cfg, cli_flat, "command line", declared)
     _load_as_hf_checkpoint(cfg, notes)
+    _slime_sft_rollout(cfg, notes)
     cfg.notes = notes
     validate(cfg)
     return cfg
+
+
+def _slime_sft_rollout(cfg: Config, notes: list[str]) -> None:
+    """slime's SFT run line names its SFT rollout function; here SFT is `--loss-type sft_loss`, which needs none."""
+    if cfg.rollout.rollout_function_path != slime_flags.SLIME_SFT_ROLLOUT:
+        return
+    if not is_sft(cfg):
+        raise ConfigError(f"--rollout-function-path {slime_flags.SLIME_SFT_ROLLOUT} is slime's SFT data path: add "
+                          "--loss-type sft_loss (slime's SFT runs pass both)")
+    notes.append(f"--rollout-function-path {slime_flags.SLIME_SFT_ROLLOUT}: slime's SFT data path; --loss-type "
+                 "sft_loss reads the conversations itself (jaxrl_vlm/data/sft.py) and runs no rollout function")
 
 
 # slime spells GSPO and CISPO as advantage estimators; here they are policy losses over GRPO advantages.
@@ -857,6 +894,7 @@ def validate(cfg: Config) -> None:
     _validate_hooks(cfg)
     _validate_debug(cfg.debug)
     _validate_async(cfg)
+    _validate_sft(cfg)
 
 
 # Numbers whose meaningful range types cannot express; every float option must also be finite.
@@ -956,6 +994,25 @@ def _validate_async(cfg: Config) -> None:
         if getattr(cfg.debug, name) is not None:
             raise ConfigError(f"--{name.replace('_', '-')} works on whole synchronous steps; it does not apply with "
                               f"--max-staleness {r.max_staleness} (use --max-staleness 0)")
+
+
+# RL options that mean nothing to an SFT run (no rollout, no reward, no engine, no reference policy): set, they are
+# errors naming the flag, not silently ignored.
+_RL_ONLY_OPTIONS = ("use_kl_loss", "kl_coef", "use_tis", "entropy_coef", "custom_tis_function_path",
+                    "custom_advantage_function_path", "custom_reward_post_process_path", "custom_rm_path", "rm_type",
+                    "engine_url", "engine_worker_urls", "launch_sglang", "partial_rollout", "dynamic_filter",
+                    "max_staleness", "save_debug_rollout_data", "load_debug_rollout_data")
+
+
+def _validate_sft(cfg: Config) -> None:
+    """`--loss-type sft_loss`: the RL-only options are at their defaults."""
+    if not is_sft(cfg):
+        return
+    set_here = [FIELDS[k].flag for k in _RL_ONLY_OPTIONS
+                if getattr(getattr(cfg, FIELDS[k].section), k) != FIELDS[k].default]
+    if set_here:
+        raise ConfigError(f"--loss-type sft_loss trains on the conversations of --prompt-data, with no rollout, "
+                          f"reward, reference policy or engine: {', '.join(set_here)} do not apply (remove them)")
 
 
 def _validate_eval(e: EvalConfig) -> None:

@@ -113,6 +113,18 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
         _external_engines, "rollout"),
     # ------------------------------------------------------------------ algorithm
     # (--advantage-estimator gspo|cispo is our own flag; the config maps slime's spelling onto the loss.)
+    "--calculate-per-token-loss": SlimeFlag(
+        0, "-> --loss-aggregation token_mean (an SFT run's NLL is always the per-token mean)",
+        _switch(loss_aggregation="token_mean"), "algo"),
+    # ------------------------------------------------------------------ SFT (--loss-type sft_loss)
+    "--disable-compute-advantages-and-returns": SlimeFlag(
+        0, "not applicable: an SFT run (--loss-type sft_loss) computes no advantages, an RL run always does",
+        _NOTHING, "sft"),
+    "--debug-train-only": SlimeFlag(
+        0, "not applicable: an SFT run (--loss-type sft_loss) starts no engine anyway", _NOTHING, "sft"),
+    "--loss-mask-type": SlimeFlag(
+        1, "not applicable: SFT assistant masks come from the model's own chat template, whatever its family "
+        "(rollout/encoding.py encode_transcript)", _NOTHING, "sft"),
     # ------------------------------------------------------------------ sglang
     "--rollout-num-gpus-per-engine": SlimeFlag(
         1, "-> --tp-size N for a launched SGLang server (--launch-sglang)",
@@ -197,6 +209,10 @@ SLIME_PATH_ALIASES: dict[str, str] = {
     "examples.geo3k_vlm_multi_turn.rollout.generate": "rollout.multiturn.generate",
     "examples/geo3k_vlm_multi_turn/geo3k_vlm_multi_turn_config.yaml": "configs/geo3k_multiturn.yaml",
 }
+
+# slime's SFT data path (`--rollout-function-path` of its SFT runs): here `--loss-type sft_loss` reads the
+# conversations itself and runs no rollout function; the config accepts the path only with that loss type.
+SLIME_SFT_ROLLOUT = "slime.rollout.sft_rollout.generate_rollout"
 
 # Our own flags whose `--sglang-` prefix is not slime's forwarding prefix.
 OWN_SGLANG_FLAGS = ("--sglang-python", "--sglang-args", "--sglang-server-concurrency")

@@ -413,6 +413,134 @@ class ChatEncoder:
         return self.rerender_conversation(prompt, turns, tools=tools)
 
 
+# ---------------------------------------------------------------------------- SFT transcripts
+class TranscriptError(ValueError):
+    """A conversation that cannot be laid out as one training sequence with an exact assistant mask."""
+
+
+@dataclass
+class EncodedTranscript:
+    """A whole conversation as one training sequence, in the wire view (one pad per image).
+
+    `wire_ids` [L]: the conversation through its last assistant turn's end token, as the model sees it when it
+    generates each assistant turn; `loss_mask` [L] 0/1: 1 exactly on the tokens of each trained assistant turn's
+    content and its `<|im_end|>`; `texts`/`trained`: the rendered pieces the ids are the tokens of, and whether
+    each is trained; `images`: the conversation's image items up to that turn, in placeholder order.
+    """
+
+    wire_ids: list[int]
+    loss_mask: list[int]
+    texts: list[str]
+    trained: list[bool]
+    images: list[Any]
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
+
+    def training_view(self, encoder: ChatEncoder) -> tuple[list[int], list[int], list[str], dict[str, np.ndarray] | None]:
+        """(ids with every pad expanded as the engine expands it, the mask expanded alike (pads are never trained),
+        the images as PNG data URLs, their processor tensors or None): the images are processed here, on use."""
+        urls, mm = encoder._encode_images(list(self.images))
+        grid = None if mm is None else mm["image_grid_thw"]
+        ids = encoder.expand_image_pads(self.wire_ids, grid)
+        mask: list[int] = []
+        k = 0
+        for token, m in zip(self.wire_ids, self.loss_mask):
+            if token == encoder.vision.image_pad:
+                mask.extend([0] * num_image_pads(grid[k], encoder.merge_size))
+                k += 1
+            else:
+                mask.append(m)
+        return ids, mask, urls, mm
+
+
+def encode_transcript(
+    encoder: ChatEncoder,
+    messages: Sequence[dict[str, Any]],
+    *,
+    tools: list[dict] | None = None,
+    trained_turns: Sequence[bool] | None = None,
+) -> EncodedTranscript:
+    """Tokens and assistant-token loss mask of a finished conversation (SFT), from the chat template alone.
+
+    The sequence is built like a rollout builds an episode, with the assistant turns standing for the model's
+    tokens, so SFT trains exactly the view the model generates in: the rendering of the messages before the first
+    assistant turn with the generation prompt (mask 0); then per assistant turn the template's text for it after
+    that generation prompt, up to and including its `<|im_end|>` (mask 1 when trained, the template's
+    separator after it is not part of the turn); and between two assistant turns what the template renders after
+    the earlier one's `<|im_end|>` up to the next generation prompt (mask 0: separator, observations, header).
+    Each piece is tokenized on its own, as rollout tokenizes prompt and observation deltas; the special tokens
+    that delimit the pieces split the tokenizer's input. Messages after the last assistant turn carry no loss and
+    are left out.
+
+    For an append-only template (Qwen3-VL-Instruct) the pieces are exactly the template's rendering of the
+    conversation (checked here). A history-rewriting template (Qwen3 thinking) renders each earlier turn as the
+    model generated it, not as a later re-render would rewrite it (the README's Instruct/Thinking section).
+
+    `trained_turns`: per assistant message, whether it is trained (default all; slime's `step_loss_mask`).
+    Raises TranscriptError for a conversation without assistant turn, an assistant turn with images, or a
+    template whose rendering does not split into these pieces.
+    """
+    end = encoder.tokenizer.convert_ids_to_tokens(encoder.vision.im_end)
+    turns = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
+    if not turns:
+        raise TranscriptError("the conversation has no assistant message (nothing to train)")
+    trained = [True] * len(turns) if trained_turns is None else [bool(t) for t in trained_turns]
+    if len(trained) != len(turns):
+        raise TranscriptError(f"{len(trained)} trained flags for {len(turns)} assistant messages")
+    if not any(trained):
+        raise TranscriptError("every assistant message is excluded from the loss (step_loss_mask 0): nothing to train")
+    for i in turns:
+        if message_images([messages[i]]):
+            raise TranscriptError(f"message {i}: an assistant turn cannot contain images (the model never generates them)")
+
+    texts: list[str] = []
+    flags: list[bool] = []
+    closed = ""  # the rendering through the previous assistant turn (its <|im_end|> counted, not its separator)
+    for k, i in enumerate(turns):
+        before = encoder.render(messages[:i], tools=tools, add_generation_prompt=True)
+        if k == 0:
+            texts.append(before)
+        else:
+            cut = _after_nth(before, end, closed.count(end))
+            if cut < 0:
+                raise TranscriptError(f"message {i}: the chat template renders fewer turn ends than the conversation "
+                                      "has turns before it")
+            texts.append(before[cut:])
+        flags.append(False)
+        through = encoder.render(messages[: i + 1], tools=tools, add_generation_prompt=False)
+        if not through.startswith(before):
+            raise TranscriptError(f"message {i}: the chat template renders the assistant turn somewhere else than "
+                                  "after its generation prompt\n" + _first_difference(before, through))
+        turn = through[len(before) :]
+        stop = turn.rfind(end)
+        if stop < 0:
+            raise TranscriptError(f"message {i}: the chat template does not end the assistant turn with {end!r}")
+        texts.append(turn[: stop + len(end)])
+        flags.append(trained[k])
+        closed = through[: len(before) + stop + len(end)]
+
+    if encoder.template_kind is TemplateKind.APPEND_ONLY:
+        whole = "".join(texts)
+        rendered = encoder.render(messages[: turns[-1] + 1], tools=tools, add_generation_prompt=False)
+        if not rendered.startswith(whole) or rendered[len(whole) :] not in ("", encoder.turn_separator()):
+            raise TranscriptError("the pieces of the conversation differ from the chat template's rendering of it\n"
+                                  + _first_difference(whole, rendered))
+
+    ids: list[int] = []
+    mask: list[int] = []
+    for text, flag in zip(texts, flags):
+        piece = encoder.tokenize(text)
+        ids.extend(piece)
+        mask.extend([int(flag)] * len(piece))
+    images = message_images(messages[: turns[-1] + 1])
+    if sum(1 for t in ids if t == encoder.vision.image_pad) != len(images):
+        raise TranscriptError(f"the rendering has {sum(1 for t in ids if t == encoder.vision.image_pad)} image "
+                              f"placeholders but the conversation {len(images)} images")
+    return EncodedTranscript(ids, mask, texts, flags, images)
+
+
 def _after_nth(text: str, token: str, n: int) -> int:
     """Index just after the n-th occurrence (1-based) of `token` in `text`; -1 if there are fewer (or n < 1)."""
     at = -len(token)

@@ -4,7 +4,7 @@ A small Geometry3K-layout parquet file with several row groups is damaged inside
 byte range comes from the file's own metadata: `data_page_offset` and `total_compressed_size`). pyarrow alone
 raises a bare OSError without the file or the row group. The loader reads row group by row group and names the
 damaged one, under both bad-row policies: an unreadable part of a file is damage, not a bad sample (see
-`jaxrl_vlm.data.geo3k._iter_parquet`).
+`jaxrl_vlm.data.geo3k.iter_parquet`).
 """
 
 from __future__ import annotations

@@ -13,11 +13,18 @@ parallel lines cut by a transversal (possibly with a linear expression in x),
 rectangles (perimeter/area/diagonal).
 
 Row i depends only on (seed, i): `generate_rows(n, s)[:k] == generate_rows(k, s)`.
+
+SFT transcripts (`make_sft_dataset`; the layout of `envs/transcripts.py`): transcript i is prompt row i as
+`--prompt-style geo3k` renders it (the task's system prompt and `calc_geo3k_reward` tool schema, the diagram and
+the question), then one assistant turn with the right value: a `calc_geo3k_reward` tool call (which ends a
+geo3k episode when correct), or in the other rows (`tool_call_share`, drawn from (seed, i)) a final answer in
+`\boxed{}`. Each turn is played through `Geo3kEnv`, which must grade it correct and end the episode.
 No jax; only numpy, PIL and pyarrow.
 """
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import math
@@ -31,6 +38,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image, ImageDraw, ImageFont
+
+from envs.geo3k.env import Geo3kEnv
+from envs.geo3k.prompts import GEO3K_SYSTEM_PROMPT, GEO3K_TOOL_NAME, GEO3K_TOOLS
+from envs.transcripts import transcript_row, write_transcripts
 
 FAMILIES = (
     "triangle_angle_sum",
@@ -675,3 +686,50 @@ def make_dataset(out_path: str, num_rows: int, seed: int = 0, image_size: int = 
     os.makedirs(parent, exist_ok=True)
     pq.write_table(table, out_path)
     return out_path
+
+
+#: Share of SFT transcripts that answer with a `calc_geo3k_reward` tool call (the others end with `\boxed{}`).
+TOOL_CALL_SHARE = 0.5
+
+
+def answer_turn(answer: str, tool_call: bool) -> str:
+    """An assistant turn giving `answer`: the tool call as the chat template renders a structured call, or a
+    final boxed answer."""
+    if tool_call:
+        call = json.dumps({"name": GEO3K_TOOL_NAME, "arguments": {"answer": answer}})
+        return f"<tool_call>\n{call}\n</tool_call>"
+    return f"The answer is \\boxed{{{answer}}}."
+
+
+def generate_transcript(index: int, seed: int = 0, image_size: int = 224,
+                        tool_call_share: float = TOOL_CALL_SHARE) -> dict[str, Any]:
+    """SFT transcript `index` for `seed` (module docstring)."""
+    if not 0.0 <= tool_call_share <= 1.0:
+        raise ValueError(f"tool_call_share must be in [0, 1], got {tool_call_share!r}")
+    row = generate_row(index, seed, image_size)
+    diagram = Image.open(io.BytesIO(row["images"][0]["bytes"]))
+    diagram.load()
+    tool_call = bool(np.random.default_rng([seed, index, 1]).random() < tool_call_share)
+    reply = answer_turn(row["answer"], tool_call)
+    _, done, info = asyncio.run(Geo3kEnv(row["answer"], max_turns=3).step(reply))
+    if not (done and info["correct"]):
+        raise AssertionError(f"transcript {index}: the env did not grade {reply!r} as a correct final answer")
+    question = row["problem"].removeprefix("<image>")
+    messages = [
+        {"role": "system", "content": GEO3K_SYSTEM_PROMPT},
+        {"role": "user", "content": [{"type": "image", "image": diagram}, {"type": "text", "text": question}]},
+        {"role": "assistant", "content": reply},
+    ]
+    params = {**json.loads(row["params"]), "answer": row["answer"], "answer_source": "tool" if tool_call else "boxed"}
+    return transcript_row(messages, name=f"geo3k_sft_s{seed}_{index:06d}", tools=GEO3K_TOOLS, params=params)
+
+
+def make_sft_dataset(out_path: str, num_rows: int, seed: int = 0, image_size: int = 224,
+                     tool_call_share: float = TOOL_CALL_SHARE) -> str:
+    """Write `num_rows` SFT transcripts (module docstring) to `out_path` (.parquet or .jsonl); return the path."""
+    if not isinstance(num_rows, int) or num_rows < 0:
+        raise ValueError(f"num_rows must be an int >= 0, got {num_rows!r}")
+    if image_size < 96:
+        raise ValueError(f"image_size must be >= 96 pixels for legible labels, got {image_size}")
+    rows = [generate_transcript(i, seed, image_size, tool_call_share) for i in range(num_rows)]
+    return write_transcripts(out_path, rows)

@@ -35,7 +35,7 @@ import json
 import logging
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,8 +69,9 @@ class DatasetError(ValueError):
     """A dataset file or row is unusable; the message names the file, the row and the cause."""
 
 
-class _BadRow(Exception):
-    """Internal: the cause of one bad row, turned into DatasetError or a skip record by the caller."""
+class BadRow(Exception):
+    """The cause of one bad row (raised by the row parsers here and in `data/sft.py`), turned into DatasetError or a
+    skip record by the loader (`on_bad_row`)."""
 
 
 # ----------------------------------------------------------------------------- images
@@ -111,8 +112,8 @@ def to_rgb(image: Image.Image) -> Image.Image:
     return image.convert("RGB") if image.mode != "RGB" else image
 
 
-def _too_many_bytes(n: int, caps: ImageReadPolicy, what: str) -> _BadRow:
-    return _BadRow(f"{what}: {n} bytes, more than the cap of {caps.max_bytes} bytes (max_image_bytes)")
+def _too_many_bytes(n: int, caps: ImageReadPolicy, what: str) -> BadRow:
+    return BadRow(f"{what}: {n} bytes, more than the cap of {caps.max_bytes} bytes (max_image_bytes)")
 
 
 def _decode_image_bytes(raw: bytes, what: str, caps: ImageReadPolicy) -> Image.Image:
@@ -130,16 +131,16 @@ def _decode_image_bytes(raw: bytes, what: str, caps: ImageReadPolicy) -> Image.I
     # struct.error, EOFError, DecompressionBombError, ...); each is a bad image here,
     # reported with its type and message, never swallowed.
     except ImageTooLarge as exc:
-        raise _BadRow(str(exc)) from exc
+        raise BadRow(str(exc)) from exc
     except Exception as exc:  # noqa: BLE001
-        raise _BadRow(f"{what}: undecodable image ({type(exc).__name__}: {exc})") from exc
+        raise BadRow(f"{what}: undecodable image ({type(exc).__name__}: {exc})") from exc
     return image
 
 
 def _read_image_file(path: str, base_dir: str, what: str, caps: ImageReadPolicy) -> Image.Image:
     full = path if os.path.isabs(path) else os.path.join(base_dir, path)
     if not os.path.isfile(full):
-        raise _BadRow(f"{what}: image file not found: {full}")
+        raise BadRow(f"{what}: image file not found: {full}")
     size = os.path.getsize(full)
     if size > caps.max_bytes:
         raise _too_many_bytes(size, caps, f"{what} ({full})")
@@ -154,10 +155,10 @@ def _b64decode(text: str, what: str, caps: ImageReadPolicy) -> bytes:
     try:
         return base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError) as exc:
-        raise _BadRow(f"{what}: invalid base64 ({exc})") from exc
+        raise BadRow(f"{what}: invalid base64 ({exc})") from exc
 
 
-def _load_image(item: Any, base_dir: str, k: int, fmt: str, caps: ImageReadPolicy) -> Image.Image:
+def load_row_image(item: Any, base_dir: str, k: int, fmt: str, caps: ImageReadPolicy) -> Image.Image:
     """Resolve one entry of the `images` list to a decoded PIL image (within the byte and pixel `caps`)."""
     what = f"image {k}"
     if isinstance(item, dict):
@@ -166,18 +167,18 @@ def _load_image(item: Any, base_dir: str, k: int, fmt: str, caps: ImageReadPolic
             if isinstance(raw, str) and fmt == "jsonl":
                 raw = _b64decode(raw, what, caps)
             if not isinstance(raw, (bytes, bytearray)):
-                raise _BadRow(f"{what}: 'bytes' has type {type(raw).__name__}, expected bytes")
+                raise BadRow(f"{what}: 'bytes' has type {type(raw).__name__}, expected bytes")
             return _decode_image_bytes(bytes(raw), what, caps)
         if isinstance(path, str) and path:
             return _read_image_file(path, base_dir, what, caps)
-        raise _BadRow(f"{what}: has neither 'bytes' nor 'path'")
+        raise BadRow(f"{what}: has neither 'bytes' nor 'path'")
     if isinstance(item, (bytes, bytearray)):
         return _decode_image_bytes(bytes(item), what, caps)
     if isinstance(item, str) and fmt == "jsonl":
         if item.startswith("data:"):
             match = _DATA_URL_RE.match(item)
             if match is None:
-                raise _BadRow(f"{what}: malformed data URL (expected data:<mime>;base64,<data>)")
+                raise BadRow(f"{what}: malformed data URL (expected data:<mime>;base64,<data>)")
             return _decode_image_bytes(_b64decode(match.group("data"), what, caps), what, caps)
         full = item if os.path.isabs(item) else os.path.join(base_dir, item)
         if os.path.isfile(full) or item.lower().endswith(_IMAGE_SUFFIXES):
@@ -191,9 +192,9 @@ def _load_image(item: Any, base_dir: str, k: int, fmt: str, caps: ImageReadPolic
         except (binascii.Error, ValueError):
             raw = b""
         if not raw.startswith(_IMAGE_MAGIC):
-            raise _BadRow(f"{what}: {item[:60]!r} is neither an existing file ({full}) nor base64 image data")
+            raise BadRow(f"{what}: {item[:60]!r} is neither an existing file ({full}) nor base64 image data")
         return _decode_image_bytes(raw, what, caps)
-    raise _BadRow(f"{what}: has type {type(item).__name__}, expected a path, data URL, base64 string or bytes dict")
+    raise BadRow(f"{what}: has type {type(item).__name__}, expected a path, data URL, base64 string or bytes dict")
 
 
 # ------------------------------------------------------------------------------- rows
@@ -204,12 +205,12 @@ class _Prompt:
     label: str
 
 
-def _require(record: dict[str, Any], key: str, kind: type | tuple[type, ...], kind_name: str) -> Any:
+def require_field(record: dict[str, Any], key: str, kind: type | tuple[type, ...], kind_name: str) -> Any:
     if key not in record or record[key] is None:
-        raise _BadRow(f"missing field {key!r}")
+        raise BadRow(f"missing field {key!r}")
     value = record[key]
     if not isinstance(value, kind):
-        raise _BadRow(f"field {key!r} has type {type(value).__name__}, expected {kind_name}")
+        raise BadRow(f"field {key!r} has type {type(value).__name__}, expected {kind_name}")
     return value
 
 
@@ -256,30 +257,30 @@ def _parse_row(
     caps: ImageReadPolicy,
 ) -> tuple[list[dict[str, Any]], str]:
     if not isinstance(record, dict):
-        raise _BadRow(f"row is a {type(record).__name__}, expected an object")
-    problem = _require(record, input_key, str, "str")
-    answer = _require(record, label_key, str, "str")
-    images = _require(record, image_key, (list, tuple), "list")
+        raise BadRow(f"row is a {type(record).__name__}, expected an object")
+    problem = require_field(record, input_key, str, "str")
+    answer = require_field(record, label_key, str, "str")
+    images = require_field(record, image_key, (list, tuple), "list")
     if not answer.strip():
-        raise _BadRow(f"empty answer in field {label_key!r}")
+        raise BadRow(f"empty answer in field {label_key!r}")
     n_markers = problem.count(IMAGE_MARKER)
     if n_markers != len(images):
-        raise _BadRow(f"field {input_key!r} has {n_markers} {IMAGE_MARKER} markers but {len(images)} images")
-    urls = [image_to_data_url(_load_image(item, base_dir, k, fmt, caps)) for k, item in enumerate(images)]
+        raise BadRow(f"field {input_key!r} has {n_markers} {IMAGE_MARKER} markers but {len(images)} images")
+    urls = [image_to_data_url(load_row_image(item, base_dir, k, fmt, caps)) for k, item in enumerate(images)]
     return build_messages(problem, urls, system_prompt=system_prompt, instruction=instruction), answer.strip()
 
 
-def _iter_jsonl(path: str) -> Iterator[tuple[int, Any]]:
-    """(row, record) per line; row = line number - 1. A line that is not JSON yields a _BadRow."""
+def iter_jsonl(path: str) -> Iterator[tuple[int, Any]]:
+    """(row, record) per line; row = line number - 1. A line that is not JSON yields a BadRow."""
     with open(path, encoding="utf-8") as f:
         for row, line in enumerate(f):
             if not line.strip():
-                yield row, _BadRow("empty line")
+                yield row, BadRow("empty line")
                 continue
             try:
                 yield row, json.loads(line)
             except json.JSONDecodeError as exc:
-                yield row, _BadRow(f"invalid JSON ({exc})")
+                yield row, BadRow(f"invalid JSON ({exc})")
 
 
 # What pyarrow raises for damaged parquet data: a bad page or a failed decompression is a bare OSError, a bad
@@ -287,8 +288,9 @@ def _iter_jsonl(path: str) -> Iterator[tuple[int, Any]]:
 _PARQUET_READ_ERRORS = (pa.ArrowException, OSError, ValueError)
 
 
-def _iter_parquet(path: str, columns: list[str]) -> Iterator[tuple[int, Any]]:
-    """(row, record) per row, read one row group at a time so that a damaged one is named.
+def iter_parquet(path: str, columns: list[str], optional: Sequence[str] = ()) -> Iterator[tuple[int, Any]]:
+    """(row, record) per row, read one row group at a time so that a damaged one is named. `columns` must exist;
+    the `optional` ones are read where the file has them.
 
     Pages are checked against their CRC where the writer stored one (`page_checksum_verification`). A row group
     that cannot be read (a corrupt page, failed decompression, bad encoding) raises DatasetError naming the file,
@@ -306,6 +308,7 @@ def _iter_parquet(path: str, columns: list[str]) -> Iterator[tuple[int, Any]]:
     if missing:
         # A missing column makes every row bad: a file-level error under either policy.
         raise DatasetError(f"{path}: missing column(s) {missing}; the file has {names}")
+    columns = [*columns, *(c for c in optional if c in names and c not in columns)]
     row = 0
     n_groups = pf.metadata.num_row_groups
     for group in range(n_groups):
@@ -397,7 +400,7 @@ def load_prompt_dataset(
     and cause); "skip" drops bad rows, records them in `dataset.skipped` and logs
     one warning. A damaged file is an error under either policy: a parquet row group
     that cannot be read (corrupt page) raises DatasetError naming the file and the row
-    group (`_iter_parquet`), as does a missing column. max_rows: keep at most this many
+    group (`iter_parquet`), as does a missing column. max_rows: keep at most this many
     usable rows (None = all).
     instruction: optional text appended to each user message (e.g. envs.geo3k's GEO3K_USER_INSTRUCTION).
     max_image_bytes / max_image_pixels: caps of one image (a row with a larger one is a bad row), checked
@@ -417,9 +420,9 @@ def load_prompt_dataset(
         raise DatasetError(f"{path}: dataset file not found")
     lower = path.lower()
     if lower.endswith(".parquet"):
-        fmt, rows = "parquet", _iter_parquet(path, [input_key, label_key, image_key])
+        fmt, rows = "parquet", iter_parquet(path, [input_key, label_key, image_key])
     elif lower.endswith(".jsonl"):
-        fmt, rows = "jsonl", _iter_jsonl(path)
+        fmt, rows = "jsonl", iter_jsonl(path)
     else:
         raise DatasetError(f"{path}: unsupported dataset format (expected .parquet or .jsonl)")
 
@@ -430,7 +433,7 @@ def load_prompt_dataset(
     for row, record in rows:
         total += 1
         try:
-            if isinstance(record, _BadRow):
+            if isinstance(record, BadRow):
                 raise record
             messages, label = _parse_row(
                 record,
@@ -443,7 +446,7 @@ def load_prompt_dataset(
                 instruction=instruction,
                 caps=caps,
             )
-        except _BadRow as bad:
+        except BadRow as bad:
             where = f"{path}: row {row}" + (f" (line {row + 1})" if fmt == "jsonl" else "")
             if on_bad_row == "error":
                 raise DatasetError(f"{where}: {bad}") from bad.__cause__

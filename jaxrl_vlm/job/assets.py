@@ -1,17 +1,22 @@
 """What a run needs on disk before it starts: the model directory, the prompt data (created on demand) and the
-eval sets (`--eval-prompt-data`, loaded like the prompt data)."""
+eval sets (`--eval-prompt-data`, loaded like the prompt data). For an SFT run the data are conversations
+(`data/sft.py`), created on demand by the task's `make_sft_dataset`."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from jaxrl_vlm.config import Config, ConfigError, EvalSetSpec, parse_eval_prompt_data
+from jaxrl_vlm.config import Config, ConfigError, EvalSetSpec, is_sft, parse_eval_prompt_data, row_input_key
 from jaxrl_vlm.data.geo3k import DatasetError, PromptDataset, load_styled_dataset
+from jaxrl_vlm.data.sft import ConversationDataset, load_conversation_dataset
 from jaxrl_vlm.tiny import make_tiny
+from rollout.encoding import ChatEncoder
 from rollout.loading import LoadError, load_module
+from rollout.processing import load_image_processor, load_tokenizer
 from rollout.sample import Sample
 
 logger = logging.getLogger(__name__)
@@ -55,16 +60,20 @@ def prepare_eval_data(cfg: Config) -> None:
 
 
 def make_synthetic_data(cfg: Config, path: Path, num_rows: int, seed: int) -> None:
-    """`--make-data`: write `num_rows` rows of the `--synthetic-data-module` generator at `path`."""
+    """`--make-data`: write `num_rows` rows of the `--synthetic-data-module` generator at `path`: its prompts
+    (`make_dataset`), or for an SFT run its transcripts (`make_sft_dataset`)."""
     what = "--synthetic-data-module"
     try:
         module = load_module(cfg.data.synthetic_data_module, what)
     except LoadError as e:
         raise ConfigError(str(e)) from e
-    make_dataset = getattr(module, "make_dataset", None)
+    name = "make_sft_dataset" if is_sft(cfg) else "make_dataset"
+    make_dataset = getattr(module, name, None)
     if not callable(make_dataset):
-        raise ConfigError(f"{what} {cfg.data.synthetic_data_module}: the module has no make_dataset(path, num_rows, seed=, image_size=)")
-    logger.info("generating %d synthetic rows (%s, seed %d) at %s", num_rows, cfg.data.synthetic_data_module, seed, path)
+        raise ConfigError(f"{what} {cfg.data.synthetic_data_module}: the module has no {name}(path, num_rows, seed=, "
+                          "image_size=)")
+    logger.info("generating %d synthetic %s (%s, seed %d) at %s", num_rows, "transcripts" if is_sft(cfg) else "rows",
+                cfg.data.synthetic_data_module, seed, path)
     path.parent.mkdir(parents=True, exist_ok=True)
     make_dataset(str(path), num_rows, seed=seed, image_size=cfg.data.synthetic_image_size)
 
@@ -72,8 +81,22 @@ def make_synthetic_data(cfg: Config, path: Path, num_rows: int, seed: int) -> No
 def load_dataset(cfg: Config, data_path: Path) -> Any:
     """The prompt dataset in the configured prompt style (the task's instructions, or the bare problem)."""
     d = cfg.data
-    common = dict(input_key=d.input_key, label_key=d.label_key, image_key=d.image_key, on_bad_row=d.on_bad_row)
+    common = dict(input_key=row_input_key(cfg), label_key=d.label_key, image_key=d.image_key, on_bad_row=d.on_bad_row)
     return load_styled_dataset(str(data_path), d.prompt_style, system_prompt=d.system_prompt, **common)
+
+
+def transcript_encoder(cfg: Config, model_dir: Path) -> ChatEncoder:
+    """The model's tokenizer, chat template (with `--apply-chat-template-kwargs`) and image processor, which lay an
+    SFT run's conversations out as the model sees them."""
+    return ChatEncoder(load_tokenizer(model_dir), load_image_processor(model_dir),
+                       template_kwargs=cfg.multiturn.apply_chat_template_kwargs)
+
+
+def load_conversations(cfg: Config, data_path: Path, encoder: ChatEncoder) -> ConversationDataset:
+    """An SFT run's conversations (`data/sft.py`) with the configured keys and bad-row policy."""
+    d = cfg.data
+    return load_conversation_dataset(str(data_path), encoder, input_key=row_input_key(cfg), image_key=d.image_key,
+                                     tool_key=d.tool_key, on_bad_row=d.on_bad_row)
 
 
 @dataclass
@@ -82,7 +105,7 @@ class EvalSet:
     (those whose file row lies in the spec's slice), in file order."""
 
     spec: EvalSetSpec
-    dataset: PromptDataset
+    dataset: PromptDataset | ConversationDataset
     items: list[int]
 
     @property
@@ -97,13 +120,17 @@ class EvalSet:
         return [self.dataset[i] for i in self.items]
 
 
-def load_eval_set(cfg: Config, spec: EvalSetSpec) -> EvalSet:
-    """Load one eval set with the training prompts' loader and prompt style; errors name the set."""
+Loader = Callable[[Config, Path], "PromptDataset | ConversationDataset"]
+
+
+def load_eval_set(cfg: Config, spec: EvalSetSpec, loader: Loader = load_dataset) -> EvalSet:
+    """Load one eval set with the training data's loader (default: the prompts' loader and prompt style); errors
+    name the set."""
     where = f"eval set {spec.name!r} ({spec})"
     if not Path(spec.path).is_file():
         raise ConfigError(f"{where}: {spec.path} does not exist")
     try:
-        dataset = load_dataset(cfg, Path(spec.path))
+        dataset = loader(cfg, Path(spec.path))
     except DatasetError as e:
         raise ConfigError(f"{where}: {e}") from e
     # The slice selects file rows, as slime's PATH@[a:b] does (rows skipped by --on-bad-row skip stay skipped).
@@ -115,9 +142,9 @@ def load_eval_set(cfg: Config, spec: EvalSetSpec) -> EvalSet:
     return EvalSet(spec, dataset, items)
 
 
-def load_eval_sets(cfg: Config) -> list[EvalSet]:
-    """Every `--eval-prompt-data` set, loaded (empty when none is given)."""
-    sets = [load_eval_set(cfg, spec) for spec in parse_eval_prompt_data(cfg.eval.eval_prompt_data)]
+def load_eval_sets(cfg: Config, loader: Loader = load_dataset) -> list[EvalSet]:
+    """Every `--eval-prompt-data` set, loaded with `loader` (empty when none is given)."""
+    sets = [load_eval_set(cfg, spec, loader) for spec in parse_eval_prompt_data(cfg.eval.eval_prompt_data)]
     for s in sets:
-        logger.info("eval set %s: %d prompts from %s", s.name, len(s), s.spec)
+        logger.info("eval set %s: %d %s from %s", s.name, len(s), "conversations" if is_sft(cfg) else "prompts", s.spec)
     return sets

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxrl_vlm.checkpoint import CheckpointError, CheckpointStore, abstract_like
-from jaxrl_vlm.config import Config
+from jaxrl_vlm.config import SFT_LOSS, Config, is_sft
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +34,11 @@ def config_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
 
 @dataclass
 class ResumePoint:
-    """Where an interrupted run continues: its train state and the run state saved beside it."""
+    """Where an interrupted run continues: its train state and the run state saved beside it.
+
+    `warm_start`: the checkpoint is another kind of run's (an SFT run's for an RL run, or the reverse): this run
+    starts from its parameters only, at step 0 with a fresh optimizer and its own data (`state` holds the
+    restored parameters; the other fields are this run's starting values)."""
 
     step: int
     state: Any
@@ -42,16 +46,27 @@ class ResumePoint:
     prompt_iterator: dict[str, Any] | None  # None: a replay's checkpoint (it reads no prompts)
     driver_state: dict[str, Any] | None
     next_group_index: int | None  # only checkpoints older than the driver state's version 2 keep it beside
+    warm_start: bool = False
+
+
+def _is_sft_config(config: dict[str, Any]) -> bool:
+    return config.get("algo", {}).get("loss_type") == SFT_LOSS
 
 
 def restore(cfg: Config, like_state: Any) -> ResumePoint | None:
-    """The checkpoint named by `--load` (latest complete step), or None for a fresh run."""
+    """The checkpoint named by `--load` (latest complete step), or None for a fresh run.
+
+    A checkpoint of the other kind of run (SFT for RL, RL for SFT) is a warm start (`ResumePoint.warm_start`): its
+    whole train state is read (so its optimizer settings must still fit this run's: `config_changes` names them),
+    and only its parameters are kept.
+    """
     if not cfg.checkpoint.load:
         return None
     store = CheckpointStore(cfg.checkpoint.load, keep=cfg.checkpoint.keep_checkpoints, read_only=True)
     try:
         step = cfg.checkpoint.load_step if cfg.checkpoint.load_step is not None else store.latest_step()
-        changed = [] if step is None else config_changes(store.meta(step).get("config", {}), cfg.to_dict())
+        saved = {} if step is None else store.meta(step).get("config", {})
+        changed = config_changes(saved, cfg.to_dict())
         if changed:
             logger.warning("resuming %s step %d with changed settings: %s", cfg.checkpoint.load, step, "; ".join(changed))
         try:
@@ -61,6 +76,12 @@ def restore(cfg: Config, like_state: Any) -> ResumePoint | None:
                                             if changed else "")) from e
     finally:
         store.close()
+    if "algo" in saved and _is_sft_config(saved) != is_sft(cfg):
+        source, this = ("SFT", "RL") if _is_sft_config(saved) else ("RL", "SFT")
+        logger.info("--load %s step %d is a checkpoint of an %s run: this %s run starts from its weights (step 0, a "
+                    "fresh optimizer, its own data)", cfg.checkpoint.load, step, source, this)
+        return ResumePoint(step=0, state=state, weight_version=0, prompt_iterator=None, driver_state=None,
+                           next_group_index=None, warm_start=True)
     point = ResumePoint(step=step, state=state, weight_version=int(meta["weight_version"]),
                         prompt_iterator=meta["prompt_iterator"], driver_state=meta.get("driver_state"),
                         next_group_index=meta.get("next_group_index"))

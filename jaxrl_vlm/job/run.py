@@ -44,7 +44,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxrl_vlm.config import Config
+from jaxrl_vlm.config import Config, is_sft
 from jaxrl_vlm.errors import ConfigError
 from jaxrl_vlm.data.geo3k import PromptIterator
 from jaxrl_vlm.distributed import barrier, broadcast_samples, broadcast_stop, export_hf, is_main_process
@@ -54,6 +54,7 @@ from jaxrl_vlm.job.eval import Evaluator, eval_due, passrate_metrics
 from jaxrl_vlm.job.replay import RolloutReplay, RolloutSaver
 from jaxrl_vlm.job.run_log import RunLog, plot_run
 from jaxrl_vlm.job.session import rollout_session
+from jaxrl_vlm.job.sft import SFTJob
 from jaxrl_vlm.job.staleness import check_bounded_staleness, check_sample_versions, too_stale, unreported_versions
 from jaxrl_vlm.job.tracking import open_sinks
 from jaxrl_vlm.job.trainer import Trainer
@@ -106,6 +107,7 @@ class MainJob:
         self.saver = RolloutSaver(cfg) if cfg.debug.save_debug_rollout_data and self.main else None
         self.stream: GroupStream | None = None  # the asynchronous rollout (--max-staleness >= 1)
         self.next_train_version = 0  # asynchronous mode: the trainer version the next batch taken trains at
+        self.warm_started = False  # --load named an SFT run's checkpoint: the policy starts from its weights
 
     # -------------------------------------------------------------------------- phases
     def prepare(self) -> None:
@@ -129,6 +131,9 @@ class MainJob:
         self.trainer.build_policy(self.model_dir)
         self.args = cfg.to_namespace()
         self.resume = restore(cfg, self.trainer.state)
+        if self.resume is not None and self.resume.warm_start:  # an SFT run's checkpoint: its weights, our step 0
+            self.trainer.start_from(self.resume.state.params)
+            self.warm_started, self.resume = True, None
         if self.resume is not None:
             self.start_step, self.version = self.resume.step, self.resume.weight_version
             self.trainer.state = self.resume.state
@@ -171,11 +176,11 @@ class MainJob:
             logger.info("--engine-url / --launch-sglang are not used by a replay")
 
     async def serve_dir(self) -> Path:
-        """The weights an engine this job starts (embedded or launched) starts from: a resumed run's own version,
-        exported here (not yet loaded anywhere), or the original checkpoint on a fresh start."""
+        """The weights an engine this job starts (embedded or launched) starts from: a resumed or warm-started
+        run's own weights, exported here (not yet loaded anywhere), or the original checkpoint on a fresh start."""
         if self.replay is not None:  # no engine to serve
             return self.model_dir
-        if self.start_step > 0 and not self.cfg.engine.engine_url:
+        if (self.start_step > 0 or self.warm_started) and not self.cfg.engine.engine_url:
             self.resumed_export = await self.syncer.push(self.trainer.policy_model(), self.version)
             return self.resumed_export.path
         return self.model_dir
@@ -438,7 +443,10 @@ def _stream_metrics(batch: StepBatch, samples: list[Sample]) -> dict[str, float]
 
 
 def train(cfg: Config, *, devices: list[Any] | None = None) -> dict[str, Any]:
-    """Run the main job to the end (on `devices`, default all); returns the last step's metrics."""
+    """Run the main job to the end (on `devices`, default all; an SFT job for `--loss-type sft_loss`); returns the
+    last step's metrics."""
+    if is_sft(cfg):
+        return SFTJob(cfg).run()
     return asyncio.run(MainJob(cfg, devices=devices).run())
 
 

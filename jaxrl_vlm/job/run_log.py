@@ -38,8 +38,11 @@ PLOTS = {
     # Keys may be fnmatch patterns (one curve per eval set); a plot listed in ONLY_WITH_DATA is written only when
     # the run has its metrics.
     "eval_reward.png": (("eval/*/raw_reward",), "eval mean reward per set (x: steps trained)"),
+    # An SFT run (--loss-type sft_loss): the training NLL and each eval set's held-out NLL per assistant token.
+    "sft_nll.png": (("train/sft_loss", "eval/*/nll"), "NLL per assistant token (train, held-out sets)"),
 }
-ONLY_WITH_DATA = frozenset({"eval_reward.png"})
+ONLY_WITH_DATA = frozenset({"eval_reward.png", "sft_nll.png"})
+SFT_KEY = "train/sft_loss"  # a run that logs it is an SFT run: its plots without data (rollout ones) are left out
 
 # `jaxrl-vlm plot`: one PNG per metric, one curve per run (the seed article's panels). A pattern gives one PNG per
 # match (per eval set).
@@ -87,6 +90,10 @@ class RunLog:
         names = sorted({k.split("/")[1] for k in clean if k.startswith("eval/") and k.count("/") >= 2})
         parts = []
         for name in names:
+            nll = clean.get(f"eval/{name}/nll")
+            if nll is not None:  # an SFT run's held-out NLL
+                parts.append(f"{name} nll {nll:.4f}")
+                continue
             reward = clean.get(f"eval/{name}/raw_reward")
             turns = clean.get(f"eval/{name}/turns/mean")
             parts.append(f"{name} reward {'-' if reward is None else format(reward, '.3f')} "
@@ -106,6 +113,10 @@ class RunLog:
             v = m.get(key)
             return "-" if v is None else format(v, spec)
 
+        if SFT_KEY in m:
+            print(f"[{bar}] step {done}/{self.total_steps} sft_loss {fmt(SFT_KEY, '.4f')} epoch {fmt('sft/epoch', '.2f')} "
+                  f"step {fmt('perf/step_time', '.1f')}s elapsed {elapsed:.0f}s", file=sys.stderr, flush=True)
+            return
         line = (
             f"[{bar}] step {done}/{self.total_steps} reward {fmt('rollout/raw_reward', '.3f')} "
             f"len {fmt('rollout/response_len/mean', '.0f')} turns {fmt('rollout/turns/mean', '.2f')} "
@@ -183,15 +194,16 @@ def _integer_steps(ax: Any) -> None:
 
 def plot_run(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
     """PNG plots of reward, response length, turns, truncation, entropy/KL, the step-time breakdown, and the eval
-    reward of each eval set (when the run evaluated)."""
+    reward of each eval set (when the run evaluated); for an SFT run, the NLL curves and the step times."""
     plt = _pyplot()
     records = read_metrics(metrics_path)
+    sft = any(SFT_KEY in r for r in records)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for name, (keys, title) in PLOTS.items():
         keys = _expand((keys,) if isinstance(keys, str) else keys, records)
-        if name in ONLY_WITH_DATA and not any(_points(records, key)[0] for key in keys):
+        if (sft or name in ONLY_WITH_DATA) and not any(_points(records, key)[0] for key in keys):
             continue
         fig, ax = plt.subplots(figsize=(6, 3.5))
         plotted = False

@@ -1,7 +1,10 @@
-"""The learner: the sharded policy and optimizer state, and one RL update from a list of finished samples.
+"""The learner: the sharded policy and optimizer state, and one update from a list of finished samples.
 
-Samples -> advantages (grouped by `group_index`) -> fixed-shape batches on the mesh -> compiled train steps.
-It knows nothing about engines or rollouts; the run loop (`job/run.py`) feeds it and exports its weights.
+RL: samples -> advantages (grouped by `group_index`) -> fixed-shape batches on the mesh -> compiled train steps.
+SFT (`--loss-type sft_loss`): conversations -> the same batches (token-mean weights, no advantages) -> the same
+compiled steps with the NLL of the assistant tokens at temperature 1; `nll` scores held-out conversations.
+It knows nothing about engines or rollouts; the run loops (`job/run.py`, `job/sft.py`) feed it and export its
+weights.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 from jaxrl_vlm.batching import TrainBatch, build_train_batch
-from jaxrl_vlm.config import Config
+from jaxrl_vlm.config import Config, is_sft
 from jaxrl_vlm.distributed import global_batch
 from jaxrl_vlm.models.activation_sharding import ActivationSharding
 from jaxrl_vlm.models.hf_io import from_hf, load_hf_config
@@ -30,9 +33,15 @@ from rollout.sglang_wire import logprob_temperature
 
 
 # ----------------------------------------------------------------------------- config -> RL math
+def aggregation_mode(cfg: Config) -> str:
+    """How token losses are reduced: `--loss-aggregation`, except SFT, whose loss is always the mean NLL over the
+    batch's assistant tokens (slime's SFT runs pass `--calculate-per-token-loss`)."""
+    return "token_mean" if is_sft(cfg) else cfg.algo.loss_aggregation
+
+
 def aggregation_constant(cfg: Config) -> float | None:
     """Dr.GRPO's divisor: the configured constant, else the response budget (as the option's help says)."""
-    if cfg.algo.loss_aggregation != "seq_mean_token_sum_norm":
+    if aggregation_mode(cfg) != "seq_mean_token_sum_norm":
         return cfg.algo.loss_aggregation_constant
     return cfg.algo.loss_aggregation_constant or float(cfg.rollout.rollout_max_response_len)
 
@@ -52,16 +61,19 @@ def loss_config(cfg: Config, num_sequences: int) -> LossConfig:
         kl_loss_type=a.kl_loss_type,
         entropy_coef=a.entropy_coef,
         num_sequences=num_sequences,
-        aggregation=a.loss_aggregation,
+        aggregation=aggregation_mode(cfg),
         aggregation_constant=aggregation_constant(cfg),
     )
 
 
 def training_temperature(cfg: Config) -> float:
-    """The temperature of the policy the engine samples (and reports log-probs of) in training rollouts.
+    """The temperature of the policy the engine samples (and reports log-probs of) in training rollouts; 1 for SFT,
+    whose NLL is of the model's own distribution.
 
     Evaluation sampling settings never enter here: the trainer scores only what training rollouts sampled.
     """
+    if is_sft(cfg):
+        return 1.0
     return logprob_temperature(cfg.rollout.rollout_temperature)
 
 
@@ -71,8 +83,9 @@ def step_config(cfg: Config, num_sequences: int, *, old_from_current: bool, acti
         loss_name=cfg.algo.policy_loss,
         loss=loss_config(cfg, num_sequences),
         custom_loss_path=cfg.algo.custom_loss_function_path if cfg.algo.loss_type == "custom_loss" else None,
+        sft=is_sft(cfg),
         logprob_chunk_size=cfg.model.logprob_chunk_size,
-        need_entropy=True,  # train/entropy_loss is always logged, as slime does
+        need_entropy=not is_sft(cfg),  # RL logs train/entropy_loss always, as slime does; the NLL needs none
         temperature=training_temperature(cfg),
         old_from_current=old_from_current,
         activations=activations,
@@ -115,6 +128,13 @@ def per_sample_token_values(batch: TrainBatch, values: np.ndarray) -> tuple[np.n
         out[p.sample_position, : p.length] = values[p.micro_batch, p.row, cols]
         mask[p.sample_position, : p.length] = batch.arrays.loss_mask[p.micro_batch, p.row, cols]
     return out, mask
+
+
+@jax.jit
+def _masked_nll(logprobs: jax.Array, loss_mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(-sum of the masked log-probs, number of masked tokens) of a [K, R, T] batch, as replicated scalars (every
+    process can read them)."""
+    return -jnp.sum(jnp.where(loss_mask > 0, logprobs, 0.0)), jnp.sum(loss_mask)
 
 
 # ----------------------------------------------------------------------------- the learner
@@ -204,7 +224,7 @@ class Trainer:
             seq_buckets=cfg.batching.seq_buckets, row_buckets=cfg.batching.row_buckets,
             patch_buckets=cfg.batching.patch_buckets, packing=cfg.batching.packing,
             micro_batch_rows=cfg.train.micro_batch_size, row_multiple=shards,
-            aggregation=cfg.algo.loss_aggregation, aggregation_constant=aggregation_constant(cfg),
+            aggregation=aggregation_mode(cfg), aggregation_constant=aggregation_constant(cfg),
             overlong_policy=cfg.batching.overlong_policy,
             max_tokens_per_micro_batch=None if budget is None else budget * shards,
         )
@@ -223,17 +243,22 @@ class Trainer:
         pre-update weights before the first update.
         """
         cfg = self.cfg
+        sft = is_sft(cfg)
         size = cfg.train.global_batch_size or len(samples)
-        advantages, kl_metrics = self.advantages(samples)
+        # SFT: no rewards, so no advantages (the batch's advantage arrays stay zero and its loss never reads them).
+        advantages, kl_metrics = (np.zeros(len(samples)), {}) if sft else self.advantages(samples)
         chunks = [(samples[i : i + size], advantages[i : i + size]) for i in range(0, len(samples), size)]
         batches = [self._batch(chunk, adv) for chunk, adv in chunks]
-        single = len(batches) == 1 and cfg.train.num_steps_per_rollout == 1
+        # The NLL needs no old log-probs: SFT steps always take the current ones (never read).
+        single = sft or (len(batches) == 1 and cfg.train.num_steps_per_rollout == 1)
         old = [None if single else self._logprobs(self.state.params, dev) for _, dev in batches]
         ref = [None if self.ref_params is None else self._logprobs(self.ref_params, dev) for _, dev in batches]
         updates = []
         for _ in range(cfg.train.num_steps_per_rollout):
             for (batch, device_batch), old_lp, ref_lp in zip(batches, old, ref):
-                step_fn = self._step_fn(sequences_bucket(batch.layout.max_sequences_per_micro_batch), single)
+                # The NLL has no per-sequence term: one static bound keeps SFT at one program per batch shape.
+                num_sequences = 1 if sft else sequences_bucket(batch.layout.max_sequences_per_micro_batch)
+                step_fn = self._step_fn(num_sequences, single)
                 self.state, step_metrics = step_fn(self.state, device_batch, old_lp, ref_lp)
                 updates.append(step_metrics)
         # Metrics of the optimizer steps of this rollout, averaged (one device->host transfer).
@@ -244,11 +269,34 @@ class Trainer:
         metrics["batch/rows_per_micro_batch"] = float(batches[0][0].arrays.tokens.shape[1])
         metrics["batch/real_tokens"] = float(sum(b.layout.real_tokens for b, _ in batches))
         metrics["batch/compiled_programs"] = float(self.compiled_programs())
+        if sft:
+            return metrics
         metrics.update(kl_metrics)
         metrics["rollout/advantage_abs_mean"] = float(np.abs(advantages).mean())
         # slime's rollout/advantages: per-sample masked mean of the token advantages, averaged over samples.
         metrics["rollout/advantages"] = float(advantages.mean())
         return metrics
+
+    def nll(self, samples: list[Sample], batch_size: int) -> tuple[float, float]:
+        """(summed negative log-likelihood of the samples' masked target tokens at the training temperature, number
+        of those tokens), with the current weights and no update, in batches of `batch_size` samples. A collective
+        under several processes: every process calls it with the same samples."""
+        total, tokens = 0.0, 0.0
+        for start in range(0, len(samples), batch_size):
+            chunk = samples[start : start + batch_size]
+            _, device_batch = self._batch(chunk, np.zeros(len(chunk), np.float32))
+            logprobs = self._logprobs(self.state.params, device_batch)
+            nll_sum, count = jax.device_get(_masked_nll(logprobs, device_batch.loss_mask))
+            total += float(nll_sum)
+            tokens += float(count)
+        return total, tokens
+
+    def start_from(self, params: Any) -> None:
+        """Train from `params` (another run's weights, e.g. an SFT run's checkpoint): the optimizer state stays this
+        run's fresh one, and the reference policy of the KL terms becomes these weights."""
+        self.state = jax.device_put(self.state._replace(params=params), self.state_shardings)
+        if self.ref_params is not None:
+            self.ref_params = jax.tree.map(jnp.copy, self.state.params)
 
     def advantages(self, samples: list[Sample]) -> tuple[np.ndarray, dict[str, float]]:
         """Advantages of a rollout, after `--custom-reward-post-process-path` (its rewards replace the samples'; it

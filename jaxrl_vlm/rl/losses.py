@@ -36,6 +36,7 @@ Semantics follow slime (`utils/ppo_utils.py`, `megatron_utils/loss.py`):
   stay as they were (slime rebuilds its denominators).
 - `--loss-type custom_loss`: a user function on this module's contract replaces the
   registry's (`custom_loss`), checked at trace time.
+- `--loss-type sft_loss`: the NLL of the masked tokens (`sft_loss`), not a policy loss.
 - KL(ref) loss with lr = logp - ref: k1 = lr, k2 = lr^2/2, k3 = low_var_kl =
   exp(-lr) - 1 + lr; slime negates lr before exp(lr) - 1 - lr, which is the same
   expression. Only low_var_kl is clamped to [-10, 10].
@@ -394,6 +395,23 @@ def cispo_loss(inputs: LossInputs, cfg: LossConfig) -> tuple[jax.Array, dict[str
     return _assemble(pg, ratio, -log_ratio, clipped, {}, inputs, cfg)
 
 
+# ----------------------------------------------------------------------------- supervised fine-tuning
+
+
+def sft_loss(inputs: LossInputs, cfg: LossConfig) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """slime's `--loss-type sft_loss`: the negative log-likelihood of the masked (assistant) target tokens,
+    `sum_t w_t * -logprobs_t` with the host's token weights (token_mean for SFT: the mean NLL over the global
+    batch's assistant tokens, as slime's SFT runs get with `--calculate-per-token-loss`). Old, reference and
+    rollout log-probs, advantages and `cfg` are not used; the log-probs are at temperature 1 (the trainer's
+    SFT setting). Metrics: `sft_loss` (the NLL, a sum over micro-batches like `loss`) and `sft_tokens`."""
+    mask = inputs.loss_mask
+    w = masked(inputs.token_weights, mask).astype(inputs.logprobs.dtype)
+    nll = jnp.sum(w * -masked(inputs.logprobs, mask))
+    sg = jax.lax.stop_gradient
+    return nll, {"loss": sg(nll), "sft_loss": sg(nll), "weight_sum": jnp.sum(w),
+                 "sft_tokens": jnp.sum((mask > 0).astype(w.dtype))}
+
+
 # ----------------------------------------------------------------------------- user functions (slime's hooks)
 
 
@@ -467,6 +485,8 @@ def _expect_metrics(hook: Any, metrics: Any, shape: tuple[int, ...]) -> None:
 
 METRIC_KINDS: dict[str, str] = {
     "loss": "sum",
+    "sft_loss": "sum",
+    "sft_tokens": "sum",
     "pg_loss": "sum",
     "kl_loss": "sum",
     "entropy_loss": "sum",

@@ -26,7 +26,15 @@ from flax import nnx
 
 from jaxrl_vlm.models.activation_sharding import ActivationSharding, activation_sharding
 from jaxrl_vlm.models.qwen3_vl import Qwen3VL, token_logprobs
-from jaxrl_vlm.rl.losses import LossConfig, LossInputs, accumulate_metrics, custom_loss, finalize_metrics, get_loss
+from jaxrl_vlm.rl.losses import (
+    LossConfig,
+    LossInputs,
+    accumulate_metrics,
+    custom_loss,
+    finalize_metrics,
+    get_loss,
+    sft_loss,
+)
 
 
 class TrainState(NamedTuple):
@@ -46,6 +54,8 @@ class StepConfig:
     loss: LossConfig
     # --loss-type custom_loss: the user's loss (rl/losses.py `custom_loss`) in place of the registry's `loss_name`.
     custom_loss_path: str | None = None
+    # --loss-type sft_loss: the NLL of the masked tokens (rl/losses.py `sft_loss`) in place of any policy loss.
+    sft: bool = False
     logprob_chunk_size: int = 512
     need_entropy: bool = False
     # Log-probs and entropy are those of softmax(logits / temperature): the rollout's sampling distribution.
@@ -120,8 +130,17 @@ def train_step(
         return _train_step(graphdef, tx, cfg, state, batch, old_logprobs, ref_logprobs)
 
 
+def select_loss(cfg: StepConfig) -> Callable[[LossInputs, LossConfig], tuple[jax.Array, dict[str, jax.Array]]]:
+    """The loss the step trains: SFT's NLL, the `--custom-loss-function-path` function, or the registry's."""
+    if cfg.sft:
+        return sft_loss
+    if cfg.custom_loss_path is not None:
+        return custom_loss(cfg.custom_loss_path)
+    return get_loss(cfg.loss_name)
+
+
 def _train_step(graphdef, tx, cfg: StepConfig, state: TrainState, batch, old_logprobs, ref_logprobs):
-    loss_fn = custom_loss(cfg.custom_loss_path) if cfg.custom_loss_path is not None else get_loss(cfg.loss_name)
+    loss_fn = select_loss(cfg)
     num_micro = batch.tokens.shape[0]
 
     def micro_loss(params, k):
