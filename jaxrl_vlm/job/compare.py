@@ -185,28 +185,33 @@ def compare_losses(base_path: str | None, base_argv: Sequence[str], variants: Se
     cfgs = [variant_config(base_path, base_argv, v, d, base=base) for v, d in zip(variants, run_dirs)]
     start = _start_step(base)
     _preflight(cfgs, start)
-    eval_steps = [s for s in range(start, base.rollout.num_rollout + 1) if eval_due(base, s)]
-    if eval_steps:  # eval sets that cannot be read fail now, not after every variant trained
-        prepare_model(base)
-        prepare_eval_data(base)
-        load_eval_sets(base)
+    # Each variant's eval schedule (before training, every --eval-interval, its last step), from its own config.
+    eval_steps = [[s for s in range(start, cfg.rollout.num_rollout + 1) if eval_due(cfg, s)] for cfg in cfgs]
+    for cfg, steps in zip(cfgs, eval_steps):
+        if steps:  # eval sets that cannot be read fail now, not after every variant trained
+            prepare_model(cfg)
+            prepare_eval_data(cfg)
+            load_eval_sets(cfg)
 
-    for variant, cfg in zip(variants, cfgs):
+    for variant, cfg, steps in zip(variants, cfgs, eval_steps):
         logger.info("compare-losses: training variant %s (%s)", variant.name, variant.description)
-        train(_training_config(cfg, eval_steps), devices=devices)
-    if eval_steps:
-        start_cfg = copy.deepcopy(base)
-        start_cfg.train.output_dir = str(out / "start_eval")
-        start_metrics = _evaluate(start_cfg, _start_weights(base), out / "start_eval" / "eval")
-        for cfg, run_dir in zip(cfgs, run_dirs):
-            log = RunLog(run_dir, total_steps=cfg.rollout.num_rollout)
-            try:
-                for step in eval_steps:
-                    metrics = start_metrics if step == start else _evaluate(
-                        cfg, str(run_dir / "checkpoints" / str(step)), run_dir / "eval")
-                    log.log_eval(step, metrics)
-            finally:
-                log.close()
+        train(_training_config(cfg, steps), devices=devices)
+    start_metrics: dict[str, float] | None = None  # the shared start, evaluated once (the first variant's eval sets)
+    for cfg, run_dir, steps in zip(cfgs, run_dirs, eval_steps):
+        if not steps:
+            continue
+        log = RunLog(run_dir, total_steps=cfg.rollout.num_rollout)
+        try:
+            for step in steps:
+                if step == start and start_metrics is None:
+                    start_cfg = copy.deepcopy(cfg)
+                    start_cfg.train.output_dir = str(out / "start_eval")
+                    start_metrics = _evaluate(start_cfg, _start_weights(base), out / "start_eval" / "eval")
+                metrics = start_metrics if step == start else _evaluate(
+                    cfg, str(run_dir / "checkpoints" / str(step)), run_dir / "eval")
+                log.log_eval(step, metrics)
+        finally:
+            log.close()
 
     rows = [comparison_row(v, read_metrics(d / "metrics.jsonl")) for v, d in zip(variants, run_dirs)]
     markdown = markdown_table(rows)
