@@ -360,7 +360,12 @@ async def test_main_job_trains_asynchronously_and_no_sample_exceeds_the_bound(ti
     trained: list[tuple[int, list[list[int]]]] = []  # (trainer version, each sample's token versions)
 
     async with FakeSGLangServer(script=select, eos_token_id=151645) as server:
-        job = MainJob(_job_config(tiny, tmp_path, server.url, "--inflight-update-policy", policy))
+        heldout = tmp_path / "heldout.jsonl"
+        heldout.write_text("".join(json.dumps({"problem": f"E{i}", "answer": "x", "images": []}) + "\n"
+                                   for i in range(3)))
+        job = MainJob(_job_config(tiny, tmp_path, server.url, "--inflight-update-policy", policy,
+                                  "--eval-prompt-data", "heldout", str(heldout), "--eval-interval", "2",
+                                  "--n-samples-per-eval-prompt", "2"))
         train_on = job.trainer.train_on
 
         def recording_train_on(samples):  # runs in the worker thread; the job's version moves after it returns
@@ -377,7 +382,12 @@ async def test_main_job_trains_asynchronously_and_no_sample_exceeds_the_bound(ti
     if policy == "rerun":  # every sample comes from one version
         assert all(len(set(s)) == 1 for _, samples in trained for s in samples)
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
-    assert [r["step"] for r in records] == [0, 1, 2, 3] and [r["weight_version"] for r in records] == [1, 2, 3, 4]
+    # Evaluation ran at the step boundaries (0, 2 and after the last step) while the stream kept generating.
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
+    assert [("eval/heldout/raw_reward" in r) for r in records] == [True, False, True, False, True]
+    assert records[4]["eval/heldout/samples"] == 6
+    records = records[:4]
+    assert [r["weight_version"] for r in records] == [1, 2, 3, 4]
     assert versions == ["0", "1", "2", "3", "4"]  # attach, then one update per step
     for r in records:
         trained = r["rollout/samples"]
