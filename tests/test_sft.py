@@ -90,7 +90,7 @@ def sft_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     tmp = tmp_path_factory.mktemp("sft")
     done = _cli("train", SFT_CONFIG, "--hf-checkpoint", str(tmp / "tiny"), "--prompt-data", str(tmp / "sft.parquet"),
                 "--eval-prompt-data", "heldout", str(tmp / "heldout.parquet"), "--output-dir", str(tmp / "sft"),
-                "--num-rollout", str(SFT_STEPS), "--eval-interval", "32", "--save-interval", "32")
+                "--num-rollout", str(SFT_STEPS), "--eval-interval", "32", "--save-interval", "32", "--keep-checkpoints", "2")
     return tmp, done
 
 
@@ -115,7 +115,7 @@ def test_sft_lowers_the_heldout_nll_without_an_engine_and_writes_checkpoints_and
     # No engine: nothing served, no weight versions exported.
     assert "embedded engine" not in done.stderr and not (out / "weights").exists()
     assert sorted(p.name for p in (out / "plots").glob("*.png")) == ["sft_nll.png", "step_time.png"]
-    assert [p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit()] == [str(SFT_STEPS)]
+    assert sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == [32, SFT_STEPS]
     final = out / "final_model"
     assert json.loads((final / "config.json").read_text())["model_type"] == "qwen3_vl"
     from safetensors import safe_open
@@ -123,6 +123,23 @@ def test_sft_lowers_the_heldout_nll_without_an_engine_and_writes_checkpoints_and
     with safe_open(str(final / "model.safetensors"), framework="numpy") as f:  # the parameter dtype, not bf16
         assert {f.get_tensor(k).dtype for k in f.keys()} == {np.dtype(np.float32)}
     assert (final / "tokenizer.json").exists() and (final / "chat_template.jinja").exists()
+
+
+@pytest.mark.slow
+def test_an_sft_run_resumed_with_load_continues_like_the_uninterrupted_run(sft_run):
+    tmp, _ = sft_run
+    _cli("train", SFT_CONFIG, "--hf-checkpoint", str(tmp / "tiny"), "--prompt-data", str(tmp / "sft.parquet"),
+         "--eval-prompt-data", "heldout", str(tmp / "heldout.parquet"), "--output-dir", str(tmp / "resumed"),
+         "--num-rollout", str(SFT_STEPS), "--eval-interval", "32", "--save-interval", "32",
+         "--load", str(tmp / "sft" / "checkpoints"), "--load-step", "32")
+    whole = read_metrics(tmp / "sft" / "metrics.jsonl")
+    resumed = read_metrics(tmp / "resumed" / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == list(range(32, SFT_STEPS + 1))
+    for a, b in zip(whole[32:SFT_STEPS], resumed):  # the same batches (data cursor), weights and optimizer state
+        assert a["step"] == b["step"] and a["sft/epoch"] == b["sft/epoch"]
+        assert a["train/sft_loss"] == pytest.approx(b["train/sft_loss"], rel=1e-6)
+    for k in (0, -1):  # the eval of the restored weights, and of the weights after the resumed steps
+        assert resumed[k]["eval/heldout/nll"] == pytest.approx(whole[32:][k]["eval/heldout/nll"], rel=1e-6)
 
 
 def _heldout(tmp: Path) -> Any:

@@ -1,4 +1,5 @@
-"""Prompt datasets: the Geometry3K-layout loader (parquet/jsonl), task prompts loaded by path, PromptIterator.
+"""Prompt datasets: the Geometry3K-layout loader (parquet/jsonl), task prompts loaded by path, PromptIterator; and
+the conversation datasets of SFT runs (`sft.py`).
 
 A task's own prompt (system prompt, tools) and its synthetic data live with the task (`envs/geo3k/`).
 Nothing here imports jax: rollout hosts load datasets too.
@@ -18,8 +19,10 @@ from jaxrl_vlm.data.geo3k import (
     load_task_dataset,
     load_task_prompt,
 )
+from jaxrl_vlm.data.sft import ConversationDataset, load_conversation_dataset
 
 __all__ = [
+    "ConversationDataset",
     "PROMPT_STYLES",
     "DatasetError",
     "PromptDataset",
@@ -27,6 +30,7 @@ __all__ = [
     "build_messages",
     "data_url_to_image",
     "image_to_data_url",
+    "load_conversation_dataset",
     "load_geo3k_dataset",
     "load_prompt_dataset",
     "load_styled_dataset",

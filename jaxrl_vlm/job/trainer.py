@@ -240,7 +240,8 @@ class Trainer:
         optimizer batches of `--global-batch-size` (slime's meaning: samples per optimizer step), and each is
         trained `--num-steps-per-rollout` times. With one batch and one step the old log-probs are the current
         policy's own (the ratio is exactly 1, as in slime); otherwise they are computed for every batch with the
-        pre-update weights before the first update.
+        pre-update weights before the first update. SFT (`--loss-type sft_loss`): the samples are conversations;
+        there are no advantages and no old log-probs, and the loss is their assistant tokens' mean NLL.
         """
         cfg = self.cfg
         sft = is_sft(cfg)

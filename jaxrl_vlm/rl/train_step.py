@@ -1,4 +1,5 @@
-"""The compiled GRPO-family train step: micro-batch scan, loss registry, clipping, AdamW, NaN guard.
+"""The compiled GRPO-family train step: micro-batch scan, loss registry, clipping, AdamW, NaN guard. The same step
+trains SFT's NLL (`--loss-type sft_loss`, `select_loss`).
 
 One `jax.jit` per batch shape, with explicit in/out shardings on the configured mesh:
 
