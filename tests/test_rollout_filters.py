@@ -293,7 +293,7 @@ async def test_the_main_job_stops_after_consecutive_all_failed_steps():
     job = MainJob.__new__(MainJob)  # only the rollout phase: no trainer, no engine
     job.cfg, job.main, job.args, job.prompts, job.rollout_fn = Config(), True, None, None, rollout_fn
     job.cfg.rollout.max_all_failed_steps = 2
-    job.all_failed_steps, job.engine_version = 0, 0
+    job.all_failed_steps, job.engine_version, job.replay, job.saver = 0, 0, None, None
     _, samples, metrics = await job.rollout(0)
     assert samples == [] and job.all_failed_steps == 1 and metrics["rollout/failed_share"] == 1.0
     with pytest.raises(AllFailedStepsError, match=r"engine_error x 2 \(e.g. 'engine: refused'\)"):
