@@ -11,6 +11,7 @@ import logging
 import sys
 
 from jaxrl_vlm.config import Config, ConfigError, describe_options, is_sft, load_config
+from rollout.loading import LoadError, load_module
 
 
 def _cmd_config(ns: argparse.Namespace, rest: list[str]) -> int:
@@ -125,7 +126,6 @@ def _cmd_make_dataset(ns: argparse.Namespace, rest: list[str]) -> int:
     """A task's synthetic prompts (`make_dataset`) or, with --sft, its SFT transcripts (`make_sft_dataset`)."""
     if rest:
         raise ConfigError(f"make-dataset: unexpected arguments {rest}")
-    from rollout.loading import LoadError, load_module
 
     module_path = DATASET_TASKS.get(ns.task, ns.task)
     try:
