@@ -205,6 +205,7 @@ def _cmd_serve(ns: argparse.Namespace, rest: list[str]) -> int:
     run.engine.engine_max_image_bytes, run.engine.engine_max_image_pixels = ns.max_image_bytes, ns.max_image_pixels
     run.engine.engine_max_n, run.engine.engine_max_request_bytes = ns.max_n, ns.max_request_bytes
     run.engine.engine_control_timeout, run.engine.engine_weight_update_timeout = ns.control_timeout, ns.weight_update_timeout
+    run.engine.tp_size, run.engine.dp_size, run.engine.rollout_devices = ns.tp_size, ns.dp_size, ns.devices
     try:
         config = EngineOptions.from_run_config(run)
     except ValueError as e:
@@ -314,6 +315,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-version", default="default", help="Initial weight_version reported by the server.")
     p.add_argument("--disable-radix-cache", action="store_true",
                    help="Do not reuse finished requests' KV cache for later turns (SGLang's flag name).")
+    p.add_argument("--tp-size", type=int, default=1, help="Tensor-parallel devices per replica (SGLang's flag name).")
+    p.add_argument("--dp-size", type=int, default=1, help="Replicas behind this server (SGLang's flag name).")
+    p.add_argument("--devices", default=None, metavar="IDS",
+                   help="Local devices to serve on, e.g. '0-3' (tp x dp of them; default: the first tp x dp).")
     engine = Config().engine  # the run config's defaults for the engine limits
     p.add_argument("--api-key", default=None,
                    help="Require 'Authorization: Bearer KEY' on every endpoint but /health* (SGLang's flag name).")

@@ -35,6 +35,7 @@ from typing import Any, Literal
 import yaml
 
 from jaxrl_vlm import slime_flags
+from jaxrl_vlm.devices import check_disjoint, parse_device_ids
 from jaxrl_vlm.errors import ConfigError
 from jaxrl_vlm.rl.registries import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
 from rollout.hooks import HOOK_OPTIONS, load_hook
@@ -212,6 +213,14 @@ class EngineConfig:
     engine_host: str = opt("127.0.0.1", "Bind address of the embedded engine.")
     engine_port: int = opt(0, "Port of the embedded engine (0: a free port).")
     engine_max_batch: int = opt(32, "Decode slots of the embedded engine.")
+    tp_size: int = opt(1, "Tensor-parallel devices per engine replica (SGLang's --tp-size): the embedded engine's, and "
+                          "passed to a launched SGLang.")
+    dp_size: int = opt(1, "Engine replicas behind one server (SGLang's --dp-size): the embedded engine's, and passed to "
+                          "a launched SGLang.")
+    rollout_devices: str | None = opt(
+        None, "Local devices of the embedded engine, e.g. '0-3' or '0,1,2,3' (exactly tp_size x dp_size of them; None: "
+        "the first tp_size x dp_size). With --train-devices, engine and trainer get disjoint devices and run side by "
+        "side (--max-staleness >= 1).")
     engine_max_seq_len: int = opt(4096, "Tokens per decode slot of the embedded engine (prompt with expanded pads + response).")
     engine_prefix_cache: bool = opt(
         True,
@@ -240,13 +249,24 @@ class EngineConfig:
     weight_sync_dir: str | None = opt(None, "Directory for versioned weight exports (a RAM disk is best; None: under output_dir).")
     disable_weight_sync: bool = opt(False, "Do not push new weights to the engine (for ablations only).")
     weight_sync_dtype: str | None = opt(None, "Dtype of exported weights (None: bfloat16 for --engine-url, the param dtype for the embedded engine).", choices=(None, "float32", "bfloat16"))
+    weight_sync_mode: str = opt(
+        "auto", "How new weights reach the engine: `disk` (versioned HF export + /update_weights_from_disk), `memory` "
+        "(the embedded engine in this process: device to device, same pause/flush/update/continue sequence and "
+        "version, no disk), `auto` (memory for the embedded engine of a one-process job, else disk).",
+        choices=("auto", "disk", "memory"))
     colocate: bool = opt(
         False,
-        "Engine and trainer share the same devices (slime's --colocate). The embedded engine always does; with "
-        "--launch-sglang on the same GPUs, JAX gets 1 - mem_fraction_static - colocate_margin of each GPU "
-        "(XLA_PYTHON_CLIENT_MEM_FRACTION) so that neither pre-allocates the other's share.",
+        "Engine and trainer share the same devices (slime's --colocate), synchronously: after each rollout the engine "
+        "is flushed and releases its weights and KV cache (/release_memory_occupation), training runs, then the engine "
+        "takes back its weights, gets the new ones and its KV cache (/resume_memory_occupation). A launched SGLang "
+        "also needs --sglang-args --enable-memory-saver; with --launch-sglang on the same GPUs, JAX gets "
+        "1 - mem_fraction_static - colocate_margin of each GPU (XLA_PYTHON_CLIENT_MEM_FRACTION).",
     )
     colocate_margin: float = opt(0.05, "Share of GPU memory left to neither JAX nor SGLang when colocated.")
+
+    @property
+    def rollout_device_ids(self) -> tuple[int, ...] | None:
+        return None if self.rollout_devices is None else parse_device_ids(self.rollout_devices, "--rollout-devices")
 
 
 @dataclass
@@ -359,6 +379,12 @@ class MeshConfig:
     mesh_data: int = opt(-1, "Size of the data axis (-1: fill).")
     mesh_fsdp: int = opt(1, "Size of the fsdp axis (-1: fill).")
     mesh_tensor: int = opt(1, "Size of the tensor axis (-1: fill).")
+    train_devices: str | None = opt(
+        None, "Local devices of the trainer's mesh, e.g. '4-7' (None: all local devices). See --rollout-devices.")
+
+    @property
+    def train_device_ids(self) -> tuple[int, ...] | None:
+        return None if self.train_devices is None else parse_device_ids(self.train_devices, "--train-devices")
     sharding_rules: dict[str, Any] = opt({}, "Logical axis name -> mesh axis (or list of axes, or null) overrides.")
     activation_constraints: bool = opt(
         True,
@@ -895,6 +921,39 @@ def validate(cfg: Config) -> None:
     _validate_debug(cfg.debug)
     _validate_async(cfg)
     _validate_sft(cfg)
+    _validate_placement(cfg)
+
+
+def _validate_placement(cfg: Config) -> None:
+    """Device lists parse and are disjoint; the embedded-engine options are not set for an external engine;
+    --colocate (shared devices, memory released while training) is synchronous and has no device lists."""
+    e, m = cfg.engine, cfg.mesh
+    if e.tp_size < 1 or e.dp_size < 1:
+        raise ConfigError(f"tp_size and dp_size must be >= 1, got tp_size={e.tp_size}, dp_size={e.dp_size}")
+    rollout = parse_device_ids(e.rollout_devices, "--rollout-devices") if e.rollout_devices is not None else None
+    train = parse_device_ids(m.train_devices, "--train-devices") if m.train_devices is not None else None
+    if rollout is not None and len(rollout) != e.tp_size * e.dp_size:
+        raise ConfigError(f"--rollout-devices {e.rollout_devices} names {len(rollout)} devices, but the engine has "
+                          f"tp_size {e.tp_size} x dp_size {e.dp_size} = {e.tp_size * e.dp_size}")
+    if rollout is not None and train is not None:
+        check_disjoint(rollout, train)
+    external = "--engine-url" if e.engine_url else "--launch-sglang" if e.launch_sglang else None
+    if external and rollout is not None:
+        raise ConfigError(f"--rollout-devices places the embedded engine; with {external} the engine's devices are "
+                          "its own (CUDA_VISIBLE_DEVICES of its process)")
+    if e.engine_url and (e.tp_size > 1 or e.dp_size > 1):
+        raise ConfigError("--tp-size / --dp-size configure an engine this job starts; the one at --engine-url was "
+                          "started with its own")
+    if e.weight_sync_mode == "memory" and external:
+        raise ConfigError(f"--weight-sync-mode memory needs the embedded engine in this process; {external} is "
+                          "another process (use disk or auto)")
+    if e.colocate:
+        if rollout is not None or train is not None:
+            raise ConfigError("--colocate shares every device between engine and trainer; it does not combine with "
+                              "--rollout-devices / --train-devices")
+        if cfg.rollout.max_staleness > 0:
+            raise ConfigError(f"--colocate is synchronous (the engine frees its memory while training); it does not "
+                              f"combine with --max-staleness {cfg.rollout.max_staleness}")
 
 
 # Numbers whose meaningful range types cannot express; every float option must also be finite.

@@ -127,8 +127,8 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
         "(rollout/encoding.py encode_transcript)", _NOTHING, "sft"),
     # ------------------------------------------------------------------ sglang
     "--rollout-num-gpus-per-engine": SlimeFlag(
-        1, "-> --tp-size N for a launched SGLang server (--launch-sglang)",
-        lambda values: {"+sglang_args": ["--tp-size", values[0]]}, "sglang"),
+        1, "-> --tp-size N (the embedded engine's tensor parallelism; passed on to a launched SGLang)",
+        lambda values: {"tp_size": int(values[0])}, "sglang"),
     "--rollout-num-gpus": SlimeFlag(1, f"not applicable: {_WHY_PLACEMENT}", _NOTHING, "misc"),
     # ------------------------------------------------------------------ fsdp backend
     "--train-backend": SlimeFlag(1, "not applicable: one JAX trainer; fsdp and megatron layouts are mesh configs "

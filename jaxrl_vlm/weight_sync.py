@@ -8,6 +8,12 @@ that version on `/get_weight_version` (an engine that answers success yet keeps 
 not by silently off-policy training). Older versions are deleted only after the engines acknowledged the new one. A sync that still fails after the retries stops the run with a
 clear error: training on by stale rollouts silently is worse than stopping.
 
+In memory (`mode` "memory", or "auto" with our embedded engine in this one-process job): `export` puts the
+trainer's parameters straight into the engine replicas' shardings (device to device, also across disjoint device
+sets) while the engine keeps serving, and `load` runs the same pause -> flush -> update -> continue sequence with
+`load_format` IN_MEMORY_LOAD_FORMAT, so the engine swaps them in and reports the same version a disk sync would
+set. The weights are rounded through the sync dtype first, so both paths serve the same numbers.
+
 Multi-host: every process calls `push` (gathering a sharded parameter is a collective); only process 0
 writes files and talks to the engines.
 """
@@ -24,9 +30,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from jaxrl_vlm.distributed import barrier, export_hf, is_main_process
 from rollout.client import EngineError, SGLangClient, WeightSyncError
+from rollout.sglang_wire import IN_MEMORY_LOAD_FORMAT
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +54,7 @@ class SyncReport:
     bytes_written: int
     attempts: int
     errors: list[str] = field(default_factory=list)
+    in_memory: bool = False  # staged in the in-process engine under `path.name`, not written to disk
 
 
 def version_dir(root: Path, version: int) -> Path:
@@ -97,7 +106,11 @@ class WeightSyncer:
         keep_versions: int = 1,
         flush_timeout_s: float = 60.0,
         flush_poll_s: float = 1.0,
+        mode: str = "disk",
     ):
+        if mode not in ("auto", "disk", "memory"):
+            raise ValueError(f"weight sync mode must be auto, disk or memory, got {mode!r}")
+        self.mode = mode
         self.client = client
         self.root = Path(root)
         self.copy_from = copy_from
@@ -115,10 +128,27 @@ class WeightSyncer:
         """Export `model` as `version` and load it into every engine (all of them, or none: see WeightSyncFailed)."""
         return await self.load(self.export(model, version))
 
+    def memory_engine(self) -> Any:
+        """The in-process engine that takes weights in memory, or None (disk). An engine not yet attached (a
+        resumed run exports its weights before the engine starts) means disk."""
+        engine = getattr(self.client, "local_engine", None) if self.client is not None else None
+        if self.mode == "disk" or engine is None or jax.process_count() > 1:
+            if self.mode == "memory" and self.client is not None:
+                raise WeightSyncFailed("--weight-sync-mode memory needs the embedded engine of a one-process job; "
+                                       "this engine is another process (use disk or auto)")
+            return None
+        return engine
+
     def export(self, model: Any, version: int) -> SyncReport:
         """Write `model` as `version` (blocking; the asynchronous loop runs it in a worker thread, generation goes
-        on meanwhile); `load` then makes the engines take it."""
+        on meanwhile), or stage it in the in-process engine's memory; `load` then makes the engines take it."""
         t0 = time.perf_counter()
+        engine = self.memory_engine()
+        if engine is not None:
+            name = version_dir(Path(), version).name
+            engine.stage_weights(name, nnx.state(model, nnx.Param), via_dtype=self.dtype)
+            return SyncReport(version=version, path=Path(name), export_s=time.perf_counter() - t0, sync_s=0.0,
+                              bytes_written=0, attempts=0, in_memory=True)
         path = export_version(model, self.root, version, dtype=self.dtype, copy_from=self.copy_from)
         export_s = time.perf_counter() - t0
         main = jax.process_index() == 0
@@ -132,7 +162,11 @@ class WeightSyncer:
         main = jax.process_index() == 0
         t1 = time.perf_counter()
         if self.client is not None and main:
-            await self._sync(report)
+            try:
+                await self._sync(report)
+            finally:
+                if report.in_memory:  # consumed by a successful update; freed here after a failed one
+                    self.client.local_engine.discard_staged(report.path.name)
             await self.confirm(report.version)
         report.sync_s = time.perf_counter() - t1
         if main:
@@ -158,9 +192,9 @@ class WeightSyncer:
         for attempt in range(1, self.retries + 2):
             report.attempts = attempt
             try:
-                await self.client.sync_weights_from_disk(str(report.path), str(report.version),
-                                                         flush_timeout_s=self.flush_timeout_s,
-                                                         flush_poll_s=self.flush_poll_s)
+                await self.client.sync_weights_from_disk(
+                    str(report.path), str(report.version), flush_timeout_s=self.flush_timeout_s,
+                    flush_poll_s=self.flush_poll_s, **({"load_format": IN_MEMORY_LOAD_FORMAT} if report.in_memory else {}))
                 return
             except (WeightSyncError, EngineError) as e:
                 report.errors.append(f"attempt {attempt}: {e}")

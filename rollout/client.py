@@ -415,6 +415,9 @@ class SGLangClient:
             raise ValueError(f"vocab_size must be a positive int (or None), got {vocab_size!r}")
         self._auth_headers = authorization_header(api_key) if api_key is not None else {}
         self.vocab_size = vocab_size
+        # The engine object serving `url` from this very process (our embedded engine), if any: a trainer in the
+        # same process may then stage new weights in memory (`load_format` IN_MEMORY_LOAD_FORMAT) instead of on disk.
+        self.local_engine: Any = None
         self.is_router = worker_urls is not None
         self.max_connections = max_connections
         self.timeout_s = timeout_s
@@ -737,6 +740,25 @@ class SGLangClient:
     async def continue_generation(self, url: str | None = None) -> dict[str, Any]:
         """POST /continue_generation: resume a paused engine."""
         return await self._post_json(self._worker(url), "/continue_generation", {})
+
+    async def release_memory_occupation(self, tags: Sequence[str] | None = None, url: str | None = None, *,
+                                        flush_timeout_s: float = 60.0, flush_poll_s: float = 1.0) -> None:
+        """Free the device memory of `tags` ("weights", "kv_cache"; None: all) on one worker (`url`) or every worker
+        while a colocated trainer runs: /flush_cache until idle (an engine releases only when nothing runs, and its
+        prefix cache lives in the memory being freed), then POST /release_memory_occupation."""
+        urls = [url] if url is not None else self.worker_urls
+        await asyncio.gather(*(self._flush_until_idle(self._worker(u), flush_timeout_s, flush_poll_s) for u in urls))
+        await self._memory_occupation("/release_memory_occupation", tags, url)
+
+    async def resume_memory_occupation(self, tags: Sequence[str] | None = None, url: str | None = None) -> None:
+        """POST /resume_memory_occupation on one worker (`url`) or every worker: take back what was released."""
+        await self._memory_occupation("/resume_memory_occupation", tags, url)
+
+    async def _memory_occupation(self, path: str, tags: Sequence[str] | None, url: str | None) -> None:
+        body = {} if tags is None else {"tags": list(tags)}
+        urls = [url] if url is not None else self.worker_urls
+        await asyncio.gather(*(self._request("POST", self._worker(u), path, json_body=body,
+                                             timeout_s=self.control_timeout_s) for u in urls))
 
     async def abort_request(self, rid: str | None = None, abort_all: bool = False, url: str | None = None) -> None:
         """POST /abort_request for one rid, or every request. Aborted requests finish with type abort."""

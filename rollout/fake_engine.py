@@ -37,6 +37,7 @@ from rollout.sglang_wire import (
     AbortRequest,
     FinishReason,
     PauseMode,
+    MEMORY_TAGS,
     RequestError,
     SamplingParams,
     UpdateWeightsRequest,
@@ -47,6 +48,7 @@ from rollout.sglang_wire import (
     is_authorized,
     loads_response,
     parse_json_body,
+    parse_memory_tags,
     parse_pause,
     paused_answer,
     prompt_field,
@@ -225,6 +227,7 @@ class FakeSGLangServer:
         self.max_running_requests = max_running_requests
         self.healthy = True
         self.paused: PauseMode | None = None  # the pause mode while paused
+        self.released: set[str] = set()  # memory tags released by /release_memory_occupation
         self.requests: list[RecordedRequest] = []
         self.disconnected_rids: list[str] = []  # /generate requests whose client went away mid-request
         self._queues: dict[str, collections.deque[Action]] = collections.defaultdict(collections.deque)
@@ -256,7 +259,8 @@ class FakeSGLangServer:
             "get_weight_version": self._get_weight_version, "flush_cache": self._flush_cache,
             "pause_generation": self._pause_generation, "continue_generation": self._continue_generation,
             "abort_request": self._abort_request, "update_weights_from_disk": self._update_weights_from_disk,
-            "loads": self._loads,
+            "loads": self._loads, "release_memory_occupation": self._release_memory,
+            "resume_memory_occupation": self._resume_memory,
         }
         for method, path, handler in route_handlers(handlers):
             app.router.add_route(method, path, handler)
@@ -517,6 +521,22 @@ class FakeSGLangServer:
             self.flush_busy_calls = max(0, self.flush_busy_calls - 1)
             return web.Response(status=400, text=FLUSH_BUSY)
         return web.Response(status=200, text=FLUSH_OK)
+
+    async def _release_memory(self, request: web.Request) -> web.Response:
+        return self._memory(request, release=True)
+
+    async def _resume_memory(self, request: web.Request) -> web.Response:
+        return self._memory(request, release=False)
+
+    def _memory(self, request: web.Request, *, release: bool) -> web.Response:
+        try:
+            tags = set(parse_memory_tags(request[_RECORD].body) or MEMORY_TAGS)
+        except RequestError as exc:
+            return self._error(str(exc))
+        if release and self._counted_in_flight():
+            return self._error("cannot release memory while requests run")
+        self.released = self.released | tags if release else self.released - tags
+        return web.json_response(None)
 
     async def _pause_generation(self, request: web.Request) -> web.Response:
         try:

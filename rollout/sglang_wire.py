@@ -489,6 +489,26 @@ def generate_response(
 # ---------------------------------------------------------------------------------------------- control
 
 
+# `/release_memory_occupation` and `/resume_memory_occupation` take `{"tags": [...]}` of these (omitted: all).
+MEMORY_TAGS: tuple[str, ...] = ("weights", "kv_cache")
+
+# Our embedded engine's extension of `/update_weights_from_disk`: with this `load_format`, `model_path` names
+# weights a trainer in the engine's own process staged in memory (`Engine.stage_weights`) instead of a
+# directory, so the update runs the same pause/flush/update/continue sequence and sets the same version
+# without touching a disk. Other engines (SGLang) do not know it: the trainer uses it only with its own engine.
+IN_MEMORY_LOAD_FORMAT = "jaxrl_in_memory"
+
+
+def parse_memory_tags(body: Any) -> tuple[str, ...] | None:
+    """The tags of a memory-occupation body (None: all); RequestError for anything but a list of known tags."""
+    if body is None or (isinstance(body, dict) and body.get("tags") is None):
+        return None
+    tags = body.get("tags") if isinstance(body, dict) else body
+    if not isinstance(tags, list) or not all(isinstance(t, str) and t in MEMORY_TAGS for t in tags):
+        raise RequestError(f"tags must be a list of {list(MEMORY_TAGS)}, got {tags!r}")
+    return tuple(tags)
+
+
 class PauseMode(enum.StrEnum):
     """`/pause_generation` modes: abort returns in-flight requests as aborted; retract re-queues them (the
     cache can then be flushed); in_place keeps them in the running batch (flush_cache then fails)."""
@@ -648,6 +668,8 @@ ROUTES: tuple[Route, ...] = (
     Route(_POST, "/abort_request", "abort_request"),
     Route(_POST, "/update_weights_from_disk", "update_weights_from_disk"),
     Route(_GET, "/v1/loads", "loads"),
+    Route(("GET", "POST"), "/release_memory_occupation", "release_memory_occupation"),
+    Route(("GET", "POST"), "/resume_memory_occupation", "resume_memory_occupation"),
 )
 
 _H = TypeVar("_H")

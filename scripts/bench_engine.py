@@ -20,6 +20,11 @@ has a long text and an image, every turn generates N tokens and appends an obser
 every other turn), and the next request re-sends the whole conversation. Timed on two engines that
 differ only in `prefix_cache`, after an untimed warm-up episode set and a cache flush: wall time,
 prefilled and cached prompt tokens, vision-tower images, and the off/on time ratio.
+
+Weight-update case (issue 18 (c)): a trainer-side copy of the model in this process pushes new weights to the
+embedded engine, alternately through the disk (versioned HF export + /update_weights_from_disk) and in memory
+(`--weight-sync-mode memory`: device to device, the same pause/flush/update/continue sequence and version
+check), after one untimed push of each: seconds per push and the disk/memory ratio. Run it with `--size small`.
 `--json FILE` also writes the numbers.
 """
 
@@ -200,6 +205,41 @@ def bench_multiturn(model_dir: Path, encoder: Any, episodes: int, turns: int, ne
     return rows
 
 
+def bench_weight_update(model_dir: Path, repeats: int, scratch: Path) -> dict[str, Any]:
+    """Seconds per weight push (export or staging + update + version check), disk against memory."""
+    import jax.numpy as jnp
+
+    from jaxrl_vlm.engine import EmbeddedEngine, EngineOptions
+    from jaxrl_vlm.models.hf_io import from_hf
+    from jaxrl_vlm.weight_sync import WeightSyncer
+    from rollout.client import SGLangClient
+
+    trainer_model = from_hf(str(model_dir))
+    with EmbeddedEngine(str(model_dir), config=EngineOptions(max_batch=8, max_seq_len=512)) as engine:
+
+        async def run() -> dict[str, Any]:
+            async with SGLangClient(engine.url) as client:
+                client.local_engine = engine.engine
+                syncers = {mode: WeightSyncer(client, scratch / "weights", copy_from=str(model_dir), dtype=jnp.float32,
+                                              mode=mode) for mode in ("disk", "memory")}
+                times: dict[str, list[float]] = {"disk": [], "memory": []}
+                version = 0
+                for rep in range(repeats + 1):
+                    for mode, syncer in syncers.items():
+                        version += 1
+                        t0 = time.perf_counter()
+                        report = await syncer.push(trainer_model, version)
+                        if rep:  # the first push of each compiles nothing but warms caches: untimed
+                            times[mode].append(time.perf_counter() - t0)
+                        assert report.in_memory == (mode == "memory")
+                return {mode: {"seconds": min(t), "bytes_written": syncers[mode].history[-1].bytes_written}
+                        for mode, t in times.items()}
+
+        out = asyncio.run(run())
+    out["ratio"] = out["disk"]["seconds"] / out["memory"]["seconds"]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", choices=sorted(SIZES), default="tiny")
@@ -207,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--torch-threads", type=int, default=max(1, os.cpu_count() or 1))
-    p.add_argument("--cases", nargs="+", choices=("decode", "multiturn"), default=["decode", "multiturn"])
+    p.add_argument("--cases", nargs="+", choices=("decode", "multiturn", "weights"), default=["decode", "multiturn"])
     p.add_argument("--episodes", type=int, default=8, help="Concurrent episodes of the multi-turn case.")
     p.add_argument("--turns", type=int, default=4, help="Turns per episode of the multi-turn case.")
     p.add_argument("--turn-tokens", type=int, default=32, help="New tokens per turn of the multi-turn case.")
@@ -228,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
             out.update(new_tokens=ns.new_tokens, transformers=hf, engine=rows)
         if "multiturn" in ns.cases:
             out["multiturn"] = bench_multiturn(model_dir, encoder, ns.episodes, ns.turns, ns.turn_tokens, ns.repeats)
+        if "weights" in ns.cases:
+            out["weights"] = bench_weight_update(model_dir, max(ns.repeats, 3), Path(tmp))
 
     if "decode" in ns.cases:
         print(f"\nsize={ns.size} prompt={len(prompt)} tokens, {ns.new_tokens} new tokens per request, greedy, EOS ignored")
@@ -247,6 +289,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:>12} {r['seconds']:>8.2f} {r['prefilled_tokens']:>14} {r['cached_tokens']:>11} {r['prefix_hits']:>5} "
                   f"{r['encoded_images']:>7} {r['warmup_s']:>10.2f} {r['compiled_programs']:>9}")
         print(f"speed-up with the prefix cache (off / on wall time): {mt['speedup']:.2f}x")
+    if "weights" in ns.cases:
+        w = out["weights"]
+        print(f"\nweight update, size={ns.size} (fp32), best of {max(ns.repeats, 3)} pushes each:")
+        print(f"  disk (export + /update_weights_from_disk): {w['disk']['seconds']:.3f} s, "
+              f"{w['disk']['bytes_written'] / 1e6:.1f} MB written")
+        print(f"  memory (device to device, same update sequence): {w['memory']['seconds']:.3f} s")
+        print(f"RATIO disk/memory weight update: {w['ratio']:.2f}")
     if ns.json:
         Path(ns.json).write_text(json.dumps(out, indent=2))
     return 0

@@ -1,4 +1,4 @@
-"""Closed-loop learning on CPU: embedded engine -> rollout -> batching -> train step -> export -> reload.
+"""Closed-loop learning on CPU: embedded engine -> rollout -> batching -> train step -> weight update -> rollout.
 
 The toy task (`envs.letter_game`) rewards answers whose letters come from a-m. A random tiny model starts near
 0.5; the reward can only rise if each update really reaches the engine, so the same run with weight sync off
@@ -61,7 +61,8 @@ def test_reward_rises_only_when_weights_reach_the_engine(letter_task):
     synced = _run(root, prompts, "synced")
     gain = _reward_gain(synced)
     assert gain >= MARGIN, f"reward rose by only {gain:.3f} in {STEPS} steps: {[round(r['rollout/raw_reward'], 3) for r in synced]}"
-    # Every step went through export + /update_weights_from_disk: the engine's version follows the trainer's.
+    # Every step went through /update_weights_from_disk (in memory: the engine is in-process): the engine's
+    # version follows the trainer's.
     assert [r["weight_version"] for r in synced] == list(range(1, STEPS + 1))
     # Trainer and engine agree on the log-probs of the sampled tokens at every step (fp32, temperature 0.8).
     diffs = [r["train/train_rollout_logprob_abs_diff"] for r in synced]

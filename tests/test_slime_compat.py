@@ -46,7 +46,8 @@ def test_jaxrl_vlm_config_accepts_slimes_whole_run_line(backend, capsys):
     assert cfg["multiturn"]["max_turns"] == 3
     # sglang group: forwarded to a launched SGLang.
     sglang = cfg["engine"]["sglang_args"]
-    assert sglang[:2] == ["--tp-size", "1"] and "--mem-fraction-static" in sglang and "0.6" in sglang
+    assert "--mem-fraction-static" in sglang and "0.6" in sglang
+    assert cfg["engine"]["tp_size"] == 1  # --rollout-num-gpus-per-engine: the engine's (and a launched SGLang's) tp
     graph_bs = sglang[sglang.index("--cuda-graph-bs") + 1 :]
     assert graph_bs[:5] == ["1", "2", "4", "8", "16"] and "256" in graph_bs
     assert cfg["engine"]["colocate"] is True

@@ -31,9 +31,14 @@ class KVCache(NamedTuple):
     v: jax.Array
 
 
-def init_cache(cfg: Qwen3VLConfig, slots: int, max_len: int, dtype: jnp.dtype) -> KVCache:
+def cache_shape(cfg: Qwen3VLConfig, slots: int, max_len: int) -> tuple[int, ...]:
+    """Shape of k (and v): [layers, slots, max_len, kv_heads, head_dim]."""
     t = cfg.text
-    shape = (t.num_hidden_layers, slots, max_len, t.num_key_value_heads, t.head_dim)
+    return (t.num_hidden_layers, slots, max_len, t.num_key_value_heads, t.head_dim)
+
+
+def init_cache(cfg: Qwen3VLConfig, slots: int, max_len: int, dtype: jnp.dtype) -> KVCache:
+    shape = cache_shape(cfg, slots, max_len)
     return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
 

@@ -65,9 +65,19 @@ class UpdateWeightsMsg:
 
 
 @dataclass(frozen=True)
+class MemoryMsg:
+    """`/release_memory_occupation` (release=True) or `/resume_memory_occupation` of `tags` ("weights",
+    "kv_cache"; None: both); answered with None, or an error message when it cannot be applied now."""
+
+    release: bool
+    tags: tuple[str, ...] | None
+    reply: Reply
+
+
+@dataclass(frozen=True)
 class StopMsg:
     """End the scheduler thread (everything still held is answered with abort)."""
 
 
-ControlMsg = PauseMsg | ContinueMsg | FlushMsg | LoadsMsg | UpdateWeightsMsg
+ControlMsg = PauseMsg | ContinueMsg | FlushMsg | LoadsMsg | UpdateWeightsMsg | MemoryMsg
 Message = GenerateMsg | AbortMsg | ControlMsg | StopMsg

@@ -68,6 +68,10 @@ class EngineOptions:
     info) waits for the scheduler before answering 503. weight_update_timeout_s: the same for
     `/update_weights_from_disk` (which waits for in-flight generations unless paused); an update that has
     not started by then is dropped.
+
+    Placement (`placement.py`): tp_size devices per replica (tensor parallel, SGLang's --tp-size), dp_size
+    replicas (SGLang's --dp-size), on the local devices `device_ids` (exactly tp_size x dp_size of them; None:
+    the first tp_size x dp_size).
     """
 
     max_batch: int = 32
@@ -89,6 +93,9 @@ class EngineOptions:
     max_request_bytes: int | None = None
     control_timeout_s: float = 60.0
     weight_update_timeout_s: float = 600.0
+    tp_size: int = 1
+    dp_size: int = 1
+    device_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
@@ -112,6 +119,11 @@ class EngineOptions:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.tp_size < 1 or self.dp_size < 1:
+            raise ValueError(f"tp_size and dp_size must be >= 1, got tp_size={self.tp_size}, dp_size={self.dp_size}")
+        if self.device_ids is not None and len(self.device_ids) != self.tp_size * self.dp_size:
+            raise ValueError(f"device_ids {list(self.device_ids)} must name tp_size {self.tp_size} x dp_size "
+                             f"{self.dp_size} = {self.tp_size * self.dp_size} devices")
         for name in ("control_timeout_s", "weight_update_timeout_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0 < value < float("inf"):
@@ -135,6 +147,9 @@ class EngineOptions:
             max_request_bytes=cfg.engine.engine_max_request_bytes,
             control_timeout_s=cfg.engine.engine_control_timeout,
             weight_update_timeout_s=cfg.engine.engine_weight_update_timeout,
+            tp_size=cfg.engine.tp_size,
+            dp_size=cfg.engine.dp_size,
+            device_ids=cfg.engine.rollout_device_ids,
         )
 
     @property

@@ -20,6 +20,7 @@ from flax import nnx
 
 from jaxrl_vlm.engine import forward
 from jaxrl_vlm.engine.options import EngineOptions, bucket_for
+from jaxrl_vlm.engine.placement import ReplicaPlacement
 from jaxrl_vlm.engine.sampling import SamplingRows, sample_tokens
 from jaxrl_vlm.engine.weights import load_params_state
 from jaxrl_vlm.models.config import Qwen3VLConfig
@@ -80,20 +81,30 @@ def images_after(
 
 
 class ModelRunner:
-    """Compiled prefill/decode over a slotted KV cache for one model on the default device.
+    """Compiled prefill/decode over a slotted KV cache for one model on one replica's devices.
+
+    `placement`: the replica's mesh (tensor parallel over its devices; default: the first local device).
+    Parameters and the KV cache are sharded on it and every program's outputs keep those shardings.
 
     `banned_ids`: token ids that can never be sampled (Qwen-VL's vision special tokens).
     `program_calls` counts calls per compiled-program key: ("prefill", bucket, patch_bucket),
     ("extend", bucket, kv_len, patch_bucket), ("copy", rows), ("decode", batch, kv_len, filtered).
     """
 
-    def __init__(self, model: Qwen3VL, config: EngineOptions, banned_ids: Sequence[int]):
+    def __init__(self, model: Qwen3VL, config: EngineOptions, banned_ids: Sequence[int],
+                 placement: ReplicaPlacement | None = None):
         self.cfg = model.cfg
         self.config = config
         self.vocab_size = model.cfg.text.vocab_size
-        self._graphdef, self.params = nnx.split(model)
-        self.cache = forward.init_cache(model.cfg, config.max_batch, config.max_seq_len, config.jnp_compute_dtype)
-        self.bias = jnp.zeros((config.max_batch, self.vocab_size), jnp.float32)
+        self.placement = placement or ReplicaPlacement(jax.local_devices()[:1])
+        self._graphdef, params = nnx.split(model)
+        self.params = self.placement.put_params(params)
+        self._params_backup: Any = None  # host copy of released weights
+        self.cache: forward.KVCache | None = None
+        self.allocate_cache()
+        replicated = self.placement.replicated
+        self.bias = jax.device_put(jnp.zeros((config.max_batch, self.vocab_size), jnp.float32), replicated)
+        cache_sh = self._cache_sharding
         banned = np.zeros((self.vocab_size,), bool)
         for t in banned_ids:
             if not 0 <= int(t) < self.vocab_size:
@@ -119,11 +130,54 @@ class ModelRunner:
             ids, lps = sample_tokens(logits, bias[slots], banned_v, _rows(ints, floats), filtered=filtered)
             return cache, ids, lps
 
-        self._prefill = jax.jit(prefill_program, static_argnames=("kv_len",), donate_argnames=("cache", "bias"))
-        self._decode = jax.jit(decode_program, static_argnames=("kv_len", "filtered"), donate_argnames=("cache",))
-        self._copy = jax.jit(forward.copy_rows, static_argnames=("rows",), donate_argnames=("cache",))
+        # Explicit output shardings: the cache and bias stay where they live, step after step (no resharding).
+        self._prefill = jax.jit(prefill_program, static_argnames=("kv_len",), donate_argnames=("cache", "bias"),
+                                out_shardings=(cache_sh, replicated, replicated, replicated))
+        self._decode = jax.jit(decode_program, static_argnames=("kv_len", "filtered"), donate_argnames=("cache",),
+                               out_shardings=(cache_sh, replicated, replicated))
+        self._copy = jax.jit(forward.copy_rows, static_argnames=("rows",), donate_argnames=("cache",),
+                             out_shardings=cache_sh)
         self.program_calls: collections.Counter[tuple[Any, ...]] = collections.Counter()
         self.encoded_images = 0  # images run through the vision tower (a reused prefix skips its images)
+
+    # ------------------------------------------------------------------ memory
+
+    @property
+    def _cache_sharding(self) -> forward.KVCache:
+        shape = forward.cache_shape(self.cfg, self.config.max_batch, self.config.max_seq_len)
+        sharding = self.placement.cache(shape)
+        return forward.KVCache(sharding, sharding)
+
+    def allocate_cache(self) -> None:
+        """(Re)create the KV cache, zeroed, in its shardings (created on the devices, never on the host)."""
+        sh = self._cache_sharding
+        make = jax.jit(lambda: forward.init_cache(self.cfg, self.config.max_batch, self.config.max_seq_len,
+                                                  self.config.jnp_compute_dtype), out_shardings=sh)
+        self.cache = make()
+
+    def release_cache(self) -> None:
+        """Drop the KV cache (`/release_memory_occupation` kv_cache): its device memory is freed with its last
+        reference (never deleted explicitly: a buffer XLA shares with another array must outlive this one);
+        `allocate_cache` makes a new one."""
+        self.cache = None
+
+    def release_params(self) -> None:
+        """Drop the weights' device arrays (`/release_memory_occupation` weights), keeping a host copy; `params`
+        holds their shapes, dtypes and shardings meanwhile, so a weight update can still load into them."""
+        if self._params_backup is None:
+            self._params_backup = jax.device_get(self.params)
+            self.params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.params)
+
+    def restore_params(self) -> None:
+        """Weights back on their devices: the host copy, unless new weights were loaded since the release."""
+        if self._params_backup is not None:
+            self.params = jax.device_put(self._params_backup, self.placement.params(self.params))
+            self._params_backup = None
+
+    @property
+    def resident(self) -> bool:
+        """Weights and KV cache are on the devices (nothing released): programs may run."""
+        return self.cache is not None and self._params_backup is None
 
     # ------------------------------------------------------------------ programs
 
@@ -222,6 +276,39 @@ class ModelRunner:
         """Swap in the safetensors weights at `path` (same architecture). On any error the serving
         weights stay as they were and the exception propagates."""
         self.params = load_params_state(path, self.cfg, self.params)
+        self._params_backup = None
+
+    def stage_params(self, params: Any) -> nnx.State:
+        """A parameter state (e.g. the trainer's, on other devices and shardings) cast to the serving dtypes and
+        moved into this replica's shardings, without touching the serving weights: `set_params` swaps it in.
+
+        The structure must be the serving model's (same family and config); anything else is a ValueError
+        naming the first difference.
+        """
+        like = dict(nnx.to_flat_state(self.params))
+        given = dict(nnx.to_flat_state(params))
+        wanted = {p for p, var in like.items() if isinstance(var, nnx.Param)}
+        if set(given) != wanted:
+            extra, missing = sorted(map(str, set(given) - wanted)), sorted(map(str, wanted - set(given)))
+            raise ValueError(f"weights do not fit the serving model: missing {missing[:3]}, unexpected {extra[:3]}")
+        values: dict[tuple, jax.Array] = {}
+        for path, var in like.items():
+            if path not in given:  # not a parameter: kept
+                values[path] = var.get_value()
+                continue
+            old, new = var.get_value(), given[path].get_value()
+            if tuple(new.shape) != tuple(old.shape):
+                raise ValueError(f"weights do not fit the serving model: {path} has shape {tuple(new.shape)}, "
+                                 f"the serving model {tuple(old.shape)}")
+            # Never aliased: the trainer keeps updating its buffers, and a released engine deletes its own.
+            values[path] = jax.device_put(jnp.asarray(new, old.dtype) if new.dtype != old.dtype else new, old.sharding,
+                                          may_alias=False)
+        return nnx.from_flat_state([(p, var.replace(values[p])) for p, var in like.items()])
+
+    def set_params(self, staged: nnx.State) -> None:
+        """Serve `staged` (from `stage_params`) from the next program on."""
+        self.params = staged
+        self._params_backup = None
 
     def model(self) -> Qwen3VL:
         """The serving model (a view over the current parameters), for tests and tools."""

@@ -43,6 +43,7 @@ from jaxrl_vlm.engine.inbox import (
     FlushMsg,
     GenerateMsg,
     LoadsMsg,
+    MemoryMsg,
     Message,
     PauseMsg,
     StopMsg,
@@ -53,6 +54,8 @@ from jaxrl_vlm.engine.protocol import GenerateOutput, GenerateRequest
 from jaxrl_vlm.engine.runner import FloatRow, IntRow, ModelRunner
 from rollout.sglang_wire import (
     FinishReason,
+    IN_MEMORY_LOAD_FORMAT,
+    MEMORY_TAGS,
     FinishType,
     PauseMode,
     continued_answer,
@@ -118,8 +121,12 @@ class Scheduler:
         eos_ids: Sequence[int],
         *,
         weight_version: str = "default",
+        staged_weights: Callable[[str], Any] | None = None,
     ):
+        """`staged_weights(name)`: the weights an in-process trainer staged for this replica under `name`
+        (`Engine.stage_weights`), for `update_weights_from_disk` with `load_format` IN_MEMORY_LOAD_FORMAT."""
         self.runner = runner
+        self._staged_weights = staged_weights
         self.tokenizer = tokenizer
         self.eos_ids = frozenset(int(t) for t in eos_ids)
         self.weight_version = weight_version
@@ -233,7 +240,8 @@ class Scheduler:
             return True
         if self._updates and (self._paused or not self._running):
             return True
-        return bool(self._waiting) and not self._paused and not self._updates and self._has_free_slot()
+        return (bool(self._waiting) and not self._paused and not self._updates and self.runner.resident
+                and self._has_free_slot())
 
     def _has_free_slot(self) -> bool:
         return bool(self._free) or len(self._prefix) > 0
@@ -268,6 +276,8 @@ class Scheduler:
                 reply(self._flush())
             case LoadsMsg(reply):
                 reply(self._loads())
+            case MemoryMsg(release, tags, reply):
+                reply(self._memory(release, tags))
             case _:
                 raise TypeError(f"unknown scheduler message {msg!r}")
 
@@ -295,7 +305,7 @@ class Scheduler:
         (self._held if self._paused else self._waiting).append(seq)
 
     def _admit(self) -> None:
-        if self._paused or self._updates:
+        if self._paused or self._updates or not self.runner.resident:
             return
         admitted = 0
         while self._waiting and self._has_free_slot() and admitted < self.runner.config.max_prefills_per_step:
@@ -566,6 +576,27 @@ class Scheduler:
             self._invalidate_prefix_cache()
         return busy == 0
 
+    def _memory(self, release: bool, tags: tuple[str, ...] | None) -> str | None:
+        """Release or resume the device memory of `tags` (SGLang's memory saver, for an engine colocated with the
+        trainer). Releasing needs an idle engine (pause and flush first); requests that arrive meanwhile wait
+        until both weights and KV cache are back. Answers None, or why nothing was released."""
+        tags = frozenset(tags or MEMORY_TAGS)
+        if not release:
+            if "weights" in tags:
+                self.runner.restore_params()
+            if "kv_cache" in tags and self.runner.cache is None:
+                self.runner.allocate_cache()
+            return None
+        busy = len(self._running) + len(self._waiting)
+        if busy:
+            return f"cannot release memory while {busy} requests run or wait (pause_generation and flush_cache first)"
+        if "kv_cache" in tags:
+            self._invalidate_prefix_cache()  # warm slots live in the cache being freed
+            self.runner.release_cache()
+        if "weights" in tags:
+            self.runner.release_params()
+        return None
+
     def _loads(self) -> dict[str, Any]:
         return {
             "paused": self._paused,
@@ -599,7 +630,12 @@ class Scheduler:
         path = upd.update.model_path
         started = time.monotonic()
         try:
-            self.runner.load_weights(path)
+            if upd.update.load_format == IN_MEMORY_LOAD_FORMAT:
+                if self._staged_weights is None:
+                    raise ValueError("this engine takes in-memory weights only from a trainer in its own process")
+                self.runner.set_params(self._staged_weights(path))
+            else:
+                self.runner.load_weights(path)
         except Exception as exc:  # noqa: BLE001 - the parameters are built off to the side: nothing changed
             logger.warning("update_weights_from_disk(%s) failed: %s: %s", path, type(exc).__name__, exc)
             return update_weights_answer(False, f"Failed to update weights from {path}: {type(exc).__name__}: {exc}", paused)

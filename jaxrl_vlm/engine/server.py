@@ -33,12 +33,22 @@ from typing import Any, Awaitable, Callable
 from aiohttp import web
 
 from jaxrl_vlm.engine.core import Engine
-from jaxrl_vlm.engine.inbox import ContinueMsg, ControlMsg, FlushMsg, LoadsMsg, PauseMsg, Reply, UpdateWeightsMsg
+from jaxrl_vlm.engine.inbox import (
+    ContinueMsg,
+    ControlMsg,
+    FlushMsg,
+    LoadsMsg,
+    MemoryMsg,
+    PauseMsg,
+    Reply,
+    UpdateWeightsMsg,
+)
 from jaxrl_vlm.engine.options import EngineOptions
 from jaxrl_vlm.engine.protocol import EMBEDDED_UNSUPPORTED, GenerateOutput, GenerateRequest, response_body
 from rollout.sglang_wire import (
     FLUSH_BUSY,
     FLUSH_OK,
+    IN_MEMORY_LOAD_FORMAT,
     UNAUTHORIZED_BODY,
     AbortRequest,
     FinishType,
@@ -51,6 +61,7 @@ from rollout.sglang_wire import (
     loads_response,
     parse_generate,
     parse_json_body,
+    parse_memory_tags,
     parse_pause,
     route_handlers,
     update_weights_answer,
@@ -300,8 +311,8 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
         update = UpdateWeightsRequest.from_json(await _json_body(request))
     except RequestError as e:
         return _refused(e)
-    if update.load_format not in (None, "auto", "safetensors"):
-        message = f"load_format={update.load_format!r} is not supported (safetensors only)"
+    if update.load_format not in (None, "auto", "safetensors", IN_MEMORY_LOAD_FORMAT):
+        message = f"load_format={update.load_format!r} is not supported (safetensors, or {IN_MEMORY_LOAD_FORMAT!r})"
         return web.json_response(update_weights_answer(False, message, 0), status=400)
     timeout_s = engine.config.weight_update_timeout_s
     deadline = time.monotonic() + timeout_s
@@ -313,6 +324,25 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
                    "(check /get_weight_version).")
         return web.json_response(update_weights_answer(False, message, 0), status=503)
     return web.json_response(result, status=200 if result["success"] else 400)
+
+
+async def release_memory_occupation(request: web.Request) -> web.Response:
+    return await _memory_occupation(request, release=True)
+
+
+async def resume_memory_occupation(request: web.Request) -> web.Response:
+    return await _memory_occupation(request, release=False)
+
+
+async def _memory_occupation(request: web.Request, *, release: bool) -> web.Response:
+    """SGLang's memory saver: free (or restore) the weights' and KV cache's device memory while a colocated
+    trainer runs. Answers 200 with a null body, as SGLang does; 400 when the engine is busy."""
+    try:
+        tags = parse_memory_tags(await _json_body(request, optional=True))
+    except RequestError as e:
+        return _refused(e)
+    problem = await _scheduler_call(request.app[_ENGINE], lambda reply: MemoryMsg(release, tags, reply))
+    return _bad(problem) if problem else web.json_response(None)
 
 
 async def loads(request: web.Request) -> web.Response:
@@ -376,6 +406,7 @@ def build_app(engine: Engine, *, host: str = "127.0.0.1", port: int | None = Non
         "server_info": server_info, "get_weight_version": get_weight_version, "flush_cache": flush_cache,
         "pause_generation": pause_generation, "continue_generation": continue_generation,
         "abort_request": abort_request, "update_weights_from_disk": update_weights_from_disk, "loads": loads,
+        "release_memory_occupation": release_memory_occupation, "resume_memory_occupation": resume_memory_occupation,
     }
     for method, path, handler in route_handlers(handlers):
         app.router.add_route(method, path, handler)

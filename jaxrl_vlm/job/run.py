@@ -144,8 +144,8 @@ class MainJob:
                 else:
                     self.prompts.load_state_dict(self.resume.prompt_iterator)
         sync_dtype = cfg.engine.weight_sync_dtype or ("bfloat16" if cfg.engine.engine_url else cfg.model.param_dtype)
-        self.syncer = WeightSyncer(None, weight_sync_root(cfg, self.out_dir),
-                                   copy_from=str(self.model_dir), dtype=jnp.dtype(sync_dtype))
+        self.syncer = WeightSyncer(None, weight_sync_root(cfg, self.out_dir), copy_from=str(self.model_dir),
+                                   dtype=jnp.dtype(sync_dtype), mode=cfg.engine.weight_sync_mode)
         self.evaluator = None
         if self.replay is not None:
             self.rollout_fn = None
@@ -262,16 +262,34 @@ class MainJob:
         metrics["perf/train_time"] = time.perf_counter() - t1
         self.version += 1
 
+    @property
+    def colocated(self) -> bool:
+        """--colocate with an engine this process talks to: it frees its memory while the trainer runs."""
+        return self.cfg.engine.colocate and self.main and self.replay is None and self.syncer.client is not None
+
+    async def release_engine(self, metrics: dict[str, Any]) -> None:
+        """--colocate: the rollout is over; the engine flushes and frees its weights and KV cache for training."""
+        if self.colocated:
+            t0 = time.perf_counter()
+            await self.syncer.client.release_memory_occupation()
+            metrics["perf/release_memory_time"] = time.perf_counter() - t0
+
     async def sync(self, metrics: dict[str, Any]) -> None:
-        """Push the new weights to the engine (pause, flush, update, continue), unless sync is off (ablations)."""
+        """Push the new weights to the engine (pause, flush, update, continue), unless sync is off (ablations).
+        Colocated: the engine takes back its weights' memory first and its KV cache's after (slime's order)."""
         if self.replay is not None:  # no engine
             return
         t2 = time.perf_counter()
+        if self.colocated:
+            await self.syncer.client.resume_memory_occupation(["weights"])
         if not self.cfg.engine.disable_weight_sync:
             report = await self.syncer.push(self.trainer.policy_model(), self.version)
             self.engine_version = self.version
             metrics["sync/export_s"] = report.export_s
             metrics["sync/gbytes"] = report.bytes_written / 1e9
+            metrics["sync/in_memory"] = float(report.in_memory)
+        if self.colocated:
+            await self.syncer.client.resume_memory_occupation(["kv_cache"])
         metrics["perf/update_weights_time"] = time.perf_counter() - t2
 
     def checkpoint(self, done: int) -> None:
@@ -292,6 +310,7 @@ class MainJob:
         t0 = time.perf_counter()
         result, samples, metrics = await self.rollout(step)
         if samples:
+            await self.release_engine(metrics)
             self.train(samples, metrics)
             await self.sync(metrics)
         elif self.main:

@@ -46,7 +46,8 @@ async def rollout_session(
         elif cfg.engine.launch_sglang:
             launched = SGLangProcess(
                 cfg.engine.sglang_python or "", str(serve_dir), host=cfg.engine.engine_host, port=cfg.engine.engine_port,
-                extra_args=[*cfg.engine.sglang_args, *(["--api-key", key] if key else [])], log_path=Path(cfg.train.output_dir) / "sglang.log",
+                extra_args=[*cfg.engine.sglang_args, *_parallel_args(cfg), *(["--api-key", key] if key else [])],
+                log_path=Path(cfg.train.output_dir) / "sglang.log",
             )
             client = SGLangClient(launched.start(), **client_options)
             await launched.wait_ready(client, timeout_s=cfg.engine.engine_start_timeout)
@@ -55,6 +56,7 @@ async def rollout_session(
                                     config=EngineOptions.from_run_config(cfg), weight_version=weight_version,
                                     api_key=key)
             client = SGLangClient(engine.start(), **client_options)
+            client.local_engine = engine.engine  # same process: weights may be synced in memory
         await client.wait_healthy(timeout_s=cfg.engine.engine_start_timeout)
         if engine is None:
             # A trainer that died between /pause_generation and /continue_generation leaves an external engine
@@ -80,3 +82,13 @@ async def rollout_session(
             engine.stop()
         if launched is not None:
             launched.stop()
+
+
+def _parallel_args(cfg: Config) -> list[str]:
+    """--tp-size / --dp-size for a launched SGLang, unless its own arguments already say (they win)."""
+    out: list[str] = []
+    for flag, value in (("--tp-size", cfg.engine.tp_size), ("--dp-size", cfg.engine.dp_size)):
+        given = any(a == flag or a.startswith(flag + "=") for a in cfg.engine.sglang_args)
+        if value > 1 and not given:
+            out += [flag, str(value)]
+    return out

@@ -19,6 +19,8 @@ from flax import nnx
 
 from jaxrl_vlm.batching import TrainBatch, build_train_batch
 from jaxrl_vlm.config import Config, is_sft
+from jaxrl_vlm.devices import pick_devices
+from jaxrl_vlm.errors import ConfigError
 from jaxrl_vlm.distributed import global_batch
 from jaxrl_vlm.models.activation_sharding import ActivationSharding
 from jaxrl_vlm.models.hf_io import from_hf, load_hf_config
@@ -142,8 +144,13 @@ class Trainer:
     """The policy being trained: parameters and optimizer state on the mesh, and `train_on(samples)`."""
 
     def __init__(self, cfg: Config, *, devices: list[Any] | None = None):
-        """`devices`: the devices of the training mesh (default: all of them)."""
+        """`devices`: the devices of the training mesh (default: --train-devices, else all of them)."""
         self.cfg = cfg
+        if devices is None and cfg.mesh.train_device_ids is not None:
+            if jax.process_count() > 1:
+                raise ConfigError("--train-devices places the trainer on one host's devices; a multi-process job's "
+                                  "mesh spans every process (leave it unset)")
+            devices = pick_devices(cfg.mesh.train_device_ids, "--train-devices")
         self.devices = devices
         self.out_dir = Path(cfg.train.output_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
