@@ -291,7 +291,8 @@ class ModelRunner:
         if set(given) != wanted:
             extra, missing = sorted(map(str, set(given) - wanted)), sorted(map(str, wanted - set(given)))
             raise ValueError(f"weights do not fit the serving model: missing {missing[:3]}, unexpected {extra[:3]}")
-        values: dict[tuple, jax.Array] = {}
+        values: dict[tuple, Any] = {}
+        moved: list[tuple] = []
         for path, var in like.items():
             if path not in given:  # not a parameter: kept
                 values[path] = var.get_value()
@@ -300,9 +301,11 @@ class ModelRunner:
             if tuple(new.shape) != tuple(old.shape):
                 raise ValueError(f"weights do not fit the serving model: {path} has shape {tuple(new.shape)}, "
                                  f"the serving model {tuple(old.shape)}")
-            # Never aliased: the trainer keeps updating its buffers, and a released engine deletes its own.
-            values[path] = jax.device_put(jnp.asarray(new, old.dtype) if new.dtype != old.dtype else new, old.sharding,
-                                          may_alias=False)
+            values[path] = new if new.dtype == old.dtype else jnp.asarray(new, old.dtype)
+            moved.append(path)
+        # One batched transfer for all tensors; never aliased: the trainer keeps updating its buffers.
+        copies = jax.device_put([values[p] for p in moved], [like[p].get_value().sharding for p in moved], may_alias=False)
+        values.update(zip(moved, copies))
         return nnx.from_flat_state([(p, var.replace(values[p])) for p, var in like.items()])
 
     def set_params(self, staged: nnx.State) -> None:

@@ -418,6 +418,7 @@ class MainJob:
         self.stream.engine_updated(self.version)
         metrics["sync/export_s"] = report.export_s
         metrics["sync/gbytes"] = report.bytes_written / 1e9
+        metrics["sync/in_memory"] = float(report.in_memory)
         metrics["perf/update_weights_time"] = time.perf_counter() - t2
         return paused
 
