@@ -35,7 +35,7 @@ import numpy as np
 
 from jaxrl_vlm.models.config import Qwen3VLConfig
 from jaxrl_vlm.models.rope import get_rope_index_packed
-from jaxrl_vlm.models.vision import VisionInputs, build_vision_inputs
+from jaxrl_vlm.models.vision import VisionInputs, WindowedVisionInputs, build_vision_inputs
 from jaxrl_vlm.rl.aggregation import aggregation_weights
 from rollout.sample import Sample
 
@@ -62,7 +62,8 @@ class TrainArrays(NamedTuple):
     advantages        float32 [K, R, T]     the sample's advantage on every response target, else 0
     token_weights     float32 [K, R, T]     global aggregation weight; sums to 1 over the batch (mean modes)
     sequence_ids      int32   [K, R, T]     sequence index within the micro-batch, -1 on padding
-    vision            VisionInputs with leading K (P patches each), or None when no sample has images
+    vision            VisionInputs (WindowedVisionInputs for Qwen2.5-VL) with leading K (P patches each), or None
+                      when no sample has images
     """
 
     tokens: np.ndarray
@@ -74,7 +75,7 @@ class TrainArrays(NamedTuple):
     advantages: np.ndarray
     token_weights: np.ndarray
     sequence_ids: np.ndarray
-    vision: VisionInputs | None
+    vision: VisionInputs | WindowedVisionInputs | None
 
 
 class Placement(NamedTuple):
@@ -620,7 +621,7 @@ def _materialize(
             pixels = np.concatenate(pix).astype(dtype, copy=False) if pix else np.zeros((0, cfg.vision.patch_dim), dtype)
             v = build_vision_inputs(pixels, grids[k], arrays_tokens[k], cfg, patch_bucket=p_n, token_valid=segment_ids[k] > 0)
             per_mb.append(v._replace(pixel_values=v.pixel_values.astype(dtype, copy=False)))
-        vision = VisionInputs(*(np.stack(field) for field in zip(*per_mb)))
+        vision = type(per_mb[0])(*(np.stack(field) for field in zip(*per_mb)))
 
     arrays = TrainArrays(
         arrays_tokens, targets, positions, segment_ids, loss_mask, rollout_lp, advantages, token_weights, sequence_ids, vision
