@@ -2,8 +2,9 @@
 
 The family comes from `config.json`'s model_type (`config.from_hf_dict`); `MODEL_CLASSES` and the
 per-family weight links below are keyed by the config's type. Tensor names are transformers 5's
-(`model.language_model.*`, `model.visual.*`); released checkpoints that use the older names
-(`model.layers.*`, `visual.*`, as Qwen2.5-VL's do) are read through the same renaming transformers applies.
+(`model.language_model.*`, `model.visual.*`); checkpoints that use the older names (`model.layers.*`,
+`visual.*`: released Qwen2.5-VL, and what transformers 5 itself saves for Qwen2.5-VL) are read through the
+same renaming transformers applies, and Qwen2.5-VL is exported under the older names.
 
 Import reads `model.safetensors` or shards listed in `model.safetensors.index.json` through our own
 memory-mapped safetensors reader (bf16 included, via ml_dtypes), converts torch layouts to ours with
@@ -122,6 +123,16 @@ def current_tensor_name(key: str) -> str:
         return "model." + key
     if key.startswith("model.") and not key.startswith(("model.language_model.", "model.visual.")):
         return "model.language_model." + key[len("model."):]
+    return key
+
+
+def stored_tensor_name(key: str) -> str:
+    """The older layout's name of a transformers-5 tensor name (inverse of `current_tensor_name`). transformers
+    still saves Qwen2.5-VL this way, as released checkpoints are, so our Qwen2.5-VL exports do too."""
+    if key.startswith("model.visual."):
+        return key[len("model."):]
+    if key.startswith("model.language_model."):
+        return "model." + key[len("model.language_model."):]
     return key
 
 
@@ -490,13 +501,16 @@ def _plan_shards(links: list[_Link], dtype: np.dtype, max_shard_bytes: int) -> l
     return shards
 
 
-def _write_shard(file: Path, links: list[_Link], dtype: np.dtype, fetch: Callable[[_Link], np.ndarray]) -> None:
-    """Header from shapes first, then each tensor appended in order (peak memory ~ one tensor)."""
+def _write_shard(
+    file: Path, links: list[_Link], dtype: np.dtype, fetch: Callable[[_Link], np.ndarray], stored: Callable[[str], str]
+) -> None:
+    """Header from shapes first, then each tensor appended in order (peak memory ~ one tensor); `stored` gives
+    the name a tensor has on disk."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for link in links:
         nbytes = _tensor_nbytes(link.hf_shape, dtype)
-        header[link.hf_key] = {"dtype": _ST_NAMES[dtype], "shape": list(link.hf_shape), "data_offsets": [offset, offset + nbytes]}
+        header[stored(link.hf_key)] = {"dtype": _ST_NAMES[dtype], "shape": list(link.hf_shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # data section 8-byte aligned, as the safetensors writer does
@@ -540,9 +554,10 @@ def to_hf(
         parts = [np.asarray(jax.device_get(params[p].get_value())) for p in link.ours]
         return link.to_hf(parts)
 
+    stored = stored_tensor_name if isinstance(cfg, Qwen25VLConfig) else (lambda key: key)
     shards = _plan_shards(links, np_dtype, max_shard_bytes)
     if len(shards) == 1:
-        _write_shard(out / "model.safetensors", shards[0], np_dtype, fetch)
+        _write_shard(out / "model.safetensors", shards[0], np_dtype, fetch, stored)
         stale = out / "model.safetensors.index.json"
         if stale.exists():
             stale.unlink()
@@ -551,9 +566,9 @@ def to_hf(
         total = 0
         for i, shard in enumerate(shards):
             name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            _write_shard(out / name, shard, np_dtype, fetch)
+            _write_shard(out / name, shard, np_dtype, fetch, stored)
             for link in shard:
-                weight_map[link.hf_key] = name
+                weight_map[stored(link.hf_key)] = name
                 total += _tensor_nbytes(link.hf_shape, np_dtype)
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
