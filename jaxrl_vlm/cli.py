@@ -177,7 +177,7 @@ def _cmd_dump_shardings(ns: argparse.Namespace, rest: list[str]) -> int:
     else:
         from jaxrl_vlm.tiny import tiny_model_config
 
-        model_cfg = tiny_model_config(ns.vocab_size)
+        model_cfg = tiny_model_config(ns.vocab_size, arch=ns.arch)
     for mesh_path in ns.mesh_config:
         mesh_cfg = load_config(None, ["--mesh-config", mesh_path]).mesh
         text = format_dump(dump_shardings(model_cfg, mesh_cfg, ns.num_devices))
@@ -304,10 +304,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-devices", type=int, default=8, help="Devices of the (abstract) mesh.")
     p.add_argument("--hf-checkpoint", default=None, help="Model config to lay out (default: the make-tiny model).")
     p.add_argument("--vocab-size", type=int, default=1024, help="Vocabulary of the default tiny model.")
+    p.add_argument("--arch", choices=tuple(FAMILY_PARSERS), default="qwen3_vl", help="Family of the default tiny model.")
     p.set_defaults(func=_cmd_dump_shardings)
 
-    p = sub.add_parser("serve", help="Serve a Qwen3-VL checkpoint with the embedded JAX engine (SGLang's native HTTP API).")
-    p.add_argument("--model", required=True, help="HF Qwen3-VL directory (safetensors, config, tokenizer, processor).")
+    p = sub.add_parser("serve", help="Serve a Qwen-VL checkpoint with the embedded JAX engine (SGLang's native HTTP API).")
+    p.add_argument("--model", required=True, help="HF Qwen3-VL or Qwen2.5-VL directory (safetensors, config, tokenizer, processor).")
     p.add_argument("--host", default="127.0.0.1", help="Bind address (loopback by default).")
     p.add_argument("--port", type=int, default=30000, help="Port (0 picks a free one).")
     p.add_argument("--max-batch", type=int, default=32, help="KV-cache slots: requests decoded together.")
