@@ -303,6 +303,8 @@ async def test_engine_greedy_with_images_equals_transformers_generate_and_traine
         other = encoder.encode_prompt([{"role": "user", "content": [{"type": "image", "image": make_test_image(9, (112, 112))},
                                                                     {"type": "text", "text": "What is x?"}]}])
         second = await c.generate(other.wire_ids, image_data=other.image_data, sampling_params=GREEDY)
+        info = await c.get_model_info()
+    assert info["model_type"] == "qwen2_5_vl" and info["architectures"] == ["Qwen2_5_VLForConditionalGeneration"]
     expected = hf_generate(hf, seg.train_ids, GREEDY["max_new_tokens"], seg.mm_inputs, pad)
     assert result.output_ids == expected
     assert len(set(expected)) > 3, "degenerate reference: the test would not see a wrong token"

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 _SUPPORTED_TEXT_ACTS = ("silu",)
 _SUPPORTED_VISION_ACTS = ("gelu_pytorch_tanh", "gelu", "silu", "quick_gelu")
@@ -207,6 +207,7 @@ class _VLConfig:
 class Qwen3VLConfig(_VLConfig):
     """Qwen3-VL: text decoder, vision tower with deepstack, special token ids, embedding tying."""
 
+    model_type: ClassVar[str] = "qwen3_vl"  # config.json's name of the family
     vision: VisionConfig
 
     def validate(self) -> None:
@@ -237,7 +238,7 @@ class Qwen3VLConfig(_VLConfig):
             "hidden_act": v.hidden_act,
             "rope_parameters": {"rope_type": "axial", "rope_theta": v.rope_theta},
         }
-        return self._hf_top("Qwen3VLForConditionalGeneration", "qwen3_vl", text, vision)
+        return self._hf_top("Qwen3VLForConditionalGeneration", self.model_type, text, vision)
 
 
 def _rope_from_text_dict(t: dict[str, Any], interleaved_default: bool) -> tuple[float, tuple[int, ...], bool]:
@@ -395,6 +396,7 @@ class Qwen25VisionConfig:
 class Qwen25VLConfig(_VLConfig):
     """Qwen2.5-VL: a Qwen2 text decoder (q/k/v bias, no q/k norm, contiguous M-RoPE) and a windowed ViT."""
 
+    model_type: ClassVar[str] = "qwen2_5_vl"
     vision: Qwen25VisionConfig
 
     def validate(self) -> None:
@@ -424,7 +426,7 @@ class Qwen25VLConfig(_VLConfig):
             "hidden_act": v.hidden_act,
             "rope_parameters": {"rope_type": "axial", "rope_theta": v.rope_theta},
         }
-        return self._hf_top("Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl", text, vision)
+        return self._hf_top("Qwen2_5_VLForConditionalGeneration", self.model_type, text, vision)
 
 
 # Keys of a released (flat) Qwen2.5-VL config.json that describe the text decoder.
@@ -470,8 +472,8 @@ def qwen2_5_vl_from_hf_dict(d: dict[str, Any]) -> Qwen25VLConfig:
 
 # The one dispatch on `config.json`'s model_type: which family's parser reads it.
 FAMILY_PARSERS: dict[str, Callable[[dict[str, Any]], Any]] = {
-    "qwen3_vl": qwen3_vl_from_hf_dict,
-    "qwen2_5_vl": qwen2_5_vl_from_hf_dict,
+    Qwen3VLConfig.model_type: qwen3_vl_from_hf_dict,
+    Qwen25VLConfig.model_type: qwen2_5_vl_from_hf_dict,
 }
 ModelConfig = Qwen3VLConfig | Qwen25VLConfig
 
