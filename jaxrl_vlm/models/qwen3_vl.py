@@ -1,7 +1,9 @@
 """Qwen3-VL (vision tower + deepstack mergers + text decoder) in plain Flax NNX.
 
 Semantics follow transformers' `modeling_qwen3_vl.py`; layouts are ours (einsum-friendly, shapes in
-names). Every parameter carries logical axis names (`out_sharding` metadata, not applied eagerly),
+names). The text side (`VisionLanguageDecoder`, decoder layers, M-RoPE, attention, log-probs) and the ViT
+attention and merger are shared with Qwen2.5-VL (`qwen2_5_vl.py`), which differs only where its config says
+(q/k/v bias instead of q/k norm, contiguous M-RoPE sections) and in its own vision tower. Every parameter carries logical axis names (`out_sharding` metadata, not applied eagerly),
 so `nnx.get_partition_spec(nnx.state(model))` yields them; `jaxrl_vlm.sharding.rules` maps them to mesh axes.
 
 Logical axis names:
@@ -37,7 +39,7 @@ from jaxrl_vlm.models.activation_sharding import (
     ROWS_VOCAB,
     constrain,
 )
-from jaxrl_vlm.models.config import Qwen3VLConfig, VisionConfig
+from jaxrl_vlm.models.config import ModelConfig, Qwen3VLConfig, VisionConfig
 from jaxrl_vlm.models.flash_attention import flash_attention
 from jaxrl_vlm.models.rope import mrope_frequency_axis, rope_inv_freq
 from jaxrl_vlm.models.vision import VisionInputs
@@ -90,7 +92,7 @@ def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos + rotate_half(x) * sin
 
 
-def mrope_cos_sin(positions_3bt: jax.Array, cfg: Qwen3VLConfig, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
+def mrope_cos_sin(positions_3bt: jax.Array, cfg: ModelConfig, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
     """M-RoPE tables cos, sin [B, T, head_dim] from host positions [3, B, T] (interleaved or contiguous
     sections, per `cfg.text.mrope_interleaved`; see `rope.mrope_frequency_axis`)."""
     inv_freq = jnp.asarray(rope_inv_freq(cfg.text.head_dim, cfg.text.rope_theta))  # [H/2]
@@ -192,7 +194,7 @@ class TextAttention(nnx.Module):
     projection biases (Qwen2, `text.attention_bias`). Factored so a KV-cache decode path can call
     `project` and `output` separately."""
 
-    def __init__(self, cfg: Qwen3VLConfig, *, rngs: nnx.Rngs, param_dtype: jnp.dtype, compute_dtype: jnp.dtype):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, param_dtype: jnp.dtype, compute_dtype: jnp.dtype):
         t = cfg.text
         d, n, kv, h = t.hidden_size, t.num_attention_heads, t.num_key_value_heads, t.head_dim
         self.compute_dtype = compute_dtype
@@ -242,7 +244,7 @@ class TextAttention(nnx.Module):
 class TextMLP(nnx.Module):
     """SwiGLU: down(silu(gate x) * up x)."""
 
-    def __init__(self, cfg: Qwen3VLConfig, *, rngs: nnx.Rngs, param_dtype: jnp.dtype, compute_dtype: jnp.dtype):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, param_dtype: jnp.dtype, compute_dtype: jnp.dtype):
         d, f = cfg.text.hidden_size, cfg.text.intermediate_size
         self.compute_dtype = compute_dtype
         self.act_name = cfg.text.hidden_act
@@ -260,7 +262,7 @@ class TextMLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: Qwen3VLConfig, *, rngs: nnx.Rngs, param_dtype: jnp.dtype, compute_dtype: jnp.dtype):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, param_dtype: jnp.dtype, compute_dtype: jnp.dtype):
         eps = cfg.text.rms_norm_eps
         self.input_norm = RMSNorm(cfg.text.hidden_size, eps, param_dtype=param_dtype)
         self.attn = TextAttention(cfg, rngs=rngs, param_dtype=param_dtype, compute_dtype=compute_dtype)
@@ -363,7 +365,7 @@ class PatchMerger(nnx.Module):
 
     def __init__(
         self,
-        cfg: Qwen3VLConfig,
+        cfg: ModelConfig,
         *,
         postshuffle_norm: bool,
         rngs: nnx.Rngs,
@@ -470,7 +472,7 @@ class VisionLanguageDecoder(nnx.Module):
 
     def __init__(
         self,
-        cfg: Qwen3VLConfig,
+        cfg: ModelConfig,
         make_visual: Callable[..., nnx.Module],
         *,
         rngs: nnx.Rngs,
