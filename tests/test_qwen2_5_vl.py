@@ -223,6 +223,30 @@ def test_3b_preset_matches_transformers_architecture():
     assert 3.7e9 < n_hf < 3.8e9  # the published Qwen2.5-VL-3B-Instruct has about 3.75 B parameters
 
 
+def test_bad_qwen25_configs_fail_naming_the_key():
+    from jaxrl_vlm.models import ConfigError
+
+    good = qwen2_5_vl_3b_instruct().to_hf_dict()
+
+    def broken(section: str, **changes: Any) -> dict[str, Any]:
+        bad = json.loads(json.dumps(good))
+        (bad if section == "top" else bad[section]).update(changes)
+        return bad
+
+    cases = [
+        (broken("text_config", rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24],
+                                                 "mrope_interleaved": True}), "contiguous"),
+        (broken("text_config", use_sliding_window=True), "use_sliding_window"),
+        (broken("vision_config", fullatt_block_indexes=[7, 32]), "fullatt_block_indexes"),
+        (broken("vision_config", window_size=20), "window_size"),
+        (broken("vision_config", out_hidden_size=1024), "out_hidden_size"),
+        (broken("top", model_type="qwen2_vl"), "model_type='qwen2_vl' is not supported"),
+    ]
+    for bad, needle in cases:
+        with pytest.raises(ConfigError, match=needle):
+            from_hf_dict(bad)
+
+
 def test_make_tiny_qwen2_5_vl_loads_in_transformers_with_equal_logits(tmp_path):
     from transformers import Qwen2_5_VLForConditionalGeneration
 

@@ -161,14 +161,16 @@ class _VLConfig:
             if not 0 <= tok < self.text.vocab_size:
                 raise ConfigError(f"{name}={tok} is outside the vocabulary [0, {self.text.vocab_size})")
 
-    def _hf_top(self, architecture: str, model_type: str, text: dict[str, Any], vision: dict[str, Any]) -> dict[str, Any]:
+    model_type: ClassVar[str]  # config.json's name of the family
+
+    def _hf_top(self, architecture: str, text: dict[str, Any], vision: dict[str, Any]) -> dict[str, Any]:
         if self.bos_token_id is not None:
             text["bos_token_id"] = self.bos_token_id
         if self.eos_token_id is not None:
             text["eos_token_id"] = self.eos_token_id
         return {
             "architectures": [architecture],
-            "model_type": model_type,
+            "model_type": self.model_type,
             "image_token_id": self.image_token_id,
             "video_token_id": self.video_token_id,
             "vision_start_token_id": self.vision_start_token_id,
@@ -207,7 +209,7 @@ class _VLConfig:
 class Qwen3VLConfig(_VLConfig):
     """Qwen3-VL: text decoder, vision tower with deepstack, special token ids, embedding tying."""
 
-    model_type: ClassVar[str] = "qwen3_vl"  # config.json's name of the family
+    model_type: ClassVar[str] = "qwen3_vl"
     vision: VisionConfig
 
     def validate(self) -> None:
@@ -238,7 +240,7 @@ class Qwen3VLConfig(_VLConfig):
             "hidden_act": v.hidden_act,
             "rope_parameters": {"rope_type": "axial", "rope_theta": v.rope_theta},
         }
-        return self._hf_top("Qwen3VLForConditionalGeneration", self.model_type, text, vision)
+        return self._hf_top("Qwen3VLForConditionalGeneration", text, vision)
 
 
 def _rope_from_text_dict(t: dict[str, Any], interleaved_default: bool) -> tuple[float, tuple[int, ...], bool]:
@@ -403,6 +405,12 @@ class Qwen25VLConfig(_VLConfig):
         super().validate()
         if self.text.mrope_interleaved:
             raise ConfigError("Qwen2.5-VL's M-RoPE is contiguous (t, h, w sections in order); mrope_interleaved must be false")
+        t = self.text
+        if t.head_dim * t.num_attention_heads != t.hidden_size or t.qk_norm or not t.attention_bias:
+            raise ConfigError(
+                f"Qwen2.5-VL's text decoder is Qwen2's: head_dim ({t.head_dim}) * num_attention_heads "
+                f"({t.num_attention_heads}) must equal hidden_size ({t.hidden_size}), with q/k/v bias and no q/k norm"
+            )
 
     def to_hf_dict(self) -> dict[str, Any]:
         """transformers-5 style `config.json` content, loadable by `Qwen2_5_VLConfig`."""
@@ -426,7 +434,7 @@ class Qwen25VLConfig(_VLConfig):
             "hidden_act": v.hidden_act,
             "rope_parameters": {"rope_type": "axial", "rope_theta": v.rope_theta},
         }
-        return self._hf_top("Qwen2_5_VLForConditionalGeneration", self.model_type, text, vision)
+        return self._hf_top("Qwen2_5_VLForConditionalGeneration", text, vision)
 
 
 # Keys of a released (flat) Qwen2.5-VL config.json that describe the text decoder.
@@ -444,8 +452,6 @@ def qwen2_5_vl_from_hf_dict(d: dict[str, Any]) -> Qwen25VLConfig:
     flat = not isinstance(t, dict)
     if flat:
         t = {k: d[k] for k in _FLAT_TEXT_KEYS if k in d}
-    if t.get("head_dim") not in (None, int(_need(t, "text_config", "hidden_size")) // int(_need(t, "text_config", "num_attention_heads"))):
-        raise ConfigError(f"text_config.head_dim={t['head_dim']} must be hidden_size // num_attention_heads for Qwen2.5-VL")
     if t.get("use_sliding_window"):
         raise ConfigError("text_config.use_sliding_window=true is not supported (released Qwen2.5-VL checkpoints set false)")
     text = _text_from_dict(t, interleaved_default=False, attention_bias=True, qk_norm=False, max_positions_default=128000)
