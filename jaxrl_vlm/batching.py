@@ -33,9 +33,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from jaxrl_vlm.models.config import Qwen3VLConfig
+from jaxrl_vlm.models.config import ModelConfig
 from jaxrl_vlm.models.rope import get_rope_index_packed
-from jaxrl_vlm.models.vision import VisionInputs, build_vision_inputs
+from jaxrl_vlm.models.vision import VisionInputs, WindowedVisionInputs, build_vision_inputs
 from jaxrl_vlm.rl.aggregation import aggregation_weights
 from rollout.sample import Sample
 
@@ -62,7 +62,8 @@ class TrainArrays(NamedTuple):
     advantages        float32 [K, R, T]     the sample's advantage on every response target, else 0
     token_weights     float32 [K, R, T]     global aggregation weight; sums to 1 over the batch (mean modes)
     sequence_ids      int32   [K, R, T]     sequence index within the micro-batch, -1 on padding
-    vision            VisionInputs with leading K (P patches each), or None when no sample has images
+    vision            VisionInputs (WindowedVisionInputs for Qwen2.5-VL) with leading K (P patches each), or None
+                      when no sample has images
     """
 
     tokens: np.ndarray
@@ -74,7 +75,7 @@ class TrainArrays(NamedTuple):
     advantages: np.ndarray
     token_weights: np.ndarray
     sequence_ids: np.ndarray
-    vision: VisionInputs | None
+    vision: VisionInputs | WindowedVisionInputs | None
 
 
 class Placement(NamedTuple):
@@ -203,7 +204,7 @@ class _Seq:
         return 0 if self.pixels is None else int(self.pixels.shape[0])
 
 
-def _prepare(position: int, sample: Sample, cfg: Qwen3VLConfig, max_len: int, overlong_policy: str) -> _Seq:
+def _prepare(position: int, sample: Sample, cfg: ModelConfig, max_len: int, overlong_policy: str) -> _Seq:
     """Validate one sample (vectorized, O(L)) and cut it to `max_len` tokens if the policy allows."""
     where = f"{sample.name} (position {position} in the batch)"
     tokens = np.asarray(sample.tokens, dtype=np.int64).reshape(-1)
@@ -257,7 +258,7 @@ def _prepare(position: int, sample: Sample, cfg: Qwen3VLConfig, max_len: int, ov
     return _Seq(position, sample, tokens.astype(np.int32), mask, lp, response, grid, pixels, n)
 
 
-def _sample_images(sample: Sample, tokens: np.ndarray, cfg: Qwen3VLConfig, where: str) -> tuple[np.ndarray, np.ndarray | None]:
+def _sample_images(sample: Sample, tokens: np.ndarray, cfg: ModelConfig, where: str) -> tuple[np.ndarray, np.ndarray | None]:
     """(image_grid_thw [N, 3], pixel_values [patches, patch_dim] or None), checked against the image pads."""
     mm = sample.multimodal_train_inputs or {}
     for key in _VIDEO_KEYS:
@@ -297,7 +298,7 @@ def _sample_images(sample: Sample, tokens: np.ndarray, cfg: Qwen3VLConfig, where
     return grid, pixels
 
 
-def _truncation_cut(tokens: np.ndarray, grid: np.ndarray, max_len: int, cfg: Qwen3VLConfig, where: str) -> tuple[int, int]:
+def _truncation_cut(tokens: np.ndarray, grid: np.ndarray, max_len: int, cfg: ModelConfig, where: str) -> tuple[int, int]:
     """(tokens kept, images kept): cut at max_len, moved back before an image it would split."""
     cut = max_len
     n_images = 0
@@ -430,7 +431,7 @@ def _plan(
 def build_train_batch(
     samples: Sequence[Sample],
     advantages: np.ndarray,
-    model_cfg: Qwen3VLConfig,
+    model_cfg: ModelConfig,
     *,
     seq_buckets: Sequence[int],
     row_buckets: Sequence[int],
@@ -529,7 +530,7 @@ def _materialize(
     seqs: list[_Seq],
     adv: np.ndarray,
     plan: _Plan,
-    cfg: Qwen3VLConfig,
+    cfg: ModelConfig,
     patch_choices: list[int],
     has_vision: bool,
     packing: bool,
@@ -620,7 +621,7 @@ def _materialize(
             pixels = np.concatenate(pix).astype(dtype, copy=False) if pix else np.zeros((0, cfg.vision.patch_dim), dtype)
             v = build_vision_inputs(pixels, grids[k], arrays_tokens[k], cfg, patch_bucket=p_n, token_valid=segment_ids[k] > 0)
             per_mb.append(v._replace(pixel_values=v.pixel_values.astype(dtype, copy=False)))
-        vision = VisionInputs(*(np.stack(field) for field in zip(*per_mb)))
+        vision = type(per_mb[0])(*(np.stack(field) for field in zip(*per_mb)))
 
     arrays = TrainArrays(
         arrays_tokens, targets, positions, segment_ids, loss_mask, rollout_lp, advantages, token_weights, sequence_ids, vision

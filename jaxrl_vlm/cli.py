@@ -11,6 +11,7 @@ import logging
 import sys
 
 from jaxrl_vlm.config import Config, ConfigError, describe_options, is_sft, load_config
+from jaxrl_vlm.models.config import FAMILY_PARSERS
 from rollout.loading import LoadError, load_module
 
 
@@ -152,7 +153,7 @@ def _cmd_make_tiny(ns: argparse.Namespace, rest: list[str]) -> int:
     from jaxrl_vlm.tiny import make_tiny, summarize
 
     try:
-        out = make_tiny(ns.out, seed=ns.seed, vocab_size=ns.vocab_size, init=ns.init, dtype=ns.dtype)
+        out = make_tiny(ns.out, seed=ns.seed, vocab_size=ns.vocab_size, init=ns.init, dtype=ns.dtype, arch=ns.arch)
     except ValueError as e:
         raise ConfigError(f"make-tiny: {e}") from e
     print(summarize(out))
@@ -176,7 +177,7 @@ def _cmd_dump_shardings(ns: argparse.Namespace, rest: list[str]) -> int:
     else:
         from jaxrl_vlm.tiny import tiny_model_config
 
-        model_cfg = tiny_model_config(ns.vocab_size)
+        model_cfg = tiny_model_config(ns.vocab_size, arch=ns.arch)
     for mesh_path in ns.mesh_config:
         mesh_cfg = load_config(None, ["--mesh-config", mesh_path]).mesh
         text = format_dump(dump_shardings(model_cfg, mesh_cfg, ns.num_devices))
@@ -283,12 +284,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "for geo3k, 64 for color_reveal).")
     p.set_defaults(func=_cmd_make_dataset)
 
-    p = sub.add_parser("make-tiny", help="Write a tiny random Qwen3-VL checkpoint (our init + exporter) with tokenizer/processor.")
+    p = sub.add_parser("make-tiny", help="Write a tiny random Qwen-VL checkpoint (our init + exporter) with tokenizer/processor.")
     p.add_argument("out", help="Output directory (a valid --hf-checkpoint / --model-path afterwards).")
     p.add_argument("--seed", type=int, default=0, help="Seed of the weight init.")
     p.add_argument("--vocab-size", type=int, default=1024, help="Tokenizer and embedding size.")
     p.add_argument("--init", choices=("scaled", "hf"), default="scaled", help="Fan-in scaled init, or HF's std 0.02.")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="Dtype of the safetensors.")
+    p.add_argument("--arch", choices=tuple(FAMILY_PARSERS), default="qwen3_vl",
+                   help="Model family (config.json model_type): qwen3_vl or qwen2_5_vl.")
     p.set_defaults(func=_cmd_make_tiny)
 
     p = sub.add_parser("dump-shardings", help="Print/write each mesh layout's parameter and input shardings as JSON.")
@@ -302,10 +305,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-devices", type=int, default=8, help="Devices of the (abstract) mesh.")
     p.add_argument("--hf-checkpoint", default=None, help="Model config to lay out (default: the make-tiny model).")
     p.add_argument("--vocab-size", type=int, default=1024, help="Vocabulary of the default tiny model.")
+    p.add_argument("--arch", choices=tuple(FAMILY_PARSERS), default="qwen3_vl", help="Family of the default tiny model.")
     p.set_defaults(func=_cmd_dump_shardings)
 
-    p = sub.add_parser("serve", help="Serve a Qwen3-VL checkpoint with the embedded JAX engine (SGLang's native HTTP API).")
-    p.add_argument("--model", required=True, help="HF Qwen3-VL directory (safetensors, config, tokenizer, processor).")
+    p = sub.add_parser("serve", help="Serve a Qwen-VL checkpoint with the embedded JAX engine (SGLang's native HTTP API).")
+    p.add_argument("--model", required=True, help="HF Qwen3-VL or Qwen2.5-VL directory (safetensors, config, tokenizer, processor).")
     p.add_argument("--host", default="127.0.0.1", help="Bind address (loopback by default).")
     p.add_argument("--port", type=int, default=30000, help="Port (0 picks a free one).")
     p.add_argument("--max-batch", type=int, default=32, help="KV-cache slots: requests decoded together.")

@@ -37,6 +37,7 @@ import yaml
 from jaxrl_vlm import slime_flags
 from jaxrl_vlm.devices import check_disjoint, parse_device_ids
 from jaxrl_vlm.errors import ConfigError
+from jaxrl_vlm.models.config import FAMILY_PARSERS
 from jaxrl_vlm.rl.registries import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
 from rollout.hooks import HOOK_OPTIONS, load_hook
 from rollout.loading import LoadError, load_function, load_module
@@ -46,7 +47,9 @@ from rollout.options import DebugOptions, MultiTurnOptions, RolloutOptions, chec
 # --------------------------------------------------------------------------- sections
 @dataclass
 class ModelConfig:
-    hf_checkpoint: str | None = opt(None, "HF Qwen3-VL checkpoint directory (safetensors + config + tokenizer + processor).")
+    hf_checkpoint: str | None = opt(
+        None, "HF checkpoint directory (safetensors + config + tokenizer + processor); the model family (Qwen3-VL or "
+        "Qwen2.5-VL) comes from its config.json model_type.")
     param_dtype: str = opt("float32", "Dtype of the trainable parameters.", choices=("float32", "bfloat16"))
     compute_dtype: str = opt("float32", "Dtype of activations/matmuls (bfloat16 on GPU/TPU).", choices=("float32", "bfloat16"))
     remat: str = opt("none", "Rematerialisation per decoder layer.", choices=("none", "full"))
@@ -57,7 +60,9 @@ class ModelConfig:
         choices=("xla", "pallas_gpu", "pallas_tpu"),
     )
     logprob_chunk_size: int = opt(512, "Sequence chunk for log-prob computation (bounds fp32 vocab logits memory).")
-    make_tiny: bool = opt(False, "Create a tiny random Qwen3-VL at --hf-checkpoint if it has no config.json (CPU demo runs).")
+    make_tiny: bool = opt(False, "Create a tiny random model at --hf-checkpoint if it has no config.json (CPU demo runs).")
+    make_tiny_arch: str = opt("qwen3_vl", "Family (config.json model_type) of the --make-tiny model.",
+                              choices=tuple(FAMILY_PARSERS))
 
 
 @dataclass

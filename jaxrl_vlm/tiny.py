@@ -1,10 +1,11 @@
-"""`jaxrl-vlm make-tiny`: a tiny random Qwen3-VL checkpoint built with our init and our exporter.
+"""`jaxrl-vlm make-tiny`: a tiny random Qwen-VL checkpoint built with our init and our exporter.
 
 The output directory is a complete `--model-path`: `model.safetensors` written by `to_hf`, the
-transformers-5 `config.json` of `tiny_assets.tiny_qwen3_vl_hf_config`, `generation_config.json`
-(eos = [<|im_end|>, <|endoftext|>] like Qwen3-VL-Instruct), tokenizer, chat template and image
-processor files. transformers' `Qwen3VLForConditionalGeneration.from_pretrained` and our `from_hf`
-both load it. No torch: the weights never leave JAX/numpy.
+transformers-5 `config.json` of `tiny_assets.TINY_HF_CONFIGS[arch]` (`qwen3_vl`, the default, or
+`qwen2_5_vl`), `generation_config.json` (eos = [<|im_end|>, <|endoftext|>] like the Instruct models),
+tokenizer, the architecture's chat template and image processor files. transformers'
+`...ForConditionalGeneration.from_pretrained` and our `from_hf` both load it. No torch: the weights
+never leave JAX/numpy.
 
 Init ("scaled", the default): HF's std-0.02 normal suits hidden sizes in the thousands; at hidden 64
 it makes every logit ~0.16 and the residual stream ~0.02, so a tiny model barely moves in a few dozen
@@ -25,30 +26,36 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrl_vlm.models.config import Qwen3VLConfig, from_hf_dict
-from jaxrl_vlm.models.hf_io import load_hf_config, param_count, to_hf
-from jaxrl_vlm.models.qwen3_vl import Qwen3VL
+from jaxrl_vlm.models.config import FAMILY_PARSERS, ModelConfig, from_hf_dict
+from jaxrl_vlm.models.hf_io import load_hf_config, model_class, param_count, to_hf
+from jaxrl_vlm.models.qwen3_vl import VisionLanguageDecoder
 
 INITS = ("scaled", "hf")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
-def tiny_hf_config(vocab_size: int = 1024, tokenizer_seed: int = 0) -> tuple[dict[str, Any], Any]:
-    """(transformers-5 config dict, tokenizer) of the tiny model; token ids come from the tokenizer."""
-    from jaxrl_vlm.tiny_assets import build_tiny_tokenizer, tiny_qwen3_vl_hf_config  # transformers: ~8 s, only here
+TINY_ARCHS = tuple(FAMILY_PARSERS)  # make-tiny builds every family (config.json model_type)
 
-    tokenizer = build_tiny_tokenizer(vocab_size, tokenizer_seed)
-    return tiny_qwen3_vl_hf_config(tokenizer), tokenizer
+
+def tiny_hf_config(vocab_size: int = 1024, tokenizer_seed: int = 0, arch: str = "qwen3_vl") -> tuple[dict[str, Any], Any]:
+    """(transformers-5 config dict, tokenizer with `arch`'s chat template) of the tiny model; token ids come
+    from the tokenizer (the vocabulary does not depend on `arch`)."""
+    from jaxrl_vlm.tiny_assets import TINY_CHAT_TEMPLATES, TINY_HF_CONFIGS, build_tiny_tokenizer  # transformers: ~8 s, only here
+
+    if arch not in TINY_ARCHS:
+        raise ValueError(f"arch={arch!r}: choose one of {TINY_ARCHS}")
+    tokenizer = build_tiny_tokenizer(vocab_size, tokenizer_seed, chat_template=TINY_CHAT_TEMPLATES[arch])
+    return TINY_HF_CONFIGS[arch](tokenizer), tokenizer
 
 
 @functools.lru_cache(maxsize=8)
-def tiny_model_config(vocab_size: int = 1024, tokenizer_seed: int = 0) -> Qwen3VLConfig:
-    """Our (frozen) `Qwen3VLConfig` of the tiny model: the fixed shape sharding goldens are dumped for.
+def tiny_model_config(vocab_size: int = 1024, tokenizer_seed: int = 0, arch: str = "qwen3_vl") -> ModelConfig:
+    """Our (frozen) config of the tiny model of `arch`: the fixed shape sharding goldens are dumped for.
     Cached: it trains the tiny BPE to learn the special-token ids."""
-    return from_hf_dict(tiny_hf_config(vocab_size, tokenizer_seed)[0])
+    return from_hf_dict(tiny_hf_config(vocab_size, tokenizer_seed, arch)[0])
 
 
-def _init_std(path: tuple[str | int, ...], shape: tuple[int, ...], cfg: Qwen3VLConfig) -> float | None:
+def _init_std(path: tuple[str | int, ...], shape: tuple[int, ...], cfg: ModelConfig) -> float | None:
     """Std of the scaled init for the parameter at `path`; None keeps the constructor's value."""
     leaf = str(path[-1])
     if leaf in ("scale", "bias") or "_bias_" in leaf:
@@ -66,21 +73,21 @@ def _init_std(path: tuple[str | int, ...], shape: tuple[int, ...], cfg: Qwen3VLC
     std = fan_in**-0.5
     if path[0] == "layers" and leaf in ("o_kernel_nhd", "down_kernel_fd"):
         std /= math.sqrt(2 * cfg.text.num_hidden_layers)
-    if "blocks" in path and leaf in ("o_kernel_nhd", "fc2_kernel_fd"):
+    if "blocks" in path and leaf in ("o_kernel_nhd", "fc2_kernel_fd", "down_kernel_fd"):
         std /= math.sqrt(2 * cfg.vision.depth)
     return std
 
 
 def init_tiny_model(
-    cfg: Qwen3VLConfig, seed: int = 0, *, init: str = "scaled", param_dtype: Any = jnp.float32, **model_kwargs: Any
-) -> Qwen3VL:
-    """A `Qwen3VL` with our init (see the module docstring); deterministic in `seed`.
+    cfg: ModelConfig, seed: int = 0, *, init: str = "scaled", param_dtype: Any = jnp.float32, **model_kwargs: Any
+) -> VisionLanguageDecoder:
+    """The model of `cfg`'s family with our init (see the module docstring); deterministic in `seed`.
 
-    `model_kwargs` (compute_dtype, remat, attention_impl) go to `Qwen3VL`.
+    `model_kwargs` (compute_dtype, remat, attention_impl) go to the model class.
     """
     if init not in INITS:
         raise ValueError(f"init={init!r}: choose one of {INITS}")
-    model = Qwen3VL(cfg, rngs=nnx.Rngs(seed), param_dtype=param_dtype, **model_kwargs)
+    model = model_class(cfg)(cfg, rngs=nnx.Rngs(seed), param_dtype=param_dtype, **model_kwargs)
     if init == "hf":
         return model
     key = jax.random.key(seed)
@@ -105,8 +112,10 @@ def make_tiny(
     dtype: str = "float32",
     min_pixels: int = 64 * 64,
     max_pixels: int = 128 * 128,
+    arch: str = "qwen3_vl",
 ) -> Path:
-    """Write a tiny random Qwen3-VL checkpoint directory (weights, config, generation config, processing files).
+    """Write a tiny random checkpoint directory of `arch` (`TINY_ARCHS`: weights, config, generation config,
+    processing files).
 
     vocab_size: tokenizer and embedding size (>= 270: 256 bytes + merges + 13 added tokens).
     dtype: of the safetensors (float32 keeps exact parity with transformers; bfloat16 like releases).
@@ -119,7 +128,7 @@ def make_tiny(
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"make-tiny: {out} exists and is not a directory")
-    hf_config, tokenizer = tiny_hf_config(vocab_size, tokenizer_seed)
+    hf_config, tokenizer = tiny_hf_config(vocab_size, tokenizer_seed, arch)
     cfg = from_hf_dict(hf_config)
     model = init_tiny_model(cfg, seed, init=init)
     to_hf(model, out, dtype=DTYPES[dtype])
@@ -128,7 +137,7 @@ def make_tiny(
     (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     if load_hf_config(out) != cfg:  # the written config must describe the weights we exported
         raise RuntimeError(f"{out / 'config.json'} does not parse back to the exported model's config")
-    save_tiny_processing(out, tokenizer, min_pixels=min_pixels, max_pixels=max_pixels)
+    save_tiny_processing(out, tokenizer, min_pixels=min_pixels, max_pixels=max_pixels, arch=arch)
     im_end, endoftext = tokenizer.convert_tokens_to_ids([EOS_TOKEN, PAD_TOKEN])
     generation = {"bos_token_id": endoftext, "eos_token_id": [im_end, endoftext], "pad_token_id": endoftext}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
@@ -139,7 +148,7 @@ def summarize(out: Path) -> str:
     """One line for the CLI: where, how many parameters, file size."""
     cfg = load_hf_config(out)
     size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
-    return f"wrote tiny Qwen3-VL to {out}: {param_count(cfg):,} parameters, vocab {cfg.text.vocab_size}, {size / 1e6:.2f} MB of weights"
+    return f"wrote tiny {type(cfg).__name__.removesuffix('Config')} to {out}: {param_count(cfg):,} parameters, vocab {cfg.text.vocab_size}, {size / 1e6:.2f} MB of weights"
 
 
-__all__ = ["INITS", "init_tiny_model", "make_tiny", "summarize", "tiny_hf_config", "tiny_model_config"]
+__all__ = ["INITS", "TINY_ARCHS", "init_tiny_model", "make_tiny", "summarize", "tiny_hf_config", "tiny_model_config"]

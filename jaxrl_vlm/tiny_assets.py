@@ -17,6 +17,10 @@ are small and built offline (nothing may be fetched from a hub):
   pixel range, so 64x64..128x128 test images stay a few dozen patches.
 - `tiny_qwen3_vl_hf_config`: a transformers-5 `Qwen3VLConfig` dict whose token
   ids match the tiny tokenizer.
+- Qwen2.5-VL (`arch="qwen2_5_vl"`): `QWEN2_5_VL_CHAT_TEMPLATE` (default system
+  prompt, no tool rendering), patch-14 CLIP-normalized preprocessing and
+  `tiny_qwen2_5_vl_hf_config`; `TINY_CHAT_TEMPLATES` / `TINY_HF_CONFIGS` map
+  each architecture to its pieces.
 
 The files are written in the same format as a released Qwen3-VL checkpoint, so
 `rollout.processing.load_tokenizer/load_image_processor` take the same code path
@@ -77,9 +81,7 @@ MODEL_MAX_LENGTH = 262144
 # turn of <tool_response> blocks; every message ends with "<|im_end|>\n".
 # Unlike the original it raises on unknown roles and content items instead of
 # dropping them silently.
-QWEN3_VL_CHAT_TEMPLATE = r"""
-{#- Qwen3-VL-Instruct-style chat template (jaxrl-vlm). -#}
-{%- set counts = namespace(images=0, videos=0) -%}
+_RENDER_CONTENT_MACRO = r"""{%- set counts = namespace(images=0, videos=0) -%}
 {%- macro render_content(content, count_vision) -%}
   {%- if content is string -%}
     {{- content -}}
@@ -103,7 +105,11 @@ QWEN3_VL_CHAT_TEMPLATE = r"""
     {{- raise_exception('chat template: message content must be a string or a list of items') -}}
   {%- endif -%}
 {%- endmacro -%}
-{%- set has_system = messages | length > 0 and messages[0].role == 'system' -%}
+"""
+
+QWEN3_VL_CHAT_TEMPLATE = (r"""
+{#- Qwen3-VL-Instruct-style chat template (jaxrl-vlm). -#}
+""" + _RENDER_CONTENT_MACRO + r"""{%- set has_system = messages | length > 0 and messages[0].role == 'system' -%}
 {%- if tools -%}
   {{- '<|im_start|>system\n' -}}
   {%- if has_system -%}{{- render_content(messages[0].content, false) ~ '\n\n' -}}{%- endif -%}
@@ -145,7 +151,26 @@ QWEN3_VL_CHAT_TEMPLATE = r"""
 {%- if add_generation_prompt -%}
   {{- '<|im_start|>assistant\n' -}}
 {%- endif -%}
-""".strip()
+""").strip()
+
+# Written for this project to reproduce the rendering of Qwen2.5-VL-Instruct's template: a default system
+# turn "You are a helpful assistant." when the conversation has none; every message, whatever its role
+# (tool messages included), renders as <|im_start|>{role}\n{content}<|im_end|>\n with the same compact
+# image placeholders; no tool schemas and no tool-call rendering (the released template has neither).
+# Unlike the original it raises on unknown content items instead of dropping them silently.
+QWEN2_5_VL_DEFAULT_SYSTEM = "You are a helpful assistant."
+QWEN2_5_VL_CHAT_TEMPLATE = (r"""
+{#- Qwen2.5-VL-Instruct-style chat template (jaxrl-vlm). -#}
+""" + _RENDER_CONTENT_MACRO + r"""{%- for message in messages -%}
+  {%- if loop.first and message.role != 'system' -%}
+    {{- '<|im_start|>system\n""" + QWEN2_5_VL_DEFAULT_SYSTEM + r"""<|im_end|>\n' -}}
+  {%- endif -%}
+  {{- '<|im_start|>' ~ message.role ~ '\n' ~ render_content(message.content, true) ~ '<|im_end|>\n' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+  {{- '<|im_start|>assistant\n' -}}
+{%- endif -%}
+""").strip()
 
 # Written for this project to reproduce the semantics of the Qwen3 *thinking*
 # templates (Qwen3 hybrid, Qwen3-2507-Thinking, Qwen3-VL-Thinking), which are
@@ -162,32 +187,7 @@ QWEN3_VL_CHAT_TEMPLATE = r"""
 # - the generation prompt is `<|im_start|>assistant\n`, plus the empty think
 #   block when `enable_thinking` is false (Qwen3 hybrid). The VL-Thinking
 #   variant below opens `<think>\n` in every generation prompt instead.
-_QWEN3_THINKING_BODY = r"""
-{%- set counts = namespace(images=0, videos=0) -%}
-{%- macro render_content(content, count_vision) -%}
-  {%- if content is string -%}
-    {{- content -}}
-  {%- elif content is iterable and content is not mapping -%}
-    {%- for item in content -%}
-      {%- if item.type == 'image' or 'image' in item or 'image_url' in item -%}
-        {%- if count_vision -%}{%- set counts.images = counts.images + 1 -%}{%- endif -%}
-        {%- if add_vision_id -%}{{- 'Picture ' ~ counts.images ~ ': ' -}}{%- endif -%}
-        {{- '<|vision_start|><|image_pad|><|vision_end|>' -}}
-      {%- elif item.type == 'video' or 'video' in item -%}
-        {%- if count_vision -%}{%- set counts.videos = counts.videos + 1 -%}{%- endif -%}
-        {%- if add_vision_id -%}{{- 'Video ' ~ counts.videos ~ ': ' -}}{%- endif -%}
-        {{- '<|vision_start|><|video_pad|><|vision_end|>' -}}
-      {%- elif 'text' in item -%}
-        {{- item.text -}}
-      {%- else -%}
-        {{- raise_exception('chat template: unsupported content item ' ~ (item | tojson)) -}}
-      {%- endif -%}
-    {%- endfor -%}
-  {%- elif content is defined and content is not none -%}
-    {{- raise_exception('chat template: message content must be a string or a list of items') -}}
-  {%- endif -%}
-{%- endmacro -%}
-{%- macro content_text(content) -%}
+_QWEN3_THINKING_BODY = _RENDER_CONTENT_MACRO + r"""{%- macro content_text(content) -%}
   {%- if content is string -%}
     {{- content -}}
   {%- elif content is iterable and content is not mapping -%}
@@ -399,24 +399,40 @@ def build_tiny_tokenizer(
     )
 
 
-def tiny_image_processor_config(min_pixels: int = 64 * 64, max_pixels: int = 128 * 128) -> dict[str, Any]:
-    """A `preprocessor_config.json` dict with Qwen3-VL's values and a small pixel range.
+# CLIP's normalization, which Qwen2-VL and Qwen2.5-VL preprocessing use.
+CLIP_IMAGE_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_IMAGE_STD = (0.26862954, 0.26130258, 0.27577711)
+# Per architecture (config.json model_type): patch size, mean, std and processor class of its preprocessing.
+_PREPROCESSING: dict[str, tuple[int, tuple[float, ...], tuple[float, ...], str]] = {
+    "qwen3_vl": (16, (0.5, 0.5, 0.5), (0.5, 0.5, 0.5), "Qwen3VLProcessor"),
+    "qwen2_5_vl": (14, CLIP_IMAGE_MEAN, CLIP_IMAGE_STD, "Qwen2_5_VLProcessor"),
+}
+TINY_ARCHS: tuple[str, ...] = tuple(_PREPROCESSING)
+
+
+def tiny_image_processor_config(
+    min_pixels: int = 64 * 64, max_pixels: int = 128 * 128, arch: str = "qwen3_vl"
+) -> dict[str, Any]:
+    """A `preprocessor_config.json` dict with `arch`'s values and a small pixel range.
 
     Qwen3-VL: patch 16, spatial merge 2, temporal patch 2, mean = std = 0.5, so one merged
-    token covers 32x32 pixels. The released config has shortest_edge 65,536 (upscaling
-    small images); here `size` is min/max *pixel counts* (the Qwen2-VL processor's
-    meaning of shortest_edge/longest_edge), e.g. 64x64 -> grid (1, 4, 4) -> 4 tokens.
+    token covers 32x32 pixels. Qwen2.5-VL: patch 14 and CLIP mean/std (28x28 pixels per token).
+    The released configs upscale small images; here `size` is min/max *pixel counts* (the Qwen2-VL
+    processor's meaning of shortest_edge/longest_edge), e.g. Qwen3-VL 64x64 -> grid (1, 4, 4) -> 4 tokens.
     """
-    factor = 16 * 2
+    if arch not in _PREPROCESSING:
+        raise ValueError(f"arch={arch!r}: choose one of {TINY_ARCHS}")
+    patch, mean, std, processor_class = _PREPROCESSING[arch]
+    factor = patch * 2
     if min_pixels < factor * factor or max_pixels < min_pixels:
         raise ValueError(f"need {factor * factor} <= min_pixels <= max_pixels, got min={min_pixels}, max={max_pixels}")
     return {
-        "image_mean": [0.5, 0.5, 0.5],
+        "image_mean": list(mean),
         "image_processor_type": "Qwen2VLImageProcessorFast",
-        "image_std": [0.5, 0.5, 0.5],
+        "image_std": list(std),
         "merge_size": 2,
-        "patch_size": 16,
-        "processor_class": "Qwen3VLProcessor",
+        "patch_size": patch,
+        "processor_class": processor_class,
         "size": {"longest_edge": int(max_pixels), "shortest_edge": int(min_pixels)},
         "temporal_patch_size": 2,
     }
@@ -434,8 +450,10 @@ def save_tiny_processing(
     seed: int = 0,
     min_pixels: int = 64 * 64,
     max_pixels: int = 128 * 128,
+    arch: str = "qwen3_vl",
 ) -> Path:
-    """Write tokenizer.json, tokenizer_config.json, chat_template.jinja and preprocessor_config.json to out_dir.
+    """Write tokenizer.json, tokenizer_config.json, chat_template.jinja and preprocessor_config.json to out_dir
+    (the preprocessing of `arch`, a `TINY_ARCHS` model_type).
 
     The layout matches a released Qwen3-VL checkpoint (tokenizer_class Qwen2Tokenizer, image
     processor type Qwen2VLImageProcessorFast), so loaders exercise the real code path.
@@ -453,7 +471,7 @@ def save_tiny_processing(
     tok_config["add_prefix_space"] = False
     tok_config["split_special_tokens"] = False
     _write_json(config_path, tok_config)
-    _write_json(out / "preprocessor_config.json", tiny_image_processor_config(min_pixels, max_pixels))
+    _write_json(out / "preprocessor_config.json", tiny_image_processor_config(min_pixels, max_pixels, arch))
     return out
 
 
@@ -589,3 +607,54 @@ def tiny_qwen3_vl_hf_config(tokenizer: PreTrainedTokenizerFast, **overrides: Any
         )
     validate_qwen3_vl_config(config)
     return config
+
+
+def tiny_qwen2_5_vl_hf_config(tokenizer: PreTrainedTokenizerFast, **overrides: Any) -> dict[str, Any]:
+    """A transformers-5 `Qwen2_5_VLConfig` dict for a small random Qwen2.5-VL matching `tokenizer`.
+
+    Text: as the tiny Qwen3-VL (2 layers, hidden 64, 4 heads, 2 kv heads, head_dim 16) with Qwen2's q/k/v
+    biases and contiguous M-RoPE sections [2, 3, 3] (Qwen2.5-VL's 16:24:24 split of the rotary half).
+    Vision: depth 2, hidden 32, 2 heads, patch 14, window 56 pixels (2 x 2 merged tokens, so a 112-pixel
+    image spans 4 windows), full attention in block 1, gated MLP 48. Tied embeddings, as Qwen2.5-VL-3B.
+    `overrides` as in `tiny_qwen3_vl_hf_config`.
+    """
+    base = tiny_qwen3_vl_hf_config(tokenizer)
+    text = {k: v for k, v in base["text_config"].items() if k not in ("head_dim", "attention_bias")}
+    text.update(model_type="qwen2_5_vl_text", rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
+                                                                 "mrope_section": [2, 3, 3]})
+    config: dict[str, Any] = dict(
+        base,
+        architectures=["Qwen2_5_VLForConditionalGeneration"],
+        model_type="qwen2_5_vl",
+        text_config=text,
+        vision_config={
+            "model_type": "qwen2_5_vl_vision",
+            "depth": 2,
+            "hidden_size": 32,
+            "intermediate_size": 48,
+            "num_heads": 2,
+            "hidden_act": "silu",
+            "in_channels": 3,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "window_size": 56,
+            "fullatt_block_indexes": [1],
+            "tokens_per_second": 2,
+            "out_hidden_size": 64,
+            "initializer_range": 0.02,
+        },
+    )
+    config = _merge_overrides(config, overrides)
+    text = config["text_config"]
+    heads = text["num_attention_heads"]
+    if sum(text["rope_parameters"]["mrope_section"]) != text["hidden_size"] // heads // 2:
+        raise ValueError("text_config mrope_section must sum to hidden_size // num_attention_heads // 2")
+    if config["vision_config"]["out_hidden_size"] != text["hidden_size"]:
+        raise ValueError("vision_config.out_hidden_size must equal text_config.hidden_size")
+    return config
+
+
+# Per architecture (config.json model_type): the chat template and config builder of its tiny model.
+TINY_CHAT_TEMPLATES: dict[str, str] = {"qwen3_vl": QWEN3_VL_CHAT_TEMPLATE, "qwen2_5_vl": QWEN2_5_VL_CHAT_TEMPLATE}
+TINY_HF_CONFIGS = {"qwen3_vl": tiny_qwen3_vl_hf_config, "qwen2_5_vl": tiny_qwen2_5_vl_hf_config}

@@ -339,14 +339,20 @@ def num_image_pads(grid_thw_row: Sequence[int] | np.ndarray, merge_size: int) ->
     return t * h * w // (merge_size * merge_size)
 
 
-def hf_reference_processor(tokenizer: PreTrainedTokenizerFast, image_processor: Any) -> Any:
-    """transformers' own `Qwen3VLProcessor` for images only (no video processor, so no torchvision).
+def hf_reference_processor(tokenizer: PreTrainedTokenizerFast, image_processor: Any, family: str = "qwen3_vl") -> Any:
+    """transformers' own `Qwen3VLProcessor` (or `Qwen2_5_VLProcessor` for family "qwen2_5_vl") for images only
+    (no video processor, so no torchvision).
 
     It expands pads and returns `mm_token_type_ids`; tests use it as an independent reference.
     """
+    from transformers.models.qwen2_5_vl.processing_qwen2_5_vl import Qwen2_5_VLProcessor
     from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 
-    class _ImageOnlyQwen3VLProcessor(Qwen3VLProcessor):
+    processors = {"qwen3_vl": Qwen3VLProcessor, "qwen2_5_vl": Qwen2_5_VLProcessor}
+    if family not in processors:
+        raise ValueError(f"family={family!r}: choose one of {tuple(processors)}")
+
+    class _ImageOnlyQwen3VLProcessor(processors[family]):  # type: ignore[misc, valid-type]
         def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> Any:
             if argument_name == "video_processor" and argument is None:
                 return None

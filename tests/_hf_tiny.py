@@ -1,8 +1,9 @@
-"""Tiny random transformers Qwen3-VL checkpoints and HF-style inputs for the model tests.
+"""Tiny random transformers Qwen3-VL and Qwen2.5-VL checkpoints and HF-style inputs for the model tests.
 
-Built the HF way: `transformers.Qwen3VLConfig` / `Qwen3VLForConditionalGeneration` (PyTorch, fp32,
-`torch.manual_seed`), `Qwen2VLImageProcessorPil` for pixel_values / image_grid_thw, image pads
-expanded to t*h*w/merge^2 tokens between vision_start/vision_end, and `mm_token_type_ids`.
+Built the HF way: `transformers.Qwen3VLConfig` / `Qwen3VLForConditionalGeneration` (or the Qwen2_5_VL
+classes for the `Q25*` configs; PyTorch, fp32, `torch.manual_seed`), `Qwen2VLImageProcessorPil` for
+pixel_values / image_grid_thw (the family's patch size and mean/std), image pads expanded to
+t*h*w/merge^2 tokens between vision_start/vision_end, and `mm_token_type_ids`.
 Weights are re-drawn with larger spread than HF's init (std 0.02) so that a wrong layout or a
 missed op changes logits far beyond the 1e-4 tolerance.
 """
@@ -50,13 +51,54 @@ TINY_CONFIGS: dict[str, dict] = {
 }
 
 
-def build_hf_model(name: str, seed: int = 0):
-    """A random fp32 `Qwen3VLForConditionalGeneration` for config `name`, in eval mode."""
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+# Qwen2.5-VL: contiguous M-RoPE, q/k/v bias, windowed ViT (patch 14). Q25A: window 56 px = 2x2 merged
+# tokens, full attention in block 1 of 3, tied, GQA 2; Q25B: window 84 px = 3x3 (partial edge windows),
+# full attention in block 0 of 2, untied, GQA 4, 3 vision heads, head_dim 32.
+TINY_QWEN25_CONFIGS: dict[str, dict] = {
+    "Q25A": dict(
+        text_config=dict(
+            vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+        ),
+        vision_config=dict(
+            depth=3, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=14, temporal_patch_size=2,
+            spatial_merge_size=2, out_hidden_size=64, window_size=56, fullatt_block_indexes=[1],
+        ),
+        tie_word_embeddings=True,
+        **VOCAB_SPECIALS,
+    ),
+    "Q25B": dict(
+        text_config=dict(
+            vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=2,
+            num_key_value_heads=1, rms_norm_eps=1e-5,
+            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [4, 6, 6]},
+        ),
+        vision_config=dict(
+            depth=2, hidden_size=48, intermediate_size=80, num_heads=3, patch_size=14, temporal_patch_size=2,
+            spatial_merge_size=2, out_hidden_size=64, window_size=84, fullatt_block_indexes=[0],
+        ),
+        tie_word_embeddings=False,
+        **VOCAB_SPECIALS,
+    ),
+}
 
-    cfg = Qwen3VLConfig(**TINY_CONFIGS[name])
+
+def is_qwen25(name: str) -> bool:
+    return name in TINY_QWEN25_CONFIGS
+
+
+def build_hf_model(name: str, seed: int = 0):
+    """A random fp32 `Qwen3VLForConditionalGeneration` (or `Qwen2_5_VLForConditionalGeneration` for a
+    `TINY_QWEN25_CONFIGS` name) for config `name`, in eval mode."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    if is_qwen25(name):
+        config_cls, model_cls, kwargs = Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, TINY_QWEN25_CONFIGS[name]
+    else:
+        config_cls, model_cls, kwargs = Qwen3VLConfig, Qwen3VLForConditionalGeneration, TINY_CONFIGS[name]
     torch.manual_seed(seed)
-    model = Qwen3VLForConditionalGeneration(cfg).eval().float()
+    model = model_cls(config_cls(**kwargs)).eval().float()
     spread_weights(model, seed + 1)
     return model
 
@@ -66,10 +108,18 @@ def save_hf_model(model, path: Path) -> Path:
     return path
 
 
-def image_processor():
-    """The Qwen3-VL image preprocessing (patch 16, merge 2, temporal 2, mean/std 0.5), tiny pixel bounds."""
+def image_processor(qwen25: bool = False):
+    """The Qwen3-VL image preprocessing (patch 16, merge 2, temporal 2, mean/std 0.5), tiny pixel bounds; with
+    `qwen25`, Qwen2.5-VL's (patch 14, CLIP mean/std) with room for images of several attention windows."""
     from transformers import Qwen2VLImageProcessorPil
 
+    if qwen25:
+        from jaxrl_vlm.tiny_assets import CLIP_IMAGE_MEAN, CLIP_IMAGE_STD
+
+        return Qwen2VLImageProcessorPil(
+            patch_size=14, temporal_patch_size=2, merge_size=2, image_mean=list(CLIP_IMAGE_MEAN),
+            image_std=list(CLIP_IMAGE_STD), size={"shortest_edge": 28 * 28, "longest_edge": 196 * 196},
+        )
     return Qwen2VLImageProcessorPil(
         patch_size=16,
         temporal_patch_size=2,
@@ -107,13 +157,14 @@ class HFBatch:
         return kw
 
 
-def make_batch(rows: list[list], images: list[Image.Image], seed: int = 0, vocab: int = 240) -> HFBatch:
+def make_batch(rows: list[list], images: list[Image.Image], seed: int = 0, vocab: int = 240, qwen25: bool = False) -> HFBatch:
     """rows: per sequence a list of items, an int n = n random text tokens or "img" = next image.
 
-    Images are processed together by the HF image processor, pads expanded to grid t*h*w/4.
+    Images are processed together by the HF image processor (Qwen2.5-VL's with `qwen25`), pads expanded
+    to grid t*h*w/4.
     """
     rng = np.random.RandomState(seed)
-    proc = image_processor()
+    proc = image_processor(qwen25)
     pixel_values = grid = None
     if images:
         out = proc(images=images, return_tensors="np")

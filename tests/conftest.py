@@ -72,6 +72,17 @@ def tiny_vl_thinking_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen25_processing_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Like `tiny_processing_dir` for Qwen2.5-VL: the same vocabulary and ids, the Qwen2.5-VL-style chat
+    template (default system prompt) and patch-14 CLIP-normalized preprocessing."""
+    from jaxrl_vlm.tiny_assets import QWEN2_5_VL_CHAT_TEMPLATE, build_tiny_tokenizer, save_tiny_processing
+
+    tokenizer = build_tiny_tokenizer(seed=TINY_SEED, chat_template=QWEN2_5_VL_CHAT_TEMPLATE)
+    return save_tiny_processing(tmp_path_factory.mktemp("tiny_qwen25_processing"), tokenizer, seed=TINY_SEED,
+                                arch="qwen2_5_vl")
+
+
+@pytest.fixture(scope="session")
 def tiny_image_processor(tiny_processing_dir: Path) -> Any:
     """Qwen3-VL image processing (patch 16, merge 2) with a 64x64..128x128 pixel range."""
     from rollout.processing import load_image_processor

@@ -32,10 +32,10 @@ def letter_task(tmp_path_factory):
     return root, prompts
 
 
-def _run(root, prompts, name: str, *extra: str) -> list[dict]:
-    out = root / name
+def _run(root, prompts, name: str, *extra: str, arch: str = "qwen3_vl") -> list[dict]:
+    out = root / f"{name}_{arch}"
     cfg = load_config(None, [
-        "--hf-checkpoint", str(root / "tiny"), "--make-tiny",
+        "--hf-checkpoint", str(root / f"tiny_{arch}"), "--make-tiny", "--make-tiny-arch", arch,
         "--prompt-data", str(prompts), "--prompt-style", "plain", "--system-prompt", "Answer briefly.",
         "--rollout-interaction-env-path", "envs.letter_game", "--max-turns", "1",
         "--num-rollout", str(STEPS), "--rollout-batch-size", "4", "--n-samples-per-prompt", "8",
@@ -56,9 +56,11 @@ def _reward_gain(records: list[dict]) -> float:
 
 
 @pytest.mark.slow
-def test_reward_rises_only_when_weights_reach_the_engine(letter_task):
+@pytest.mark.parametrize("arch", ["qwen3_vl", "qwen2_5_vl"])
+def test_reward_rises_only_when_weights_reach_the_engine(letter_task, arch):
     root, prompts = letter_task
-    synced = _run(root, prompts, "synced")
+    synced = _run(root, prompts, "synced", arch=arch)
+    assert json.loads((root / f"tiny_{arch}" / "config.json").read_text())["model_type"] == arch
     gain = _reward_gain(synced)
     assert gain >= MARGIN, f"reward rose by only {gain:.3f} in {STEPS} steps: {[round(r['rollout/raw_reward'], 3) for r in synced]}"
     # Every step went through /update_weights_from_disk (in memory: the engine is in-process): the engine's
@@ -68,7 +70,7 @@ def test_reward_rises_only_when_weights_reach_the_engine(letter_task):
     diffs = [r["train/train_rollout_logprob_abs_diff"] for r in synced]
     assert max(diffs) < 1e-4, diffs
 
-    stale = _run(root, prompts, "no_sync", "--disable-weight-sync")
+    stale = _run(root, prompts, "no_sync", "--disable-weight-sync", arch=arch)
     stale_gain = _reward_gain(stale)
     assert stale_gain < MARGIN / 2, f"reward rose by {stale_gain:.3f} without weight sync"
     # With stale engine weights the trainer's log-probs drift away from the engine's: the metric sees it.

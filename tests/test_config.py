@@ -234,3 +234,8 @@ def test_every_shipped_run_config_resolves():
     # The seed's run: GRPO, max_turns 3, 4096-token budget, n=8, lr 1e-6, eps 0.2/0.28.
     assert (two_b.multiturn.max_turns, two_b.rollout.rollout_max_response_len, two_b.rollout.n_samples_per_prompt) == (3, 4096, 8)
     assert (two_b.optim.lr, two_b.algo.eps_clip, two_b.algo.eps_clip_high, two_b.algo.advantage_estimator) == (1e-6, 0.2, 0.28, "grpo")
+    # Qwen2.5-VL-3B: the public geo3k recipe (verl / EasyR1): lr 1e-6, n=5, temperature 1, KL loss low_var_kl 0.01.
+    three_b = load_config(str(root / "configs/geo3k_qwen25vl_3b.yaml"), ["--custom-config-path", str(root / "configs/geo3k_multiturn.yaml")])
+    assert (three_b.optim.lr, three_b.rollout.n_samples_per_prompt, three_b.rollout.rollout_temperature) == (1e-6, 5, 1.0)
+    assert (three_b.algo.use_kl_loss, three_b.algo.kl_loss_type, three_b.algo.kl_loss_coef) == (True, "low_var_kl", 0.01)
+    assert three_b.model.hf_checkpoint.endswith("Qwen2.5-VL-3B-Instruct") and three_b.multiturn.max_turns == 3

@@ -38,7 +38,7 @@ def test_meaningless_numbers_are_rejected_naming_the_key(argv, message):
 
 
 def test_shipped_run_configs_are_valid_and_save_periodically():
-    for name in ("geo3k_tiny.yaml", "geo3k_qwen3vl_2b.yaml", "geo3k_qwen3vl_2b_long.yaml"):
+    for name in ("geo3k_tiny.yaml", "geo3k_qwen3vl_2b.yaml", "geo3k_qwen3vl_2b_long.yaml", "geo3k_qwen25vl_3b.yaml"):
         cfg = load_config(str(ROOT / "configs" / name), [])
         assert cfg.checkpoint.save_interval > 0, name
         assert cfg.checkpoint.save_interval < cfg.rollout.num_rollout or cfg.rollout.num_rollout <= 10, name

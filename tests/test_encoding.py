@@ -1,4 +1,5 @@
-"""Observation delta tokens equal a full re-render of the conversation (template truth), in both views."""
+"""Observation delta tokens equal a full re-render of the conversation (template truth), in both views, for the
+Qwen3-VL-style template and the Qwen2.5-VL-style one (default system prompt, no tool rendering)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import numpy as np
 import pytest
 
 from rollout.encoding import ChatEncoder, DeltaEncodingError, check_prefix_stability
-from rollout.processing import hf_reference_processor, image_to_data_url
+from rollout.processing import hf_reference_processor, image_to_data_url, load_image_processor, load_tokenizer
 
 TOOLS = [
     {
@@ -20,9 +21,26 @@ TOOLS = [
 ]
 
 
+@pytest.fixture(scope="module", params=["qwen3_vl", "qwen2_5_vl"])
+def family(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def encoder(tiny_tokenizer, tiny_image_processor):
-    return ChatEncoder(tiny_tokenizer, tiny_image_processor)
+def encoder(family, tiny_processing_dir, tiny_qwen25_processing_dir):
+    path = {"qwen3_vl": tiny_processing_dir, "qwen2_5_vl": tiny_qwen25_processing_dir}[family]
+    return ChatEncoder(load_tokenizer(path), load_image_processor(path))
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer(encoder):
+    """The family's tokenizer (same vocabulary for both; the chat template differs)."""
+    return encoder.tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny_image_processor(encoder):
+    return encoder.image_processor
 
 
 def _image_item(img):
@@ -101,25 +119,31 @@ def test_delta_tokens_equal_full_rerender(encoder, tiny_tokenizer, make_test_ima
     # The system prompt and tool list appear exactly once.
     text = tiny_tokenizer.decode(wire, skip_special_tokens=False)
     assert text.count("You solve geometry problems.") == 1
-    if tools:
+    if tools and encoder.tokenizer.chat_template.startswith("{#- Qwen2.5-VL"):
+        # Qwen2.5-VL's template renders no tool schemas: only the model's own call names the tool.
+        assert text.count("# Tools") == 0 and text.count("calc_geo3k_reward") == 1
+    elif tools:
         assert text.count("# Tools") == 1 and text.count("calc_geo3k_reward") == 2  # schema + the model call
+    if encoder.tokenizer.chat_template.startswith("{#- Qwen2.5-VL"):
+        assert text.count("You are a helpful assistant.") == 0  # the conversation has its own system prompt
 
     rendered = encoder.rerender_conversation(prompt, list(zip(model_turns, observations)), tools=tools)
     assert check_prefix_stability(encoder, wire, rendered, "strict")
 
 
-def test_training_view_equals_hf_processor_expansion(encoder, tiny_tokenizer, tiny_image_processor, make_test_image):
+def test_training_view_equals_hf_processor_expansion(encoder, family, tiny_tokenizer, tiny_image_processor, make_test_image):
     prompt, model_texts, observations = _conversation(make_test_image)
     wire, train, images, grid, _ = _incremental(encoder, prompt, model_texts, observations, None)
     assert len(images) == 3 and grid.shape == (3, 3)
-    # transformers' own Qwen3-VL processor expands the pads of the whole conversation text.
+    # transformers' own processor of the family expands the pads of the whole conversation text.
     from rollout.processing import load_image
 
-    processor = hf_reference_processor(tiny_tokenizer, tiny_image_processor)
+    processor = hf_reference_processor(tiny_tokenizer, tiny_image_processor, family)
     text = tiny_tokenizer.decode(wire, skip_special_tokens=False)
     ref = processor(text=[text], images=[load_image(u) for u in images], return_tensors="np")
     assert ref["input_ids"][0].tolist() == train
     np.testing.assert_array_equal(ref["image_grid_thw"], grid)
+    assert tiny_image_processor.patch_size == {"qwen3_vl": 16, "qwen2_5_vl": 14}[family]
     # compact(expand(x)) == x and expand(compact(y)) == y
     assert encoder.compact_image_pads(train) == wire
     assert encoder.expand_image_pads(wire, grid) == train
@@ -129,6 +153,18 @@ def test_expand_rejects_mismatched_image_count(encoder):
     pad = encoder.vision.image_pad
     with pytest.raises(ValueError, match="2 image placeholders but 1 images"):
         encoder.expand_image_pads([pad, 5, pad], np.array([[1, 4, 4]]))
+
+
+def test_default_system_prompt_of_the_qwen25_template_appears_once(encoder, family, make_test_image):
+    """Without a system message, Qwen2.5-VL's template adds "You are a helpful assistant." (Qwen3-VL's adds
+    nothing); the delta of a later turn must not repeat it, and the whole episode equals the re-render."""
+    prompt = [{"role": "user", "content": [_image_item(make_test_image(4, (64, 64))), {"type": "text", "text": "Find x."}]}]
+    wire, _, _, _, model_turns = _incremental(encoder, prompt, ["x is 3.", "Final: 3"],
+                                              [[{"role": "user", "content": "Check again."}], None], None)
+    text = encoder.tokenizer.decode(wire, skip_special_tokens=False)
+    assert text.count("You are a helpful assistant.") == (1 if family == "qwen2_5_vl" else 0)
+    rendered = encoder.rerender_conversation(prompt, list(zip(model_turns, [[{"role": "user", "content": "Check again."}], None])))
+    assert check_prefix_stability(encoder, wire, rendered, "strict")
 
 
 def test_model_turn_without_im_end_is_closed_on_template(encoder, tiny_tokenizer):

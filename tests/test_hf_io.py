@@ -17,19 +17,20 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from _hf_tiny import TINY_CONFIGS, build_hf_model, hf_logits, make_batch, random_image, save_hf_model
+from _hf_tiny import TINY_CONFIGS, TINY_QWEN25_CONFIGS, build_hf_model, hf_logits, is_qwen25, make_batch, random_image, save_hf_model
 from jaxrl_vlm.models import (
     CheckpointError,
     ConfigError,
     Qwen3VL,
     from_hf,
+    model_class,
     from_hf_dict,
     load_hf_config,
     param_count,
     qwen3_vl_2b_instruct,
     to_hf,
 )
-from jaxrl_vlm.models.hf_io import abstract_model
+from jaxrl_vlm.models.hf_io import abstract_model, current_tensor_name
 
 LOGICAL_AXES = {
     "vocab", "embed", "mlp", "heads", "kv_heads", "head_dim", "norm", "vision_patch", "vision_pos",
@@ -37,7 +38,7 @@ LOGICAL_AXES = {
 }
 
 
-@pytest.fixture(scope="module", params=["A", "B"])
+@pytest.fixture(scope="module", params=["A", "B", "Q25A", "Q25B"])
 def saved(request, tmp_path_factory):
     """(config name, transformers model, its save_pretrained directory)."""
     hf = build_hf_model(request.param)
@@ -49,9 +50,12 @@ def _flat_params(model: Qwen3VL) -> dict:
 
 
 def _load_hf(path: Path, dtype=torch.float32):
-    from transformers import Qwen3VLForConditionalGeneration
+    """transformers' model of the family its config.json names."""
+    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration
 
-    return Qwen3VLForConditionalGeneration.from_pretrained(path, dtype=dtype).eval()
+    model_type = json.loads((Path(path) / "config.json").read_text())["model_type"]
+    cls = {"qwen3_vl": Qwen3VLForConditionalGeneration, "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration}[model_type]
+    return cls.from_pretrained(path, dtype=dtype).eval()
 
 
 def test_export_reloads_in_transformers_bit_identically(saved, tmp_path):
@@ -60,19 +64,21 @@ def test_export_reloads_in_transformers_bit_identically(saved, tmp_path):
     with safe_open(out / "model.safetensors", framework="pt") as f:
         assert f.metadata() == {"format": "pt"}
         keys = set(f.keys())
-    assert ("lm_head.weight" in keys) == (not TINY_CONFIGS[name]["tie_word_embeddings"])
+    assert ("lm_head.weight" in keys) == (not {**TINY_CONFIGS, **TINY_QWEN25_CONFIGS}[name]["tie_word_embeddings"])
     reloaded = _load_hf(out)
     want, got = hf.state_dict(), reloaded.state_dict()
     assert set(want) == set(got)
     for key in want:
         assert torch.equal(want[key], got[key]), key
-    batch = make_batch([[4, "img", 6, "img", 3]], [random_image(64, 96, 1), random_image(96, 32, 2)], seed=2)
+    batch = make_batch([[4, "img", 6, "img", 3]], [random_image(64, 96, 1), random_image(96, 32, 2)], seed=2,
+                       qwen25=is_qwen25(name))
     np.testing.assert_array_equal(hf_logits(reloaded, batch), hf_logits(hf, batch))
 
 
-def test_import_of_export_is_identity(tmp_path):
-    cfg = from_hf_dict(build_hf_model("B").config.to_dict())  # untied, GQA 4, 3 vision heads
-    model = Qwen3VL(cfg, rngs=nnx.Rngs(7))
+@pytest.mark.parametrize("name", ["B", "Q25B"])
+def test_import_of_export_is_identity(name, tmp_path):
+    cfg = from_hf_dict(build_hf_model(name).config.to_dict())  # untied, GQA, 3 vision heads
+    model = model_class(cfg)(cfg, rngs=nnx.Rngs(7))
     to_hf(model, tmp_path, dtype=jnp.float32)
     back = from_hf(tmp_path)
     a, b = _flat_params(model), _flat_params(back)
@@ -117,9 +123,11 @@ def test_sharded_export_with_index(saved, tmp_path):
 def test_missing_and_unexpected_keys_give_one_error(saved, tmp_path):
     _, _, path = saved
     tensors = load_file(path / "model.safetensors")
-    del tensors["model.language_model.layers.1.mlp.up_proj.weight"]
+    # transformers saves Qwen2.5-VL under the older names (model.layers.*, visual.*); errors use the current ones.
+    on_disk = {current_tensor_name(k): k for k in tensors}
+    del tensors[on_disk["model.language_model.layers.1.mlp.up_proj.weight"]]
     tensors["model.visual.blocks.0.attn.extra.weight"] = torch.zeros(2)
-    tensors["model.language_model.norm.weight"] = torch.zeros(3)
+    tensors[on_disk["model.language_model.norm.weight"]] = torch.zeros(3)
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
     shutil.copyfile(path / "config.json", tmp_path / "config.json")
     with pytest.raises(CheckpointError) as err:

@@ -1,4 +1,7 @@
-"""Flax Qwen3-VL vs transformers' PyTorch Qwen3-VL on tiny random checkpoints (fp32, |dlogit| <= 1e-4).
+"""Flax Qwen3-VL / Qwen2.5-VL vs transformers' PyTorch models on tiny random checkpoints (fp32, |dlogit| <= 1e-4).
+
+Configs A, B are Qwen3-VL; Q25A, Q25B are Qwen2.5-VL (windowed vision tower: the 64x96 image spans two
+attention windows of Q25A and one partial window of Q25B; `test_qwen2_5_vl.py` adds images of many windows).
 
 HF inputs are built the HF way (image processor, expanded pads, mm_token_type_ids); ours come from
 our host-side functions, padded to one fixed shape per config so each config compiles two programs
@@ -17,8 +20,12 @@ from _hf_tiny import build_hf_model, hf_logits, make_batch, random_image, save_h
 from jaxrl_vlm.models import (
     Qwen3VL,
     Qwen3VLConfig,
+    Qwen25VisionConfig,
+    Qwen25VL,
+    Qwen25VLConfig,
     TextConfig,
     VisionConfig,
+    model_class,
     build_vision_inputs,
     from_hf,
     get_rope_index,
@@ -40,12 +47,17 @@ def _logits_vision(model: Qwen3VL, tokens, positions, segment_ids, vision):
     return model.logits(model(tokens, positions, segment_ids, vision))
 
 
-@pytest.fixture(scope="module", params=["A", "B"])
+@pytest.fixture(scope="module", params=["A", "B", "Q25A", "Q25B"])
 def pair(request, tmp_path_factory):
     """(transformers model, our model imported from its save_pretrained directory)."""
     hf = build_hf_model(request.param)
     path = save_hf_model(hf, tmp_path_factory.mktemp(f"tiny_{request.param}"))
     return hf, from_hf(path)
+
+
+def _batch(ours, rows: list[list], images: list, seed: int):
+    """`make_batch` with the image preprocessing of `ours`' family."""
+    return make_batch(rows, images, seed=seed, qwen25=isinstance(ours.cfg, Qwen25VLConfig))
 
 
 def _pad(a: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
@@ -78,7 +90,7 @@ def _max_diff(ours: np.ndarray, ref: np.ndarray, mask: np.ndarray) -> float:
 
 def test_text_only(pair):
     hf, ours = pair
-    batch = make_batch([[23]], [], seed=1)
+    batch = _batch(ours, [[23]], [], 1)
     ref = hf_logits(hf, batch)
     assert _max_diff(_ours(ours, batch, with_vision=False), ref, batch.attention_mask) <= TOL
     # The vision program with zero images (all-padding patch bucket) must give the same logits.
@@ -87,7 +99,7 @@ def test_text_only(pair):
 
 def test_one_image(pair):
     hf, ours = pair
-    batch = make_batch([[5, "img", 9]], [random_image(64, 96, seed=1)], seed=2)
+    batch = _batch(ours, [[5, "img", 9]], [random_image(64, 96, 1)], 2)
     assert batch.image_grid_thw.tolist() == [[1, 4, 6]]
     ref = hf_logits(hf, batch)
     assert _max_diff(_ours(ours, batch, with_vision=True), ref, batch.attention_mask) <= TOL
@@ -95,7 +107,7 @@ def test_one_image(pair):
 
 def test_two_images_of_different_sizes_in_one_sequence(pair):
     hf, ours = pair
-    batch = make_batch([[4, "img", 6, "img", 5]], [random_image(64, 96, 1), random_image(96, 32, 2)], seed=3)
+    batch = _batch(ours, [[4, "img", 6, "img", 5]], [random_image(64, 96, 1), random_image(96, 32, 2)], seed=3)
     assert batch.image_grid_thw.tolist() == [[1, 4, 6], [1, 6, 2]]
     ref = hf_logits(hf, batch)
     assert _max_diff(_ours(ours, batch, with_vision=True), ref, batch.attention_mask) <= TOL
@@ -104,7 +116,7 @@ def test_two_images_of_different_sizes_in_one_sequence(pair):
 def test_right_padded_batch_of_two(pair):
     hf, ours = pair
     images = [random_image(64, 96, 1), random_image(96, 32, 2), random_image(64, 64, 3)]
-    batch = make_batch([[5, "img", 7, "img", 3], [4, "img", 2]], images, seed=4)
+    batch = _batch(ours, [[5, "img", 7, "img", 3], [4, "img", 2]], images, seed=4)
     assert batch.attention_mask[1].sum() < batch.attention_mask[0].sum()  # row 1 is right-padded
     ref = hf_logits(hf, batch)
     assert _max_diff(_ours(ours, batch, with_vision=True), ref, batch.attention_mask) <= TOL
@@ -115,8 +127,8 @@ def test_packed_row_equals_separate_sequences(pair):
     hf, ours = pair
     cfg = ours.cfg
     images = [random_image(64, 96, 5), random_image(64, 64, 6)]
-    first = make_batch([[3, "img", 4]], images[:1], seed=5)
-    second = make_batch([[6, "img", 2]], images[1:], seed=6)
+    first = _batch(ours, [[3, "img", 4]], images[:1], seed=5)
+    second = _batch(ours, [[6, "img", 2]], images[1:], seed=6)
     ref1, ref2 = hf_logits(hf, first), hf_logits(hf, second)
     n1, n2 = first.input_ids.shape[1], second.input_ids.shape[1]
     tokens = np.zeros((B_FIX, T_FIX), np.int64)
@@ -148,20 +160,32 @@ def test_token_logprobs_equal_full_log_softmax_with_chunking(pair):
     np.testing.assert_allclose(np.asarray(ent), want_ent, atol=1e-5, rtol=0)
 
 
-def _tiny_config() -> Qwen3VLConfig:
+def _tiny_config(family: str) -> Qwen3VLConfig | Qwen25VLConfig:
+    text = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, mrope_section=(2, 1, 1))
+    tokens = dict(image_token_id=100, video_token_id=101, vision_start_token_id=102, vision_end_token_id=103)
+    if family == "qwen2_5_vl":
+        return Qwen25VLConfig(
+            text=TextConfig(**text, mrope_interleaved=False, attention_bias=True, qk_norm=False),
+            vision=Qwen25VisionConfig(depth=2, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                                      window_size=28, fullatt_block_indexes=(1,)),
+            **tokens,
+        )
     return Qwen3VLConfig(
-        text=TextConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, mrope_section=(2, 1, 1)),
+        text=TextConfig(**text),
         vision=VisionConfig(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
                             num_position_embeddings=16, deepstack_visual_indexes=(0,)),
-        image_token_id=100, video_token_id=101, vision_start_token_id=102, vision_end_token_id=103,
+        **tokens,
     )
 
 
-def test_remat_gives_same_loss_and_gradients():
-    cfg = _tiny_config()
-    plain = Qwen3VL(cfg, rngs=nnx.Rngs(3))
-    remat = nnx.merge(nnx.graphdef(nnx.eval_shape(lambda: Qwen3VL(cfg, rngs=nnx.Rngs(0), remat=True))), nnx.state(plain))
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen2_5_vl"])
+def test_remat_gives_same_loss_and_gradients(family):
+    cfg = _tiny_config(family)
+    cls = model_class(cfg)
+    assert cls is {"qwen3_vl": Qwen3VL, "qwen2_5_vl": Qwen25VL}[family]
+    plain = cls(cfg, rngs=nnx.Rngs(3))
+    remat = nnx.merge(nnx.graphdef(nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0), remat=True))), nnx.state(plain))
     assert remat.remat and not plain.remat
     rng = np.random.RandomState(1)
     ids = rng.randint(0, 100, size=(1, 10))
@@ -188,9 +212,10 @@ def test_remat_gives_same_loss_and_gradients():
     assert float(jnp.abs(g0["visual"]["blocks"][0]["q_kernel_dnh"][...]).max()) > 0  # vision is in the graph
 
 
-def test_one_program_serves_any_image_mix_up_to_the_bucket():
-    cfg = _tiny_config()
-    model = Qwen3VL(cfg, rngs=nnx.Rngs(0))
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen2_5_vl"])
+def test_one_program_serves_any_image_mix_up_to_the_bucket(family):
+    cfg = _tiny_config(family)
+    model = model_class(cfg)(cfg, rngs=nnx.Rngs(0))
     traces: list[int] = []
 
     @nnx.jit

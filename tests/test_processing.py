@@ -93,21 +93,27 @@ def test_process_images_matches_transformers_processor_for_two_sizes(
     assert int(reference["mm_token_type_ids"].sum()) == 16  # 1 marks image tokens
 
 
+def _patchify_by_hand(pixels: np.ndarray, patch: int) -> np.ndarray:
+    """Rows [P, C*2*patch*patch] of a normalized [H, W, C] image: one row per patch in 2x2 merge-block order
+    (blocks row-major), each laid out (channel, temporal copy, py, px), the single frame repeated in time."""
+    rows = []
+    for block_row in range(pixels.shape[0] // (2 * patch)):
+        for block_col in range(pixels.shape[1] // (2 * patch)):
+            for mh in range(2):
+                for mw in range(2):
+                    r, c = 2 * block_row + mh, 2 * block_col + mw
+                    block = pixels[patch * r : patch * (r + 1), patch * c : patch * (c + 1)].transpose(2, 0, 1)  # [C, P, P]
+                    rows.append(np.stack([block, block], axis=1).reshape(-1))  # [C, T, P, P]
+    return np.stack(rows).astype(np.float32)
+
+
 def test_pixel_values_layout_matches_numpy_patchify(tiny_image_processor, make_test_image) -> None:
     """Independent reference for a 64x64 image (no resize): rescale to [0,1], normalize with
     mean = std = 0.5, then one row per 16x16 patch in 2x2 merge-block order, each row laid out
     (channel, temporal copy, py, px) with the single frame repeated over the temporal patch."""
     image = make_test_image(7, 64)
     pixels = (np.asarray(image, dtype=np.float64) / 255.0 - 0.5) / 0.5  # [H, W, C]
-    rows = []
-    for block_row in range(2):
-        for block_col in range(2):
-            for mh in range(2):
-                for mw in range(2):
-                    r, c = 2 * block_row + mh, 2 * block_col + mw
-                    patch = pixels[16 * r : 16 * r + 16, 16 * c : 16 * c + 16].transpose(2, 0, 1)  # [C, P, P]
-                    rows.append(np.stack([patch, patch], axis=1).reshape(-1))  # [C, T, P, P]
-    expected = np.stack(rows).astype(np.float32)
+    expected = _patchify_by_hand(pixels, 16)
     got = process_images(tiny_image_processor, [image])["pixel_values"]
     np.testing.assert_allclose(got, expected, atol=1e-6)
 
@@ -317,3 +323,51 @@ def test_corrupt_and_missing_images_raise_image_decode_error_naming_the_cause(tm
         load_image(b"")
     with pytest.raises(ImageDecodeError, match="unsupported image item of type int"):
         load_image(42)  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------------------- Qwen2.5-VL preprocessing
+
+
+@pytest.fixture(scope="module")
+def qwen25_image_processor(tiny_qwen25_processing_dir: Path):
+    return load_image_processor(tiny_qwen25_processing_dir)
+
+
+def test_qwen25_pixel_values_are_clip_normalized_patch_14_rows(qwen25_image_processor, make_test_image) -> None:
+    """Independent reference for an 84x84 image (no resize): rescale to [0,1], normalize with CLIP's mean/std,
+    one row per 14x14 patch in 2x2 merge-block order (3 x 3 blocks), laid out (channel, temporal copy, py, px)."""
+    mean = np.array([0.48145466, 0.4578275, 0.40821073])
+    std = np.array([0.26862954, 0.26130258, 0.27577711])
+    image = make_test_image(7, 84)
+    pixels = (np.asarray(image, dtype=np.float64) / 255.0 - mean) / std
+    got = process_images(qwen25_image_processor, [image])
+    np.testing.assert_array_equal(got["image_grid_thw"], [[1, 6, 6]])
+    np.testing.assert_allclose(got["pixel_values"], _patchify_by_hand(pixels, 14), atol=1e-5)
+
+
+@pytest.mark.parametrize("size", [(100, 70), (256, 256), (40, 40), (300, 50)])
+def test_qwen25_grid_follows_smart_resize_with_factor_28(qwen25_image_processor, make_test_image, size) -> None:
+    width, height = size
+    h, w = smart_resize_by_hand(height, width, min_pixels=64 * 64, max_pixels=128 * 128, factor=28)
+    grid = process_images(qwen25_image_processor, [make_test_image(3, size)])["image_grid_thw"]
+    np.testing.assert_array_equal(grid, [[1, h // 14, w // 14]])
+
+
+def test_qwen25_process_images_matches_transformers_qwen2_5_vl_processor(
+    tiny_qwen25_processing_dir: Path, qwen25_image_processor, make_test_image
+) -> None:
+    tokenizer = load_tokenizer(tiny_qwen25_processing_dir)
+    images = [make_test_image(0, 64), make_test_image(1, (128, 96))]
+    ours = process_images(qwen25_image_processor, images)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"}]}],
+        tokenize=False, add_generation_prompt=True,
+    )
+    assert prompt.startswith("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n")
+    reference = hf_reference_processor(tokenizer, qwen25_image_processor, "qwen2_5_vl")(
+        text=[prompt], images=images, return_tensors="np"
+    )
+    np.testing.assert_array_equal(reference["image_grid_thw"], ours["image_grid_thw"])
+    np.testing.assert_array_equal(reference["pixel_values"], ours["pixel_values"])
+    pads = int((reference["input_ids"][0] == VisionTokens.from_tokenizer(tokenizer).image_pad).sum())
+    assert pads == sum(num_image_pads(row, 2) for row in ours["image_grid_thw"]) == int(reference["mm_token_type_ids"].sum())

@@ -4,6 +4,8 @@ split, goldens that catch silent re-sharding, and the real 2B shape laid out wit
 
 To regenerate the goldens after an intended layout change:
     jaxrl-vlm dump-shardings $(for f in configs/mesh/*.yaml; do echo --mesh-config $f; done) --out-dir tests/goldens/sharding
+    jaxrl-vlm dump-shardings $(for f in configs/mesh/*.yaml; do echo --mesh-config $f; done) --arch qwen2_5_vl \
+        --out-dir tests/goldens/sharding/qwen2_5_vl
 """
 
 from __future__ import annotations
@@ -32,8 +34,10 @@ LAYOUTS = sorted((REPO / "configs" / "mesh").glob("*.yaml"))
 GOLDENS = REPO / "tests" / "goldens" / "sharding"
 REGENERATE = (
     "jaxrl-vlm dump-shardings $(for f in configs/mesh/*.yaml; do echo --mesh-config $f; done) "
-    "--out-dir tests/goldens/sharding"
+    "--out-dir tests/goldens/sharding  (and with --arch qwen2_5_vl --out-dir tests/goldens/sharding/qwen2_5_vl)"
 )
+# Goldens per family of the tiny model: Qwen3-VL at the top level, Qwen2.5-VL in its own folder.
+GOLDEN_DIRS = {"qwen3_vl": GOLDENS, "qwen2_5_vl": GOLDENS / "qwen2_5_vl"}
 B, T, PATCH_BUCKET = 8, 40, 64
 
 
@@ -349,18 +353,20 @@ def test_activation_constraints_apply_only_inside_their_context():
 # ----------------------------------------------------------------------------- goldens
 
 
-def test_every_layout_has_a_golden():
+@pytest.mark.parametrize("arch", sorted(GOLDEN_DIRS))
+def test_every_layout_has_a_golden(arch):
     assert LAYOUTS, "configs/mesh/ has no layouts"
-    assert {p.stem for p in LAYOUTS} == {p.stem for p in GOLDENS.glob("*.json")}, f"regenerate with: {REGENERATE}"
+    assert {p.stem for p in LAYOUTS} == {p.stem for p in GOLDEN_DIRS[arch].glob("*.json")}, f"regenerate with: {REGENERATE}"
     assert {"dp", "fsdp", "tp", "fsdp_tp"} <= {p.stem for p in LAYOUTS}
 
 
+@pytest.mark.parametrize("arch", sorted(GOLDEN_DIRS))
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda p: p.stem)
-def test_layout_matches_its_golden(layout):
+def test_layout_matches_its_golden(layout, arch):
     from jaxrl_vlm.tiny import tiny_model_config
 
-    golden = json.loads((GOLDENS / f"{layout.stem}.json").read_text())
-    current = json.loads(SG.format_dump(SG.dump_shardings(tiny_model_config(), _mesh_cfg(layout), 8)))
+    golden = json.loads((GOLDEN_DIRS[arch] / f"{layout.stem}.json").read_text())
+    current = json.loads(SG.format_dump(SG.dump_shardings(tiny_model_config(arch=arch), _mesh_cfg(layout), 8)))
     diff = SG.diff_shardings(golden, current)
     assert not diff, (
         f"{layout.name} re-shards the tiny model ({len(diff)} changes):\n  " + "\n  ".join(diff[:40])
@@ -429,3 +435,21 @@ def test_2b_needs_no_fallback_on_8_devices(layout, abstract_2b):
     mesh_cfg = _mesh_cfg(layout)
     layouts = SL.param_layouts(abstract_2b, SL.abstract_mesh(mesh_cfg, 8), SR.resolve_rules(mesh_cfg.sharding_rules))
     assert [(p.path, p.notes) for p in layouts if p.notes] == []
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda p: p.stem)
+def test_qwen25_3b_falls_back_only_where_its_shape_cannot_split(layout):
+    """Qwen2.5-VL-3B has 2 kv heads and a vision MLP of 3420 (= 4 * 855): an 8-way tensor axis cannot split
+    those, and only those are replicated (with a note); every other layout splits it without a fallback."""
+    from jaxrl_vlm.models import qwen2_5_vl_3b_instruct
+
+    mesh_cfg = _mesh_cfg(layout)
+    mesh = SL.abstract_mesh(mesh_cfg, 8)
+    layouts = SL.param_layouts(abstract_model(qwen2_5_vl_3b_instruct()), mesh, SR.resolve_rules(mesh_cfg.sharding_rules))
+    noted = {name for p in layouts if p.notes for note in p.notes for name in ("kv_heads", "vision_mlp") if f"({name})" in note}
+    all_notes = [note for p in layouts for note in p.notes]
+    if dict(mesh.shape)["tensor"] == 8:
+        assert noted == {"kv_heads", "vision_mlp"}
+        assert all("(kv_heads) of size 2" in n or "(vision_mlp) of size 3420" in n for n in all_notes)
+    else:
+        assert all_notes == []

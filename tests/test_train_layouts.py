@@ -1,5 +1,6 @@
 """The compiled train step on 8 simulated devices gives the same trajectory under every shipped mesh layout
-as on one device (losses, gradient norms, and the resulting parameters over 3 steps)."""
+as on one device (losses, gradient norms, and the resulting parameters over 3 steps), for a tiny Qwen3-VL and
+a tiny Qwen2.5-VL (windowed vision tower, q/k/v biases)."""
 
 from __future__ import annotations
 
@@ -18,11 +19,11 @@ LAYOUTS = sorted((ROOT / "configs" / "mesh").glob("*.yaml"))
 STEPS = 3
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
+@pytest.fixture(scope="module", params=["qwen3_vl", "qwen2_5_vl"])
+def tiny_dir(request, tmp_path_factory):
     from jaxrl_vlm.tiny import make_tiny
 
-    return make_tiny(tmp_path_factory.mktemp("tiny") / "model", seed=3)
+    return make_tiny(tmp_path_factory.mktemp(f"tiny_{request.param}") / "model", seed=3, arch=request.param)
 
 
 def _trajectory(model_dir: Path, samples: list, overrides: list[str], devices) -> tuple[list[dict], dict]:

@@ -1,6 +1,6 @@
 """`jaxrl-vlm bench sharding ...`: argument parser and handler (imports jax only when the command runs).
 
-    jaxrl-vlm bench sharding --config CONFIG --layouts configs/mesh/*.yaml [--model tiny|small|qwen3_vl_2b]
+    jaxrl-vlm bench sharding --config CONFIG --layouts configs/mesh/*.yaml [--model tiny|tiny_qwen2_5_vl|small|qwen3_vl_2b|qwen2_5_vl_3b]
         [--steps N] [--out DIR] [--rows R --seq-len T] [--compile-only] [--device-memory-gb G]
         [--simulate-cpu-devices 8] [--flag value ...]
 
@@ -32,7 +32,7 @@ def add_bench_parser(sub: Any) -> None:
     s.add_argument("--config", default=None, help="Run config YAML (loss, optimizer, dtypes, remat, micro-batch size).")
     s.add_argument("--layouts", nargs="+", required=True, help="Mesh layout YAML files (configs/mesh/*.yaml).")
     s.add_argument("--model", choices=MODEL_SHAPES, default="tiny",
-                   help="Model shape (random init; qwen3_vl_2b is the real 2B architecture).")
+                   help="Model shape (random init; qwen3_vl_2b and qwen2_5_vl_3b are the real architectures; tiny_qwen2_5_vl the make-tiny Qwen2.5-VL).")
     s.add_argument("--steps", type=int, default=3, help="Timed steps per layout (median reported).")
     s.add_argument("--warmup", type=int, default=1, help="Untimed steps before timing.")
     s.add_argument("--rows", type=int, default=8, help="Batch rows (a multiple of every layout's batch shards).")

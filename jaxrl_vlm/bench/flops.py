@@ -10,18 +10,19 @@ Model FLOPs of one step over a (K, R, T, P) batch, forward x 3 (backward = 2 x f
   text    2 * K*R*T * (per-layer matmul weights * L + lm head D*V)
           + 4 * K*R*T*T * H*hd * L              (QK^T and PV over every row's full T x T, as computed)
   vision  2 * K*P * (patch embed + per-block weights * depth) + 2 * K*P/m * merger weights * (1 + deepstack)
-          + 4 * K*P*P * Hv*hdv * depth          (full P x P per micro-batch, masked by image)
+          + 4 * K*P*P * Hv*hdv * depth          (full P x P per micro-batch, masked by image or window)
 Padding slots are computed, so they are counted: this is the work the program does, not the work a
 perfectly packed batch would need (`batching` reports padding efficiency separately).
 """
 
 from __future__ import annotations
 
-from jaxrl_vlm.models.config import MODEL_PRESETS, Qwen3VLConfig, TextConfig, VisionConfig
+from jaxrl_vlm.models.config import MODEL_PRESETS, ModelConfig, Qwen25VisionConfig, TextConfig, VisionConfig
 
-# `--model` names: the tiny test model (`jaxrl_vlm.tiny`) and the architecture presets of
+# `--model` names: the tiny test models (`jaxrl_vlm.tiny`, one per family) and the architecture presets of
 # `jaxrl_vlm.models.config`; `sharding_bench.model_config` builds them.
-MODEL_SHAPES: tuple[str, ...] = ("tiny", *MODEL_PRESETS)
+TINY_SHAPES: dict[str, str] = {"tiny": "qwen3_vl", "tiny_qwen2_5_vl": "qwen2_5_vl"}
+MODEL_SHAPES: tuple[str, ...] = (*TINY_SHAPES, *MODEL_PRESETS)
 
 
 def text_layer_weights(t: TextConfig) -> int:
@@ -30,17 +31,17 @@ def text_layer_weights(t: TextConfig) -> int:
     return attn + 3 * t.hidden_size * t.intermediate_size
 
 
-def vision_block_weights(v: VisionConfig) -> int:
-    """Matmul weights of one ViT block: q, k, v, o (each D x D) and fc1/fc2."""
-    return 4 * v.hidden_size * v.hidden_size + 2 * v.hidden_size * v.intermediate_size
+def vision_block_weights(v: VisionConfig | Qwen25VisionConfig) -> int:
+    """Matmul weights of one ViT block: q, k, v, o (each D x D) and fc1/fc2 (gate/up/down when gated)."""
+    return 4 * v.hidden_size * v.hidden_size + (3 if v.gated_mlp else 2) * v.hidden_size * v.intermediate_size
 
 
-def merger_weights(cfg: Qwen3VLConfig) -> int:
+def merger_weights(cfg: ModelConfig) -> int:
     m = cfg.vision.hidden_size * cfg.vision.merge_unit
     return m * m + m * cfg.vision.out_hidden_size
 
 
-def forward_flops(cfg: Qwen3VLConfig, shape_key: tuple[int, int, int, int]) -> dict[str, float]:
+def forward_flops(cfg: ModelConfig, shape_key: tuple[int, int, int, int]) -> dict[str, float]:
     """Forward FLOPs of one step's batch, split into text and vision matmuls and attention."""
     k, r, t, p = shape_key
     tc, vc = cfg.text, cfg.vision
@@ -54,6 +55,6 @@ def forward_flops(cfg: Qwen3VLConfig, shape_key: tuple[int, int, int, int]) -> d
     return {"text_matmul": text_mm, "text_attention": text_attn, "vision_matmul": vision_mm, "vision_attention": vision_attn}
 
 
-def train_step_flops(cfg: Qwen3VLConfig, shape_key: tuple[int, int, int, int]) -> float:
+def train_step_flops(cfg: ModelConfig, shape_key: tuple[int, int, int, int]) -> float:
     """Model FLOPs of one optimizer step (forward + backward, no recompute) over the whole batch."""
     return 3.0 * sum(forward_flops(cfg, shape_key).values())

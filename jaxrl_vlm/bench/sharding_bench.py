@@ -47,9 +47,8 @@ from jaxrl_vlm.config import Config, load_config
 from jaxrl_vlm.job.trainer import aggregation_constant, sample_advantages, sequences_bucket
 from jaxrl_vlm.job.trainer import step_config as learner_step_config
 from jaxrl_vlm.models.activation_sharding import ActivationSharding
-from jaxrl_vlm.models.config import Qwen3VLConfig, preset_config
-from jaxrl_vlm.models.hf_io import param_count
-from jaxrl_vlm.models.qwen3_vl import Qwen3VL
+from jaxrl_vlm.models.config import ModelConfig, preset_config
+from jaxrl_vlm.models.hf_io import model_class, param_count
 from jaxrl_vlm.rl.train_step import TrainState, make_optimizer, train_step
 from jaxrl_vlm.sharding.layout import (
     batch_shardings,
@@ -192,11 +191,11 @@ class BenchReport:
     info: dict[str, Any]
 
 
-def model_config(name: str) -> Qwen3VLConfig:
-    """The config of `--model NAME` (one of `flops.MODEL_SHAPES`): `tiny` (the make-tiny model) or an
-    architecture preset of `jaxrl_vlm.models.config` (`small`, `qwen3_vl_2b`)."""
-    if name == "tiny":
-        return tiny_model_config()
+def model_config(name: str) -> ModelConfig:
+    """The config of `--model NAME` (one of `flops.MODEL_SHAPES`): `tiny` / `tiny_qwen2_5_vl` (the make-tiny
+    models) or an architecture preset of `jaxrl_vlm.models.config` (`small`, `qwen3_vl_2b`, `qwen2_5_vl_3b`)."""
+    if name in flops_lib.TINY_SHAPES:
+        return tiny_model_config(arch=flops_lib.TINY_SHAPES[name])
     if name not in flops_lib.MODEL_SHAPES:
         raise ValueError(f"unknown model shape {name!r}; choose one of {flops_lib.MODEL_SHAPES}")
     return preset_config(name)
@@ -238,14 +237,15 @@ class StatePlan:
     tx: Any
 
 
-def plan_state(model_cfg: Qwen3VLConfig, cfg: Config, mesh: jax.sharding.Mesh, rules: Any) -> StatePlan:
+def plan_state(model_cfg: ModelConfig, cfg: Config, mesh: jax.sharding.Mesh, rules: Any) -> StatePlan:
     """Abstract TrainState + its shardings (params by the rules, Adam moments like params, rest replicated).
 
     Same layout as `Trainer.build_policy`, built from shapes so a layout can be compiled and sized before
     any memory is used (the trainer loads a checkpoint instead).
     """
     kwargs = _model_kwargs(cfg)
-    abstract_model = nnx.eval_shape(lambda: Qwen3VL(model_cfg, rngs=nnx.Rngs(0), **kwargs))
+    cls = model_class(model_cfg)
+    abstract_model = nnx.eval_shape(lambda: cls(model_cfg, rngs=nnx.Rngs(0), **kwargs))
     graphdef, params = nnx.split(abstract_model, nnx.Param)
     tx = make_optimizer(cfg.optim, cfg.rollout.num_rollout * cfg.train.num_steps_per_rollout)
     opt = jax.eval_shape(tx.init, params)
@@ -299,14 +299,14 @@ def init_state(plan: StatePlan, params_on_host: Any, seed: int) -> Any:
 # ----------------------------------------------------------------------------- batch
 
 
-def bench_samples(model_cfg: Qwen3VLConfig, opts: BenchOptions, packing: bool) -> list[Sample]:
+def bench_samples(model_cfg: ModelConfig, opts: BenchOptions, packing: bool) -> list[Sample]:
     """The synthetic episodes every layout trains on (deterministic in `opts.seed`)."""
     shape = episode_shape_for(opts.seq_len, model_cfg)
     budget = int(opts.rows * opts.seq_len * opts.fill)
     return synthetic_samples(model_cfg, budget, shape=shape, seed=opts.seed, max_samples=None if packing else opts.rows)
 
 
-def bench_batch(samples: list[Sample], model_cfg: Qwen3VLConfig, cfg: Config, opts: BenchOptions, multiple: int) -> TrainBatch:
+def bench_batch(samples: list[Sample], model_cfg: ModelConfig, cfg: Config, opts: BenchOptions, multiple: int) -> TrainBatch:
     """The fixed-shape batch: one seq bucket (`seq_len`), one row bucket (`rows`), patch buckets in steps of 256."""
     unit = 64 * model_cfg.vision.merge_unit
     total = sum(int(np.prod(s.multimodal_train_inputs["image_grid_thw"], axis=1).sum()) for s in samples)
@@ -388,7 +388,7 @@ def _collectives(compiled: Any, mesh: jax.sharding.Mesh, res: LayoutResult) -> N
 def bench_layout(
     layout: str,
     cfg: Config,
-    model_cfg: Qwen3VLConfig,
+    model_cfg: ModelConfig,
     samples: list[Sample],
     opts: BenchOptions,
     devices: Sequence[Any],

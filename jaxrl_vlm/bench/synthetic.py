@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxrl_vlm.models.config import Qwen3VLConfig
+from jaxrl_vlm.models.config import ModelConfig
 from rollout.sample import Sample, Status
 
 
@@ -34,7 +34,7 @@ class EpisodeShape:
     max_length: int = 1024  # an episode is cut (at a turn boundary) to at most this many tokens
 
 
-def episode_shape_for(seq_len: int, cfg: Qwen3VLConfig) -> EpisodeShape:
+def episode_shape_for(seq_len: int, cfg: ModelConfig) -> EpisodeShape:
     """Lengths that fit rows of `seq_len` tokens: images ~1/8 of a row, turns ~1/6 (geo3k-like mix)."""
     merge = cfg.vision.spatial_merge_size
     pads_target = max(4, seq_len // 8)  # merged image tokens per image
@@ -49,7 +49,7 @@ def episode_shape_for(seq_len: int, cfg: Qwen3VLConfig) -> EpisodeShape:
     )
 
 
-def _text_ids(rng: np.random.Generator, n: int, cfg: Qwen3VLConfig) -> list[int]:
+def _text_ids(rng: np.random.Generator, n: int, cfg: ModelConfig) -> list[int]:
     """`n` ordinary token ids (never an image/video/vision-boundary id)."""
     special = {cfg.image_token_id, cfg.video_token_id, cfg.vision_start_token_id, cfg.vision_end_token_id}
     ids = rng.integers(1, cfg.text.vocab_size, size=n)
@@ -58,7 +58,7 @@ def _text_ids(rng: np.random.Generator, n: int, cfg: Qwen3VLConfig) -> list[int]
     return ids.tolist()
 
 
-def _image(rng: np.random.Generator, cfg: Qwen3VLConfig, grid: tuple[int, int]) -> tuple[list[int], np.ndarray, np.ndarray]:
+def _image(rng: np.random.Generator, cfg: ModelConfig, grid: tuple[int, int]) -> tuple[list[int], np.ndarray, np.ndarray]:
     """(tokens: vision_start, pads, vision_end; grid_thw [1, 3]; pixel_values [h*w, patch_dim])."""
     h, w = grid
     merge = cfg.vision.spatial_merge_size
@@ -71,7 +71,7 @@ def _image(rng: np.random.Generator, cfg: Qwen3VLConfig, grid: tuple[int, int]) 
 
 
 def synthetic_samples(
-    cfg: Qwen3VLConfig, token_budget: int, *, shape: EpisodeShape, seed: int = 0, max_samples: int | None = None
+    cfg: ModelConfig, token_budget: int, *, shape: EpisodeShape, seed: int = 0, max_samples: int | None = None
 ) -> list[Sample]:
     """Whole groups of synthetic episodes totalling at most `token_budget` tokens (at least one group).
 
@@ -100,7 +100,7 @@ def synthetic_samples(
         group += 1
 
 
-def _group(rng: np.random.Generator, cfg: Qwen3VLConfig, shape: EpisodeShape, group: int) -> list[Sample]:
+def _group(rng: np.random.Generator, cfg: ModelConfig, shape: EpisodeShape, group: int) -> list[Sample]:
     img_tokens, grid, pixels = _image(rng, cfg, shape.image_grid)
     prompt = _text_ids(rng, int(rng.integers(*shape.prompt_text, endpoint=True)), cfg)
     cut = len(prompt) // 2

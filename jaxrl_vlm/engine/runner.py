@@ -229,7 +229,7 @@ class ModelRunner:
             valid = np.zeros((1, t), bool)
             valid[0, :length] = True
             vision = build_vision_inputs(pixel_values, image_grid_thw, tokens, self.cfg, patch_bucket=patch_bucket, token_valid=valid)
-            vision = VisionInputs(*(np.asarray(a) for a in vision))
+            vision = type(vision)(*(np.asarray(a) for a in vision))
             self.encoded_images += len(image_grid_thw)
         row = np.zeros((self.vocab_size,), np.float32) if bias_row is None else bias_row.astype(np.float32)
         key = ("prefill", t, patch_bucket) if start == 0 else ("extend", t, kv_len, patch_bucket)

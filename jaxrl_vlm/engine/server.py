@@ -241,7 +241,7 @@ async def model_info(request: web.Request) -> web.Response:
         "weight_version": engine.scheduler.weight_version,
         "has_image_understanding": engine.has_image_understanding,
         "has_audio_understanding": False,
-        "model_type": "qwen3_vl",
+        "model_type": engine.cfg.model_type,
         "architectures": engine.architectures,
         "load_format": "safetensors",
     })

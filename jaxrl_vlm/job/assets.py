@@ -25,13 +25,13 @@ logger = logging.getLogger(__name__)
 def prepare_model(cfg: Config) -> Path:
     """The model directory, created on first use with `--make-tiny`."""
     if not cfg.model.hf_checkpoint:
-        raise ValueError("--hf-checkpoint is required (a Qwen3-VL HF directory, or a path for --make-tiny to create)")
+        raise ValueError("--hf-checkpoint is required (a Qwen-VL HF directory, or a path for --make-tiny to create)")
     model_dir = Path(cfg.model.hf_checkpoint)
     if not (model_dir / "config.json").exists():
         if not cfg.model.make_tiny:
             raise FileNotFoundError(f"--hf-checkpoint {model_dir}: no config.json (set --make-tiny to create a tiny random model)")
-        logger.info("creating a tiny random Qwen3-VL at %s", model_dir)
-        make_tiny(str(model_dir), seed=cfg.train.seed)
+        logger.info("creating a tiny random %s at %s", cfg.model.make_tiny_arch, model_dir)
+        make_tiny(str(model_dir), seed=cfg.train.seed, arch=cfg.model.make_tiny_arch)
     return model_dir
 
 

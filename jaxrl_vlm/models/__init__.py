@@ -1,4 +1,4 @@
-"""Flax NNX Qwen3-VL: config, host-side positions, model, HF checkpoint import/export.
+"""Flax NNX Qwen-VL families (Qwen3-VL, Qwen2.5-VL): configs, host-side positions, models, HF import/export.
 
 Names are resolved lazily (PEP 562) so that the numpy-only submodules (`config`, `rope`, `vision`) can be
 imported by host-side code (batching, rollout hosts) without importing jax.
@@ -12,7 +12,9 @@ from typing import Any
 _EXPORTS = {
     "ConfigError": "config", "Qwen3VLConfig": "config", "TextConfig": "config", "VisionConfig": "config",
     "MODEL_PRESETS": "config", "from_hf_dict": "config", "preset_config": "config", "qwen3_vl_2b_instruct": "config",
-    "small_model_config": "config",
+    "small_model_config": "config", "Qwen25VLConfig": "config", "Qwen25VisionConfig": "config",
+    "ModelConfig": "config", "qwen2_5_vl_3b_instruct": "config",
+    "Qwen25VL": "qwen2_5_vl", "model_class": "hf_io", "WindowedVisionInputs": "vision", "vision_window_index": "vision",
     "CheckpointError": "hf_io", "from_hf": "hf_io", "load_hf_config": "hf_io", "param_count": "hf_io", "to_hf": "hf_io",
     "Qwen3VL": "qwen3_vl", "attention": "qwen3_vl", "token_logprobs": "qwen3_vl",
     "get_rope_index": "rope", "get_rope_index_packed": "rope", "vision_pos_embed_interp": "rope",

@@ -1,9 +1,16 @@
-"""Typed Qwen3-VL architecture config, read from / written to HF `config.json` dicts.
+"""Typed architecture configs of the Qwen-VL families, read from / written to HF `config.json` dicts.
 
-Released Qwen3-VL checkpoints store RoPE as `rope_theta` + `rope_scaling`; transformers 5 writes
-`rope_parameters`. `from_hf_dict` accepts both; `to_hf_dict` writes the transformers-5 form.
-Constraints that transformers does not check (M-RoPE sections, square position grid, ...) are
-validated here so a bad config fails at load time with a message naming the key.
+Two families share the text decoder config (`TextConfig`) and differ in the vision tower:
+`Qwen3VLConfig` (learned position grid, deepstack, interleaved M-RoPE) and `Qwen25VLConfig` (window
+attention, RMSNorm + SwiGLU blocks, contiguous M-RoPE, q/k/v bias, no q/k norm). `from_hf_dict` is the
+one place that reads `config.json`'s `model_type` and picks the family (`FAMILY_PARSERS`); everything
+downstream dispatches on the config's type.
+
+Released checkpoints store RoPE as `rope_theta` + `rope_scaling` (Qwen2.5-VL also keeps the text fields
+at the top level); transformers 5 writes `rope_parameters` inside `text_config`. The parsers accept
+both; `to_hf_dict` writes the transformers-5 form. Constraints that transformers does not check
+(M-RoPE sections, square position grid, ...) are validated here so a bad config fails at load time
+with a message naming the key.
 """
 
 from __future__ import annotations
@@ -11,14 +18,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 _SUPPORTED_TEXT_ACTS = ("silu",)
 _SUPPORTED_VISION_ACTS = ("gelu_pytorch_tanh", "gelu", "silu", "quick_gelu")
 
 
 class ConfigError(ValueError):
-    """A Qwen3-VL config violates a constraint of the architecture."""
+    """A Qwen-VL config violates a constraint of the architecture."""
 
 
 @dataclass(frozen=True)
@@ -38,7 +45,8 @@ class TextConfig:
     mrope_interleaved: bool = True
     max_position_embeddings: int = 262144
     hidden_act: str = "silu"
-    attention_bias: bool = False
+    attention_bias: bool = False  # q/k/v projection biases (Qwen2 / Qwen2.5-VL); o_proj never has one
+    qk_norm: bool = True  # per-head RMSNorm of q and k before RoPE (Qwen3)
 
     def validate(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -53,12 +61,8 @@ class TextConfig:
                 f"sum(mrope_section)={sum(self.mrope_section)} (mrope_section={list(self.mrope_section)}) must equal "
                 f"head_dim // 2 = {self.head_dim // 2}"
             )
-        if not self.mrope_interleaved:
-            raise ConfigError("text_config mrope_interleaved=false is not Qwen3-VL's layout; only interleaved M-RoPE is supported")
         if self.hidden_act not in _SUPPORTED_TEXT_ACTS:
             raise ConfigError(f"text_config.hidden_act={self.hidden_act!r} unsupported; expected one of {_SUPPORTED_TEXT_ACTS}")
-        if self.attention_bias:
-            raise ConfigError("text_config.attention_bias=true is not supported (Qwen3-VL checkpoints have no q/k/v bias)")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "head_dim"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"text_config.{name} must be positive, got {getattr(self, name)}")
@@ -100,6 +104,11 @@ class VisionConfig:
     def num_grid_per_side(self) -> int:
         return math.isqrt(self.num_position_embeddings)
 
+    @property
+    def gated_mlp(self) -> bool:
+        """Block MLP is fc2(act(fc1 x)), two matrices (Qwen2.5-VL's is gated: three)."""
+        return False
+
     def validate(self) -> None:
         if self.hidden_size % self.num_heads:
             raise ConfigError(f"vision_config.hidden_size={self.hidden_size} must be divisible by num_heads={self.num_heads}")
@@ -122,11 +131,11 @@ class VisionConfig:
 
 
 @dataclass(frozen=True)
-class Qwen3VLConfig:
-    """Whole-model config: text decoder, vision tower, special token ids, embedding tying."""
+class _VLConfig:
+    """What every Qwen-VL family's config holds: text decoder, vision tower, special token ids, tying."""
 
     text: TextConfig
-    vision: VisionConfig
+    vision: Any
     image_token_id: int = 151655
     video_token_id: int = 151656
     vision_start_token_id: int = 151652
@@ -147,21 +156,34 @@ class Qwen3VLConfig:
                 f"vision_config.out_hidden_size={self.vision.out_hidden_size} must equal "
                 f"text_config.hidden_size={self.text.hidden_size} (merged image tokens replace text embeddings)"
             )
-        if len(self.vision.deepstack_visual_indexes) > self.text.num_hidden_layers:
-            raise ConfigError(
-                f"len(deepstack_visual_indexes)={len(self.vision.deepstack_visual_indexes)} must be <= "
-                f"text_config.num_hidden_layers={self.text.num_hidden_layers} (deepstack k is added after decoder layer k)"
-            )
         for name in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"):
             tok = getattr(self, name)
             if not 0 <= tok < self.text.vocab_size:
                 raise ConfigError(f"{name}={tok} is outside the vocabulary [0, {self.text.vocab_size})")
 
-    def to_hf_dict(self) -> dict[str, Any]:
-        """transformers-5 style `config.json` content (`rope_parameters`), loadable by `Qwen3VLConfig`."""
-        t, v = self.text, self.vision
-        text = {
-            "model_type": "qwen3_vl_text",
+    model_type: ClassVar[str]  # config.json's name of the family
+
+    def _hf_top(self, architecture: str, text: dict[str, Any], vision: dict[str, Any]) -> dict[str, Any]:
+        if self.bos_token_id is not None:
+            text["bos_token_id"] = self.bos_token_id
+        if self.eos_token_id is not None:
+            text["eos_token_id"] = self.eos_token_id
+        return {
+            "architectures": [architecture],
+            "model_type": self.model_type,
+            "image_token_id": self.image_token_id,
+            "video_token_id": self.video_token_id,
+            "vision_start_token_id": self.vision_start_token_id,
+            "vision_end_token_id": self.vision_end_token_id,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "text_config": text,
+            "vision_config": vision,
+        }
+
+    def _hf_text(self, model_type: str) -> dict[str, Any]:
+        t = self.text
+        return {
+            "model_type": model_type,
             "vocab_size": t.vocab_size,
             "hidden_size": t.hidden_size,
             "intermediate_size": t.intermediate_size,
@@ -172,7 +194,6 @@ class Qwen3VLConfig:
             "hidden_act": t.hidden_act,
             "rms_norm_eps": t.rms_norm_eps,
             "max_position_embeddings": t.max_position_embeddings,
-            "attention_bias": t.attention_bias,
             "attention_dropout": 0.0,
             "rope_parameters": {
                 "rope_type": "default",
@@ -182,10 +203,27 @@ class Qwen3VLConfig:
             },
             "tie_word_embeddings": self.tie_word_embeddings,
         }
-        if self.bos_token_id is not None:
-            text["bos_token_id"] = self.bos_token_id
-        if self.eos_token_id is not None:
-            text["eos_token_id"] = self.eos_token_id
+
+
+@dataclass(frozen=True)
+class Qwen3VLConfig(_VLConfig):
+    """Qwen3-VL: text decoder, vision tower with deepstack, special token ids, embedding tying."""
+
+    model_type: ClassVar[str] = "qwen3_vl"
+    vision: VisionConfig
+
+    def validate(self) -> None:
+        super().validate()
+        if len(self.vision.deepstack_visual_indexes) > self.text.num_hidden_layers:
+            raise ConfigError(
+                f"len(deepstack_visual_indexes)={len(self.vision.deepstack_visual_indexes)} must be <= "
+                f"text_config.num_hidden_layers={self.text.num_hidden_layers} (deepstack k is added after decoder layer k)"
+            )
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """transformers-5 style `config.json` content (`rope_parameters`), loadable by `Qwen3VLConfig`."""
+        v = self.vision
+        text = dict(self._hf_text("qwen3_vl_text"), attention_bias=self.text.attention_bias)
         vision = {
             "model_type": "qwen3_vl_vision",
             "depth": v.depth,
@@ -202,20 +240,10 @@ class Qwen3VLConfig:
             "hidden_act": v.hidden_act,
             "rope_parameters": {"rope_type": "axial", "rope_theta": v.rope_theta},
         }
-        return {
-            "architectures": ["Qwen3VLForConditionalGeneration"],
-            "model_type": "qwen3_vl",
-            "image_token_id": self.image_token_id,
-            "video_token_id": self.video_token_id,
-            "vision_start_token_id": self.vision_start_token_id,
-            "vision_end_token_id": self.vision_end_token_id,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "text_config": text,
-            "vision_config": vision,
-        }
+        return self._hf_top("Qwen3VLForConditionalGeneration", text, vision)
 
 
-def _rope_from_text_dict(t: dict[str, Any]) -> tuple[float, tuple[int, ...], bool]:
+def _rope_from_text_dict(t: dict[str, Any], interleaved_default: bool) -> tuple[float, tuple[int, ...], bool]:
     """(rope_theta, mrope_section, interleaved) from either `rope_parameters` or `rope_scaling`+`rope_theta`."""
     params = t.get("rope_parameters")
     if params is None:
@@ -229,31 +257,26 @@ def _rope_from_text_dict(t: dict[str, Any]) -> tuple[float, tuple[int, ...], boo
         raise ConfigError("text_config has no rope_theta (looked in rope_parameters, rope_scaling and rope_theta)")
     if "mrope_section" not in params:
         raise ConfigError("text_config has no mrope_section (looked in rope_parameters and rope_scaling)")
-    return float(params["rope_theta"]), tuple(int(s) for s in params["mrope_section"]), bool(params.get("mrope_interleaved", True))
+    return float(params["rope_theta"]), tuple(int(s) for s in params["mrope_section"]), bool(params.get("mrope_interleaved", interleaved_default))
 
 
-def from_hf_dict(d: dict[str, Any]) -> Qwen3VLConfig:
-    """Parse an HF Qwen3-VL `config.json` dict (released or transformers-5 layout)."""
-    if d.get("model_type", "qwen3_vl") != "qwen3_vl":
-        raise ConfigError(f"config model_type={d.get('model_type')!r}, expected 'qwen3_vl'")
-    for key in ("text_config", "vision_config"):
-        if not isinstance(d.get(key), dict):
-            raise ConfigError(f"config has no {key!r} object")
-    t, v = d["text_config"], d["vision_config"]
+def _need(sub: dict[str, Any], name: str, key: str) -> Any:
+    if key not in sub:
+        raise ConfigError(f"config {name}.{key} is missing")
+    return sub[key]
 
-    def need(sub: dict[str, Any], name: str, key: str) -> Any:
-        if key not in sub:
-            raise ConfigError(f"config {name}.{key} is missing")
-        return sub[key]
 
-    theta, section, interleaved = _rope_from_text_dict(t)
-    heads = int(need(t, "text_config", "num_attention_heads"))
-    hidden = int(need(t, "text_config", "hidden_size"))
-    text = TextConfig(
-        vocab_size=int(need(t, "text_config", "vocab_size")),
+def _text_from_dict(t: dict[str, Any], *, interleaved_default: bool, attention_bias: bool | None, qk_norm: bool,
+                    max_positions_default: int) -> TextConfig:
+    """The text decoder of either family; `attention_bias=None` reads it from the dict."""
+    theta, section, interleaved = _rope_from_text_dict(t, interleaved_default)
+    heads = int(_need(t, "text_config", "num_attention_heads"))
+    hidden = int(_need(t, "text_config", "hidden_size"))
+    return TextConfig(
+        vocab_size=int(_need(t, "text_config", "vocab_size")),
         hidden_size=hidden,
-        intermediate_size=int(need(t, "text_config", "intermediate_size")),
-        num_hidden_layers=int(need(t, "text_config", "num_hidden_layers")),
+        intermediate_size=int(_need(t, "text_config", "intermediate_size")),
+        num_hidden_layers=int(_need(t, "text_config", "num_hidden_layers")),
         num_attention_heads=heads,
         num_key_value_heads=int(t.get("num_key_value_heads") or heads),
         head_dim=int(t.get("head_dim") or hidden // heads),
@@ -261,10 +284,21 @@ def from_hf_dict(d: dict[str, Any]) -> Qwen3VLConfig:
         rope_theta=theta,
         mrope_section=section,  # type: ignore[arg-type]
         mrope_interleaved=interleaved,
-        max_position_embeddings=int(t.get("max_position_embeddings", 262144)),
+        max_position_embeddings=int(t.get("max_position_embeddings", max_positions_default)),
         hidden_act=str(t.get("hidden_act", "silu")),
-        attention_bias=bool(t.get("attention_bias", False)),
+        attention_bias=bool(t.get("attention_bias", False)) if attention_bias is None else attention_bias,
+        qk_norm=qk_norm,
     )
+
+
+def qwen3_vl_from_hf_dict(d: dict[str, Any]) -> Qwen3VLConfig:
+    """Parse an HF Qwen3-VL `config.json` dict (released or transformers-5 layout)."""
+    for key in ("text_config", "vision_config"):
+        if not isinstance(d.get(key), dict):
+            raise ConfigError(f"config has no {key!r} object")
+    t, v = d["text_config"], d["vision_config"]
+    need = _need
+    text = _text_from_dict(t, interleaved_default=True, attention_bias=None, qk_norm=True, max_positions_default=262144)
     vrope = v.get("rope_parameters") or {}
     vision = VisionConfig(
         depth=int(need(v, "vision_config", "depth")),
@@ -281,13 +315,16 @@ def from_hf_dict(d: dict[str, Any]) -> Qwen3VLConfig:
         hidden_act=str(v.get("hidden_act", "gelu_pytorch_tanh")),
         rope_theta=float(vrope.get("rope_theta", 10000.0)),
     )
-    # transformers reads the top-level flag; released 2B also repeats it inside text_config.
+    return Qwen3VLConfig(text=text, vision=vision, **_top_level_fields(d, t, known=set()))
+
+
+def _top_level_fields(d: dict[str, Any], t: dict[str, Any], known: set[str]) -> dict[str, Any]:
+    """Special token ids, tying, bos/eos and the keys we do not model (`extra`); `known`: more keys we read."""
+    # transformers reads the top-level flag; released checkpoints also repeat it inside text_config.
     tie = d.get("tie_word_embeddings", t.get("tie_word_embeddings", False))
-    known = {"text_config", "vision_config", "image_token_id", "video_token_id", "vision_start_token_id",
-             "vision_end_token_id", "tie_word_embeddings"}
-    return Qwen3VLConfig(
-        text=text,
-        vision=vision,
+    known = known | {"text_config", "vision_config", "image_token_id", "video_token_id", "vision_start_token_id",
+                     "vision_end_token_id", "tie_word_embeddings"}
+    return dict(
         image_token_id=int(d.get("image_token_id", 151655)),
         video_token_id=int(d.get("video_token_id", 151656)),
         vision_start_token_id=int(d.get("vision_start_token_id", 151652)),
@@ -297,6 +334,162 @@ def from_hf_dict(d: dict[str, Any]) -> Qwen3VLConfig:
         eos_token_id=t.get("eos_token_id", d.get("eos_token_id")),
         extra={k: val for k, val in d.items() if k not in known},
     )
+
+
+# ----------------------------------------------------------------------------- Qwen2.5-VL
+
+
+@dataclass(frozen=True)
+class Qwen25VisionConfig:
+    """Qwen2.5-VL vision tower (HF `vision_config`): window attention except at `fullatt_block_indexes`,
+    RMSNorm + gated (SwiGLU) block MLP, no learned position table, no deepstack."""
+
+    depth: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    out_hidden_size: int
+    window_size: int = 112  # pixels per attention-window side
+    fullatt_block_indexes: tuple[int, ...] = (7, 15, 23, 31)
+    in_channels: int = 3
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    hidden_act: str = "silu"
+    tokens_per_second: int = 2
+    rope_theta: float = 10000.0
+
+    head_dim = VisionConfig.head_dim
+    patch_dim = VisionConfig.patch_dim
+    merge_unit = VisionConfig.merge_unit
+
+    @property
+    def deepstack_visual_indexes(self) -> tuple[int, ...]:
+        return ()
+
+    @property
+    def gated_mlp(self) -> bool:
+        return True
+
+    @property
+    def window_merged_side(self) -> int:
+        """Merged tokens per attention-window side (window_size // merge // patch)."""
+        return self.window_size // self.spatial_merge_size // self.patch_size
+
+    def validate(self) -> None:
+        if self.hidden_size % self.num_heads:
+            raise ConfigError(f"vision_config.hidden_size={self.hidden_size} must be divisible by num_heads={self.num_heads}")
+        if self.head_dim % 4:
+            raise ConfigError(f"vision head_dim={self.head_dim} must be divisible by 4 (2-D rotary over h and w)")
+        if self.window_merged_side < 1:
+            raise ConfigError(
+                f"vision_config.window_size={self.window_size} must be at least spatial_merge_size * patch_size = "
+                f"{self.spatial_merge_size * self.patch_size} pixels (one merged token)"
+            )
+        if any(i < 0 or i >= self.depth for i in self.fullatt_block_indexes):
+            raise ConfigError(
+                f"vision_config.fullatt_block_indexes={list(self.fullatt_block_indexes)} must lie in [0, depth={self.depth})"
+            )
+        if self.hidden_act not in _SUPPORTED_VISION_ACTS:
+            raise ConfigError(f"vision_config.hidden_act={self.hidden_act!r} unsupported; expected one of {_SUPPORTED_VISION_ACTS}")
+
+
+@dataclass(frozen=True)
+class Qwen25VLConfig(_VLConfig):
+    """Qwen2.5-VL: a Qwen2 text decoder (q/k/v bias, no q/k norm, contiguous M-RoPE) and a windowed ViT."""
+
+    model_type: ClassVar[str] = "qwen2_5_vl"
+    vision: Qwen25VisionConfig
+
+    def validate(self) -> None:
+        super().validate()
+        if self.text.mrope_interleaved:
+            raise ConfigError("Qwen2.5-VL's M-RoPE is contiguous (t, h, w sections in order); mrope_interleaved must be false")
+        t = self.text
+        if t.head_dim * t.num_attention_heads != t.hidden_size or t.qk_norm or not t.attention_bias:
+            raise ConfigError(
+                f"Qwen2.5-VL's text decoder is Qwen2's: head_dim ({t.head_dim}) * num_attention_heads "
+                f"({t.num_attention_heads}) must equal hidden_size ({t.hidden_size}), with q/k/v bias and no q/k norm"
+            )
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """transformers-5 style `config.json` content, loadable by `Qwen2_5_VLConfig`."""
+        v = self.vision
+        text = self._hf_text("qwen2_5_vl_text")
+        del text["head_dim"], text["rope_parameters"]["mrope_interleaved"]  # Qwen2 derives head_dim; sections are contiguous
+        vision = {
+            "model_type": "qwen2_5_vl_vision",
+            "depth": v.depth,
+            "hidden_size": v.hidden_size,
+            "intermediate_size": v.intermediate_size,
+            "num_heads": v.num_heads,
+            "in_channels": v.in_channels,
+            "patch_size": v.patch_size,
+            "temporal_patch_size": v.temporal_patch_size,
+            "spatial_merge_size": v.spatial_merge_size,
+            "out_hidden_size": v.out_hidden_size,
+            "window_size": v.window_size,
+            "fullatt_block_indexes": list(v.fullatt_block_indexes),
+            "tokens_per_second": v.tokens_per_second,
+            "hidden_act": v.hidden_act,
+            "rope_parameters": {"rope_type": "axial", "rope_theta": v.rope_theta},
+        }
+        return self._hf_top("Qwen2_5_VLForConditionalGeneration", text, vision)
+
+
+# Keys of a released (flat) Qwen2.5-VL config.json that describe the text decoder.
+_FLAT_TEXT_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                   "num_key_value_heads", "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters",
+                   "max_position_embeddings", "hidden_act", "bos_token_id", "eos_token_id", "use_sliding_window")
+
+
+def qwen2_5_vl_from_hf_dict(d: dict[str, Any]) -> Qwen25VLConfig:
+    """Parse an HF Qwen2.5-VL `config.json` dict: released (text fields at the top level, `rope_scaling`) or
+    transformers-5 (`text_config` with `rope_parameters`)."""
+    if not isinstance(d.get("vision_config"), dict):
+        raise ConfigError("config has no 'vision_config' object")
+    t = d.get("text_config")
+    flat = not isinstance(t, dict)
+    if flat:
+        t = {k: d[k] for k in _FLAT_TEXT_KEYS if k in d}
+    if t.get("use_sliding_window"):
+        raise ConfigError("text_config.use_sliding_window=true is not supported (released Qwen2.5-VL checkpoints set false)")
+    text = _text_from_dict(t, interleaved_default=False, attention_bias=True, qk_norm=False, max_positions_default=128000)
+    v = d["vision_config"]
+    vrope = v.get("rope_parameters") or {}
+    vision = Qwen25VisionConfig(
+        depth=int(_need(v, "vision_config", "depth")),
+        hidden_size=int(_need(v, "vision_config", "hidden_size")),
+        intermediate_size=int(_need(v, "vision_config", "intermediate_size")),
+        num_heads=int(_need(v, "vision_config", "num_heads")),
+        out_hidden_size=int(_need(v, "vision_config", "out_hidden_size")),
+        window_size=int(v.get("window_size", 112)),
+        fullatt_block_indexes=tuple(int(i) for i in v.get("fullatt_block_indexes", (7, 15, 23, 31))),
+        in_channels=int(v.get("in_channels", v.get("in_chans", 3))),
+        patch_size=int(v.get("patch_size", v.get("spatial_patch_size", 14))),
+        temporal_patch_size=int(v.get("temporal_patch_size", 2)),
+        spatial_merge_size=int(v.get("spatial_merge_size", 2)),
+        hidden_act=str(v.get("hidden_act", "silu")),
+        tokens_per_second=int(v.get("tokens_per_second", 2)),
+        rope_theta=float(vrope.get("rope_theta", 10000.0)),
+    )
+    return Qwen25VLConfig(text=text, vision=vision, **_top_level_fields(d, t, known=set(_FLAT_TEXT_KEYS) if flat else set()))
+
+
+# The one dispatch on `config.json`'s model_type: which family's parser reads it.
+FAMILY_PARSERS: dict[str, Callable[[dict[str, Any]], Any]] = {
+    Qwen3VLConfig.model_type: qwen3_vl_from_hf_dict,
+    Qwen25VLConfig.model_type: qwen2_5_vl_from_hf_dict,
+}
+ModelConfig = Qwen3VLConfig | Qwen25VLConfig
+
+
+def from_hf_dict(d: dict[str, Any]) -> ModelConfig:
+    """Parse an HF `config.json` dict of any supported family (its `model_type`; default qwen3_vl)."""
+    model_type = d.get("model_type", "qwen3_vl")
+    if model_type not in FAMILY_PARSERS:
+        raise ConfigError(f"config model_type={model_type!r} is not supported; expected one of {tuple(FAMILY_PARSERS)}")
+    return FAMILY_PARSERS[model_type](d)
 
 
 def qwen3_vl_2b_instruct() -> Qwen3VLConfig:
@@ -362,15 +555,48 @@ def small_model_config() -> Qwen3VLConfig:
     )
 
 
+def qwen2_5_vl_3b_instruct() -> Qwen25VLConfig:
+    """Qwen2.5-VL-3B-Instruct architecture (tied embeddings, 36 layers, GQA 16/2, windowed 32-block ViT)."""
+    return Qwen25VLConfig(
+        text=TextConfig(
+            vocab_size=151936,
+            hidden_size=2048,
+            intermediate_size=11008,
+            num_hidden_layers=36,
+            num_attention_heads=16,
+            num_key_value_heads=2,
+            head_dim=128,
+            rms_norm_eps=1e-6,
+            rope_theta=1_000_000.0,
+            mrope_section=(16, 24, 24),
+            mrope_interleaved=False,
+            max_position_embeddings=128000,
+            attention_bias=True,
+            qk_norm=False,
+        ),
+        vision=Qwen25VisionConfig(
+            depth=32,
+            hidden_size=1280,
+            intermediate_size=3420,
+            num_heads=16,
+            out_hidden_size=2048,
+            window_size=112,
+            fullatt_block_indexes=(7, 15, 23, 31),
+        ),
+        tie_word_embeddings=True,
+    )
+
+
 # The one table of named architectures (the benchmark's `--model`, tests). The `tiny` test model is not
 # here: its special-token ids come from the tiny tokenizer that `jaxrl_vlm.tiny` trains.
-MODEL_PRESETS: dict[str, Callable[[], Qwen3VLConfig]] = {
+MODEL_PRESETS: dict[str, Callable[[], ModelConfig]] = {
     "small": small_model_config,
     "qwen3_vl_2b": qwen3_vl_2b_instruct,
+    "qwen2_5_vl_3b": qwen2_5_vl_3b_instruct,
 }
 
 
-def preset_config(name: str) -> Qwen3VLConfig:
+def preset_config(name: str) -> ModelConfig:
     """The config of the architecture preset `name` (a key of `MODEL_PRESETS`)."""
     if name not in MODEL_PRESETS:
         raise ValueError(f"unknown model preset {name!r}; choose one of {tuple(MODEL_PRESETS)}")

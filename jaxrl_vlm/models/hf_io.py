@@ -1,4 +1,10 @@
-"""Hugging Face checkpoint import/export for the Flax Qwen3-VL.
+"""Hugging Face checkpoint import/export for the Flax Qwen-VL families (Qwen3-VL, Qwen2.5-VL).
+
+The family comes from `config.json`'s model_type (`config.from_hf_dict`); `MODEL_CLASSES` and the
+per-family weight links below are keyed by the config's type. Tensor names are transformers 5's
+(`model.language_model.*`, `model.visual.*`); checkpoints that use the older names (`model.layers.*`,
+`visual.*`: released Qwen2.5-VL, and what transformers 5 itself saves for Qwen2.5-VL) are read through the
+same renaming transformers applies, and Qwen2.5-VL is exported under the older names.
 
 Import reads `model.safetensors` or shards listed in `model.safetensors.index.json` through our own
 memory-mapped safetensors reader (bf16 included, via ml_dtypes), converts torch layouts to ours with
@@ -28,8 +34,9 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from jaxrl_vlm.models.config import Qwen3VLConfig, from_hf_dict
-from jaxrl_vlm.models.qwen3_vl import Qwen3VL
+from jaxrl_vlm.models.config import ModelConfig, Qwen3VLConfig, Qwen25VLConfig, from_hf_dict
+from jaxrl_vlm.models.qwen2_5_vl import Qwen25VL
+from jaxrl_vlm.models.qwen3_vl import Qwen3VL, VisionLanguageDecoder
 
 Path_ = tuple[str | int, ...]
 ShardingsFor = Callable[[tuple[str | None, ...]], jax.sharding.Sharding]
@@ -83,9 +90,10 @@ class SafetensorsReader:
             if not file.exists():
                 raise CheckpointError(f"{file}: listed in the index but missing")
             header, data_start = read_safetensors_header(file)
-            for key, entry in header.items():
-                if key == "__metadata__":
+            for stored, entry in header.items():
+                if stored == "__metadata__":
                     continue
+                key = current_tensor_name(stored)
                 if key in self._entries:
                     raise CheckpointError(f"{file}: tensor {key!r} also appears in {self._entries[key][0]}")
                 self._entries[key] = (name, entry, data_start)
@@ -106,6 +114,26 @@ class SafetensorsReader:
         begin, end = entry["data_offsets"]
         raw = self._maps[name][data_start + begin : data_start + end]
         return raw.view(_ST_DTYPES[entry["dtype"]]).reshape(entry["shape"])
+
+
+def current_tensor_name(key: str) -> str:
+    """transformers-5 name of a tensor stored under the older Qwen-VL layout (released Qwen2.5-VL):
+    `model.X` -> `model.language_model.X`, `visual.X` -> `model.visual.X`; other names unchanged."""
+    if key.startswith("visual."):
+        return "model." + key
+    if key.startswith("model.") and not key.startswith(("model.language_model.", "model.visual.")):
+        return "model.language_model." + key[len("model."):]
+    return key
+
+
+def stored_tensor_name(key: str) -> str:
+    """The older layout's name of a transformers-5 tensor name (inverse of `current_tensor_name`). transformers
+    still saves Qwen2.5-VL this way, as released checkpoints are, so our Qwen2.5-VL exports do too."""
+    if key.startswith("model.visual."):
+        return key[len("model."):]
+    if key.startswith("model.language_model."):
+        return "model." + key[len("model.language_model."):]
+    return key
 
 
 def read_safetensors_header(file: Path) -> tuple[dict[str, Any], int]:
@@ -171,9 +199,9 @@ def _heads_out(key: str, n: int, h: int, d: int, path: Path_) -> _Link:
     )
 
 
-def weight_links(cfg: Qwen3VLConfig) -> list[_Link]:
-    """Every HF tensor of `Qwen3VLForConditionalGeneration` and where it lives in our model."""
-    t, v = cfg.text, cfg.vision
+def _text_links(cfg: ModelConfig) -> list[_Link]:
+    """The text decoder's tensors (shared by the families; q/k/v biases and q/k norms as the config says)."""
+    t = cfg.text
     d, n, kv, h, f = t.hidden_size, t.num_attention_heads, t.num_key_value_heads, t.head_dim, t.intermediate_size
     out: list[_Link] = [_copy("model.language_model.embed_tokens.weight", (t.vocab_size, d), ("embed_vd",))]
     for i in range(t.num_hidden_layers):
@@ -184,8 +212,19 @@ def weight_links(cfg: Qwen3VLConfig) -> list[_Link]:
             _heads_in(hf + "self_attn.k_proj.weight", kv, h, d, me + ("attn", "k_kernel_dkh")),
             _heads_in(hf + "self_attn.v_proj.weight", kv, h, d, me + ("attn", "v_kernel_dkh")),
             _heads_out(hf + "self_attn.o_proj.weight", n, h, d, me + ("attn", "o_kernel_nhd")),
-            _copy(hf + "self_attn.q_norm.weight", (h,), me + ("attn", "q_norm", "scale")),
-            _copy(hf + "self_attn.k_norm.weight", (h,), me + ("attn", "k_norm", "scale")),
+        ]
+        if t.attention_bias:
+            out += [
+                _split_heads(hf + "self_attn.q_proj.bias", n, h, me + ("attn", "q_bias_nh")),
+                _split_heads(hf + "self_attn.k_proj.bias", kv, h, me + ("attn", "k_bias_kh")),
+                _split_heads(hf + "self_attn.v_proj.bias", kv, h, me + ("attn", "v_bias_kh")),
+            ]
+        if t.qk_norm:
+            out += [
+                _copy(hf + "self_attn.q_norm.weight", (h,), me + ("attn", "q_norm", "scale")),
+                _copy(hf + "self_attn.k_norm.weight", (h,), me + ("attn", "k_norm", "scale")),
+            ]
+        out += [
             _dense(hf + "mlp.gate_proj.weight", f, d, me + ("mlp", "gate_kernel_df")),
             _dense(hf + "mlp.up_proj.weight", f, d, me + ("mlp", "up_kernel_df")),
             _dense(hf + "mlp.down_proj.weight", d, f, me + ("mlp", "down_kernel_fd")),
@@ -195,45 +234,81 @@ def weight_links(cfg: Qwen3VLConfig) -> list[_Link]:
     out.append(_copy("model.language_model.norm.weight", (d,), ("final_norm", "scale")))
     if not cfg.tie_word_embeddings:
         out.append(_dense("lm_head.weight", t.vocab_size, d, ("lm_head_dv",)))
+    return out
 
-    vd, vn, vh, vf = v.hidden_size, v.num_heads, v.head_dim, v.intermediate_size
-    p, ct = v.patch_size, (v.in_channels, v.temporal_patch_size)
-    conv_shape = (vd, ct[0], ct[1], p, p)
-    out += [
+
+def _split_heads(key: str, n: int, h: int, path: Path_) -> _Link:
+    """torch bias [n*h] <-> ours [n, h]."""
+    return _Link(key, (n * h,), (path,), lambda b: (b.reshape(n, h),), lambda xs: xs[0].reshape(n * h))
+
+
+def _patch_embed_link(v: Any, *, bias: bool) -> list[_Link]:
+    vd, p = v.hidden_size, v.patch_size
+    conv_shape = (vd, v.in_channels, v.temporal_patch_size, p, p)
+    out = [
         _Link(
             "model.visual.patch_embed.proj.weight",
             conv_shape,
             (("visual", "patch_kernel_cd"),),
             lambda w: (w.reshape(vd, -1).T,),
             lambda xs: xs[0].T.reshape(conv_shape),
-        ),
-        _copy("model.visual.patch_embed.proj.bias", (vd,), ("visual", "patch_bias_d")),
-        _copy("model.visual.pos_embed.weight", (v.num_position_embeddings, vd), ("visual", "pos_embed_sd")),
+        )
     ]
+    if bias:
+        out.append(_copy("model.visual.patch_embed.proj.bias", (vd,), ("visual", "patch_bias_d")))
+    return out
+
+
+def _vision_attention_links(hf: str, me: Path_, v: Any) -> list[_Link]:
+    """A ViT block's fused qkv and output projection (`VisionAttentionParams`), shared by the families."""
+    vd, vn, vh = v.hidden_size, v.num_heads, v.head_dim
+    return [
+        _Link(
+            hf + "attn.qkv.weight",
+            (3 * vd, vd),
+            (me + ("q_kernel_dnh",), me + ("k_kernel_dnh",), me + ("v_kernel_dnh",)),
+            lambda w: tuple(w.reshape(3, vn, vh, vd)[j].transpose(2, 0, 1) for j in range(3)),
+            lambda xs: np.stack([x.transpose(1, 2, 0) for x in xs]).reshape(3 * vd, vd),
+        ),
+        _Link(
+            hf + "attn.qkv.bias",
+            (3 * vd,),
+            (me + ("q_bias_nh",), me + ("k_bias_nh",), me + ("v_bias_nh",)),
+            lambda b: tuple(b.reshape(3, vn, vh)[j] for j in range(3)),
+            lambda xs: np.stack(list(xs)).reshape(3 * vd),
+        ),
+        _heads_out(hf + "attn.proj.weight", vn, vh, vd, me + ("o_kernel_nhd",)),
+        _copy(hf + "attn.proj.bias", (vd,), me + ("o_bias_d",)),
+    ]
+
+
+def _merger_links(hf: str, me: Path_, v: Any, norm_dim: int, *, norm: str, norm_bias: bool, fc1: str, fc2: str) -> list[_Link]:
+    m = v.hidden_size * v.merge_unit
+    out = [_copy(hf + norm + ".weight", (norm_dim,), me + ("norm", "scale"))]
+    if norm_bias:
+        out.append(_copy(hf + norm + ".bias", (norm_dim,), me + ("norm", "bias")))
+    return out + [
+        _dense(hf + fc1 + ".weight", m, m, me + ("fc1_kernel_mf",)),
+        _copy(hf + fc1 + ".bias", (m,), me + ("fc1_bias_f",)),
+        _dense(hf + fc2 + ".weight", v.out_hidden_size, m, me + ("fc2_kernel_fd",)),
+        _copy(hf + fc2 + ".bias", (v.out_hidden_size,), me + ("fc2_bias_d",)),
+    ]
+
+
+def _qwen3_vl_vision_links(cfg: Qwen3VLConfig) -> list[_Link]:
+    v = cfg.vision
+    vd, vf = v.hidden_size, v.intermediate_size
+    out = _patch_embed_link(v, bias=True)
+    out.append(_copy("model.visual.pos_embed.weight", (v.num_position_embeddings, vd), ("visual", "pos_embed_sd")))
     for i in range(v.depth):
         hf = f"model.visual.blocks.{i}."
-        me = ("visual", "blocks", i)
+        me: Path_ = ("visual", "blocks", i)
         out += [
             _copy(hf + "norm1.weight", (vd,), me + ("norm1", "scale")),
             _copy(hf + "norm1.bias", (vd,), me + ("norm1", "bias")),
             _copy(hf + "norm2.weight", (vd,), me + ("norm2", "scale")),
             _copy(hf + "norm2.bias", (vd,), me + ("norm2", "bias")),
-            _Link(
-                hf + "attn.qkv.weight",
-                (3 * vd, vd),
-                (me + ("q_kernel_dnh",), me + ("k_kernel_dnh",), me + ("v_kernel_dnh",)),
-                lambda w: tuple(w.reshape(3, vn, vh, vd)[j].transpose(2, 0, 1) for j in range(3)),
-                lambda xs: np.stack([x.transpose(1, 2, 0) for x in xs]).reshape(3 * vd, vd),
-            ),
-            _Link(
-                hf + "attn.qkv.bias",
-                (3 * vd,),
-                (me + ("q_bias_nh",), me + ("k_bias_nh",), me + ("v_bias_nh",)),
-                lambda b: tuple(b.reshape(3, vn, vh)[j] for j in range(3)),
-                lambda xs: np.stack(list(xs)).reshape(3 * vd),
-            ),
-            _heads_out(hf + "attn.proj.weight", vn, vh, vd, me + ("o_kernel_nhd",)),
-            _copy(hf + "attn.proj.bias", (vd,), me + ("o_bias_d",)),
+            *_vision_attention_links(hf, me, v),
             _dense(hf + "mlp.linear_fc1.weight", vf, vd, me + ("fc1_kernel_df",)),
             _copy(hf + "mlp.linear_fc1.bias", (vf,), me + ("fc1_bias_f",)),
             _dense(hf + "mlp.linear_fc2.weight", vd, vf, me + ("fc2_kernel_fd",)),
@@ -246,21 +321,61 @@ def weight_links(cfg: Qwen3VLConfig) -> list[_Link]:
         for j in range(len(v.deepstack_visual_indexes))
     ]
     for hf, me, norm_dim in mergers:
-        out += [
-            _copy(hf + "norm.weight", (norm_dim,), me + ("norm", "scale")),
-            _copy(hf + "norm.bias", (norm_dim,), me + ("norm", "bias")),
-            _dense(hf + "linear_fc1.weight", m, m, me + ("fc1_kernel_mf",)),
-            _copy(hf + "linear_fc1.bias", (m,), me + ("fc1_bias_f",)),
-            _dense(hf + "linear_fc2.weight", v.out_hidden_size, m, me + ("fc2_kernel_fd",)),
-            _copy(hf + "linear_fc2.bias", (v.out_hidden_size,), me + ("fc2_bias_d",)),
-        ]
+        out += _merger_links(hf, me, v, norm_dim, norm="norm", norm_bias=True, fc1="linear_fc1", fc2="linear_fc2")
     return out
+
+
+def _qwen2_5_vl_vision_links(cfg: Qwen25VLConfig) -> list[_Link]:
+    v = cfg.vision
+    vd, vf = v.hidden_size, v.intermediate_size
+    out = _patch_embed_link(v, bias=False)
+    for i in range(v.depth):
+        hf = f"model.visual.blocks.{i}."
+        me: Path_ = ("visual", "blocks", i)
+        out += [
+            _copy(hf + "norm1.weight", (vd,), me + ("norm1", "scale")),
+            _copy(hf + "norm2.weight", (vd,), me + ("norm2", "scale")),
+            *_vision_attention_links(hf, me, v),
+        ]
+        for name, ours in (("gate_proj", "gate"), ("up_proj", "up")):
+            out += [
+                _dense(hf + f"mlp.{name}.weight", vf, vd, me + (f"{ours}_kernel_df",)),
+                _copy(hf + f"mlp.{name}.bias", (vf,), me + (f"{ours}_bias_f",)),
+            ]
+        out += [
+            _dense(hf + "mlp.down_proj.weight", vd, vf, me + ("down_kernel_fd",)),
+            _copy(hf + "mlp.down_proj.bias", (vd,), me + ("down_bias_d",)),
+        ]
+    out += _merger_links("model.visual.merger.", ("visual", "merger"), v, vd, norm="ln_q", norm_bias=False,
+                         fc1="mlp.0", fc2="mlp.2")
+    return out
+
+
+# Per family (by config type): the model class and the HF tensors of its vision tower.
+MODEL_CLASSES: dict[type, type[VisionLanguageDecoder]] = {Qwen3VLConfig: Qwen3VL, Qwen25VLConfig: Qwen25VL}
+_VISION_LINKS: dict[type, Callable[[Any], list[_Link]]] = {
+    Qwen3VLConfig: _qwen3_vl_vision_links,
+    Qwen25VLConfig: _qwen2_5_vl_vision_links,
+}
+
+
+def model_class(cfg: ModelConfig) -> type[VisionLanguageDecoder]:
+    """The Flax model class of `cfg`'s family."""
+    if type(cfg) not in MODEL_CLASSES:
+        raise TypeError(f"no model for config type {type(cfg).__name__}; supported: {[c.__name__ for c in MODEL_CLASSES]}")
+    return MODEL_CLASSES[type(cfg)]
+
+
+def weight_links(cfg: ModelConfig) -> list[_Link]:
+    """Every HF tensor of the family's `...ForConditionalGeneration` and where it lives in our model."""
+    model_class(cfg)  # a clear error for an unknown family
+    return _text_links(cfg) + _VISION_LINKS[type(cfg)](cfg)
 
 
 # ----------------------------------------------------------------------------- import
 
 
-def load_hf_config(path: str | os.PathLike) -> Qwen3VLConfig:
+def load_hf_config(path: str | os.PathLike) -> ModelConfig:
     """Parse `<path>/config.json` (released `rope_scaling` or transformers-5 `rope_parameters`)."""
     file = Path(path) / "config.json"
     if not file.exists():
@@ -275,18 +390,19 @@ def load_hf_config(path: str | os.PathLike) -> Qwen3VLConfig:
         raise CheckpointError(f"{file}: {e}") from e
 
 
-def abstract_model(cfg: Qwen3VLConfig, **model_kwargs: Any) -> Qwen3VL:
-    """The model with `ShapeDtypeStruct` leaves: shapes, dtypes and axis names, no memory."""
-    return nnx.eval_shape(lambda: Qwen3VL(cfg, rngs=nnx.Rngs(0), **model_kwargs))
+def abstract_model(cfg: ModelConfig, **model_kwargs: Any) -> VisionLanguageDecoder:
+    """The model of `cfg`'s family with `ShapeDtypeStruct` leaves: shapes, dtypes and axis names, no memory."""
+    cls = model_class(cfg)
+    return nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0), **model_kwargs))
 
 
-def param_count(cfg: Qwen3VLConfig) -> int:
+def param_count(cfg: ModelConfig) -> int:
     """Number of parameters, from abstract shapes (nothing is allocated)."""
     state = nnx.state(abstract_model(cfg), nnx.Param)
     return int(sum(int(np.prod(var.get_value().shape)) for _, var in nnx.to_flat_state(state)))
 
 
-def check_checkpoint_keys(reader: SafetensorsReader, links: list[_Link], cfg: Qwen3VLConfig) -> None:
+def check_checkpoint_keys(reader: SafetensorsReader, links: list[_Link], cfg: ModelConfig) -> None:
     present = set(reader.keys())
     expected = {link.hf_key: link.hf_shape for link in links}
     tolerated = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
@@ -320,12 +436,12 @@ def from_hf(
     param_dtype: jnp.dtype = jnp.float32,
     shardings_for: ShardingsFor | None = None,
     **model_kwargs: Any,
-) -> Qwen3VL:
-    """Load an HF Qwen3-VL checkpoint directory into a `Qwen3VL`.
+) -> VisionLanguageDecoder:
+    """Load an HF checkpoint directory into the model of its family (`Qwen3VL` or `Qwen25VL`).
 
     shardings_for(logical_axis_names) -> Sharding places each parameter directly into its shards;
     without it parameters go to the default device. `model_kwargs` (compute_dtype, remat,
-    attention_impl) are passed to `Qwen3VL`.
+    attention_impl) are passed to the model class.
     """
     cfg = load_hf_config(path)
     reader = SafetensorsReader(path)
@@ -385,13 +501,16 @@ def _plan_shards(links: list[_Link], dtype: np.dtype, max_shard_bytes: int) -> l
     return shards
 
 
-def _write_shard(file: Path, links: list[_Link], dtype: np.dtype, fetch: Callable[[_Link], np.ndarray]) -> None:
-    """Header from shapes first, then each tensor appended in order (peak memory ~ one tensor)."""
+def _write_shard(
+    file: Path, links: list[_Link], dtype: np.dtype, fetch: Callable[[_Link], np.ndarray], stored: Callable[[str], str]
+) -> None:
+    """Header from shapes first, then each tensor appended in order (peak memory ~ one tensor); `stored` gives
+    the name a tensor has on disk."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for link in links:
         nbytes = _tensor_nbytes(link.hf_shape, dtype)
-        header[link.hf_key] = {"dtype": _ST_NAMES[dtype], "shape": list(link.hf_shape), "data_offsets": [offset, offset + nbytes]}
+        header[stored(link.hf_key)] = {"dtype": _ST_NAMES[dtype], "shape": list(link.hf_shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # data section 8-byte aligned, as the safetensors writer does
@@ -408,14 +527,14 @@ def _write_shard(file: Path, links: list[_Link], dtype: np.dtype, fetch: Callabl
 
 
 def to_hf(
-    model: Qwen3VL,
+    model: VisionLanguageDecoder,
     out_dir: str | os.PathLike,
     *,
     dtype: jnp.dtype = jnp.bfloat16,
     max_shard_bytes: int = 5 * 1024**3,
     copy_from: str | os.PathLike | None = None,
 ) -> Path:
-    """Write `model` as an HF Qwen3-VL checkpoint directory (HF names, torch layouts).
+    """Write `model` as an HF checkpoint directory of its family (HF names, torch layouts).
 
     Shards above `max_shard_bytes` get `model-0000i-of-0000n.safetensors` + index. config.json is
     copied unchanged from `copy_from` (with its tokenizer / processor / chat-template files and
@@ -435,9 +554,10 @@ def to_hf(
         parts = [np.asarray(jax.device_get(params[p].get_value())) for p in link.ours]
         return link.to_hf(parts)
 
+    stored = stored_tensor_name if isinstance(cfg, Qwen25VLConfig) else (lambda key: key)
     shards = _plan_shards(links, np_dtype, max_shard_bytes)
     if len(shards) == 1:
-        _write_shard(out / "model.safetensors", shards[0], np_dtype, fetch)
+        _write_shard(out / "model.safetensors", shards[0], np_dtype, fetch, stored)
         stale = out / "model.safetensors.index.json"
         if stale.exists():
             stale.unlink()
@@ -446,9 +566,9 @@ def to_hf(
         total = 0
         for i, shard in enumerate(shards):
             name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            _write_shard(out / name, shard, np_dtype, fetch)
+            _write_shard(out / name, shard, np_dtype, fetch, stored)
             for link in shard:
-                weight_map[link.hf_key] = name
+                weight_map[stored(link.hf_key)] = name
                 total += _tensor_nbytes(link.hf_shape, np_dtype)
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))

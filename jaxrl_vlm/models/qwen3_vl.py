@@ -1,7 +1,9 @@
 """Qwen3-VL (vision tower + deepstack mergers + text decoder) in plain Flax NNX.
 
 Semantics follow transformers' `modeling_qwen3_vl.py`; layouts are ours (einsum-friendly, shapes in
-names). Every parameter carries logical axis names (`out_sharding` metadata, not applied eagerly),
+names). The text side (`VisionLanguageDecoder`, decoder layers, M-RoPE, attention, log-probs) and the ViT
+attention and merger are shared with Qwen2.5-VL (`qwen2_5_vl.py`), which differs only where its config says
+(q/k/v bias instead of q/k norm, contiguous M-RoPE sections) and in its own vision tower. Every parameter carries logical axis names (`out_sharding` metadata, not applied eagerly),
 so `nnx.get_partition_spec(nnx.state(model))` yields them; `jaxrl_vlm.sharding.rules` maps them to mesh axes.
 
 Logical axis names:
@@ -37,7 +39,7 @@ from jaxrl_vlm.models.activation_sharding import (
     ROWS_VOCAB,
     constrain,
 )
-from jaxrl_vlm.models.config import Qwen3VLConfig
+from jaxrl_vlm.models.config import ModelConfig, Qwen3VLConfig, VisionConfig
 from jaxrl_vlm.models.flash_attention import flash_attention
 from jaxrl_vlm.models.rope import mrope_frequency_axis, rope_inv_freq
 from jaxrl_vlm.models.vision import VisionInputs
@@ -90,8 +92,9 @@ def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos + rotate_half(x) * sin
 
 
-def mrope_cos_sin(positions_3bt: jax.Array, cfg: Qwen3VLConfig, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
-    """Interleaved M-RoPE tables cos, sin [B, T, head_dim] from host positions [3, B, T]."""
+def mrope_cos_sin(positions_3bt: jax.Array, cfg: ModelConfig, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
+    """M-RoPE tables cos, sin [B, T, head_dim] from host positions [3, B, T] (interleaved or contiguous
+    sections, per `cfg.text.mrope_interleaved`; see `rope.mrope_frequency_axis`)."""
     inv_freq = jnp.asarray(rope_inv_freq(cfg.text.head_dim, cfg.text.rope_theta))  # [H/2]
     axis = jnp.asarray(mrope_frequency_axis(cfg))  # [H/2] in {0,1,2}
     pos = jnp.take(positions_3bt.astype(jnp.float32), axis, axis=0)  # [H/2, B, T]
@@ -187,10 +190,11 @@ class LayerNorm(nnx.Module):
 
 
 class TextAttention(nnx.Module):
-    """GQA self-attention with per-head q/k RMSNorm before M-RoPE. Factored so a KV-cache decode
-    path can call `project` and `attend` separately."""
+    """GQA self-attention with M-RoPE: per-head q/k RMSNorm before it (Qwen3, `text.qk_norm`) or q/k/v
+    projection biases (Qwen2, `text.attention_bias`). Factored so a KV-cache decode path can call
+    `project` and `output` separately."""
 
-    def __init__(self, cfg: Qwen3VLConfig, *, rngs: nnx.Rngs, param_dtype: jnp.dtype, compute_dtype: jnp.dtype):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, param_dtype: jnp.dtype, compute_dtype: jnp.dtype):
         t = cfg.text
         d, n, kv, h = t.hidden_size, t.num_attention_heads, t.num_key_value_heads, t.head_dim
         self.compute_dtype = compute_dtype
@@ -199,8 +203,15 @@ class TextAttention(nnx.Module):
         self.k_kernel_dkh = _param(rngs, (d, kv, h), ("embed", "kv_heads", "head_dim"), param_dtype)
         self.v_kernel_dkh = _param(rngs, (d, kv, h), ("embed", "kv_heads", "head_dim"), param_dtype)
         self.o_kernel_nhd = _param(rngs, (n, h, d), ("heads", "head_dim", "embed"), param_dtype)
-        self.q_norm = RMSNorm(h, t.rms_norm_eps, param_dtype=param_dtype)
-        self.k_norm = RMSNorm(h, t.rms_norm_eps, param_dtype=param_dtype)
+        self.has_bias = t.attention_bias
+        if t.attention_bias:
+            self.q_bias_nh = _param(None, (n, h), ("heads", "head_dim"), param_dtype, init="zeros")
+            self.k_bias_kh = _param(None, (kv, h), ("kv_heads", "head_dim"), param_dtype, init="zeros")
+            self.v_bias_kh = _param(None, (kv, h), ("kv_heads", "head_dim"), param_dtype, init="zeros")
+        self.has_qk_norm = t.qk_norm
+        if t.qk_norm:
+            self.q_norm = RMSNorm(h, t.rms_norm_eps, param_dtype=param_dtype)
+            self.k_norm = RMSNorm(h, t.rms_norm_eps, param_dtype=param_dtype)
 
     def project(self, x_btd: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [B, T, D] -> roped q [B, T, N, H], roped k [B, T, K, H], v [B, T, K, H]."""
@@ -209,7 +220,12 @@ class TextAttention(nnx.Module):
         q = constrain(jnp.einsum("btd,dnh->btnh", x, self.q_kernel_dnh[...].astype(cd)), ROWS_Q)
         k = constrain(jnp.einsum("btd,dkh->btkh", x, self.k_kernel_dkh[...].astype(cd)), ROWS_KV)
         v = constrain(jnp.einsum("btd,dkh->btkh", x, self.v_kernel_dkh[...].astype(cd)), ROWS_KV)
-        q, k = self.q_norm(q), self.k_norm(k)
+        if self.has_bias:
+            q = q + self.q_bias_nh[...].astype(cd)
+            k = k + self.k_bias_kh[...].astype(cd)
+            v = v + self.v_bias_kh[...].astype(cd)
+        if self.has_qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = cos[:, :, None, :], sin[:, :, None, :]
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
@@ -228,7 +244,7 @@ class TextAttention(nnx.Module):
 class TextMLP(nnx.Module):
     """SwiGLU: down(silu(gate x) * up x)."""
 
-    def __init__(self, cfg: Qwen3VLConfig, *, rngs: nnx.Rngs, param_dtype: jnp.dtype, compute_dtype: jnp.dtype):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, param_dtype: jnp.dtype, compute_dtype: jnp.dtype):
         d, f = cfg.text.hidden_size, cfg.text.intermediate_size
         self.compute_dtype = compute_dtype
         self.act_name = cfg.text.hidden_act
@@ -246,7 +262,7 @@ class TextMLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: Qwen3VLConfig, *, rngs: nnx.Rngs, param_dtype: jnp.dtype, compute_dtype: jnp.dtype):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, param_dtype: jnp.dtype, compute_dtype: jnp.dtype):
         eps = cfg.text.rms_norm_eps
         self.input_norm = RMSNorm(cfg.text.hidden_size, eps, param_dtype=param_dtype)
         self.attn = TextAttention(cfg, rngs=rngs, param_dtype=param_dtype, compute_dtype=compute_dtype)
@@ -276,17 +292,12 @@ _run_block_remat = nnx.remat(_run_block)
 # ----------------------------------------------------------------------------- vision tower
 
 
-class VisionBlock(nnx.Module):
-    """Pre-norm ViT block; attention only among patches of the same image frame, 2-D rotary."""
+class VisionAttentionParams(nnx.Module):
+    """q/k/v/o projections (with biases) of a ViT block, shared by the Qwen-VL families. The block keeps
+    them as its own attributes (HF's `attn.qkv` / `attn.proj`), so subclasses add only norms and MLP."""
 
-    def __init__(self, cfg: Qwen3VLConfig, *, rngs: nnx.Rngs, param_dtype: jnp.dtype, compute_dtype: jnp.dtype):
-        v = cfg.vision
-        d, n, h, f = v.hidden_size, v.num_heads, v.head_dim, v.intermediate_size
-        self.compute_dtype = compute_dtype
+    def _init_attention(self, d: int, n: int, h: int, rngs: nnx.Rngs, param_dtype: jnp.dtype) -> None:
         self.scale = h**-0.5
-        self.act_name = v.hidden_act
-        self.norm1 = LayerNorm(d, param_dtype=param_dtype)
-        self.norm2 = LayerNorm(d, param_dtype=param_dtype)
         qkv_names = ("vision_embed", "vision_heads", "vision_head_dim")
         self.q_kernel_dnh = _param(rngs, (d, n, h), qkv_names, param_dtype)
         self.k_kernel_dnh = _param(rngs, (d, n, h), qkv_names, param_dtype)
@@ -296,15 +307,12 @@ class VisionBlock(nnx.Module):
         self.v_bias_nh = _param(None, (n, h), qkv_names[1:], param_dtype, init="zeros")
         self.o_kernel_nhd = _param(rngs, (n, h, d), ("vision_heads", "vision_head_dim", "vision_embed"), param_dtype)
         self.o_bias_d = _param(None, (d,), ("vision_embed",), param_dtype, init="zeros")
-        self.fc1_kernel_df = _param(rngs, (d, f), ("vision_embed", "vision_mlp"), param_dtype)
-        self.fc1_bias_f = _param(None, (f,), ("vision_mlp",), param_dtype, init="zeros")
-        self.fc2_kernel_fd = _param(rngs, (f, d), ("vision_mlp", "vision_embed"), param_dtype)
-        self.fc2_bias_d = _param(None, (d,), ("vision_embed",), param_dtype, init="zeros")
 
-    def __call__(self, x_pd: jax.Array, cos: jax.Array, sin: jax.Array, mask: AttentionMask) -> jax.Array:
+    def attend(self, y_pd: jax.Array, cos: jax.Array, sin: jax.Array, mask: AttentionMask) -> jax.Array:
+        """Self-attention of normed patches y [P, D] among patches with equal mask ids, 2-D rotary; returns
+        the projected output [P, D] (bias included), to be added to the residual."""
         cd = self.compute_dtype
-        x_pd = constrain(x_pd, PATCH_HIDDEN)
-        y = self.norm1(x_pd).astype(cd)
+        y = y_pd.astype(cd)
         q = constrain(jnp.einsum("pd,dnh->pnh", y, self.q_kernel_dnh[...].astype(cd)), PATCH_HEADS) + self.q_bias_nh[...].astype(cd)
         k = constrain(jnp.einsum("pd,dnh->pnh", y, self.k_kernel_dnh[...].astype(cd)), PATCH_HEADS) + self.k_bias_nh[...].astype(cd)
         v = constrain(jnp.einsum("pd,dnh->pnh", y, self.v_kernel_dnh[...].astype(cd)), PATCH_HEADS) + self.v_bias_nh[...].astype(cd)
@@ -319,8 +327,30 @@ class VisionBlock(nnx.Module):
                 q_names=PATCH_HEADS_WHOLE, kv_names=PATCH_HEADS_WHOLE,
             )
         o = constrain(o[0], PATCH_HEADS)
-        x = x_pd + constrain(jnp.einsum("pnh,nhd->pd", o, self.o_kernel_nhd[...].astype(cd)), PATCH_HIDDEN)
-        x = x + self.o_bias_d[...].astype(cd)
+        out = constrain(jnp.einsum("pnh,nhd->pd", o, self.o_kernel_nhd[...].astype(cd)), PATCH_HIDDEN)
+        return out + self.o_bias_d[...].astype(cd)
+
+
+class VisionBlock(VisionAttentionParams):
+    """Pre-norm ViT block; attention only among patches of the same image frame, 2-D rotary."""
+
+    def __init__(self, cfg: Qwen3VLConfig, *, rngs: nnx.Rngs, param_dtype: jnp.dtype, compute_dtype: jnp.dtype):
+        v = cfg.vision
+        d, f = v.hidden_size, v.intermediate_size
+        self.compute_dtype = compute_dtype
+        self.act_name = v.hidden_act
+        self.norm1 = LayerNorm(d, param_dtype=param_dtype)
+        self.norm2 = LayerNorm(d, param_dtype=param_dtype)
+        self._init_attention(d, v.num_heads, v.head_dim, rngs, param_dtype)
+        self.fc1_kernel_df = _param(rngs, (d, f), ("vision_embed", "vision_mlp"), param_dtype)
+        self.fc1_bias_f = _param(None, (f,), ("vision_mlp",), param_dtype, init="zeros")
+        self.fc2_kernel_fd = _param(rngs, (f, d), ("vision_mlp", "vision_embed"), param_dtype)
+        self.fc2_bias_d = _param(None, (d,), ("vision_embed",), param_dtype, init="zeros")
+
+    def __call__(self, x_pd: jax.Array, cos: jax.Array, sin: jax.Array, mask: AttentionMask) -> jax.Array:
+        cd = self.compute_dtype
+        x_pd = constrain(x_pd, PATCH_HIDDEN)
+        x = x_pd + self.attend(self.norm1(x_pd), cos, sin, mask)
         y = self.norm2(x).astype(cd)
         hmid = constrain(jnp.einsum("pd,df->pf", y, self.fc1_kernel_df[...].astype(cd)), PATCH_MLP)
         hmid = _activation(self.act_name)(hmid + self.fc1_bias_f[...].astype(cd))
@@ -329,23 +359,26 @@ class VisionBlock(nnx.Module):
 
 
 class PatchMerger(nnx.Module):
-    """2x2 spatial merge -> MLP to the text width. Main merger: LayerNorm before the shuffle (over
-    vision_embed); deepstack mergers: LayerNorm after it (over 4 * vision_embed)."""
+    """2x2 spatial merge -> MLP to the text width. Main merger: norm before the shuffle (over
+    vision_embed); deepstack mergers: norm after it (over 4 * vision_embed). The norm is a LayerNorm
+    (Qwen3-VL) or, with `rms_norm`, an RMSNorm with eps 1e-6 (Qwen2.5-VL's `ln_q`)."""
 
     def __init__(
         self,
-        cfg: Qwen3VLConfig,
+        cfg: ModelConfig,
         *,
         postshuffle_norm: bool,
         rngs: nnx.Rngs,
         param_dtype: jnp.dtype,
         compute_dtype: jnp.dtype,
+        rms_norm: bool = False,
     ):
         v = cfg.vision
         self.merged_dim = v.hidden_size * v.merge_unit
         self.postshuffle_norm = postshuffle_norm
         self.compute_dtype = compute_dtype
-        self.norm = LayerNorm(self.merged_dim if postshuffle_norm else v.hidden_size, param_dtype=param_dtype)
+        norm_dim = self.merged_dim if postshuffle_norm else v.hidden_size
+        self.norm = RMSNorm(norm_dim, 1e-6, param_dtype=param_dtype) if rms_norm else LayerNorm(norm_dim, param_dtype=param_dtype)
         m = self.merged_dim
         self.fc1_kernel_mf = _param(rngs, (m, m), ("vision_merge", "vision_mlp"), param_dtype)
         self.fc1_bias_f = _param(None, (m,), ("vision_mlp",), param_dtype, init="zeros")
@@ -363,6 +396,15 @@ class PatchMerger(nnx.Module):
         hmid = jax.nn.gelu(hmid + self.fc1_bias_f[...].astype(cd), approximate=False)  # torch nn.GELU(): exact erf
         out = constrain(jnp.einsum("mf,fd->md", hmid, self.fc2_kernel_fd[...].astype(cd)), PATCH_HIDDEN)
         return out + self.fc2_bias_d[...].astype(cd)
+
+
+def vision_rotary_cos_sin(rotary_pos_p2: jax.Array, v: VisionConfig) -> tuple[jax.Array, jax.Array]:
+    """2-D rotary tables [P, 1, head_dim] (fp32): first half-dim h then w frequencies, duplicated."""
+    inv_freq = jnp.asarray(rope_inv_freq(v.head_dim // 2, v.rope_theta))  # [head_dim/4]
+    freqs = rotary_pos_p2.astype(jnp.float32)[..., None] * inv_freq  # [P, 2, head_dim/4]
+    freqs = freqs.reshape(freqs.shape[0], -1)  # [P, head_dim/2] = (h freqs, w freqs)
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, None, :]
+    return jnp.cos(emb), jnp.sin(emb)
 
 
 class VisionTower(nnx.Module):
@@ -398,14 +440,6 @@ class VisionTower(nnx.Module):
             [PatchMerger(cfg, postshuffle_norm=True, **kw) for _ in v.deepstack_visual_indexes]
         )
 
-    def rotary_cos_sin(self, rotary_pos_p2: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """2-D rotary tables [P, 1, head_dim] (fp32): first half-dim h then w frequencies, duplicated."""
-        v = self.cfg.vision
-        inv_freq = jnp.asarray(rope_inv_freq(v.head_dim // 2, v.rope_theta))  # [head_dim/4]
-        freqs = rotary_pos_p2.astype(jnp.float32)[..., None] * inv_freq  # [P, 2, head_dim/4]
-        freqs = freqs.reshape(freqs.shape[0], -1)  # [P, head_dim/2] = (h freqs, w freqs)
-        emb = jnp.concatenate([freqs, freqs], axis=-1)[:, None, :]
-        return jnp.cos(emb), jnp.sin(emb)
 
     def __call__(self, vis: VisionInputs) -> tuple[jax.Array, list[jax.Array]]:
         cd = self.compute_dtype
@@ -414,7 +448,7 @@ class VisionTower(nnx.Module):
         table = self.pos_embed_sd[...].astype(cd)
         pos = jnp.einsum("pj,pjd->pd", vis.pos_interp_w.astype(cd), jnp.take(table, vis.pos_interp_idx, axis=0))
         x = x + pos
-        cos, sin = self.rotary_cos_sin(vis.patch_rotary_pos)
+        cos, sin = vision_rotary_cos_sin(vis.patch_rotary_pos, self.cfg.vision)
         seg = vis.patch_segment_ids
         mask = patch_mask(seg, self.attention_impl)
         deepstack = []
@@ -430,23 +464,23 @@ class VisionTower(nnx.Module):
 # ----------------------------------------------------------------------------- full model
 
 
-class Qwen3VL(nnx.Module):
-    """Qwen3-VL for causal LM. `model(tokens, positions, segment_ids, vision) -> hidden [B, T, D]`
-    (after the final norm); `model.logits(hidden) -> [B, T, V]` fp32."""
+class VisionLanguageDecoder(nnx.Module):
+    """The text side every Qwen-VL family shares: token embedding, decoder layers, final norm, LM head,
+    with the family's vision tower (`visual`, built by `make_visual`) writing merged image tokens at the
+    image-pad slots. `model(tokens, positions, segment_ids, vision) -> hidden [B, T, D]` (after the final
+    norm); `model.logits(hidden) -> [B, T, V]` fp32."""
 
     def __init__(
         self,
-        cfg: Qwen3VLConfig,
+        cfg: ModelConfig,
+        make_visual: Callable[..., nnx.Module],
         *,
         rngs: nnx.Rngs,
-        param_dtype: jnp.dtype = jnp.float32,
-        compute_dtype: jnp.dtype = jnp.float32,
-        remat: bool = False,
-        attention_impl: str = "xla",
+        param_dtype: jnp.dtype,
+        compute_dtype: jnp.dtype,
+        remat: bool,
+        attention_impl: str,
     ):
-        """remat: recompute each decoder layer and vision block in the backward pass (activation
-        memory ~ one layer); attention_impl: "xla" (einsums, dense masks), or "pallas_gpu" / "pallas_tpu"
-        (the fused segment-aware kernels of `flash_attention.py`)."""
         if attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"attention_impl={attention_impl!r} is not available; choose one of {ATTENTION_IMPLS}")
         t = cfg.text
@@ -460,7 +494,7 @@ class Qwen3VL(nnx.Module):
         self.final_norm = RMSNorm(t.hidden_size, t.rms_norm_eps, param_dtype=param_dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head_dv = _param(rngs, (t.hidden_size, t.vocab_size), ("embed", "vocab"), param_dtype)
-        self.visual = VisionTower(cfg, remat=remat, attention_impl=attention_impl, **kw)
+        self.visual = make_visual(cfg, remat=remat, attention_impl=attention_impl, **kw)
 
     def lm_head_kernel(self) -> jax.Array:
         """Output projection [D, V] (the transposed embedding when tied)."""
@@ -493,8 +527,8 @@ class Qwen3VL(nnx.Module):
     ) -> tuple[jax.Array, list[jax.Array], jax.Array | None]:
         """Token embeddings [B, T, D] with the merged image features written at the image-pad slots.
 
-        Also returns the deepstack features (added after decoder layer k) and the flat [B*T] slots they go to;
-        padding slots point past the end and are dropped by the scatters.
+        Also returns the deepstack features (added after decoder layer k; none for Qwen2.5-VL) and the flat
+        [B*T] slots they go to; padding slots point past the end and are dropped by the scatters.
         """
         b, t = tokens_bt.shape
         x = self.embed(tokens_bt)
@@ -512,6 +546,26 @@ class Qwen3VL(nnx.Module):
         return jnp.einsum("btd,dv->btv", hidden_btd.astype(self.compute_dtype), kernel, preferred_element_type=jnp.float32)
 
 
+class Qwen3VL(VisionLanguageDecoder):
+    """Qwen3-VL for causal LM: the shared decoder with Qwen3-VL's vision tower (learned positions, deepstack)."""
+
+    def __init__(
+        self,
+        cfg: Qwen3VLConfig,
+        *,
+        rngs: nnx.Rngs,
+        param_dtype: jnp.dtype = jnp.float32,
+        compute_dtype: jnp.dtype = jnp.float32,
+        remat: bool = False,
+        attention_impl: str = "xla",
+    ):
+        """remat: recompute each decoder layer and vision block in the backward pass (activation
+        memory ~ one layer); attention_impl: "xla" (einsums, dense masks), or "pallas_gpu" / "pallas_tpu"
+        (the fused segment-aware kernels of `flash_attention.py`)."""
+        super().__init__(cfg, VisionTower, rngs=rngs, param_dtype=param_dtype, compute_dtype=compute_dtype,
+                         remat=remat, attention_impl=attention_impl)
+
+
 def add_at_slots(x_btd: jax.Array, slots: jax.Array, values: jax.Array) -> jax.Array:
     """x with `values` [M, D] added at the flat [B*T] positions `slots` (out-of-range slots dropped)."""
     b, t, d = x_btd.shape
@@ -519,7 +573,7 @@ def add_at_slots(x_btd: jax.Array, slots: jax.Array, values: jax.Array) -> jax.A
 
 
 def token_logprobs(
-    model: Qwen3VL,
+    model: VisionLanguageDecoder,
     hidden_btd: jax.Array,
     targets_bt: jax.Array,
     *,

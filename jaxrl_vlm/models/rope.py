@@ -1,8 +1,11 @@
-"""Host-side (numpy) position arithmetic for Qwen3-VL.
+"""Host-side (numpy) position arithmetic for the Qwen-VL families.
 
 Everything whose shape depends on the images (M-RoPE ids, vision rotary ids, bilinear
 position-embedding taps) is computed here, so the device program only sees fixed-shape
 integer/float arrays and gathers. The on-device rotation itself lives in `qwen3_vl.py`.
+
+For images, Qwen2.5-VL's `get_rope_index` gives the same ids as Qwen3-VL's (each image starts at the text
+position, text resumes max(h, w) // merge later); the families differ only for video, which is refused.
 
 Reference semantics: transformers `Qwen3VLModel.get_rope_index` and `transformers.vision_utils`
 (`get_vision_position_ids`, `get_vision_interpolation_indices_and_weights`, bilinear,
@@ -13,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxrl_vlm.models.config import Qwen3VLConfig
+from jaxrl_vlm.models.config import ModelConfig
 
 
 def _as_grid(image_grid_thw: np.ndarray | None) -> np.ndarray:
@@ -25,7 +28,7 @@ def _as_grid(image_grid_thw: np.ndarray | None) -> np.ndarray:
     return grid
 
 
-def _sequence_positions(ids: np.ndarray, grid: np.ndarray, cfg: Qwen3VLConfig, where: str) -> np.ndarray:
+def _sequence_positions(ids: np.ndarray, grid: np.ndarray, cfg: ModelConfig, where: str) -> np.ndarray:
     """M-RoPE ids [3, L] for one unpadded sequence `ids` [L] whose images use the rows of `grid` [N, 3] in order.
 
     Vectorized (the trainer runs this for every sample of every step): image k takes the next
@@ -82,7 +85,7 @@ def _sequence_positions(ids: np.ndarray, grid: np.ndarray, cfg: Qwen3VLConfig, w
     return out
 
 
-def _split_grids(need: np.ndarray, grid: np.ndarray, cfg: Qwen3VLConfig) -> np.ndarray:
+def _split_grids(need: np.ndarray, grid: np.ndarray, cfg: ModelConfig) -> np.ndarray:
     """Grid-row bounds [S + 1]: sequence i (holding `need[i]` image tokens) uses rows bounds[i]:bounds[i + 1].
 
     Rows are taken in order until they hold the sequence's image tokens (t*h*w / merge^2 each).
@@ -116,7 +119,7 @@ def get_rope_index(
     input_ids: np.ndarray,
     image_grid_thw: np.ndarray | None,
     attention_mask: np.ndarray | None,
-    cfg: Qwen3VLConfig,
+    cfg: ModelConfig,
 ) -> tuple[np.ndarray, np.ndarray]:
     """M-RoPE position ids, equal to transformers' `Qwen3VLModel.get_rope_index` for images.
 
@@ -182,7 +185,7 @@ def get_rope_index_packed(
     tokens: np.ndarray,
     segment_ids: np.ndarray,
     image_grid_thw: np.ndarray | None,
-    cfg: Qwen3VLConfig,
+    cfg: ModelConfig,
 ) -> tuple[np.ndarray, np.ndarray]:
     """M-RoPE ids for PACKED rows: each segment (k > 0) of a row is its own sequence starting at 0.
 
@@ -280,13 +283,17 @@ def vision_pos_embed_interp(
     return idx.astype(np.int32), weights.astype(np.float32)
 
 
-def mrope_frequency_axis(cfg: Qwen3VLConfig) -> np.ndarray:
-    """Which of (t, h, w) drives each rotary frequency, int32 [head_dim // 2] (interleaved layout).
+def mrope_frequency_axis(cfg: ModelConfig) -> np.ndarray:
+    """Which of (t, h, w) drives each rotary frequency, int32 [head_dim // 2].
 
-    Frequency i uses h if i % 3 == 1 and i < 3 * sec_h, w if i % 3 == 2 and i < 3 * sec_w, else t.
+    Interleaved (Qwen3-VL): frequency i uses h if i % 3 == 1 and i < 3 * sec_h, w if i % 3 == 2 and
+    i < 3 * sec_w, else t. Contiguous (Qwen2.5-VL): the first sec_t frequencies use t, the next sec_h h,
+    the last sec_w w.
     """
     sec = cfg.text.mrope_section
     half = cfg.text.head_dim // 2
+    if not cfg.text.mrope_interleaved:
+        return np.repeat(np.arange(3, dtype=np.int32), sec)
     axis = np.zeros((half,), np.int32)
     i = np.arange(half)
     axis[(i % 3 == 1) & (i < 3 * sec[1])] = 1

@@ -1,10 +1,16 @@
-"""Host-side image inputs for the Flax Qwen3-VL: one fixed-shape pytree per batch.
+"""Host-side image inputs for the Flax Qwen-VL models: one fixed-shape pytree per batch.
 
 The processor emits `pixel_values [P, C*T*p*p]` (patches of all images concatenated, each image in
 merge-window order) and `image_grid_thw [N, 3]`. The device program must not depend on N or on the
 grids, so this module turns them (numpy only, no JAX) into padded arrays of a fixed patch bucket:
 per-patch image ids for block-diagonal attention, rotary (h, w) ids, bilinear position-table taps,
 and the flat token slot each merged image token is written to.
+
+Qwen3-VL gets `VisionInputs` (bilinear taps of its learned position table). Qwen2.5-VL gets
+`WindowedVisionInputs`: its tower attends inside windows of `window_size` pixels in most blocks, so the
+patches are handed over already permuted into window order (transformers' `window_index`, merge unit by
+merge unit), with a window id per patch; the reverse permutation is folded into `image_token_index`,
+so the device never permutes anything.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from jaxrl_vlm.models.config import Qwen3VLConfig
+from jaxrl_vlm.models.config import ModelConfig, Qwen25VLConfig
 from jaxrl_vlm.models.rope import vision_pos_embed_interp, vision_rotary_positions
 
 
@@ -36,16 +42,34 @@ class VisionInputs(NamedTuple):
     image_token_index: np.ndarray
 
 
+class WindowedVisionInputs(NamedTuple):
+    """Fixed-shape Qwen2.5-VL vision inputs, patches in WINDOW order (a pytree). P = patch bucket, M = P / merge**2.
+
+    pixel_values       float [P, C*T*p*p]  zero rows at padding
+    patch_segment_ids  int32 [P]           image-frame index per patch (full-attention blocks), -1 = padding
+    patch_window_ids   int32 [P]           attention-window index per patch (window blocks), -1 = padding
+    patch_rotary_pos   int32 [P, 2]        (h, w) patch index inside its image
+    image_token_index  int32 [M]           flat index into B*T of each merged token (window order); padding = B*T
+    """
+
+    pixel_values: np.ndarray
+    patch_segment_ids: np.ndarray
+    patch_window_ids: np.ndarray
+    patch_rotary_pos: np.ndarray
+    image_token_index: np.ndarray
+
+
 def build_vision_inputs(
     pixel_values: np.ndarray,
     image_grid_thw: np.ndarray,
     tokens: np.ndarray,
-    cfg: Qwen3VLConfig,
+    cfg: ModelConfig,
     *,
     patch_bucket: int | None = None,
     token_valid: np.ndarray | None = None,
-) -> VisionInputs:
-    """Pad processor outputs for images of a whole [B, T] token batch to `patch_bucket` patches.
+) -> VisionInputs | WindowedVisionInputs:
+    """Pad processor outputs for images of a whole [B, T] token batch to `patch_bucket` patches, in the
+    input type of `cfg`'s family.
 
     tokens [B, T]: image pads expanded; the i-th image-pad token in row-major order receives the
     i-th merged image token. token_valid [B, T] (optional, e.g. segment_ids > 0) excludes padding
@@ -69,16 +93,8 @@ def build_vision_inputs(
         raise ValueError(f"patch_bucket={bucket} must be a multiple of spatial_merge_size**2={v.merge_unit}")
 
     frame_sizes = np.repeat(grid[:, 1] * grid[:, 2], grid[:, 0]) if len(grid) else np.zeros((0,), np.int64)
-    seg = np.full((bucket,), -1, np.int32)
-    seg[:n_patches] = np.repeat(np.arange(len(frame_sizes)), frame_sizes)
-
-    padded_pixels = np.zeros((bucket, v.patch_dim), pixels.dtype if pixels.size else np.float32)
-    padded_pixels[:n_patches] = pixels
-    rot = np.zeros((bucket, 2), np.int32)
-    rot[:n_patches] = vision_rotary_positions(grid, v.spatial_merge_size)
-    idx = np.zeros((bucket, 4), np.int32)
-    w = np.zeros((bucket, 4), np.float32)
-    idx[:n_patches], w[:n_patches] = vision_pos_embed_interp(grid, v.num_position_embeddings, v.spatial_merge_size)
+    frames = np.repeat(np.arange(len(frame_sizes)), frame_sizes)
+    rotary = vision_rotary_positions(grid, v.spatial_merge_size)
 
     is_image = tokens == cfg.image_token_id
     if token_valid is not None:
@@ -90,5 +106,62 @@ def build_vision_inputs(
             f"tokens hold {slots.size} image-pad tokens (id {cfg.image_token_id}) but the images give {n_merged} merged tokens"
         )
     token_index = np.full((bucket // v.merge_unit,), tokens.size, np.int32)
+
+    def padded(values: np.ndarray, fill: int | float, dtype: np.dtype) -> np.ndarray:
+        out = np.full((bucket,) + values.shape[1:], fill, dtype)
+        out[:n_patches] = values
+        return out
+
+    pixel_dtype = pixels.dtype if pixels.size else np.float32
+    if isinstance(cfg, Qwen25VLConfig):
+        window_index, window_ids = vision_window_index(grid, v.spatial_merge_size, v.window_merged_side)
+        patch_order = (window_index[:, None] * v.merge_unit + np.arange(v.merge_unit)).reshape(-1)
+        token_index[:n_merged] = slots[window_index]  # merged token j (window order) belongs to pad window_index[j]
+        return WindowedVisionInputs(
+            padded(pixels[patch_order], 0, pixel_dtype),
+            padded(frames[patch_order], -1, np.int32),
+            padded(np.repeat(window_ids, v.merge_unit), -1, np.int32),
+            padded(rotary[patch_order], 0, np.int32),
+            token_index,
+        )
+    idx, w = vision_pos_embed_interp(grid, v.num_position_embeddings, v.spatial_merge_size)
     token_index[:n_merged] = slots
-    return VisionInputs(padded_pixels, seg, rot, idx, w, token_index)
+    return VisionInputs(
+        padded(pixels, 0, pixel_dtype),
+        padded(frames, -1, np.int32),
+        padded(rotary, 0, np.int32),
+        padded(idx, 0, np.int32),
+        padded(w, 0, np.float32),
+        token_index,
+    )
+
+
+def vision_window_index(grid_thw: np.ndarray, merge: int, window_side: int) -> tuple[np.ndarray, np.ndarray]:
+    """Qwen2.5-VL's window order of the merged tokens of all images, and their window ids.
+
+    Each frame's (h / merge) x (w / merge) merged grid is cut into windows of `window_side` x `window_side`
+    merged tokens (the last row / column of windows may be partial); windows are taken frame by frame,
+    row-major, and the tokens inside a window row-major. Returns window_index int64 [M] (window_index[j]
+    = original merged index of the j-th token in window order, as transformers' `get_vision_window_index`;
+    its argsort is the reverse permutation) and window_ids int32 [M] (consecutive ids, one per non-empty
+    window, in window order).
+    """
+    grid = np.asarray(grid_thw, np.int64).reshape(-1, 3)
+    if not len(grid):
+        return np.zeros((0,), np.int64), np.zeros((0,), np.int32)
+    lh, lw = grid[:, 1] // merge, grid[:, 2] // merge
+    sizes = grid[:, 0] * lh * lw
+    owner = np.repeat(np.arange(len(grid)), sizes)
+    local = np.arange(int(sizes.sum())) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+    frame, rest = np.divmod(local, (lh * lw)[owner])
+    row, col = np.divmod(rest, lw[owner])
+    windows_w = -(-lw // window_side)  # ceil
+    windows_per_frame = -(-lh // window_side) * windows_w
+    first_window = np.cumsum(grid[:, 0] * windows_per_frame) - grid[:, 0] * windows_per_frame
+    window = (first_window[owner] + frame * windows_per_frame[owner]
+              + (row // window_side) * windows_w[owner] + col // window_side)
+    window_index = np.lexsort((col, row, window))  # by window, then row-major inside it
+    ordered = window[window_index]
+    starts = np.ones(ordered.size, bool)
+    starts[1:] = ordered[1:] != ordered[:-1]
+    return window_index.astype(np.int64), (np.cumsum(starts) - 1).astype(np.int32)

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 from jax.sharding import PartitionSpec
 
 from jaxrl_vlm.models.activation_sharding import ACTIVATIONS
-from jaxrl_vlm.models.config import Qwen3VLConfig
+from jaxrl_vlm.models.config import ModelConfig
 from jaxrl_vlm.models.hf_io import abstract_model
 from jaxrl_vlm.sharding.layout import (
     MeshSizes,
@@ -49,7 +49,7 @@ GOLDEN_BATCH_LEAVES: dict[str, tuple[str, ...]] = {
 }
 
 
-def dump_shardings(model_cfg: Qwen3VLConfig, mesh_cfg: MeshLayout, num_devices: int = 8) -> dict[str, Any]:
+def dump_shardings(model_cfg: ModelConfig, mesh_cfg: MeshLayout, num_devices: int = 8) -> dict[str, Any]:
     """JSON-able layout of every parameter, of the batch inputs and of the constrained activations, for
     `model_cfg` under `mesh_cfg`.
 

@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from jaxrl_vlm.models.config import Qwen3VLConfig
+from jaxrl_vlm.models.config import ModelConfig
 from jaxrl_vlm.models.hf_io import abstract_model
 from jaxrl_vlm.sharding.rules import (
     BATCH_AXIS,
@@ -166,12 +166,12 @@ def param_shardings(model_or_state: Any, mesh: Mesh, rules: Rules) -> nnx.State:
 
 
 def shardings_for(
-    mesh: Mesh, rules: Rules, model_cfg: Qwen3VLConfig | None = None
+    mesh: Mesh, rules: Rules, model_cfg: ModelConfig | None = None
 ) -> Callable[..., NamedSharding]:
     """The `from_hf(path, shardings_for=...)` callback: `(logical_names, shape=None) -> NamedSharding`.
 
     With `shape`, the spec is resolved exactly as `param_shardings` does. from_hf passes names only,
-    so give `model_cfg` (a `Qwen3VLConfig`): the spec of each names-tuple is then resolved over every
+    so give `model_cfg` (a Qwen3-VL or Qwen2.5-VL config): the spec of each names-tuple is then resolved over every
     parameter shape that carries it, keeping per dimension only what all of them agree on (for
     Qwen3-VL every names-tuple resolves the same for all its shapes, so this equals
     `param_shardings`; `tests/test_sharding.py` checks it per layout). Without either, names are
