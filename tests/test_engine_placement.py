@@ -113,6 +113,24 @@ def test_sharded_engine_equals_the_one_device_engine(tiny_dir, prompts, one_devi
     assert stats.finished == 2 * len(prompts)
 
 
+def test_sharded_qwen2_5_vl_engine_equals_its_one_device_engine(tmp_path, make_test_image):
+    """The second family through the same placement (window-attention vision tower, q/k/v biases) at tp 2, dp 2."""
+    from rollout.processing import load_image_processor, load_tokenizer
+
+    model_dir = make_tiny(tmp_path / "tiny25", arch="qwen2_5_vl")
+    encoder = ChatEncoder(load_tokenizer(model_dir), load_image_processor(model_dir))
+    seg = encoder.encode_prompt([{"role": "user", "content": [{"type": "image", "image": make_test_image(4, (96, 80))},
+                                                               {"type": "text", "text": "What is shown?"}]}])
+    text = encoder.encode_prompt([{"role": "user", "content": "Find the area of the triangle."}])
+    prompts = [{"ids": seg.wire_ids, "image_data": seg.image_data}, {"ids": text.wire_ids, "image_data": None}]
+    with EmbeddedEngine(str(model_dir), config=_options()) as engine:
+        want = asyncio.run(_greedy(engine.url, prompts))
+    with EmbeddedEngine(str(model_dir), config=_options(tp_size=2, dp_size=2, device_ids=(4, 5, 6, 7))) as engine:
+        assert engine.engine.cfg.model_type == "qwen2_5_vl" and len(engine.engine.runners) == 2
+        got = asyncio.run(_greedy(engine.url, prompts))
+    _assert_same(got, want)
+
+
 def test_prefix_router_keeps_conversations_on_their_replica_and_balances_the_rest():
     router = PrefixRouter(2, block=4, imbalance=3)
     a = list(range(12))
