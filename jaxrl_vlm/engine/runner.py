@@ -1,8 +1,9 @@
-"""Device side of the engine: parameters, KV cache, logit-bias rows and the compiled programs.
+"""Device side of the engine: parameters, paged KV cache, logit-bias rows and the compiled programs.
 
 `ModelRunner` owns every device array and is driven by one thread (the scheduler's). It pads host
-inputs to the buckets of `EngineOptions`, calls one jitted program per step (prefill+sample for one
-prompt, or decode+sample for a batch of slots) and returns plain numpy results. Parameters are an
+inputs (tokens, page tables) to the buckets of `EngineOptions`, calls one jitted program per step
+(prefill+sample for one prompt, or decode+sample for a batch of requests) and returns plain numpy
+results. Which pages a request uses is the scheduler's business (`prefix_cache.PageCache`). Parameters are an
 `nnx.State` passed as an argument, so new weights swap in without recompiling.
 """
 
@@ -80,11 +81,13 @@ def images_after(
 
 
 class ModelRunner:
-    """Compiled prefill/decode over a slotted KV cache for one model on the default device.
+    """Compiled prefill/decode over a paged KV cache for one model on the default device.
 
+    A running request has a *slot*: its row in the per-request arrays (logit bias here, sampling
+    parameters in the scheduler), in [0, max_batch). Its K/V lives in the pages of its page table.
     `banned_ids`: token ids that can never be sampled (Qwen-VL's vision special tokens).
     `program_calls` counts calls per compiled-program key: ("prefill", bucket, patch_bucket),
-    ("extend", bucket, kv_len, patch_bucket), ("copy", rows), ("decode", batch, kv_len, filtered).
+    ("extend", bucket, kv_len, patch_bucket), ("decode", batch, kv_len, filtered).
     """
 
     def __init__(self, model: Qwen3VL, config: EngineOptions, banned_ids: Sequence[int]):
@@ -92,7 +95,7 @@ class ModelRunner:
         self.config = config
         self.vocab_size = model.cfg.text.vocab_size
         self._graphdef, self.params = nnx.split(model)
-        self.cache = forward.init_cache(model.cfg, config.max_batch, config.max_seq_len, config.jnp_compute_dtype)
+        self.cache = forward.init_cache(model.cfg, config.num_pages, config.page_size, config.jnp_compute_dtype)
         self.bias = jnp.zeros((config.max_batch, self.vocab_size), jnp.float32)
         banned = np.zeros((self.vocab_size,), bool)
         for t in banned_ids:
@@ -103,25 +106,22 @@ class ModelRunner:
         banned_v = jnp.asarray(banned)
         graphdef = self._graphdef
 
-        def prefill_program(params, cache, bias, slot, start, tokens, positions, length, vision, bias_row, ints, floats, *, kv_len):
+        def prefill_program(params, cache, bias, slot, table, start, tokens, positions, length, vision, bias_row, ints, floats):
             model = nnx.merge(graphdef, params)
-            cache, logits = forward.prefill(model, cache, slot, start, tokens, positions, length, vision, kv_len)
+            cache, logits = forward.prefill(model, cache, table, start, tokens, positions, length, vision)
             bias = bias.at[slot].set(bias_row)
             # Always the filtered sampler: sorting one row is cheap next to a prefill, and it halves the programs.
             ids, lps = sample_tokens(logits[None], bias_row[None], banned_v, _rows(ints, floats), filtered=True)
             return cache, bias, ids[0], lps[0]
 
-        def decode_program(params, cache, bias, slots, ints, floats, *, kv_len, filtered):
+        def decode_program(params, cache, bias, slots, tables, ints, floats, *, filtered):
             model = nnx.merge(graphdef, params)
-            cache, logits = forward.decode(
-                model, cache, slots, ints[IntRow.TOKEN], ints[IntRow.LENGTH], ints[IntRow.ROPE_DELTA], kv_len
-            )
+            cache, logits = forward.decode(model, cache, tables, ints[IntRow.TOKEN], ints[IntRow.LENGTH], ints[IntRow.ROPE_DELTA])
             ids, lps = sample_tokens(logits, bias[slots], banned_v, _rows(ints, floats), filtered=filtered)
             return cache, ids, lps
 
-        self._prefill = jax.jit(prefill_program, static_argnames=("kv_len",), donate_argnames=("cache", "bias"))
-        self._decode = jax.jit(decode_program, static_argnames=("kv_len", "filtered"), donate_argnames=("cache",))
-        self._copy = jax.jit(forward.copy_rows, static_argnames=("rows",), donate_argnames=("cache",))
+        self._prefill = jax.jit(prefill_program, donate_argnames=("cache", "bias"))
+        self._decode = jax.jit(decode_program, static_argnames=("filtered",), donate_argnames=("cache",))
         self.program_calls: collections.Counter[tuple[Any, ...]] = collections.Counter()
         self.encoded_images = 0  # images run through the vision tower (a reused prefix skips its images)
 
@@ -132,9 +132,22 @@ class ModelRunner:
         """Distinct compiled programs so far (one per bucket key)."""
         return len(self.program_calls)
 
+    def _table_width(self, kv_len: int) -> int:
+        """Page-table entries covering a kv-length bucket."""
+        return -(-kv_len // self.config.page_size)
+
+    def _padded_tables(self, tables: Sequence[Sequence[int]], rows: int, width: int) -> np.ndarray:
+        """int32 [rows, width]: each request's pages, then `num_pages` (no page: writes dropped, reads masked)."""
+        out = np.full((rows, width), self.config.num_pages, np.int32)
+        for r, pages in enumerate(tables):
+            n = min(len(pages), width)
+            out[r, :n] = pages[:n]
+        return out
+
     def prefill(
         self,
         slot: int,
+        pages: Sequence[int],
         input_ids: np.ndarray,
         positions: np.ndarray,
         pixel_values: np.ndarray | None,
@@ -145,12 +158,13 @@ class ModelRunner:
         *,
         start: int = 0,
     ) -> tuple[int, float]:
-        """Prefill `input_ids` [L] (positions [3, L]) into `slot` and sample its next token.
+        """Prefill `input_ids` [L] (positions [3, L]) into the request's `pages` (its page table, at
+        least ceil(L / page_size) pages) and sample its next token; `slot` is its bias row.
 
-        start > 0 ("extend"): rows [0, start) of the slot already hold the K/V of input_ids[:start]
-        (a reused prefix, whose images must lie wholly inside it); only [start, L) is computed and the
-        vision tower runs only on the images there. start + the suffix's prefill bucket must fit in
-        max_seq_len (`prefix_cache.fit_start`).
+        start > 0 ("extend"): positions [0, start) of the pages already hold the K/V of
+        input_ids[:start] (a reused prefix, whose images must lie wholly inside it); only [start, L)
+        is computed, into pages the request owns alone, and the vision tower runs only on the images
+        there.
         ints int32 [6] / floats float32 [3]: the slot's column of `IntRow` / `FloatRow` (token,
         length and rope_delta are unused here). bias_row float32 [V] or None (no bias).
         Returns (token id, its log-prob).
@@ -160,9 +174,10 @@ class ModelRunner:
             raise ValueError(f"prefill start={start} must lie in [0, {total}) (the last prompt token is always computed)")
         length = total - start
         t = bucket_for(length, self.config.prefill_buckets, "prompt tokens")
-        if start + t > self.config.max_seq_len:
-            raise ValueError(f"extend of {length} tokens after {start} cached ones pads to {t} and runs past max_seq_len")
         kv_len = t if start == 0 else bucket_for(total, self.config.kv_buckets, "cached tokens")
+        if len(pages) * self.config.page_size < total:
+            raise ValueError(f"{len(pages)} pages of {self.config.page_size} tokens cannot hold a prompt of {total} tokens")
+        table = self._padded_tables([pages], 1, self._table_width(kv_len))[0]
         tokens = np.zeros((1, t), np.int32)
         tokens[0, :length] = input_ids[start:]
         pos = np.zeros((3, 1, t), np.int32)
@@ -181,22 +196,18 @@ class ModelRunner:
         key = ("prefill", t, patch_bucket) if start == 0 else ("extend", t, kv_len, patch_bucket)
         self.program_calls[key] += 1
         self.cache, self.bias, tok, lp = self._prefill(
-            self.params, self.cache, self.bias, np.int32(slot), np.int32(start), tokens, pos, np.int32(length), vision, row,
-            ints[:, None], floats[:, None], kv_len=kv_len,
+            self.params, self.cache, self.bias, np.int32(slot), table, np.int32(start), tokens, pos, np.int32(length), vision,
+            row, ints[:, None], floats[:, None],
         )
         tok, lp = jax.device_get((tok, lp))
         return int(tok), float(lp)
 
-    def copy_prefix(self, src: int, dst: int, n: int) -> None:
-        """Copy the K/V of the first `n` tokens of slot `src` into slot `dst` (rows past `n`, up to the
-        kv bucket, come along as garbage that `dst`'s next prefill overwrites or masks)."""
-        rows = bucket_for(n, self.config.kv_buckets, "cached tokens")
-        self.program_calls[("copy", rows)] += 1
-        self.cache = self._copy(self.cache, np.int32(src), np.int32(dst), rows=rows)
+    def decode(
+        self, slots: np.ndarray, tables: Sequence[Sequence[int]], ints: np.ndarray, floats: np.ndarray, filtered: bool
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """One decode step for the running requests in `slots` [n] (their bias rows), padded to a batch bucket.
 
-    def decode(self, slots: np.ndarray, ints: np.ndarray, floats: np.ndarray, filtered: bool) -> tuple[np.ndarray, np.ndarray]:
-        """One decode step for the running requests in `slots` [n], padded to a batch bucket.
-
+        tables: each request's pages (covering its position LENGTH, where this step writes);
         ints int32 [6, n], floats float32 [3, n]: their columns of `IntRow` / `FloatRow`. Returns ids
         int32 [n] and log-probs float32 [n].
         """
@@ -205,14 +216,14 @@ class ModelRunner:
         kv_len = bucket_for(int(ints[IntRow.LENGTH].max()) + 1, self.config.kv_buckets, "cached tokens")
         batch_slots = np.zeros((b,), np.int32)
         batch_slots[:n] = slots
+        batch_tables = self._padded_tables(tables, b, self._table_width(kv_len))  # padding rows: no page, writes dropped
         batch_ints = np.zeros((ints.shape[0], b), np.int32)
         batch_ints[:, :n] = ints
-        batch_ints[IntRow.LENGTH, n:] = self.config.max_seq_len  # padding rows: K/V writes dropped
         batch_floats = np.zeros((floats.shape[0], b), np.float32)
         batch_floats[:, :n] = floats
         self.program_calls[("decode", b, kv_len, filtered)] += 1
-        self.cache, ids, lps = self._decode(self.params, self.cache, self.bias, batch_slots, batch_ints, batch_floats,
-                                            kv_len=kv_len, filtered=filtered)
+        self.cache, ids, lps = self._decode(self.params, self.cache, self.bias, batch_slots, batch_tables, batch_ints,
+                                            batch_floats, filtered=filtered)
         ids, lps = jax.device_get((ids, lps))
         return np.asarray(ids)[:n], np.asarray(lps)[:n]
 
