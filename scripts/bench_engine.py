@@ -17,8 +17,9 @@ Both timings include the prompt's prefill (short next to N tokens). Printed: tok
 transformers, decode steps per token and the compiled-program count (compile time and host
 overhead are reported, not hidden). The engine runs twice: with pages of `--page-size` tokens, and
 with one page of max_seq_len tokens per request, which is the slot engine before paging (each
-request owns one contiguous max_seq_len row; both attend to the same kv-length bucket, max_seq_len);
-their ratio is the cost of reading K/V through page tables (issue 18 (d)).
+request owns one contiguous max_seq_len row; both attend to the same kv-length bucket, max_seq_len),
+both alive at once and timed in alternation (best of `--repeats` rounds each); their ratio is the
+cost of reading K/V through page tables (issue 18 (d)).
 
 Group case (issue 18 (a)): one GRPO group of n samples (seeded, temperature 1) of a ~1,000-token
 prompt with an image, arriving together, on an engine with the radix cache and one without: prompt
@@ -115,31 +116,78 @@ async def _round(url: str, prompt: list[int], concurrency: int, new_tokens: int)
     return sum(len(r.output_ids) for r in results), elapsed
 
 
+# Serves a model with the engine of another checkout (PYTHONPATH), prints its URL, stops when stdin closes.
+_OTHER_ENGINE = """
+import sys
+from jaxrl_vlm.engine import EmbeddedEngine, EngineOptions
+model_dir, max_batch, max_seq_len = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+with EmbeddedEngine(model_dir, config=EngineOptions(max_batch=max_batch, max_seq_len=max_seq_len,
+                                                    min_kv_bucket=max_seq_len)) as engine:
+    print(engine.url, flush=True)
+    sys.stdin.read()
+"""
+
+
+class _OtherCheckoutEngine:
+    """The engine of another checkout (e.g. the main branch before paging) in a subprocess, with the
+    options both versions know: max_batch, max_seq_len, min_kv_bucket = max_seq_len."""
+
+    def __init__(self, checkout: str, model_dir: Path, max_batch: int, max_seq_len: int):
+        import subprocess
+
+        env = {**os.environ, "PYTHONPATH": os.path.abspath(checkout)}
+        self.proc = subprocess.Popen([sys.executable, "-c", _OTHER_ENGINE, str(model_dir), str(max_batch), str(max_seq_len)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
+        self.url = self.proc.stdout.readline().strip()
+        if not self.url.startswith("http"):
+            raise RuntimeError(f"the engine of {checkout} did not start (exit {self.proc.poll()})")
+        self.stats = None
+
+    def __enter__(self) -> "_OtherCheckoutEngine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
 def bench_engine(model_dir: Path, prompt: list[int], new_tokens: int, concurrencies: list[int], repeats: int,
-                 page_size: int | None) -> list[dict[str, Any]]:
-    """Decode rounds at each concurrency; page_size None: one page of max_seq_len per request (slots)."""
+                 page_sizes: dict[str, int | None], other_checkout: str | None = None) -> dict[str, list[dict[str, Any]]]:
+    """Decode rounds at each concurrency on one engine per entry of `page_sizes` (None: one page of
+    max_seq_len per request, i.e. slots), plus ("checkout") the engine of `other_checkout` if given,
+    all alive at once and timed in alternation, so that load from other processes hits them alike."""
+    import contextlib
+
     from jaxrl_vlm.engine import EmbeddedEngine, EngineOptions
 
     max_batch = max(concurrencies)
     # One kv bucket (= max_seq_len) so that paged and slot layouts attend to the same number of keys.
     max_seq_len = -(-(len(prompt) + new_tokens + 1) // 64) * 64
-    config = EngineOptions(max_batch=max_batch, max_seq_len=max_seq_len, min_kv_bucket=max_seq_len,
-                           page_size=page_size or max_seq_len)
-    rows = []
-    with EmbeddedEngine(str(model_dir), config=config) as engine:
+    names = [*page_sizes, *(["checkout"] if other_checkout else [])]
+    rows: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    with contextlib.ExitStack() as stack:
+        engines: dict[str, Any] = {name: stack.enter_context(EmbeddedEngine(str(model_dir), config=EngineOptions(
+            max_batch=max_batch, max_seq_len=max_seq_len, min_kv_bucket=max_seq_len, page_size=size or max_seq_len)))
+            for name, size in page_sizes.items()}
+        if other_checkout:
+            engines["checkout"] = stack.enter_context(_OtherCheckoutEngine(other_checkout, model_dir, max_batch, max_seq_len))
         for c in concurrencies:
-            compile_start = time.perf_counter()
-            asyncio.run(_round(engine.url, prompt, c, new_tokens))  # compiles this concurrency's programs
-            warmup_s = time.perf_counter() - compile_start
-            best, tokens, steps = float("inf"), 0, 0
+            warmup_s, best, steps, tokens = {}, {}, {}, {}
+            for name, engine in engines.items():
+                compile_start = time.perf_counter()
+                asyncio.run(_round(engine.url, prompt, c, new_tokens))  # compiles this concurrency's programs
+                warmup_s[name], best[name] = time.perf_counter() - compile_start, float("inf")
             for _ in range(repeats):
-                before = engine.stats.decode_steps
-                tokens, elapsed = asyncio.run(_round(engine.url, prompt, c, new_tokens))
-                if elapsed < best:
-                    best, steps = elapsed, engine.stats.decode_steps - before
-            rows.append({"concurrency": c, "tokens": tokens, "seconds": best, "tokens_per_s": tokens / best,
-                         "decode_steps": steps, "ms_per_decode_step": 1e3 * best / max(1, steps), "warmup_s": warmup_s,
-                         "compiled_programs": engine.engine.runner.num_programs})
+                for name, engine in engines.items():
+                    before = engine.stats.decode_steps if engine.stats else 0
+                    tokens[name], elapsed = asyncio.run(_round(engine.url, prompt, c, new_tokens))
+                    if elapsed < best[name]:
+                        best[name], steps[name] = elapsed, (engine.stats.decode_steps - before if engine.stats else 0)
+            for name, engine in engines.items():
+                rows[name].append({"concurrency": c, "tokens": tokens[name], "seconds": best[name],
+                                   "tokens_per_s": tokens[name] / best[name], "decode_steps": steps[name],
+                                   "ms_per_decode_step": 1e3 * best[name] / max(1, steps[name]), "warmup_s": warmup_s[name],
+                                   "compiled_programs": engine.engine.runner.num_programs if engine.stats else 0})
     return rows
 
 
@@ -298,6 +346,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cases", nargs="+", choices=("decode", "multiturn", "group", "capacity"),
                    default=["decode", "multiturn", "group", "capacity"])
     p.add_argument("--page-size", type=int, default=16, help="Tokens per KV page of the paged engine.")
+    p.add_argument("--baseline-checkout", default=None, metavar="DIR",
+                   help="Decode case: also time the engine of this checkout (e.g. a worktree of the commit before "
+                        "paging), on the same config, in alternation with this one.")
     p.add_argument("--group-size", type=int, default=8, help="Samples of the GRPO group case.")
     p.add_argument("--group-prompt-tokens", type=int, default=1000, help="Prompt tokens (image pads expanded) of the group case.")
     p.add_argument("--capacity-episodes", type=int, default=64, help="Concurrent episodes sent in the capacity case.")
@@ -319,9 +370,10 @@ def main(argv: list[str] | None = None) -> int:
         if "decode" in ns.cases:
             prompt = encoder.encode_prompt([{"role": "user", "content": "Find the area of the triangle with base 6."}]).wire_ids
             hf = bench_transformers(model_dir, prompt, ns.new_tokens, ns.repeats, ns.torch_threads)
-            slots = bench_engine(model_dir, prompt, ns.new_tokens, ns.concurrency, ns.repeats, page_size=None)
-            rows = bench_engine(model_dir, prompt, ns.new_tokens, ns.concurrency, ns.repeats, page_size=ns.page_size)
-            out.update(new_tokens=ns.new_tokens, transformers=hf, engine=rows, engine_slots=slots)
+            both = bench_engine(model_dir, prompt, ns.new_tokens, ns.concurrency, ns.repeats,
+                                {"slots": None, "paged": ns.page_size}, ns.baseline_checkout)
+            rows, slots, other = both["paged"], both["slots"], both.get("checkout")
+            out.update(new_tokens=ns.new_tokens, transformers=hf, engine=rows, engine_slots=slots, engine_checkout=other)
         if "multiturn" in ns.cases:
             out["multiturn"] = bench_multiturn(model_dir, encoder, ns.episodes, ns.turns, ns.turn_tokens, ns.repeats)
         if "group" in ns.cases:
@@ -373,10 +425,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  concurrent requests within the same memory, paged / slots: {c['ratio']:.2f}x (target >= 3x); "
               f"wall time slots / paged: {c['speedup']:.2f}x")
     if "decode" in ns.cases:
-        at = [(r, b) for r, b in zip(rows, slots) if r["concurrency"] == 32]
-        if at:
-            print(f"\n(d) decode tok/s at 32 concurrent requests, paged / slots: {at[0][0]['tokens_per_s'] / at[0][1]['tokens_per_s']:.2f}x "
-                  f"(target >= 1.0x)")
+        for i, r in enumerate(rows):
+            if r["concurrency"] != 32:
+                continue
+            print(f"\n(d) decode tok/s at 32 concurrent requests, paged / slots (one max_seq_len page per request): "
+                  f"{r['tokens_per_s'] / slots[i]['tokens_per_s']:.2f}x (target >= 1.0x)")
+            if other:
+                print(f"    paged / the engine of {ns.baseline_checkout} (same options, its own code): "
+                      f"{r['tokens_per_s'] / other[i]['tokens_per_s']:.2f}x ({other[i]['tokens_per_s']:.1f} tok/s)")
     if ns.json:
         Path(ns.json).write_text(json.dumps(out, indent=2))
     return 0

@@ -103,7 +103,8 @@ def prefill(
 ) -> tuple[KVCache, jax.Array]:
     """Run prompt tokens [start, start + T) (padded to a bucket of T) and store their K/V at those
     positions of the request whose page table is `table_p` int32 [P] (padded with num_pages; its
-    width bounds the attended cache: start + length <= P * page_size); they attend to its cached K/V [0, start) and causally to each other.
+    width bounds the attended cache: start + length <= P * page_size); they attend to its cached
+    K/V [0, start) and causally to each other.
 
     start = 0 is a plain prefill; start > 0 extends a reused prefix (the prefix cache), so only the
     new suffix is computed. tokens_1t int32 [1, T] (image pads expanded; padding after `length`),
@@ -146,11 +147,11 @@ def decode(
     """One decode step: feed each row its last token, append its K/V, return logits.
 
     tables_bp int32 [B, P]: each row's page table (padded with num_pages; P * page_size bounds the
-    attended cache and must exceed every real length);
-    tokens_b int32 [B]: the token at sequence index lengths_b (not yet in the cache); lengths_b
-    int32 [B]: tokens already cached per row; rope_deltas_b int32 [B]. Padding rows carry a table of num_pages
-    only: their K/V writes are dropped, so no page but the rows' own is ever written (shared and
-    cached pages stay intact), and their logits are discarded.
+    attended cache and must exceed every real length); tokens_b int32 [B]: the token at sequence
+    index lengths_b (not yet in the cache); lengths_b int32 [B]: tokens already cached per row;
+    rope_deltas_b int32 [B]. Padding rows carry a table of num_pages only: their K/V writes are
+    dropped, so no page but the rows' own is ever written (shared and cached pages stay intact),
+    and their logits are discarded.
     Returns the updated cache and fp32 logits [B, V].
     """
     b = tokens_b.shape[0]

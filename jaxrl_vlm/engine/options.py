@@ -116,8 +116,8 @@ class EngineOptions:
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.max_total_tokens is not None and self.num_pages < self.pages_per_request:
-            raise ValueError(f"max_total_tokens={self.max_total_tokens} holds {self.num_pages} pages of {self.page_size} tokens; "
-                             f"one request of max_seq_len={self.max_seq_len} tokens needs {self.pages_per_request}")
+            raise ValueError(f"max_total_tokens={self.max_total_tokens} holds {self.num_pages} pages of {self.page_size} "
+                             f"tokens; one request of max_seq_len={self.max_seq_len} tokens needs {self.pages_per_request}")
         for name in ("max_image_bytes", "max_image_pixels", "max_n", "max_request_bytes"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):

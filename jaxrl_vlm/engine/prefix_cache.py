@@ -236,7 +236,8 @@ class PageCache:
 
     def _evict(self, n: int) -> None:
         """Free `n` tree pages that no request holds, least recently used leaves first."""
-        leaves = [(node.last_used, node.page) for node in self._nodes.values() if not node.children and self._refs[node.page] == 1]
+        leaves = [(node.last_used, node.page) for node in self._nodes.values()
+                  if not node.children and self._refs[node.page] == 1]
         heapq.heapify(leaves)
         while n > 0:
             if not leaves:

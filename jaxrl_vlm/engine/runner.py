@@ -136,12 +136,12 @@ class ModelRunner:
         """Page-table entries covering a kv-length bucket."""
         return -(-kv_len // self.config.page_size)
 
-    def _padded_tables(self, tables: Sequence[Sequence[int]], rows: int, width: int) -> np.ndarray:
-        """int32 [rows, width]: each request's pages, then `num_pages` (no page: writes dropped, reads masked)."""
+    def _padded_tables(self, tables: np.ndarray, rows: int, width: int) -> np.ndarray:
+        """int32 [rows, width]: page tables [n, >= width] cut to `width` entries, then rows of `num_pages`
+        only (no page: writes dropped, reads masked)."""
         out = np.full((rows, width), self.config.num_pages, np.int32)
-        for r, pages in enumerate(tables):
-            n = min(len(pages), width)
-            out[r, :n] = pages[:n]
+        n, w = tables.shape[0], min(tables.shape[1], width)
+        out[:n, :w] = tables[:, :w]
         return out
 
     def prefill(
@@ -177,7 +177,7 @@ class ModelRunner:
         kv_len = t if start == 0 else bucket_for(total, self.config.kv_buckets, "cached tokens")
         if len(pages) * self.config.page_size < total:
             raise ValueError(f"{len(pages)} pages of {self.config.page_size} tokens cannot hold a prompt of {total} tokens")
-        table = self._padded_tables([pages], 1, self._table_width(kv_len))[0]
+        table = self._padded_tables(np.asarray(pages, np.int32)[None], 1, self._table_width(kv_len))[0]
         tokens = np.zeros((1, t), np.int32)
         tokens[0, :length] = input_ids[start:]
         pos = np.zeros((3, 1, t), np.int32)
@@ -203,11 +203,12 @@ class ModelRunner:
         return int(tok), float(lp)
 
     def decode(
-        self, slots: np.ndarray, tables: Sequence[Sequence[int]], ints: np.ndarray, floats: np.ndarray, filtered: bool
+        self, slots: np.ndarray, tables: np.ndarray, ints: np.ndarray, floats: np.ndarray, filtered: bool
     ) -> tuple[np.ndarray, np.ndarray]:
         """One decode step for the running requests in `slots` [n] (their bias rows), padded to a batch bucket.
 
-        tables: each request's pages (covering its position LENGTH, where this step writes);
+        tables int32 [n, W]: their page tables, padded with num_pages (covering position LENGTH, where
+        this step writes; entries past the kv-length bucket are not read);
         ints int32 [6, n], floats float32 [3, n]: their columns of `IntRow` / `FloatRow`. Returns ids
         int32 [n] and log-probs float32 [n].
         """

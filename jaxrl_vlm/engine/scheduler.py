@@ -143,6 +143,10 @@ class Scheduler:
         heapq.heapify(self._free)
         self.page_size = runner.config.page_size
         self._pages = PageCache(runner.config.num_pages, self.page_size)
+        # Page tables of the running requests by slot (mirrors `ActiveRequest.pages`, padded with num_pages)
+        # and their lengths, so that a decode step gathers them without a Python loop.
+        self._tables = np.full((self.max_batch, runner.config.pages_per_request), runner.config.num_pages, np.int32)
+        self._table_len = np.zeros((self.max_batch,), np.int64)
         self._prefix_on = runner.config.prefix_cache
         self._admissions = 0
         self._cache_epoch = 0  # bumped whenever cached K/V stops matching the serving weights
@@ -431,6 +435,8 @@ class Scheduler:
         self._admissions += 1
         seq.admitted = self._admissions
         self._running[slot] = seq
+        self._tables[slot, : len(seq.pages)] = seq.pages
+        self._table_len[slot] = len(seq.pages)
         self._cache_pages(seq, ids)  # the group's other samples, admitted next, reuse the prompt
         if resumed:
             self._set_next(seq, seq.output_ids[-1])
@@ -440,13 +446,17 @@ class Scheduler:
     def _grow_pages(self) -> None:
         """Give every running request the page its next decoded token is written to, retracting the
         most recently admitted requests while pages run out (the oldest always progresses)."""
-        for seq in sorted(self._running.values(), key=lambda r: r.admitted):
+        slots = np.fromiter(self._running, np.int64, len(self._running))
+        short = slots[self._ints[IntRow.LENGTH, slots] // self.page_size >= self._table_len[slots]]
+        for seq in sorted((self._running[int(s)] for s in short), key=lambda r: r.admitted):
             if self._running.get(seq.slot) is not seq:
                 continue  # retracted below for an older request
             while int(self._ints[IntRow.LENGTH, seq.slot]) // self.page_size >= len(seq.pages):
                 page = self._pages.allocate(1)
                 if page is not None:
+                    self._tables[seq.slot, len(seq.pages)] = page[0]
                     seq.pages += page
+                    self._table_len[seq.slot] = len(seq.pages)
                     continue
                 victim = max(self._running.values(), key=lambda r: r.admitted)
                 self._retract(victim)
@@ -470,7 +480,7 @@ class Scheduler:
             return
         try:
             ids, lps = self.runner.decode(
-                np.asarray(slots, np.int32), [self._running[s].pages for s in slots], self._ints[:, slots],
+                np.asarray(slots, np.int32), self._tables[slots], self._ints[:, slots],
                 self._floats[:, slots], bool(self._filtered[slots].any()),
             )
         except Exception as exc:
@@ -526,6 +536,8 @@ class Scheduler:
         self._ints[:, slot] = 0
         self._floats[:, slot] = 0.0
         self._filtered[slot] = False
+        self._tables[slot] = self._pages.num_pages
+        self._table_len[slot] = 0
         if cache:
             self._cache_pages(seq, self._cached_sequence(seq))
         self._drop_pages(seq)
