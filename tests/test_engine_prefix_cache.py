@@ -441,11 +441,11 @@ WORDS = "angle side circle radius chord tangent area perimeter triangle square m
 def request_streams(draw: st.DrawFn) -> list[dict[str, Any]]:
     """Requests arriving close together: a prefix from a small pool (two pictures of the same size, long and
     short texts), a few random words, a token budget, sometimes an abort; some continue as a second turn."""
-    n = draw(st.integers(3, 8))
+    n = draw(st.integers(3, 9))
     return [{
         "prefix": draw(st.integers(0, 3)),
         "words": draw(st.lists(st.sampled_from(WORDS), max_size=10)),
-        "max_new": draw(st.integers(1, 12)),
+        "max_new": draw(st.sampled_from([1, 3, 8, 12, 40])),
         "seed": draw(st.integers(0, 3)),
         "abort": draw(st.booleans()) and draw(st.booleans()),
         "delay_ms": draw(st.integers(0, 20)),
@@ -457,7 +457,7 @@ def _stream_prompts(encoder: ChatEncoder, make_test_image: Any, stream: list[dic
     prefixes = [
         [text_item(PREAMBLE), image_item(make_test_image(41, (96, 80)))],
         [text_item(PREAMBLE), image_item(make_test_image(42, (96, 80)))],  # same ids as the first, another picture
-        [text_item(PREAMBLE + " Use the figure below. " * 6)],
+        [text_item(PREAMBLE + " Use the figure below. " * 16)],  # long: with a few others it fills the memory
         [text_item("Short question.")],
     ]
     return [Conversation(encoder, prefixes[r["prefix"]] + [text_item(" ".join(r["words"]) + " Answer?")]) for r in stream]
@@ -489,7 +489,8 @@ def test_random_request_streams_give_every_request_its_solo_answer(engines, enco
             together = await asyncio.gather(*(one(c, i, r, conv, "t1") for i, (r, conv) in enumerate(zip(stream, convs))))
         results = [(list(conv.ids), list(conv.images), r, got) for conv, r, got in zip(convs, stream, together)]
         # Second turns of the episodes that were not aborted, concurrently again: they reuse their first turn's pages.
-        later = [i for i, (r, got) in enumerate(zip(stream, together)) if r["next_turn"] and got.finish_reason is not FinishType.ABORT]
+        later = [i for i, (r, got) in enumerate(zip(stream, together)) if r["next_turn"] and got.finish_reason is not FinishType.ABORT
+                 and got.prompt_tokens + len(got.output_ids) + 32 + r["max_new"] <= MAX_SEQ]  # the second turn fits the context
         for i in later:
             convs[i].add_turn(together[i].output_ids, [text_item("Check it: " + " ".join(stream[i]["words"][:3]))])
         async with client(on) as c:
