@@ -126,6 +126,40 @@ def test_page_cache_evicts_unheld_pages_least_recently_used_leaves_first():
     assert cache.free_pages == 6 and cache.available() == 6
 
 
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(ops=st.lists(st.tuples(st.sampled_from(["run", "finish", "clear"]), st.lists(st.integers(0, 2), min_size=1, max_size=5)),
+                    max_size=40))
+def test_page_cache_accounting_holds_under_random_requests(ops):
+    """Requests over a 3-letter alphabet of page keys: hold their cached prefix, allocate the rest, enter
+    the tree, finish; the pool's counts always equal a recount from the holders."""
+    cache = PageCache(num_pages=12, page_size=4)
+    running: list[list[int]] = []
+    for op, path in ops:
+        keys = _keys(*path)
+        if op == "run":
+            reused = cache.match(keys)
+            cache.hold(reused)
+            fresh = cache.allocate(len(keys) - len(reused))
+            if fresh is None:
+                cache.release(reused)
+                continue
+            running.append(reused + fresh)
+            cache.insert(keys, reused + fresh)
+        elif op == "finish" and running:
+            cache.release(running.pop(0))
+        elif op == "clear":
+            cache.clear()
+        holders = np.zeros((12,), np.int64)
+        for pages in running:
+            np.add.at(holders, pages, 1)
+        tree = set(cache._nodes)
+        np.add.at(holders, list(tree), 1)
+        assert [cache.refs(p) for p in range(12)] == holders.tolist()
+        assert cache.free_pages == int((holders == 0).sum())
+        assert cache.evictable_pages() == sum(1 for p in tree if holders[p] == 1)
+        assert all(len(set(pages)) == len(pages) for pages in running)
+
+
 # ---------------------------------------------------------------------------- engines
 
 
@@ -506,3 +540,6 @@ def test_random_request_streams_give_every_request_its_solo_answer(engines, enco
                     assert_same(got, want)
 
     asyncio.run(run())
+    pages = on.engine.scheduler._pages  # the engine is idle: only the tree holds pages
+    assert pages.free_pages + pages.cached_pages == pages.num_pages
+    assert pages.evictable_pages() == pages.cached_pages

@@ -136,6 +136,7 @@ class PageCache:
         self._free = list(range(num_pages - 1, -1, -1))  # a stack: low pages first
         self._root = _Node(-1, b"", None)
         self._nodes: dict[int, _Node] = {}  # page -> its tree node
+        self._evictable = 0  # tree pages that only the tree holds (kept up to date: admission asks often)
         self._tick = 0
         self.evictions = 0  # pages taken out of the tree to make room
 
@@ -152,7 +153,7 @@ class PageCache:
 
     def evictable_pages(self) -> int:
         """Tree pages that no request holds (all of them can be evicted, leaves first)."""
-        return sum(1 for p in self._nodes if self._refs[p] == 1)
+        return self._evictable
 
     def available(self) -> int:
         """Pages `allocate` could hand out now."""
@@ -177,6 +178,8 @@ class PageCache:
             if self._refs[p] < 1:
                 raise ValueError(f"page {p} is free: only a held page can gain a holder")
             self._refs[p] += 1
+            if self._refs[p] == 2 and p in self._nodes:
+                self._evictable -= 1
 
     def release(self, pages: Sequence[int]) -> None:
         """Drop one holder of each page; pages nobody holds any more become free."""
@@ -184,7 +187,9 @@ class PageCache:
             if self._refs[p] < 1:
                 raise ValueError(f"page {p} released more often than held")
             self._refs[p] -= 1
-            if self._refs[p] == 0:
+            if self._refs[p] == 1 and p in self._nodes:
+                self._evictable += 1
+            elif self._refs[p] == 0:
                 self._free.append(p)
 
     # ------------------------------------------------------------------ tree
@@ -215,6 +220,8 @@ class PageCache:
             if child is None:
                 if page in self._nodes:  # one page cannot sit at two places of the tree
                     break
+                if self._refs[page] < 1:
+                    raise ValueError(f"page {page} is free: only a held page can enter the tree")
                 child = _Node(page, key, node)
                 node.children[key] = child
                 self._nodes[page] = child
@@ -230,6 +237,7 @@ class PageCache:
         """Forget every cached prefix (the K/V no longer matches the weights); returns the pages dropped."""
         pages = list(self._nodes)
         self._nodes.clear()
+        self._evictable = 0
         self._root = _Node(-1, b"", None)
         self.release(pages)
         return len(pages)
@@ -244,6 +252,7 @@ class PageCache:
                 raise RuntimeError("page eviction ran out of candidates (accounting bug)")
             _, page = heapq.heappop(leaves)
             node = self._nodes.pop(page)
+            self._evictable -= 1
             parent = node.parent
             del parent.children[node.key]
             self.release([page])
