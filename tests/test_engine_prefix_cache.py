@@ -80,6 +80,18 @@ def test_image_spans_hash_pixels_and_grid():
         image_spans(ids[:-3], pixels, grid, pad, merge)
 
 
+def test_kv_memory_is_counted_in_pages_and_must_hold_one_full_request():
+    default = EngineOptions(max_batch=4, max_seq_len=100, page_size=16)
+    assert default.pages_per_request == 7 and default.num_pages == 4 * 7  # one max_seq_len row per request, in pages
+    assert EngineOptions(max_batch=4, max_seq_len=256, page_size=16, max_total_tokens=1000).num_pages == 62
+    slots = EngineOptions(max_batch=4, max_seq_len=256, page_size=256)  # the layout before paging
+    assert slots.num_pages == 4 and slots.pages_per_request == 1
+    with pytest.raises(ValueError, match="one request of max_seq_len=256 tokens needs 16"):
+        EngineOptions(max_seq_len=256, page_size=16, max_total_tokens=255)
+    with pytest.raises(ValueError, match="page_size must be >= 1"):
+        EngineOptions(page_size=0)
+
+
 def _keys(*pages: int) -> list[bytes]:
     return [bytes([p]) for p in pages]
 

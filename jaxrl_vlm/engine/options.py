@@ -52,8 +52,8 @@ class EngineOptions:
     page_size: tokens per KV page (SGLang's page_size); a request holds ceil(tokens / page_size)
     pages, and prefixes are shared and matched in whole pages. max_total_tokens: the KV memory, in
     tokens, of all requests and the prefix cache together (SGLang's max_total_tokens; None:
-    max_batch x max_seq_len, the memory of one max_seq_len row per running request); it is split
-    into max_total_tokens // page_size pages. How many requests run at once is bounded by these
+    max_batch x max_seq_len rounded up to whole pages per request, the memory of one max_seq_len
+    row per running request); it is split into max_total_tokens // page_size pages. How many requests run at once is bounded by these
     pages (requests wait for free pages; a request that cannot grow is retracted) and by max_batch.
     min_prefill_bucket / min_kv_bucket / min_patch_bucket: smallest prompt, attended-cache and
     image-patch buckets (then doubling up to the maximum). decode_batch_sizes: batch buckets for
@@ -115,7 +115,7 @@ class EngineOptions:
             raise ValueError(f"max_prefills_per_step must be >= 1, got {self.max_prefills_per_step}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
-        if self.max_total_tokens is not None and self.num_pages < self.pages_per_request:
+        if self.num_pages < self.pages_per_request:
             raise ValueError(f"max_total_tokens={self.max_total_tokens} holds {self.num_pages} pages of {self.page_size} "
                              f"tokens; one request of max_seq_len={self.max_seq_len} tokens needs {self.pages_per_request}")
         for name in ("max_image_bytes", "max_image_pixels", "max_n", "max_request_bytes"):
@@ -151,9 +151,10 @@ class EngineOptions:
 
     @property
     def num_pages(self) -> int:
-        """Pages of the KV cache."""
-        total = self.max_batch * self.max_seq_len if self.max_total_tokens is None else self.max_total_tokens
-        return max(1, total // self.page_size)
+        """Pages of the KV cache (by default, max_seq_len tokens' worth for each of max_batch requests)."""
+        if self.max_total_tokens is None:
+            return self.max_batch * self.pages_per_request
+        return self.max_total_tokens // self.page_size
 
     @property
     def pages_per_request(self) -> int:

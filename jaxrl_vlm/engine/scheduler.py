@@ -318,7 +318,7 @@ class Scheduler:
             try:
                 start = self._take_pages(seq)
                 if start is None:
-                    return  # in arrival order: wait until running requests free pages
+                    break  # in arrival order: wait until running requests free pages
                 self._waiting.popleft()
                 slot = heapq.heappop(self._free)
                 self._prefill(seq, slot, start)
