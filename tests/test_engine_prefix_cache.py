@@ -3,8 +3,8 @@
 Two engines serve this module from the same tiny Qwen3-VL checkpoint (fp32, 4 running requests, pages
 of PAGE tokens, a KV memory of MEMORY tokens so that concurrent requests and the cache compete for
 pages): `on` with the radix cache, `off` without. Every request goes to both; greedy and seeded
-tokens must be identical and log-probs within 1e-5, while `on` reports `cached_tokens` (whole pages,
-as SGLang's paged radix cache) and prefills less. The `off` engine's plain prefill is itself checked
+tokens must be identical and log-probs within 1e-5, while `on` reports `cached_tokens` and prefills
+less. The `off` engine's plain prefill is itself checked
 against transformers in test_engine.py. The host-side page and tree rules (`prefix_cache.py`) are
 tested directly, without JAX programs; random request streams are property-tested against each
 request run alone.
@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jaxrl_vlm.engine import EmbeddedEngine, EngineOptions
-from jaxrl_vlm.engine.prefix_cache import ImageSpan, PageCache, image_spans, page_keys, reusable_tokens
+from jaxrl_vlm.engine.prefix_cache import ImageSpan, PageCache, image_spans, page_keys, reusable_tokens, tail_key
 from jaxrl_vlm.engine.runner import ModelRunner
 from jaxrl_vlm.models import from_hf, to_hf
 from rollout.client import GenerateResult, RetryPolicy, SGLangClient
@@ -56,11 +56,12 @@ def test_page_keys_tell_images_apart_and_reuse_stops_before_the_last_token_and_s
     assert ka[0] != kb[0] and ka[1] != kb[1]  # both pages holding pads of the image know which picture it is
     assert ka[2] == kb[2] == plain[2]  # a page after the image is keyed by its ids alone
     assert ka[0] != plain[0]
-    assert reusable_tokens(12, 12, (), 4) == 8  # the last prompt token is always computed
-    assert reusable_tokens(11, 20, (), 4) == 8  # whole pages only
-    assert reusable_tokens(12, 20, (ImageSpan(6, 14, b"A"),), 4) == 4  # never inside an image: back to a page before it
-    assert reusable_tokens(16, 20, (ImageSpan(6, 14, b"A"),), 4) == 16
-    assert reusable_tokens(12, 20, (ImageSpan(2, 5, b"A"), ImageSpan(8, 14, b"B")), 4) == 8
+    assert reusable_tokens(12, 12, ()) == 11  # the last prompt token is always computed
+    assert reusable_tokens(11, 20, ()) == 11
+    assert reusable_tokens(12, 20, (ImageSpan(6, 14, b"A"),)) == 6  # never inside an image: back to its start
+    assert reusable_tokens(16, 20, (ImageSpan(6, 14, b"A"),)) == 16
+    assert reusable_tokens(12, 20, (ImageSpan(2, 5, b"A"), ImageSpan(8, 14, b"B"))) == 8
+    assert tail_key(ids, a, 4, 1, 2) == page_keys(ids[:6], a, 4, 2)[1] != tail_key(ids, b, 4, 1, 2)
 
 
 def test_image_spans_hash_pixels_and_grid():
@@ -100,8 +101,8 @@ def test_page_cache_shares_the_longest_path_and_counts_holders():
     cache = PageCache(num_pages=8, page_size=4)
     first = cache.allocate(3)
     assert cache.insert(_keys(1, 2, 3), first) == 3
-    assert cache.match(_keys(1, 2, 7)) == first[:2]
-    assert cache.match(_keys(9)) == []
+    assert cache.match(_keys(1, 2, 7)) == (first[:2], None)
+    assert cache.match(_keys(9)) == ([], None)
     # A sibling that computed the same page itself keeps its copy out of the tree, and so its pages after it.
     other = cache.allocate(2)
     assert cache.insert(_keys(1, 5), [first[0], other[0]]) == 1
@@ -111,6 +112,20 @@ def test_page_cache_shares_the_longest_path_and_counts_holders():
     assert cache.free_pages == 8 - 4 and cache.cached_pages == 4 and cache.available() == 8
     with pytest.raises(ValueError, match="released more often"):
         cache.release([other[1], other[1]])
+
+
+def test_page_cache_tails_are_found_by_their_tokens_and_replaced_once_their_page_fills():
+    cache = PageCache(num_pages=4, page_size=4)
+    pages = cache.allocate(2)
+    cache.insert(_keys(1), pages[:1], (b"t2", pages[1], 2))  # a request whose second page holds 2 tokens so far
+    prompt_tails = {(1, 2): b"t2", (1, 3): b"t3"}.get  # (page, tokens) -> key, as a prompt would spell them
+    assert cache.match(_keys(1, 9), lambda j, n: prompt_tails((j, n), b"")) == (pages[:1], (pages[1], 2))
+    assert cache.match(_keys(1), lambda j, n: b"other") == (pages[:1], None)
+    # It wrote on: the page, now full, enters as a full page and its tail leaves.
+    assert cache.insert(_keys(1, 2), pages) == 1
+    assert cache.match(_keys(1, 2), lambda j, n: prompt_tails((j, n), b"")) == (pages, None)
+    cache.release(pages)
+    assert cache.cached_pages == 2 and cache.available() == 4 and cache.allocate(4) is not None
 
 
 def test_page_cache_evicts_unheld_pages_least_recently_used_leaves_first():
@@ -123,16 +138,16 @@ def test_page_cache_evicts_unheld_pages_least_recently_used_leaves_first():
     cache.release(new)
     assert cache.free_pages == 1
     cache.match(_keys(1))  # the root page of the old path is used again, its leaves are not
-    held = cache.match(_keys(4, 5))
+    held, _ = cache.match(_keys(4, 5))
     cache.hold(held)  # a running request reads them: never evicted
     got = cache.allocate(3)
     assert got is not None and cache.evictions == 2
-    assert cache.match(_keys(1, 2, 3)) == old[:1]  # leaves of the old path went first
-    assert cache.match(_keys(4, 5)) == held
+    assert cache.match(_keys(1, 2, 3))[0] == old[:1]  # leaves of the old path went first
+    assert cache.match(_keys(4, 5))[0] == held
     assert cache.allocate(2) is None and cache.free_pages == 0  # only held pages left: nothing changes
     # Dropping the tree (new weights) keeps the pages running requests hold until they let go.
     assert cache.clear() == 3
-    assert cache.match(_keys(4)) == [] and cache.free_pages == 1
+    assert cache.match(_keys(4))[0] == [] and cache.free_pages == 1
     cache.release(held)
     cache.release(got)
     assert cache.free_pages == 6 and cache.available() == 6
@@ -149,7 +164,7 @@ def test_page_cache_accounting_holds_under_random_requests(ops):
     for op, path in ops:
         keys = _keys(*path)
         if op == "run":
-            reused = cache.match(keys)
+            reused, _ = cache.match(keys)
             cache.hold(reused)
             fresh = cache.allocate(len(keys) - len(reused))
             if fresh is None:
@@ -286,9 +301,10 @@ async def test_three_turn_image_episode_equals_the_cache_off_engine_and_skips_ca
             conv.add_turn(a.output_ids, observation)
     a1, a2, a3 = (r[0] for r in results)
     assert a1.cached_tokens == 0
-    # Everything of the previous turn is served from the cache but its last sampled token, in whole pages.
-    assert a2.cached_tokens == pages_of(a1.prompt_tokens + len(a1.output_ids) - 1)
-    assert a3.cached_tokens == pages_of(a2.prompt_tokens + len(a2.output_ids) - 1)
+    # Everything of the previous turn is served from the cache but its last sampled token (its partly
+    # filled last page is copied).
+    assert a2.cached_tokens == a1.prompt_tokens + len(a1.output_ids) - 1
+    assert a3.cached_tokens == a2.prompt_tokens + len(a2.output_ids) - 1
     prefilled = {e: e.stats.prefilled_tokens - before[e][0] for e in engines}
     assert prefilled[off] == sum(r[1].prompt_tokens for r in results)
     assert prefilled[on] == prefilled[off] - a2.cached_tokens - a3.cached_tokens
@@ -300,7 +316,7 @@ async def test_three_turn_image_episode_equals_the_cache_off_engine_and_skips_ca
     # The cached pages of the last prompt hold what a plain prefill of it computes on an empty cache.
     prompt = prepared(on, conv.ids, conv.images)
     full = prompt.num_tokens // PAGE
-    pages = on.engine.scheduler._pages.match(page_keys(prompt.input_ids, prompt.images, PAGE, full))
+    pages, _ = on.engine.scheduler._pages.match(page_keys(prompt.input_ids, prompt.images, PAGE, full))
     assert len(pages) == full
     runner = on.engine.runner
     fresh = ModelRunner(runner.model(), EngineOptions(**{**_config(False).__dict__, "max_total_tokens": MAX_SEQ}), runner.banned_ids)
@@ -335,9 +351,15 @@ async def test_a_different_image_of_the_same_size_is_not_reused(engines, encoder
 
 
 def cached_path(engine: EmbeddedEngine, ids: list[int], tokens: int) -> int:
-    """How many of the first `tokens` tokens of a text prompt's pages the engine's tree holds (introspection)."""
-    ids_np = np.asarray(ids, np.int32)
-    return len(engine.engine.scheduler._pages.match(page_keys(ids_np, (), PAGE, tokens // PAGE))) * PAGE
+    """How many of the first `tokens` tokens of a text prompt the engine's tree holds in full pages
+    (introspection that, unlike `match`, leaves the recency of the pages alone)."""
+    node, held = engine.engine.scheduler._pages._root, 0
+    for key in page_keys(np.asarray(ids, np.int32), (), PAGE, tokens // PAGE):
+        node = node.children.get(key)
+        if node is None:
+            break
+        held += PAGE
+    return held
 
 
 async def test_lru_eviction_under_memory_pressure_and_concurrent_turns_equal_solo_runs(engines, encoder):
@@ -355,8 +377,8 @@ async def test_lru_eviction_under_memory_pressure_and_concurrent_turns_equal_sol
         conv.add_turn(a.output_ids, [text_item("Wrong, think again.")])
     history = [conv.ids[:n] for conv, n in zip(convs, cacheable)]
     assert [cached_path(on, h, n) for h, n in zip(history, cacheable)] == [pages_of(n) for n in cacheable]
-    # An unrelated request that needs 3 pages more than are free evicts the 3 least recently used pages:
-    # the leaves of the first conversation.
+    # An unrelated request that needs 3 pages more than are free evicts the 3 least recently used pages,
+    # leaves first: the end of the first conversation.
     pages = on.engine.scheduler._pages
     evictions, free = pages.evictions, pages.free_pages
     filler = encoder.encode_prompt([{"role": "user", "content": "Completely unrelated question about circles. " * 40}]).wire_ids
@@ -365,7 +387,8 @@ async def test_lru_eviction_under_memory_pressure_and_concurrent_turns_equal_sol
     a, b = await generate_both(engines, filler[:length], [])
     assert_same(a, b)
     assert a.cached_tokens == 0 and pages.evictions == evictions + 3
-    assert cached_path(on, history[0], cacheable[0]) == pages_of(cacheable[0]) - 3 * PAGE
+    # Its partly filled last page, then its last two full pages.
+    assert cached_path(on, history[0], cacheable[0]) == pages_of(cacheable[0]) - 2 * PAGE
     assert [cached_path(on, h, n) for h, n in zip(history[1:], cacheable[1:])] == [pages_of(n) for n in cacheable[1:]]
 
     # The other three continue concurrently, each reading its own pages; batched answers equal solo cold runs.
@@ -375,7 +398,7 @@ async def test_lru_eviction_under_memory_pressure_and_concurrent_turns_equal_sol
         solo = [await c.generate(conv.ids, sampling_params=GREEDY) for conv in convs[1:]]
     for got, want, n in zip(together, solo, cacheable[1:]):
         assert_same(got, want)
-        assert got.cached_tokens == pages_of(n)
+        assert got.cached_tokens == n
     a, b = await generate_both(engines, convs[0].ids, [])
     assert_same(a, b)
     assert a.cached_tokens < pages_of(cacheable[0])
@@ -403,7 +426,7 @@ async def test_a_shared_prefix_is_shared_and_both_conversations_keep_their_cache
         conv.add_turn(prev.output_ids, [text_item("Show your steps.")])
         got, want = await generate_both(engines, conv.ids, conv.images)
         assert_same(got, want)
-        assert got.cached_tokens == pages_of(prev.prompt_tokens + len(prev.output_ids) - 1)
+        assert got.cached_tokens == prev.prompt_tokens + len(prev.output_ids) - 1
 
 
 async def test_a_group_of_samples_prefills_its_image_prompt_once(engines, encoder, make_test_image):
@@ -421,9 +444,9 @@ async def test_a_group_of_samples_prefills_its_image_prompt_once(engines, encode
         assert_same(got, want)
     assert len({tuple(r.output_ids) for r in results[on]}) > 1
     prompt = results[on][0].prompt_tokens
-    shared = pages_of(prompt - 1)
-    assert sorted(r.cached_tokens for r in results[on]) == [0] + [shared] * (n - 1)
-    assert on.stats.prefilled_tokens - before[on][0] == prompt + (n - 1) * (prompt - shared)
+    # The first sample prefills the prompt; the others copy its partly filled last page and compute one token.
+    assert sorted(r.cached_tokens for r in results[on]) == [0] + [prompt - 1] * (n - 1)
+    assert on.stats.prefilled_tokens - before[on][0] == prompt + (n - 1)
     assert off.stats.prefilled_tokens - before[off][0] == n * prompt
     assert on.stats.encoded_images - before[on][1] == 1
 

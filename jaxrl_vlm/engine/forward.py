@@ -42,6 +42,12 @@ def init_cache(cfg: Qwen3VLConfig, num_pages: int, page_size: int, dtype: jnp.dt
     return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
 
+def copy_page(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
+    """Page `src` copied into page `dst` in every layer: a partly shared page that the copy's owner
+    goes on to write (copy-on-write)."""
+    return KVCache(cache.k.at[:, dst].set(cache.k[:, src]), cache.v.at[:, dst].set(cache.v[:, src]))
+
+
 def _page_slots(table: jax.Array, positions: jax.Array, page_size: int, num_pages: int) -> tuple[jax.Array, jax.Array]:
     """(page, row) of each sequence position under `table` [..., P]; positions past the table map to
     page `num_pages`, whose writes are dropped."""

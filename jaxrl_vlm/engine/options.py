@@ -50,11 +50,12 @@ class EngineOptions:
     per-request sampling arrays and the largest decode batch. max_seq_len: most tokens of one request,
     prompt (pads expanded) plus output (SGLang's context_length).
     page_size: tokens per KV page (SGLang's page_size); a request holds ceil(tokens / page_size)
-    pages, and prefixes are shared and matched in whole pages. max_total_tokens: the KV memory, in
-    tokens, of all requests and the prefix cache together (SGLang's max_total_tokens; None:
-    max_batch x max_seq_len rounded up to whole pages per request, the memory of one max_seq_len
-    row per running request); it is split into max_total_tokens // page_size pages. How many requests run at once is bounded by these
-    pages (requests wait for free pages; a request that cannot grow is retracted) and by max_batch.
+    pages; a shared prefix shares its whole pages and copies its partly shared last page.
+    max_total_tokens: the KV memory, in tokens, of all requests and the prefix cache together
+    (SGLang's max_total_tokens; None: max_batch x max_seq_len rounded up to whole pages per request,
+    the memory of one max_seq_len row per running request); it is split into max_total_tokens //
+    page_size pages. How many requests run at once is bounded by these pages (requests wait for free
+    pages; a request that cannot grow is retracted) and by max_batch.
     min_prefill_bucket / min_kv_bucket / min_patch_bucket: smallest prompt, attended-cache and
     image-patch buckets (then doubling up to the maximum). decode_batch_sizes: batch buckets for
     decode (default: powers of two up to max_batch). param_dtype / compute_dtype: "float32" or

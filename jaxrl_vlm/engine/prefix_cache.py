@@ -2,19 +2,22 @@
 
 The device cache is `num_pages` pages of `page_size` tokens (`forward.KVCache`). A request holds the
 pages of its page table; `PageCache` counts holders per page (requests and the tree) and hands out
-free pages. Full pages of finished (and freshly prefilled) requests are kept in a *radix tree of
+free pages. The pages of finished (and freshly prefilled) requests are kept in a *radix tree of
 pages*: each node is one page, its key the page's token ids plus the identity of every image whose
-pads fall in it, so a path from the root spells a cached prefix. Image-pad ids are the same for
+pads fall in it, so a path from the root spells a cached prefix; a request's partly filled last page
+hangs at the end of its path as a *tail*, keyed by the tokens it holds so far. Image-pad ids are the same for
 every image, so token ids alone would let a different picture of the same size pass as cached: each
 image is identified by a digest of its pixel values and grid (`image_spans`).
 
-A new prompt reuses the pages of the longest cached path that matches it, at most up to prompt
-length - 1 (the last prompt token must be computed to get the next token's logits), cut back to the
-start of an image that the reuse would split (prefill cannot start inside an image), all in whole
-pages (as SGLang's paged radix cache matches). The n samples of a GRPO group therefore prefill their
-prompt once (the first one's pages enter the tree right after its prefill) and the next turn of an
-episode re-reads its conversation's pages. Shared pages are only read: a request writes positions
-past its reused prefix, which lie in its own pages.
+A new prompt reuses the longest cached path that matches it (and the longest tail after it), at
+most up to prompt length - 1 (the last prompt token must be computed to get the next token's
+logits), cut back to the start of an image that the reuse would split (prefill cannot start inside
+an image). Its whole pages are shared; the page holding the rest of the reused prefix (a tail, or a
+full page that the reuse ends inside) is copied into a page of the request's own (copy-on-write),
+since the request writes its next positions there. The n samples of a GRPO group therefore prefill
+their prompt once (the first one's pages enter the tree right after its prefill; the others compute
+only the last prompt token) and the next turn of an episode re-reads its conversation's pages.
+Shared pages are only read: a request writes positions past its reused prefix, in its own pages.
 
 Pages that only the tree holds are evicted least recently used first, leaves before their parents,
 when a request needs pages and none are free. `clear` forgets the tree (new weights, flush, a failed
@@ -26,7 +29,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -99,15 +102,15 @@ def page_keys(ids: np.ndarray, images: Sequence[ImageSpan], page_size: int, page
     return keys
 
 
-def reusable_tokens(matched: int, length: int, images: Sequence[ImageSpan], page_size: int) -> int:
+def tail_key(ids: np.ndarray, images: Sequence[ImageSpan], page_size: int, page: int, n: int) -> bytes:
+    """The tree key of the first `n` tokens of page `page` of `ids` (a partly filled page)."""
+    return page_keys(ids[: page * page_size + n], images, page_size, page + 1)[page] if n else b""
+
+
+def reusable_tokens(matched: int, length: int, images: Sequence[ImageSpan]) -> int:
     """Tokens of a prompt of `length` (with `images`) served by `matched` cached leading tokens: at
-    most length - 1, whole pages only, and never ending inside an image."""
-    reuse = min(matched, length - 1) // page_size * page_size
-    while True:
-        cut = cut_before_images(reuse, images) // page_size * page_size
-        if cut == reuse:
-            return reuse
-        reuse = cut
+    most length - 1 (the last prompt token is computed for its logits), never ending inside an image."""
+    return cut_before_images(min(matched, length - 1), images)
 
 
 @dataclass(eq=False)
@@ -115,16 +118,20 @@ class _Node:
     page: int
     key: bytes
     parent: "_Node | None"
-    children: dict[bytes, "_Node"] = field(default_factory=dict)
+    size: int = 0  # tokens it holds: page_size, or fewer for a partly filled page (always a leaf)
+    children: dict[bytes, "_Node"] = field(default_factory=dict)  # full pages that follow
+    tails: dict[bytes, "_Node"] = field(default_factory=dict)  # partly filled pages that follow
     last_used: int = 0
 
 
 class PageCache:
-    """The page pool (holders per page, free pages) and the radix tree of cached full pages.
+    """The page pool (holders per page, free pages) and the radix tree of cached pages.
 
     A page is free when nobody holds it. `allocate` gives pages held once by the caller; `hold` adds
     a holder (a request reusing tree pages); `release` drops one per page. The tree holds each page
-    of its nodes once. Not thread-safe (the scheduler thread's).
+    of its nodes once. Full pages are shared as they are; a partly filled last page (a *tail*: its
+    owner may still be writing past it) is only ever copied by a request that reuses it, which then
+    writes its own rows into the copy (copy-on-write). Not thread-safe (the scheduler thread's).
     """
 
     def __init__(self, num_pages: int, page_size: int) -> None:
@@ -194,22 +201,36 @@ class PageCache:
 
     # ------------------------------------------------------------------ tree
 
-    def match(self, keys: Sequence[bytes]) -> list[int]:
-        """Pages of the longest cached path spelling keys[0], keys[1], ... (marked as just used)."""
+    def match(
+        self, keys: Sequence[bytes], tail: Callable[[int, int], bytes] | None = None
+    ) -> tuple[list[int], tuple[int, int] | None]:
+        """Pages of the longest cached path spelling keys[0], keys[1], ... (marked as just used), and
+        the longest cached partly filled page after it as (page, tokens) or None; `tail(j, n)` is the
+        key the prompt's page j would have with its first n tokens."""
         self._tick += 1
         node, pages = self._root, []
         for key in keys:
-            node = node.children.get(key)
-            if node is None:
+            child = node.children.get(key)
+            if child is None:
                 break
+            node = child
             node.last_used = self._tick
             pages.append(node.page)
-        return pages
+        best = None
+        if tail is not None:
+            for candidate in node.tails.values():
+                if (best is None or candidate.size > best.size) and tail(len(pages), candidate.size) == candidate.key:
+                    best = candidate
+        if best is None:
+            return pages, None
+        best.last_used = self._tick
+        return pages, (best.page, best.size)
 
-    def insert(self, keys: Sequence[bytes], pages: Sequence[int]) -> int:
+    def insert(self, keys: Sequence[bytes], pages: Sequence[int], tail: tuple[bytes, int, int] | None = None) -> int:
         """Cache `pages` (held by the caller, whose K/V spell `keys`) along their path, up to the first
         key cached already with another page (that copy stays, and the caller's pages past it are not
-        cached). Returns how many pages the tree took.
+        cached), then `tail` = (key, page, tokens), the caller's partly filled next page. Returns how
+        many pages the tree took.
 
         Stopping there keeps an invariant that eviction relies on: the tree pages a request holds form
         a path from the root, so a node that only the tree holds has only such nodes below it."""
@@ -218,20 +239,40 @@ class PageCache:
         for key, page in zip(keys, pages):
             child = node.children.get(key)
             if child is None:
-                if page in self._nodes:  # one page cannot sit at two places of the tree
-                    break
-                if self._refs[page] < 1:
-                    raise ValueError(f"page {page} is free: only a held page can enter the tree")
-                child = _Node(page, key, node)
-                node.children[key] = child
-                self._nodes[page] = child
-                self._refs[page] += 1
+                if not self._can_take(page):
+                    return taken
+                child = self._add(node, node.children, key, page, self.page_size)
                 taken += 1
             elif child.page != page:
-                break
+                return taken
             child.last_used = self._tick
             node = child
+        if tail is not None and tail[0] not in node.tails and self._can_take(tail[1]):
+            self._add(node, node.tails, tail[0], tail[1], tail[2]).last_used = self._tick
+            taken += 1
         return taken
+
+    def _can_take(self, page: int) -> bool:
+        """Whether the caller's `page` may enter the tree now. A page cached as a tail of the same
+        request (it was partly filled then) is taken out first: it has grown since."""
+        if self._refs[page] < 1:
+            raise ValueError(f"page {page} is free: only a held page can enter the tree")
+        node = self._nodes.get(page)
+        if node is None:
+            return True
+        if node.size == self.page_size:  # one page cannot sit at two places of the tree
+            return False
+        del node.parent.tails[node.key]
+        del self._nodes[page]
+        self.release([page])  # the caller still holds it: never freed here
+        return True
+
+    def _add(self, parent: _Node, where: dict[bytes, _Node], key: bytes, page: int, size: int) -> _Node:
+        child = _Node(page, key, parent, size)
+        where[key] = child
+        self._nodes[page] = child
+        self._refs[page] += 1  # the caller holds it too: never evictable yet
+        return child
 
     def clear(self) -> int:
         """Forget every cached prefix (the K/V no longer matches the weights); returns the pages dropped."""
@@ -245,7 +286,7 @@ class PageCache:
     def _evict(self, n: int) -> None:
         """Free `n` tree pages that no request holds, least recently used leaves first."""
         leaves = [(node.last_used, node.page) for node in self._nodes.values()
-                  if not node.children and self._refs[node.page] == 1]
+                  if not node.children and not node.tails and self._refs[node.page] == 1]
         heapq.heapify(leaves)
         while n > 0:
             if not leaves:
@@ -254,9 +295,9 @@ class PageCache:
             node = self._nodes.pop(page)
             self._evictable -= 1
             parent = node.parent
-            del parent.children[node.key]
+            del (parent.children if node.size == self.page_size else parent.tails)[node.key]
             self.release([page])
             self.evictions += 1
             n -= 1
-            if parent is not self._root and not parent.children and self._refs[parent.page] == 1:
+            if parent is not self._root and not parent.children and not parent.tails and self._refs[parent.page] == 1:
                 heapq.heappush(leaves, (parent.last_used, parent.page))

@@ -87,7 +87,7 @@ class ModelRunner:
     parameters in the scheduler), in [0, max_batch). Its K/V lives in the pages of its page table.
     `banned_ids`: token ids that can never be sampled (Qwen-VL's vision special tokens).
     `program_calls` counts calls per compiled-program key: ("prefill", bucket, patch_bucket),
-    ("extend", bucket, kv_len, patch_bucket), ("decode", batch, kv_len, filtered).
+    ("extend", bucket, kv_len, patch_bucket), ("copy_page",), ("decode", batch, kv_len, filtered).
     """
 
     def __init__(self, model: Qwen3VL, config: EngineOptions, banned_ids: Sequence[int]):
@@ -122,6 +122,7 @@ class ModelRunner:
 
         self._prefill = jax.jit(prefill_program, donate_argnames=("cache", "bias"))
         self._decode = jax.jit(decode_program, static_argnames=("filtered",), donate_argnames=("cache",))
+        self._copy_page = jax.jit(forward.copy_page, donate_argnames=("cache",))
         self.program_calls: collections.Counter[tuple[Any, ...]] = collections.Counter()
         self.encoded_images = 0  # images run through the vision tower (a reused prefix skips its images)
 
@@ -201,6 +202,11 @@ class ModelRunner:
         )
         tok, lp = jax.device_get((tok, lp))
         return int(tok), float(lp)
+
+    def copy_page(self, src: int, dst: int) -> None:
+        """Copy the K/V of page `src` into page `dst` (a reused, partly shared last page)."""
+        self.program_calls[("copy_page",)] += 1
+        self.cache = self._copy_page(self.cache, np.int32(src), np.int32(dst))
 
     def decode(
         self, slots: np.ndarray, tables: np.ndarray, ints: np.ndarray, floats: np.ndarray, filtered: bool

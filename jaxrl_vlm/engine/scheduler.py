@@ -13,10 +13,11 @@ prompt's pages, with one page of headroom per running request left over; a reque
 its next page retracts the most recently admitted one (its K/V stays cached, so readmission recomputes
 little), as SGLang does when decoding runs out of memory.
 
-Prefix cache (`EngineOptions.prefix_cache`): a request's full prompt pages enter the radix tree right
-after its prefill (so the other samples of its group, admitted next, reuse them) and its full prompt
-+ output pages when it finishes (so the next turn of the episode reuses them). Admission reuses the
-pages of the longest cached prefix of the prompt and prefills only the rest. The tree is dropped
+Prefix cache (`EngineOptions.prefix_cache`): a request's prompt pages enter the radix tree right
+after its prefill (so the other samples of its group, admitted next, reuse them) and its prompt +
+output pages when it finishes (so the next turn of the episode reuses them). Admission reuses the
+pages of the longest cached prefix of the prompt (copying the partly shared last one) and prefills
+only the rest; `cached_tokens` counts the reused tokens, as SGLang reports its radix-cache hits. The tree is dropped
 whenever its K/V may no longer be what the serving weights compute: new weights, `/flush_cache`, a
 failed device program; a request that was running across a weight update never enters the tree.
 
@@ -54,7 +55,7 @@ from jaxrl_vlm.engine.inbox import (
     StopMsg,
     UpdateWeightsMsg,
 )
-from jaxrl_vlm.engine.prefix_cache import ImageSpan, PageCache, image_spans, page_keys, reusable_tokens
+from jaxrl_vlm.engine.prefix_cache import ImageSpan, PageCache, image_spans, page_keys, reusable_tokens, tail_key
 from jaxrl_vlm.engine.protocol import GenerateOutput, GenerateRequest
 from jaxrl_vlm.engine.runner import FloatRow, IntRow, ModelRunner
 from rollout.sglang_wire import (
@@ -346,20 +347,29 @@ class Scheduler:
         ids = self._cached_sequence(seq)
         total = ids.shape[0]
         ps = self.page_size
-        reused: list[int] = []
+        reuse, reused, source = 0, [], []
         if self._prefix_on:
             images = self._images(seq)
-            matched = self._pages.match(page_keys(ids, images, ps, (total - 1) // ps))
-            reused = matched[: reusable_tokens(len(matched) * ps, total, images, ps) // ps]
-        need = (total + 1 + ps - 1) // ps - len(reused)  # positions [0, total]: the first decode writes at `total`
-        self._pages.hold(reused)  # before allocating, so eviction cannot take them
-        if self._pages.available() - need < sum(self._may_grow(r) for r in self._running.values()):
-            self._pages.release(reused)
-            return None
-        fresh = self._pages.allocate(need)
-        assert fresh is not None, "available() promised these pages"
-        seq.pages = reused + fresh
-        return len(reused) * ps
+            matched, tail = self._pages.match(page_keys(ids, images, ps, total // ps),
+                                              lambda j, n: tail_key(ids, images, ps, j, n))
+            reuse = reusable_tokens(len(matched) * ps + (tail[1] if tail else 0), total, images)
+            reused = matched[: reuse // ps]
+            if reuse % ps:  # the page holding the rest of the prefix is copied: this request writes into it
+                source = [matched[reuse // ps] if reuse // ps < len(matched) else tail[0]]
+        need = (total + ps) // ps - len(reused)  # positions [0, total]: the first decode writes at `total`
+        self._pages.hold(reused + source)  # before allocating, so eviction cannot take them
+        try:
+            if self._pages.available() - need < sum(self._may_grow(r) for r in self._running.values()):
+                self._pages.release(reused)
+                return None
+            fresh = self._pages.allocate(need)
+            assert fresh is not None, "available() promised these pages"
+            seq.pages = reused + fresh
+            if source:
+                self.runner.copy_page(source[0], fresh[0])
+        finally:
+            self._pages.release(source)
+        return reuse
 
     def _may_grow(self, seq: ActiveRequest) -> bool:
         """Whether a running request may still write past its pages (before its token budget ends)."""
@@ -373,8 +383,13 @@ class Scheduler:
     def _cache_pages(self, seq: ActiveRequest, ids: np.ndarray) -> None:
         """Offer the request's full pages holding `ids` to the radix tree (if its K/V is current)."""
         if self._prefix_on and seq.cache_epoch == self._cache_epoch:
-            full = min(ids.shape[0] // self.page_size, len(seq.pages))
-            self._pages.insert(page_keys(ids, self._images(seq), self.page_size, full), seq.pages[:full])
+            ps, images = self.page_size, self._images(seq)
+            full = min(ids.shape[0] // ps, len(seq.pages))
+            rest = ids.shape[0] - full * ps
+            tail = None
+            if 0 < rest < ps and full < len(seq.pages):
+                tail = (tail_key(ids, images, ps, full, rest), seq.pages[full], rest)
+            self._pages.insert(page_keys(ids, images, ps, full), seq.pages[:full], tail)
 
     def _cached_sequence(self, seq: ActiveRequest) -> np.ndarray:
         """Token ids whose K/V the request's slot holds while it runs or once it stops: prompt +
