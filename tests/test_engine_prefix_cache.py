@@ -154,24 +154,26 @@ def test_page_cache_evicts_unheld_pages_least_recently_used_leaves_first():
 
 
 @settings(max_examples=60, deadline=None, derandomize=True)
-@given(ops=st.lists(st.tuples(st.sampled_from(["run", "finish", "clear"]), st.lists(st.integers(0, 2), min_size=1, max_size=5)),
-                    max_size=40))
+@given(ops=st.lists(st.tuples(st.sampled_from(["run", "finish", "clear"]), st.lists(st.integers(0, 2), min_size=1, max_size=5),
+                              st.integers(0, 3)), max_size=40))
 def test_page_cache_accounting_holds_under_random_requests(ops):
-    """Requests over a 3-letter alphabet of page keys: hold their cached prefix, allocate the rest, enter
-    the tree, finish; the pool's counts always equal a recount from the holders."""
+    """Requests over a 3-letter alphabet of page keys, some ending in a partly filled page (a tail): hold
+    their cached prefix, allocate the rest, enter the tree, finish; the pool's counts always equal a
+    recount from the holders."""
     cache = PageCache(num_pages=12, page_size=4)
     running: list[list[int]] = []
-    for op, path in ops:
+    for op, path, tail in ops:
         keys = _keys(*path)
         if op == "run":
-            reused, _ = cache.match(keys)
+            reused, copied = cache.match(keys, lambda j, n: bytes([path[j] if j < len(path) else 9, n]))
             cache.hold(reused)
-            fresh = cache.allocate(len(keys) - len(reused))
+            fresh = cache.allocate(len(keys) - len(reused) + (tail > 0))
             if fresh is None:
                 cache.release(reused)
                 continue
-            running.append(reused + fresh)
-            cache.insert(keys, reused + fresh)
+            pages = reused + fresh
+            running.append(pages)
+            cache.insert(keys, pages[: len(keys)], (bytes([9, tail]), pages[-1], tail) if tail else None)
         elif op == "finish" and running:
             cache.release(running.pop(0))
         elif op == "clear":
