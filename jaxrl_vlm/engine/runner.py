@@ -3,8 +3,8 @@
 `ModelRunner` owns every device array and is driven by one thread (the scheduler's). It pads host
 inputs (tokens, page tables) to the buckets of `EngineOptions`, calls one jitted program per step
 (prefill+sample for one prompt, or decode+sample for a batch of requests) and returns plain numpy
-results. Which pages a request uses is the scheduler's business (`prefix_cache.PageCache`). Parameters are an
-`nnx.State` passed as an argument, so new weights swap in without recompiling.
+results. Which pages a request uses is the scheduler's business (`prefix_cache.PageCache`).
+Parameters are an `nnx.State` passed as an argument, so new weights swap in without recompiling.
 """
 
 from __future__ import annotations
