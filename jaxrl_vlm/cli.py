@@ -199,6 +199,7 @@ def _cmd_serve(ns: argparse.Namespace, rest: list[str]) -> int:
 
     run = Config()  # serve's flags set the run config's embedded-engine options (SGLang's flag names)
     run.engine.engine_max_batch, run.engine.engine_max_seq_len = ns.max_batch, ns.max_seq_len
+    run.engine.engine_page_size, run.engine.engine_max_total_tokens = ns.page_size, ns.max_total_tokens
     run.engine.engine_prefix_cache = not ns.disable_radix_cache
     run.model.param_dtype = run.model.compute_dtype = ns.dtype
     run.rollout.rollout_seed = ns.seed
@@ -312,13 +313,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="HF Qwen3-VL or Qwen2.5-VL directory (safetensors, config, tokenizer, processor).")
     p.add_argument("--host", default="127.0.0.1", help="Bind address (loopback by default).")
     p.add_argument("--port", type=int, default=30000, help="Port (0 picks a free one).")
-    p.add_argument("--max-batch", type=int, default=32, help="KV-cache slots: requests decoded together.")
-    p.add_argument("--max-seq-len", type=int, default=4096, help="Tokens per slot: prompt (pads expanded) + output.")
+    p.add_argument("--max-batch", type=int, default=32, help="Most requests decoded together (SGLang's max_running_requests).")
+    p.add_argument("--max-seq-len", type=int, default=4096, help="Most tokens of one request: prompt (pads expanded) + output.")
+    p.add_argument("--page-size", type=int, default=16, help="Tokens per KV-cache page (SGLang's flag name).")
+    p.add_argument("--max-total-tokens", type=int, default=None,
+                   help="KV-cache memory in tokens for all requests and the prefix cache (default: max-batch x max-seq-len).")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="Parameter and compute dtype.")
     p.add_argument("--seed", type=int, default=0, help="Seeds requests that carry no sampling_seed.")
     p.add_argument("--weight-version", default="default", help="Initial weight_version reported by the server.")
     p.add_argument("--disable-radix-cache", action="store_true",
-                   help="Do not reuse finished requests' KV cache for later turns (SGLang's flag name).")
+                   help="Do not share KV pages between requests with a common prefix (SGLang's flag name).")
     p.add_argument("--tp-size", type=int, default=1, help="Tensor-parallel devices per replica (SGLang's flag name).")
     p.add_argument("--dp-size", type=int, default=1, help="Replicas behind this server (SGLang's flag name).")
     p.add_argument("--devices", default=None, metavar="IDS",

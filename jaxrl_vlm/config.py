@@ -217,7 +217,7 @@ class EngineConfig:
     sglang_args: list[str] = opt([], "Extra arguments for sglang.launch_server.")
     engine_host: str = opt("127.0.0.1", "Bind address of the embedded engine.")
     engine_port: int = opt(0, "Port of the embedded engine (0: a free port).")
-    engine_max_batch: int = opt(32, "Decode slots of the embedded engine.")
+    engine_max_batch: int = opt(32, "Most requests the embedded engine decodes at once (SGLang's max_running_requests).")
     tp_size: int = opt(1, "Tensor-parallel devices per engine replica (SGLang's --tp-size): the embedded engine's, and "
                           "passed to a launched SGLang.")
     dp_size: int = opt(1, "Engine replicas behind one server (SGLang's --dp-size): the embedded engine's, and passed to "
@@ -226,11 +226,15 @@ class EngineConfig:
         None, "Local devices of the embedded engine, e.g. '0-3' or '0,1,2,3' (exactly tp_size x dp_size of them; None: "
         "the first tp_size x dp_size). With --train-devices, engine and trainer get disjoint devices and run side by "
         "side (--max-staleness >= 1).")
-    engine_max_seq_len: int = opt(4096, "Tokens per decode slot of the embedded engine (prompt with expanded pads + response).")
+    engine_max_seq_len: int = opt(4096, "Most tokens of one request in the embedded engine (prompt with expanded pads + response).")
+    engine_page_size: int = opt(16, "Embedded engine: tokens per KV-cache page (SGLang's page_size).")
+    engine_max_total_tokens: int | None = opt(
+        None, "Embedded engine: KV-cache memory in tokens, shared by all requests and the prefix cache (SGLang's "
+        "max_total_tokens; None: engine_max_batch x engine_max_seq_len).")
     engine_prefix_cache: bool = opt(
         True,
-        "Embedded engine: keep finished requests' KV cache so a later turn of the same conversation prefills only its "
-        "new tokens (and new images); SGLang's radix cache plays this role.",
+        "Embedded engine: keep prefilled and finished requests' KV pages in a radix tree, so a group's samples share their "
+        "prompt and a later turn of the same conversation prefills only its new tokens (and new images); SGLang's radix cache.",
     )
     engine_request_timeout: float = opt(300.0, "Seconds per /generate request.")
     engine_start_timeout: float = opt(900.0, "Seconds to wait for the engine (embedded, launched or external) to become healthy.")
@@ -966,7 +970,7 @@ _NON_NEGATIVE = ("lr", "min_lr", "weight_decay", "adam_eps", "clip_grad", "eps_c
                  "kl_coef", "entropy_coef", "tis_clip_low", "colocate_margin", "failed_share_warning",
                  "max_all_failed_steps", "lr_warmup_iters", "save_interval", "keep_checkpoints", "engine_max_retries")
 _POSITIVE = ("episode_timeout", "env_step_timeout", "env_hook_timeout", "engine_request_timeout", "engine_start_timeout", "tis_clip",
-             "logprob_chunk_size", "engine_max_batch", "engine_max_seq_len", "max_tokens_per_device",
+             "logprob_chunk_size", "engine_max_batch", "engine_max_seq_len", "engine_page_size", "max_tokens_per_device",
              "rollout_max_prompt_len", "rollout_max_context_len")
 _UNIT_INTERVAL = ("adam_beta1", "adam_beta2")  # [0, 1)
 

@@ -1,8 +1,10 @@
-"""Decode throughput of the embedded engine against transformers' `generate` (batch 1), and multi-turn
-episodes with the prefix cache on against off, in one run.
+"""Decode throughput of the embedded engine against transformers' `generate` (batch 1) and against
+slot-like KV allocation, multi-turn episodes with the prefix cache on against off, a GRPO group's
+prefill with prefix sharing against without, and the concurrent episodes a fixed KV memory serves,
+paged against slots, in one run.
 
     python scripts/bench_engine.py [--size tiny|small] [--new-tokens 64] [--concurrency 1 8 32]
-                                   [--cases decode multiturn] [--episodes 8] [--turns 4]
+                                   [--cases decode multiturn group capacity] [--episodes 8] [--turns 4]
 
 Builds a random Qwen3-VL checkpoint of the chosen size (transformers, saved with `save_pretrained`,
 with the tiny tokenizer and processor files), then measures on the same machine and prompt:
@@ -13,7 +15,20 @@ with the tiny tokenizer and processor files), then measures on the same machine 
 
 Both timings include the prompt's prefill (short next to N tokens). Printed: tokens/s, ratio to
 transformers, decode steps per token and the compiled-program count (compile time and host
-overhead are reported, not hidden).
+overhead are reported, not hidden). The engine runs twice: with pages of `--page-size` tokens, and
+with one page of max_seq_len tokens per request, which is the slot engine before paging (each
+request owns one contiguous max_seq_len row; both attend to the same kv-length bucket, max_seq_len),
+both alive at once and timed in alternation (best of `--repeats` rounds each); their ratio is the
+cost of reading K/V through page tables (issue 18 (d)).
+
+Group case (issue 18 (a)): one GRPO group of n samples (seeded, temperature 1) of a ~1,000-token
+prompt with an image, arriving together, on an engine with the radix cache and one without: prompt
+tokens prefilled and their ratio.
+
+Capacity case (issue 18 (b)): E concurrent 4-turn episodes on a fixed KV memory of B tokens, paged
+(pages of `--page-size`, radix cache on) against slots (one max_seq_len page per request, which
+holds B / max_seq_len requests, as `max_batch` slots did): the most requests decoding at once, its
+ratio, and the wall time.
 
 Multi-turn case: E concurrent episodes of T turns each, as the rollout runs them: the first prompt
 has a long text and an image, every turn generates N tokens and appends an observation (a new image
@@ -106,26 +121,78 @@ async def _round(url: str, prompt: list[int], concurrency: int, new_tokens: int)
     return sum(len(r.output_ids) for r in results), elapsed
 
 
-def bench_engine(model_dir: Path, prompt: list[int], new_tokens: int, concurrencies: list[int], repeats: int) -> list[dict[str, Any]]:
+# Serves a model with the engine of another checkout (PYTHONPATH), prints its URL, stops when stdin closes.
+_OTHER_ENGINE = """
+import sys
+from jaxrl_vlm.engine import EmbeddedEngine, EngineOptions
+model_dir, max_batch, max_seq_len = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+with EmbeddedEngine(model_dir, config=EngineOptions(max_batch=max_batch, max_seq_len=max_seq_len,
+                                                    min_kv_bucket=max_seq_len)) as engine:
+    print(engine.url, flush=True)
+    sys.stdin.read()
+"""
+
+
+class _OtherCheckoutEngine:
+    """The engine of another checkout (e.g. the main branch before paging) in a subprocess, with the
+    options both versions know: max_batch, max_seq_len, min_kv_bucket = max_seq_len."""
+
+    def __init__(self, checkout: str, model_dir: Path, max_batch: int, max_seq_len: int):
+        import subprocess
+
+        env = {**os.environ, "PYTHONPATH": os.path.abspath(checkout)}
+        self.proc = subprocess.Popen([sys.executable, "-c", _OTHER_ENGINE, str(model_dir), str(max_batch), str(max_seq_len)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
+        self.url = self.proc.stdout.readline().strip()
+        if not self.url.startswith("http"):
+            raise RuntimeError(f"the engine of {checkout} did not start (exit {self.proc.poll()})")
+        self.stats = None
+
+    def __enter__(self) -> "_OtherCheckoutEngine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def bench_engine(model_dir: Path, prompt: list[int], new_tokens: int, concurrencies: list[int], repeats: int,
+                 page_sizes: dict[str, int | None], other_checkout: str | None = None) -> dict[str, list[dict[str, Any]]]:
+    """Decode rounds at each concurrency on one engine per entry of `page_sizes` (None: one page of
+    max_seq_len per request, i.e. slots), plus ("checkout") the engine of `other_checkout` if given,
+    all alive at once and timed in alternation, so that load from other processes hits them alike."""
+    import contextlib
+
     from jaxrl_vlm.engine import EmbeddedEngine, EngineOptions
 
     max_batch = max(concurrencies)
-    config = EngineOptions(max_batch=max_batch, max_seq_len=max(256, len(prompt) + new_tokens + 1), min_kv_bucket=128)
-    rows = []
-    with EmbeddedEngine(str(model_dir), config=config) as engine:
+    # One kv bucket (= max_seq_len) so that paged and slot layouts attend to the same number of keys.
+    max_seq_len = -(-(len(prompt) + new_tokens + 1) // 64) * 64
+    names = [*page_sizes, *(["checkout"] if other_checkout else [])]
+    rows: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    with contextlib.ExitStack() as stack:
+        engines: dict[str, Any] = {name: stack.enter_context(EmbeddedEngine(str(model_dir), config=EngineOptions(
+            max_batch=max_batch, max_seq_len=max_seq_len, min_kv_bucket=max_seq_len, page_size=size or max_seq_len)))
+            for name, size in page_sizes.items()}
+        if other_checkout:
+            engines["checkout"] = stack.enter_context(_OtherCheckoutEngine(other_checkout, model_dir, max_batch, max_seq_len))
         for c in concurrencies:
-            compile_start = time.perf_counter()
-            asyncio.run(_round(engine.url, prompt, c, new_tokens))  # compiles this concurrency's programs
-            warmup_s = time.perf_counter() - compile_start
-            best, tokens, steps = float("inf"), 0, 0
+            warmup_s, best, steps, tokens = {}, {}, {}, {}
+            for name, engine in engines.items():
+                compile_start = time.perf_counter()
+                asyncio.run(_round(engine.url, prompt, c, new_tokens))  # compiles this concurrency's programs
+                warmup_s[name], best[name] = time.perf_counter() - compile_start, float("inf")
             for _ in range(repeats):
-                before = engine.stats.decode_steps
-                tokens, elapsed = asyncio.run(_round(engine.url, prompt, c, new_tokens))
-                if elapsed < best:
-                    best, steps = elapsed, engine.stats.decode_steps - before
-            rows.append({"concurrency": c, "tokens": tokens, "seconds": best, "tokens_per_s": tokens / best,
-                         "decode_steps": steps, "ms_per_decode_step": 1e3 * best / max(1, steps), "warmup_s": warmup_s,
-                         "compiled_programs": engine.engine.runner.num_programs})
+                for name, engine in engines.items():
+                    before = engine.stats.decode_steps if engine.stats else 0
+                    tokens[name], elapsed = asyncio.run(_round(engine.url, prompt, c, new_tokens))
+                    if elapsed < best[name]:
+                        best[name], steps[name] = elapsed, (engine.stats.decode_steps - before if engine.stats else 0)
+            for name, engine in engines.items():
+                rows[name].append({"concurrency": c, "tokens": tokens[name], "seconds": best[name],
+                                   "tokens_per_s": tokens[name] / best[name], "decode_steps": steps[name],
+                                   "ms_per_decode_step": 1e3 * best[name] / max(1, steps[name]), "warmup_s": warmup_s[name],
+                                   "compiled_programs": engine.engine.runner.num_programs if engine.stats else 0})
     return rows
 
 
@@ -259,6 +326,75 @@ def bench_weight_update(model_dir: Path, repeats: int, scratch: Path) -> dict[st
     return out
 
 
+def _group_prompt(encoder: Any, target_tokens: int, seed: int) -> tuple[list[int], list[str]]:
+    """Wire ids and image data of a ~target_tokens prompt (pads expanded) with one picture."""
+    image = {"type": "image", "image": _picture(seed)}
+    words, seg = 8, None
+    while True:
+        text = "Study the figure and every given length, then reason step by step. " * words
+        seg = encoder.encode_prompt([{"role": "user", "content": [{"type": "text", "text": text}, image,
+                                                                  {"type": "text", "text": "What is the value of x?"}]}])
+        if len(seg.train_ids) >= target_tokens:
+            return list(seg.wire_ids), list(seg.image_data)
+        words = max(words + 1, int(words * target_tokens / len(seg.train_ids)))
+
+
+async def _group(url: str, ids: list[int], images: list[str], n: int, new_tokens: int) -> list[Any]:
+    from rollout.client import SGLangClient
+
+    async with SGLangClient(url, timeout_s=600) as client:
+        return await asyncio.gather(*(client.generate(ids, image_data=images, sampling_params={
+            "temperature": 1.0, "max_new_tokens": new_tokens, "ignore_eos": True, "sampling_seed": i}) for i in range(n)))
+
+
+def bench_group(model_dir: Path, encoder: Any, n: int, prompt_tokens: int, new_tokens: int, page_size: int) -> dict[str, Any]:
+    """Prompt tokens prefilled for one group of n samples arriving together, radix cache on against off."""
+    from jaxrl_vlm.engine import EmbeddedEngine, EngineOptions
+
+    ids, images = _group_prompt(encoder, prompt_tokens, seed=7)
+    rows: dict[str, Any] = {}
+    for name, enabled in (("off", False), ("on", True)):
+        config = EngineOptions(max_batch=n, max_seq_len=2048, min_kv_bucket=256, page_size=page_size, prefix_cache=enabled)
+        with EmbeddedEngine(str(model_dir), config=config) as engine:
+            s = engine.stats
+            before = (s.prefilled_tokens, s.encoded_images)
+            start = time.perf_counter()
+            results = asyncio.run(_group(engine.url, ids, images, n, new_tokens))  # compiles, then runs
+            rows[name] = {"seconds_with_compile": time.perf_counter() - start, "prefilled_tokens": s.prefilled_tokens - before[0],
+                          "encoded_images": s.encoded_images - before[1],
+                          "cached_tokens": sum(r.cached_tokens for r in results), "prompt_tokens": results[0].prompt_tokens}
+    rows["ratio"] = rows["off"]["prefilled_tokens"] / rows["on"]["prefilled_tokens"]
+    return rows
+
+
+def bench_capacity(model_dir: Path, encoder: Any, episodes: int, turns: int, new_tokens: int, memory_tokens: int,
+                   max_seq_len: int, page_size: int) -> dict[str, Any]:
+    """The same concurrent episodes on a KV memory of `memory_tokens`: slots (one max_seq_len page per
+    request) against pages of `page_size` with the radix cache."""
+    from jaxrl_vlm.engine import EmbeddedEngine, EngineOptions
+
+    rows: dict[str, Any] = {}
+    for name, size in (("slots", max_seq_len), ("paged", page_size)):
+        config = EngineOptions(max_batch=episodes, max_seq_len=max_seq_len, min_kv_bucket=256, page_size=size,
+                               max_total_tokens=memory_tokens, decode_batch_sizes=tuple(sorted({8, 16, 32, episodes})))
+        with EmbeddedEngine(str(model_dir), config=config) as engine:
+            warm_start = time.perf_counter()
+            asyncio.run(_episodes(engine.url, encoder, min(episodes, 4), turns, new_tokens, seed=10_000))  # compiles
+            warmup_s = time.perf_counter() - warm_start
+            asyncio.run(_flush(engine.url))
+            s = engine.stats
+            s.max_decode_rows = 0
+            before = (s.prefilled_tokens, s.cached_tokens, s.retractions)
+            tokens, elapsed = asyncio.run(_episodes(engine.url, encoder, episodes, turns, new_tokens, seed=1))
+            rows[name] = {"max_concurrent": s.max_decode_rows, "seconds": elapsed, "tokens": tokens,
+                          "prefilled_tokens": s.prefilled_tokens - before[0], "cached_tokens": s.cached_tokens - before[1],
+                          "retractions": s.retractions - before[2], "pages": config.num_pages, "page_size": size,
+                          "warmup_s": warmup_s}
+    rows["ratio"] = rows["paged"]["max_concurrent"] / rows["slots"]["max_concurrent"]
+    rows["speedup"] = rows["slots"]["seconds"] / rows["paged"]["seconds"]
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", choices=sorted(SIZES), default="tiny")
@@ -266,7 +402,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--torch-threads", type=int, default=max(1, os.cpu_count() or 1))
-    p.add_argument("--cases", nargs="+", choices=("decode", "multiturn", "weights"), default=["decode", "multiturn"])
+    p.add_argument("--cases", nargs="+", choices=("decode", "multiturn", "group", "capacity", "weights"),
+                   default=["decode", "multiturn", "group", "capacity"])
+    p.add_argument("--page-size", type=int, default=16, help="Tokens per KV page of the paged engine.")
+    p.add_argument("--baseline-checkout", default=None, metavar="DIR",
+                   help="Decode case: also time the engine of this checkout (e.g. a worktree of the commit before "
+                        "paging), on the same config, in alternation with this one.")
+    p.add_argument("--group-size", type=int, default=8, help="Samples of the GRPO group case.")
+    p.add_argument("--group-prompt-tokens", type=int, default=1000, help="Prompt tokens (image pads expanded) of the group case.")
+    p.add_argument("--capacity-episodes", type=int, default=64, help="Concurrent episodes sent in the capacity case.")
+    p.add_argument("--capacity-memory", type=int, default=8 * 2048,
+                   help="KV memory (tokens) of the capacity case: 8 slots of its max_seq_len 2048.")
     p.add_argument("--episodes", type=int, default=8, help="Concurrent episodes of the multi-turn case.")
     p.add_argument("--turns", type=int, default=4, help="Turns per episode of the multi-turn case.")
     p.add_argument("--turn-tokens", type=int, default=32, help="New tokens per turn of the multi-turn case.")
@@ -283,20 +429,31 @@ def main(argv: list[str] | None = None) -> int:
         if "decode" in ns.cases:
             prompt = encoder.encode_prompt([{"role": "user", "content": "Find the area of the triangle with base 6."}]).wire_ids
             hf = bench_transformers(model_dir, prompt, ns.new_tokens, ns.repeats, ns.torch_threads)
-            rows = bench_engine(model_dir, prompt, ns.new_tokens, ns.concurrency, ns.repeats)
-            out.update(new_tokens=ns.new_tokens, transformers=hf, engine=rows)
+            both = bench_engine(model_dir, prompt, ns.new_tokens, ns.concurrency, ns.repeats,
+                                {"slots": None, "paged": ns.page_size}, ns.baseline_checkout)
+            rows, slots, other = both["paged"], both["slots"], both.get("checkout")
+            out.update(new_tokens=ns.new_tokens, transformers=hf, engine=rows, engine_slots=slots, engine_checkout=other)
         if "multiturn" in ns.cases:
             out["multiturn"] = bench_multiturn(model_dir, encoder, ns.episodes, ns.turns, ns.turn_tokens, ns.repeats)
+        if "group" in ns.cases:
+            out["group"] = bench_group(model_dir, encoder, ns.group_size, ns.group_prompt_tokens, 8, ns.page_size)
+        if "capacity" in ns.cases:
+            out["capacity"] = bench_capacity(model_dir, encoder, ns.capacity_episodes, 4, ns.turn_tokens, ns.capacity_memory,
+                                             2048, ns.page_size)
         if "weights" in ns.cases:
             out["weights"] = bench_weight_update(model_dir, max(ns.repeats, 3), Path(tmp))
 
     if "decode" in ns.cases:
         print(f"\nsize={ns.size} prompt={len(prompt)} tokens, {ns.new_tokens} new tokens per request, greedy, EOS ignored")
         print(f"transformers generate (batch 1): {hf['tokens_per_s']:.1f} tok/s")
-        print(f"{'concurrent':>10} {'engine tok/s':>13} {'vs HF':>7} {'steps':>6} {'ms/step':>8} {'warm-up s':>10} {'programs':>9}")
-        for r in rows:
+        print(f"paged: pages of {ns.page_size} tokens; slots (baseline, the engine before paging): one page of max_seq_len "
+              f"per request; both attend to a kv bucket of max_seq_len")
+        print(f"{'concurrent':>10} {'engine tok/s':>13} {'vs HF':>7} {'steps':>6} {'ms/step':>8} {'warm-up s':>10} {'programs':>9} "
+              f"{'slots tok/s':>12} {'paged/slots':>12}")
+        for r, b in zip(rows, slots):
             print(f"{r['concurrency']:>10} {r['tokens_per_s']:>13.1f} {r['tokens_per_s'] / hf['tokens_per_s']:>6.2f}x "
-                  f"{r['decode_steps']:>6} {r['ms_per_decode_step']:>8.2f} {r['warmup_s']:>10.2f} {r['compiled_programs']:>9}")
+                  f"{r['decode_steps']:>6} {r['ms_per_decode_step']:>8.2f} {r['warmup_s']:>10.2f} {r['compiled_programs']:>9} "
+                  f"{b['tokens_per_s']:>12.1f} {r['tokens_per_s'] / b['tokens_per_s']:>11.2f}x")
     if "multiturn" in ns.cases:
         mt = out["multiturn"]
         print(f"\nmulti-turn: {ns.episodes} concurrent episodes x {ns.turns} turns, {ns.turn_tokens} new tokens per turn, "
@@ -308,6 +465,35 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:>12} {r['seconds']:>8.2f} {r['prefilled_tokens']:>14} {r['cached_tokens']:>11} {r['prefix_hits']:>5} "
                   f"{r['encoded_images']:>7} {r['warmup_s']:>10.2f} {r['compiled_programs']:>9}")
         print(f"speed-up with the prefix cache (off / on wall time): {mt['speedup']:.2f}x")
+    if "group" in ns.cases:
+        g = out["group"]
+        print(f"\n(a) GRPO group: {ns.group_size} samples arriving together, prompt {g['on']['prompt_tokens']} tokens with an "
+              f"image (pads expanded), pages of {ns.page_size}")
+        for name in ("off", "on"):
+            r = g[name]
+            print(f"  radix cache {name:>3}: prefilled {r['prefilled_tokens']:>6} tokens, cached {r['cached_tokens']:>6}, "
+                  f"images encoded {r['encoded_images']}")
+        print(f"  prompt tokens prefilled, without / with prefix sharing: {g['ratio']:.2f}x fewer (target >= 5x)")
+    if "capacity" in ns.cases:
+        c = out["capacity"]
+        print(f"\n(b) capacity: {ns.capacity_episodes} concurrent 4-turn episodes ({ns.turn_tokens} new tokens per turn, images), "
+              f"KV memory {ns.capacity_memory} tokens, max_seq_len 2048")
+        for name in ("slots", "paged"):
+            r = c[name]
+            print(f"  {name:>5} ({r['pages']} pages of {r['page_size']}): at most {r['max_concurrent']} requests at once, "
+                  f"{r['seconds']:.2f} s, prefilled {r['prefilled_tokens']}, cached {r['cached_tokens']}, "
+                  f"retractions {r['retractions']}")
+        print(f"  concurrent requests within the same memory, paged / slots: {c['ratio']:.2f}x (target >= 3x); "
+              f"wall time slots / paged: {c['speedup']:.2f}x")
+    if "decode" in ns.cases:
+        for i, r in enumerate(rows):
+            if r["concurrency"] != 32:
+                continue
+            print(f"\n(d) decode tok/s at 32 concurrent requests, paged / slots (one max_seq_len page per request): "
+                  f"{r['tokens_per_s'] / slots[i]['tokens_per_s']:.2f}x (target >= 1.0x)")
+            if other:
+                print(f"    paged / the engine of {ns.baseline_checkout} (same options, its own code): "
+                      f"{r['tokens_per_s'] / other[i]['tokens_per_s']:.2f}x ({other[i]['tokens_per_s']:.1f} tok/s)")
     if "weights" in ns.cases:
         w = out["weights"]
         print(f"\nweight update, size={ns.size} (fp32), best of {max(ns.repeats, 3)} pushes each:")

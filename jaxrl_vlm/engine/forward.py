@@ -1,12 +1,16 @@
-"""Prefill and decode of the Flax Qwen3-VL against a slotted KV cache (pure functions, jit-able).
+"""Prefill and decode of the Flax Qwen3-VL against a paged KV cache (pure functions, jit-able).
 
-The cache is one fixed-shape array pair: every request owns one *slot* (a row of the cache) for its
-whole life, so continuous batching only changes which rows are active, never the shapes. The
-functions compose the model's public pieces (`embed_inputs`, `embed`, each layer's `input_norm`,
-`attn.project` / `attn.output`, `post_attn_norm`, `mlp`, `final_norm`, `lm_head_kernel`) so that
-the math is the training forward's, with the attention split into "write K/V, then attend to the
-cache". Prefill can start after a prefix already in the slot (prefix caching): it then computes
-only the suffix, attending to the cached keys.
+The cache is one fixed-shape array pair of *pages* of `page_size` tokens. A request's K/V lives in
+the pages its *page table* lists: sequence position p is row p % page_size of page table[p //
+page_size]. Page tables are padded with `num_pages` (one past the last page): a write there is
+dropped and a read there is masked, so tables of any length fit a fixed-width bucket. Pages may be
+shared by several requests (a common prompt prefix), which is safe because a request only ever
+writes positions past its shared pages. The functions compose the model's public pieces
+(`embed_inputs`, `embed`, each layer's `input_norm`, `attn.project` / `attn.output`,
+`post_attn_norm`, `mlp`, `final_norm`, `lm_head_kernel`) so that the math is the training forward's,
+with the attention split into "write K/V, then attend to the cache". Prefill can start after a
+prefix already in the cache (prefix sharing): it then computes only the suffix, attending to the
+cached keys.
 
 Positions are M-RoPE ids computed on the host (`rope.get_rope_index`). A decoded token at sequence
 index i has position i + rope_delta on all three axes (text tokens after the prompt).
@@ -25,32 +29,44 @@ from jaxrl_vlm.models.vision import VisionInputs
 
 
 class KVCache(NamedTuple):
-    """Keys and values of every slot: k, v [layers, slots, max_len, kv_heads, head_dim]."""
+    """Keys and values of every page: k, v [layers, num_pages, page_size, kv_heads, head_dim]."""
 
     k: jax.Array
     v: jax.Array
 
 
-def cache_shape(cfg: Qwen3VLConfig, slots: int, max_len: int) -> tuple[int, ...]:
-    """Shape of k (and v): [layers, slots, max_len, kv_heads, head_dim]."""
+def cache_shape(cfg: Qwen3VLConfig, num_pages: int, page_size: int) -> tuple[int, ...]:
+    """Shape of k (and v): [layers, num_pages, page_size, kv_heads, head_dim]."""
     t = cfg.text
-    return (t.num_hidden_layers, slots, max_len, t.num_key_value_heads, t.head_dim)
+    return (t.num_hidden_layers, num_pages, page_size, t.num_key_value_heads, t.head_dim)
 
 
-def init_cache(cfg: Qwen3VLConfig, slots: int, max_len: int, dtype: jnp.dtype) -> KVCache:
-    shape = cache_shape(cfg, slots, max_len)
+def init_cache(cfg: Qwen3VLConfig, num_pages: int, page_size: int, dtype: jnp.dtype) -> KVCache:
+    """The engine's whole KV memory: `num_pages` pages of `page_size` tokens (the one device allocation)."""
+    shape = cache_shape(cfg, num_pages, page_size)
     return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
 
-def copy_rows(cache: KVCache, src: jax.Array, dst: jax.Array, rows: int) -> KVCache:
-    """Rows [0, rows) of slot `src` copied into slot `dst` in every layer (`rows` static): a prefix
-    shared with a warm slot, moved instead of recomputed."""
+def copy_page(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
+    """Page `src` copied into page `dst` in every layer: a partly shared page that the copy's owner
+    goes on to write (copy-on-write)."""
+    return KVCache(cache.k.at[:, dst].set(cache.k[:, src]), cache.v.at[:, dst].set(cache.v[:, src]))
 
-    def one(part: jax.Array) -> jax.Array:
-        block = jax.lax.dynamic_slice(part, (0, src, 0, 0, 0), (part.shape[0], 1, rows, *part.shape[3:]))
-        return jax.lax.dynamic_update_slice(part, block, (0, dst, 0, 0, 0))
 
-    return KVCache(one(cache.k), one(cache.v))
+def _page_slots(table: jax.Array, positions: jax.Array, page_size: int, num_pages: int) -> tuple[jax.Array, jax.Array]:
+    """(page, row) of each sequence position under `table` [..., P]; positions past the table map to
+    page `num_pages`, whose writes are dropped."""
+    index = positions // page_size
+    page = jnp.take_along_axis(table, jnp.minimum(index, table.shape[-1] - 1), axis=-1)
+    page = jnp.where(index < table.shape[-1], page, num_pages)
+    return page, positions % page_size
+
+
+def _gather(part: jax.Array, i: int, table: jax.Array) -> jax.Array:
+    """Layer i's K or V of the pages in `table` [B, P], laid end to end: [B, P * page_size, kv_heads, head_dim]."""
+    pages = part[i, table]  # padding entries (num_pages) are clamped to the last page, then masked
+    b, p, s = pages.shape[:3]
+    return pages.reshape(b, p * s, *pages.shape[3:])
 
 
 def _logits(model: Qwen3VL, hidden_nd: jax.Array) -> jax.Array:
@@ -89,39 +105,42 @@ def _decoder(
 def prefill(
     model: Qwen3VL,
     cache: KVCache,
-    slot: jax.Array,
+    table_p: jax.Array,
     start: jax.Array,
     tokens_1t: jax.Array,
     positions_31t: jax.Array,
     length: jax.Array,
     vision: VisionInputs | None,
-    kv_len: int,
 ) -> tuple[KVCache, jax.Array]:
-    """Run prompt tokens [start, start + T) of `slot` (padded to a bucket of T) and store their K/V
-    at those rows; they attend to the slot's cached K/V [0, start) and causally to each other.
+    """Run prompt tokens [start, start + T) (padded to a bucket of T) and store their K/V at those
+    positions of the request whose page table is `table_p` int32 [P] (padded with num_pages; its
+    width bounds the attended cache: start + length <= P * page_size); they attend to its cached
+    K/V [0, start) and causally to each other.
 
     start = 0 is a plain prefill; start > 0 extends a reused prefix (the prefix cache), so only the
     new suffix is computed. tokens_1t int32 [1, T] (image pads expanded; padding after `length`),
     positions_31t int32 [3, 1, T] (the full prompt's M-RoPE ids, sliced), length int32 scalar (real
     tokens in tokens_1t), vision: the images inside these T tokens only (its `image_token_index`
-    indexes the flattened [1 * T] tokens) or None. kv_len (static) bounds the attended cache
-    prefix: start + length <= kv_len. The caller guarantees start + T <= max_len (a dynamic update
-    slice would otherwise be clamped and shift the write).
+    indexes the flattened [1 * T] tokens) or None.
     Returns the updated cache and the fp32 logits [V] at the last real token.
 
-    Padding rows write K/V beyond start + length; decode overwrites position start + length before
-    it is ever attended to and masks everything after it, so that garbage is never read.
+    Padding tokens write K/V beyond start + length, into the request's own last page or nowhere (a
+    table entry of num_pages); decode overwrites position start + length before it is ever attended
+    to and masks everything after it, so that garbage is never read.
     """
     _, t = tokens_1t.shape
+    num_pages, page_size = cache.k.shape[1], cache.k.shape[2]
     x, deepstack, image_slots = model.embed_inputs(tokens_1t, vision)
     cos, sin = mrope_cos_sin(positions_31t, model.cfg, model.compute_dtype)
-    mask = (jnp.arange(kv_len)[None, :] <= (start + jnp.arange(t))[:, None])[None]  # [1, T, kv_len]
+    span = table_p.shape[0] * page_size
+    mask = (jnp.arange(span)[None, :] <= (start + jnp.arange(t))[:, None])[None]  # [1, T, P * page_size]
+    page_t, row_t = _page_slots(table_p, start + jnp.arange(t), page_size, num_pages)
 
     def write(part: jax.Array, i: int, new: jax.Array) -> jax.Array:
-        return jax.lax.dynamic_update_slice(part, new[None], (i, slot, start, 0, 0))
+        return part.at[i, page_t, row_t].set(new[0], mode="drop")
 
     def read(part: jax.Array, i: int) -> jax.Array:
-        return jax.lax.dynamic_slice(part, (i, slot, 0, 0, 0), (1, 1, kv_len, *part.shape[3:]))[0]
+        return _gather(part, i, table_p[None])
 
     cache, hidden = _decoder(model, cache, x, cos, sin, mask, write, read, deepstack, image_slots)
     last = jax.lax.dynamic_slice_in_dim(hidden[0], length - 1, 1, axis=0)
@@ -131,34 +150,35 @@ def prefill(
 def decode(
     model: Qwen3VL,
     cache: KVCache,
-    slots_b: jax.Array,
+    tables_bp: jax.Array,
     tokens_b: jax.Array,
     lengths_b: jax.Array,
     rope_deltas_b: jax.Array,
-    kv_len: int,
 ) -> tuple[KVCache, jax.Array]:
-    """One decode step for the slots `slots_b`: feed each its last token, append its K/V, return logits.
+    """One decode step: feed each row its last token, append its K/V, return logits.
 
-    slots_b int32 [B]: cache slot of each row (any order; the batch holds only running requests, so
-    its width never depends on where they sit); tokens_b int32 [B]: the token at sequence index
-    lengths_b (not yet in the cache); lengths_b int32 [B]: tokens already cached per row;
-    rope_deltas_b int32 [B]. kv_len (static) bounds the attended cache prefix and must exceed every
-    real length. Padding rows carry length >= max_len: their K/V writes fall outside the cache and
-    are dropped, so no slot but the rows' own is ever written (warm slots stay intact), and their
-    logits are discarded.
+    tables_bp int32 [B, P]: each row's page table (padded with num_pages; P * page_size bounds the
+    attended cache and must exceed every real length); tokens_b int32 [B]: the token at sequence
+    index lengths_b (not yet in the cache); lengths_b int32 [B]: tokens already cached per row;
+    rope_deltas_b int32 [B]. Padding rows carry a table of num_pages only: their K/V writes are
+    dropped, so no page but the rows' own is ever written (shared and cached pages stay intact),
+    and their logits are discarded.
     Returns the updated cache and fp32 logits [B, V].
     """
     b = tokens_b.shape[0]
+    num_pages, page_size = cache.k.shape[1], cache.k.shape[2]
     x = model.embed(tokens_b[:, None])  # [B, 1, D]
     pos = (lengths_b + rope_deltas_b)[None, :, None]
     cos, sin = mrope_cos_sin(jnp.broadcast_to(pos, (3, b, 1)), model.cfg, model.compute_dtype)
-    mask = (jnp.arange(kv_len)[None, :] <= lengths_b[:, None])[:, None, :]  # [B, 1, kv_len]
+    span = tables_bp.shape[1] * page_size
+    mask = (jnp.arange(span)[None, :] <= lengths_b[:, None])[:, None, :]  # [B, 1, P * page_size]
+    page_b, row_b = _page_slots(tables_bp, lengths_b[:, None], page_size, num_pages)
 
     def write(part: jax.Array, i: int, new: jax.Array) -> jax.Array:
-        return part.at[i, slots_b, lengths_b].set(new[:, 0], mode="drop")
+        return part.at[i, page_b[:, 0], row_b[:, 0]].set(new[:, 0], mode="drop")
 
     def read(part: jax.Array, i: int) -> jax.Array:
-        return part[i, slots_b, :kv_len]
+        return _gather(part, i, tables_bp)
 
     cache, hidden = _decoder(model, cache, x, cos, sin, mask, write, read)
     return cache, _logits(model, hidden[:, 0])

@@ -1,4 +1,4 @@
-"""Embedded-engine options: slot count, context length, shape buckets, dtypes; shared by `train` and `serve`.
+"""Embedded-engine options: running requests, KV pages, context length, shape buckets, dtypes; shared by `train` and `serve`.
 
 Every device program is compiled for a bucket, so the number of programs is bounded by the bucket
 lists here: prefill per (prompt bucket, patch bucket or none), extend (a prefill after a cached
@@ -46,18 +46,25 @@ def bucket_for(n: int, buckets: tuple[int, ...], what: str) -> int:
 
 @dataclass(frozen=True)
 class EngineOptions:
-    """max_batch: KV-cache slots = most requests decoding at once (SGLang's max_running_requests).
-    max_seq_len: tokens per slot, prompt (pads expanded) plus output (SGLang's context_length).
+    """max_batch: most requests decoding at once (SGLang's max_running_requests): the width of the
+    per-request sampling arrays and the largest decode batch. max_seq_len: most tokens of one request,
+    prompt (pads expanded) plus output (SGLang's context_length).
+    page_size: tokens per KV page (SGLang's page_size); a request holds ceil(tokens / page_size)
+    pages; a shared prefix shares its whole pages and copies its partly shared last page.
+    max_total_tokens: the KV memory, in tokens, of all requests and the prefix cache together
+    (SGLang's max_total_tokens; None: max_batch x max_seq_len rounded up to whole pages per request,
+    the memory of one max_seq_len row per running request); it is split into max_total_tokens //
+    page_size pages. How many requests run at once is bounded by these pages (requests wait for free
+    pages; a request that cannot grow is retracted) and by max_batch.
     min_prefill_bucket / min_kv_bucket / min_patch_bucket: smallest prompt, attended-cache and
     image-patch buckets (then doubling up to the maximum). decode_batch_sizes: batch buckets for
     decode (default: powers of two up to max_batch). param_dtype / compute_dtype: "float32" or
     "bfloat16"; the cache uses compute_dtype. seed: draws the seed of requests without
     `sampling_seed`. max_prefills_per_step: admissions between two decode steps.
-    prefix_cache: keep the K/V of finished requests in their (now free) slots and let a new request
-    whose prompt starts with the same tokens and images reuse it, prefilling only the rest (the next
-    turn of a multi-turn episode re-sends the whole conversation). prefix_cache_min_tokens: the
-    shortest prefix worth reusing: a shorter match (a chat-template header) rarely shrinks the
-    padded prefill bucket, so it is not worth taking a warm slot or copying its rows.
+    prefix_cache: keep the K/V pages of prefilled and finished requests in a radix tree and let a
+    new request whose prompt starts with the same tokens and images reuse them, prefilling only the
+    rest (the next turn of a multi-turn episode re-sends the whole conversation; the n samples of a
+    group share their prompt). SGLang's radix cache (`--disable-radix-cache` turns it off).
 
     What the server accepts (`rollout.sglang_wire`, `rollout.processing`):
     allowed_local_media_path: `image_data` may name local image files only under this directory (None: data
@@ -84,8 +91,9 @@ class EngineOptions:
     compute_dtype: str = "float32"
     seed: int = 0
     max_prefills_per_step: int = 64
+    page_size: int = 16
+    max_total_tokens: int | None = None
     prefix_cache: bool = True
-    prefix_cache_min_tokens: int = 32
     allowed_local_media_path: str | None = None
     max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
@@ -113,8 +121,11 @@ class EngineOptions:
                 raise ValueError(f"decode_batch_sizes={self.decode_batch_sizes} must be positive and end at max_batch={self.max_batch}")
         if self.max_prefills_per_step < 1:
             raise ValueError(f"max_prefills_per_step must be >= 1, got {self.max_prefills_per_step}")
-        if self.prefix_cache_min_tokens < 1:
-            raise ValueError(f"prefix_cache_min_tokens must be >= 1, got {self.prefix_cache_min_tokens}")
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.num_pages < self.pages_per_request:
+            raise ValueError(f"max_total_tokens={self.max_total_tokens} holds {self.num_pages} pages of {self.page_size} "
+                             f"tokens; one request of max_seq_len={self.max_seq_len} tokens needs {self.pages_per_request}")
         for name in ("max_image_bytes", "max_image_pixels", "max_n", "max_request_bytes"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -139,6 +150,8 @@ class EngineOptions:
             param_dtype=cfg.model.param_dtype,
             compute_dtype=cfg.model.compute_dtype,
             seed=cfg.rollout.rollout_seed,
+            page_size=cfg.engine.engine_page_size,
+            max_total_tokens=cfg.engine.engine_max_total_tokens,
             prefix_cache=cfg.engine.engine_prefix_cache,
             allowed_local_media_path=cfg.engine.engine_allowed_local_media_path,
             max_image_bytes=cfg.engine.engine_max_image_bytes,
@@ -151,6 +164,18 @@ class EngineOptions:
             dp_size=cfg.engine.dp_size,
             device_ids=cfg.engine.rollout_device_ids,
         )
+
+    @property
+    def num_pages(self) -> int:
+        """Pages of the KV cache (by default, max_seq_len tokens' worth for each of max_batch requests)."""
+        if self.max_total_tokens is None:
+            return self.max_batch * self.pages_per_request
+        return self.max_total_tokens // self.page_size
+
+    @property
+    def pages_per_request(self) -> int:
+        """Most pages one request can hold (max_seq_len tokens): the width of a full page table."""
+        return -(-self.max_seq_len // self.page_size)
 
     @property
     def request_bytes_cap(self) -> int:

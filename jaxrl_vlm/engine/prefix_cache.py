@@ -1,33 +1,37 @@
-"""Host-side bookkeeping of the prefix cache: which free slots still hold reusable K/V, and how much.
+"""Host-side bookkeeping of the paged KV cache: who holds each page, and which prefixes pages cache.
 
-In multi-turn RL every turn's request is the previous turn's prompt + the model's output + an
-observation, so the slot that served the previous turn already holds the K/V of almost the whole new
-prompt. A finished request therefore leaves its slot *warm*: the slot is free, and `PrefixCache`
-remembers the token ids whose K/V it holds (prompt + output except the last token, which was sampled
-but never fed) and an identity of every image among them. Image-pad ids are the same for every image,
-so token ids alone would let a different picture of the same size pass as cached: each image is
-identified by a digest of its pixel values and grid.
+The device cache is `num_pages` pages of `page_size` tokens (`forward.KVCache`). A request holds the
+pages of its page table; `PageCache` counts holders per page (requests and the tree) and hands out
+free pages. The pages of finished (and freshly prefilled) requests are kept in a *radix tree of
+pages*: each node is one page, its key the page's token ids plus the identity of every image whose
+pads fall in it, so a path from the root spells a cached prefix; a request's partly filled last page
+hangs at the end of its path as a *tail*, keyed by the tokens it holds so far. Image-pad ids are the same for
+every image, so token ids alone would let a different picture of the same size pass as cached: each
+image is identified by a digest of its pixel values and grid (`image_spans`).
 
-A new prompt may reuse the longest common prefix of ids with a warm slot, cut back to the start of
-the first image that differs or does not lie wholly inside the prefix, and to at most the prompt
-length - 1 (the last prompt token must be computed to get the next token's logits).
+A new prompt reuses the longest cached path that matches it (and the longest tail after it), at
+most up to prompt length - 1 (the last prompt token must be computed to get the next token's
+logits), cut back to the start of an image that the reuse would split (prefill cannot start inside
+an image). Its whole pages are shared; the page holding the rest of the reused prefix (a tail, or a
+full page that the reuse ends inside) is copied into a page of the request's own (copy-on-write),
+since the request writes its next positions there. The n samples of a GRPO group therefore prefill
+their prompt once (the first one's pages enter the tree right after its prefill; the others compute
+only the last prompt token) and the next turn of an episode re-reads its conversation's pages.
+Shared pages are only read: a request writes positions past its reused prefix, in its own pages.
 
-A request that continues a warm slot's whole content (the next turn of its conversation) takes that
-slot. One that shares only part of it (a common system prompt and image, a sibling sample of the
-same prompt) gets the shared rows *copied* into another slot, so the warm slot still serves its own
-conversation's next turn: copying K/V costs memory bandwidth, recomputing it costs the model.
-No JAX here.
+Pages that only the tree holds are evicted least recently used first, leaves before their parents,
+when a request needs pages and none are free. `clear` forgets the tree (new weights, flush, a failed
+program): pages still held by running requests stay theirs until they finish. No JAX here.
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+import heapq
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
 import numpy as np
-
-from jaxrl_vlm.engine.options import bucket_for
 
 
 @dataclass(frozen=True)
@@ -74,123 +78,226 @@ def image_spans(
     return tuple(spans)
 
 
-def cut_before_images(prefix: int, images: Sequence[ImageSpan], cached: Sequence[ImageSpan] = ()) -> int:
-    """`prefix` cut back to the start of the first image of `images` that it does not cover whole,
-    or (when `cached` is given) that is not the identical image at the same place in `cached`."""
-    known = {(s.start, s.end): s.key for s in cached}
+def cut_before_images(prefix: int, images: Sequence[ImageSpan]) -> int:
+    """`prefix` cut back to the start of the first image of `images` that it covers only in part."""
     for span in images:
         if span.start >= prefix:
             break
-        if span.end > prefix or known.get((span.start, span.end)) != span.key:
+        if span.end > prefix:
             return span.start
     return prefix
 
 
-def reusable_prefix(
-    cached_ids: np.ndarray,
-    cached_images: Sequence[ImageSpan],
-    ids: np.ndarray,
-    images: Sequence[ImageSpan],
-) -> int:
-    """How many leading tokens of `ids` (with `images`) a slot holding `cached_ids` can serve."""
-    n = min(cached_ids.shape[0], ids.shape[0] - 1)
-    if n <= 0:
-        return 0
-    differ = np.flatnonzero(cached_ids[:n] != ids[:n])
-    prefix = int(differ[0]) if differ.size else n
-    return cut_before_images(prefix, images, cached_images)
+def page_keys(ids: np.ndarray, images: Sequence[ImageSpan], page_size: int, pages: int) -> list[bytes]:
+    """The tree key of each of the first `pages` full pages of `ids`: its token ids and, for every
+    image with pads in it, where they lie in the page and the image's digest."""
+    keys = []
+    for j in range(pages):
+        lo, hi = j * page_size, (j + 1) * page_size
+        key = bytearray(np.ascontiguousarray(ids[lo:hi], np.int32).tobytes())
+        for span in images:
+            if span.start < hi and span.end > lo:
+                key += np.array([span.start - lo, span.end - lo], np.int64).tobytes() + span.key
+        keys.append(bytes(key))
+    return keys
 
 
-def fit_start(start: int, length: int, images: Sequence[ImageSpan], buckets: Sequence[int], max_len: int) -> int:
-    """The largest reuse <= `start` whose padded suffix still fits the slot.
-
-    The suffix [start, length) is padded to a prefill bucket T and written at rows [start, start + T);
-    near the end of the slot that would run past `max_len`. Reusing less (start = max_len - T, cut
-    back to an image start) lengthens the suffix, which may need a larger bucket; repeat until it
-    fits (start only decreases, so this ends, at worst at 0: a plain prefill).
-    """
-    while start > 0:
-        t = bucket_for(length - start, tuple(buckets), "prompt tokens")
-        if start + t <= max_len:
-            return start
-        start = cut_before_images(max_len - t, images)
-    return 0
+def tail_key(ids: np.ndarray, images: Sequence[ImageSpan], page_size: int, page: int, n: int) -> bytes:
+    """The tree key of the first `n` tokens of page `page` of `ids` (a partly filled page)."""
+    return page_keys(ids[: page * page_size + n], images, page_size, page + 1)[page] if n else b""
 
 
-class Match(NamedTuple):
-    """A warm slot that can serve `reuse` leading tokens of a prompt; taking it in place would
-    lose `lost` other cached tokens (0 or 1 for the next turn of the slot's own conversation)."""
-
-    slot: int
-    reuse: int
-    lost: int
+def reusable_tokens(matched: int, length: int, images: Sequence[ImageSpan]) -> int:
+    """Tokens of a prompt of `length` (with `images`) served by `matched` cached leading tokens: at
+    most length - 1 (the last prompt token is computed for its logits), never ending inside an image."""
+    return cut_before_images(min(matched, length - 1), images)
 
 
-@dataclass
-class _Warm:
-    ids: np.ndarray
-    images: tuple[ImageSpan, ...]
-    last_used: int
+@dataclass(eq=False)
+class _Node:
+    page: int
+    key: bytes
+    parent: "_Node | None"
+    size: int = 0  # tokens it holds: page_size, or fewer for a partly filled page (always a leaf)
+    children: dict[bytes, "_Node"] = field(default_factory=dict)  # full pages that follow
+    tails: dict[bytes, "_Node"] = field(default_factory=dict)  # partly filled pages that follow
+    last_used: int = 0
 
 
-class PrefixCache:
-    """Warm slots: free slots whose K/V rows [0, len(ids)) hold `ids` (with `images`).
+class PageCache:
+    """The page pool (holders per page, free pages) and the radix tree of cached pages.
 
-    The scheduler owns the empty ("cold") slots; this holds the warm ones, picks the best one for a
-    prompt and the least recently used one to evict. Not thread-safe (the scheduler thread's).
+    A page is free when nobody holds it. `allocate` gives pages held once by the caller; `hold` adds
+    a holder (a request reusing tree pages); `release` drops one per page. The tree holds each page
+    of its nodes once. Full pages are shared as they are; a partly filled last page (a *tail*: its
+    owner may still be writing past it) is only ever copied by a request that reuses it, which then
+    writes its own rows into the copy (copy-on-write). Not thread-safe (the scheduler thread's).
     """
 
-    def __init__(self) -> None:
-        self._warm: dict[int, _Warm] = {}
+    def __init__(self, num_pages: int, page_size: int) -> None:
+        if num_pages < 1 or page_size < 1:
+            raise ValueError(f"num_pages={num_pages} and page_size={page_size} must be >= 1")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self._refs = np.zeros((num_pages,), np.int64)
+        self._free = list(range(num_pages - 1, -1, -1))  # a stack: low pages first
+        self._root = _Node(-1, b"", None)
+        self._nodes: dict[int, _Node] = {}  # page -> its tree node
+        self._evictable = 0  # tree pages that only the tree holds (kept up to date: admission asks often)
         self._tick = 0
+        self.evictions = 0  # pages taken out of the tree to make room
 
-    def __len__(self) -> int:
-        return len(self._warm)
+    # ------------------------------------------------------------------ pool
 
-    def __contains__(self, slot: int) -> bool:
-        return slot in self._warm
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
 
-    def slots(self) -> list[int]:
-        return sorted(self._warm)
+    @property
+    def cached_pages(self) -> int:
+        """Pages in the tree."""
+        return len(self._nodes)
 
-    def cached_ids(self, slot: int) -> np.ndarray:
-        return self._warm[slot].ids
+    def evictable_pages(self) -> int:
+        """Tree pages that no request holds (all of them can be evicted, leaves first)."""
+        return self._evictable
 
-    def put(self, slot: int, ids: np.ndarray, images: Sequence[ImageSpan]) -> None:
-        """Slot `slot` is free and its rows [0, len(ids)) hold the K/V of `ids`."""
+    def available(self) -> int:
+        """Pages `allocate` could hand out now."""
+        return len(self._free) + self.evictable_pages()
+
+    def refs(self, page: int) -> int:
+        return int(self._refs[page])
+
+    def allocate(self, n: int) -> list[int] | None:
+        """`n` pages held once by the caller, evicting least recently used tree pages if needed; None
+        (and nothing changed) when even eviction cannot free enough."""
+        if n > len(self._free) and n > self.available():
+            return None
+        if n > len(self._free):
+            self._evict(n - len(self._free))
+        pages = [self._free.pop() for _ in range(n)]
+        self._refs[pages] += 1
+        return pages
+
+    def hold(self, pages: Sequence[int]) -> None:
+        for p in pages:
+            if self._refs[p] < 1:
+                raise ValueError(f"page {p} is free: only a held page can gain a holder")
+            self._refs[p] += 1
+            if self._refs[p] == 2 and p in self._nodes:
+                self._evictable -= 1
+
+    def release(self, pages: Sequence[int]) -> None:
+        """Drop one holder of each page; pages nobody holds any more become free."""
+        for p in pages:
+            if self._refs[p] < 1:
+                raise ValueError(f"page {p} released more often than held")
+            self._refs[p] -= 1
+            if self._refs[p] == 1 and p in self._nodes:
+                self._evictable += 1
+            elif self._refs[p] == 0:
+                self._free.append(p)
+
+    # ------------------------------------------------------------------ tree
+
+    def match(
+        self, keys: Sequence[bytes], tail: Callable[[int, int], bytes] | None = None
+    ) -> tuple[list[int], tuple[int, int] | None]:
+        """Pages of the longest cached path spelling keys[0], keys[1], ... (marked as just used), and
+        the longest cached partly filled page after it as (page, tokens) or None; `tail(j, n)` is the
+        key the prompt's page j would have with its first n tokens."""
         self._tick += 1
-        inside = tuple(s for s in images if s.end <= ids.shape[0])
-        self._warm[slot] = _Warm(np.asarray(ids, np.int32), inside, self._tick)
+        node, pages = self._root, []
+        for key in keys:
+            child = node.children.get(key)
+            if child is None:
+                break
+            node = child
+            node.last_used = self._tick
+            pages.append(node.page)
+        best = None
+        if tail is not None:
+            for candidate in node.tails.values():
+                if (best is None or candidate.size > best.size) and tail(len(pages), candidate.size) == candidate.key:
+                    best = candidate
+        if best is None:
+            return pages, None
+        best.last_used = self._tick
+        return pages, (best.page, best.size)
 
-    def best(self, ids: np.ndarray, images: Sequence[ImageSpan]) -> Match | None:
-        """The warm slot serving the longest prefix of `ids`; ties go to the slot that would lose the
-        fewest other cached tokens, then the least recently used. None when no slot shares a token."""
-        best: tuple[tuple[int, int, int], Match] | None = None
-        for slot, warm in self._warm.items():
-            n = reusable_prefix(warm.ids, warm.images, ids, images)
-            if n == 0:
-                continue
-            lost = warm.ids.shape[0] - n
-            rank = (n, -lost, -warm.last_used)
-            if best is None or rank > best[0]:
-                best = (rank, Match(slot, n, lost))
-        return None if best is None else best[1]
+    def insert(self, keys: Sequence[bytes], pages: Sequence[int], tail: tuple[bytes, int, int] | None = None) -> int:
+        """Cache `pages` (held by the caller, whose K/V spell `keys`) along their path, up to the first
+        key cached already with another page (that copy stays, and the caller's pages past it are not
+        cached), then `tail` = (key, page, tokens), the caller's partly filled next page. Returns how
+        many pages the tree took.
 
-    def touch(self, slot: int) -> None:
-        """The slot's prefix was just copied for a request: it is in use, evict it last."""
+        Stopping there keeps an invariant that eviction relies on: the tree pages a request holds form
+        a path from the root, so a node that only the tree holds has only such nodes below it."""
         self._tick += 1
-        self._warm[slot].last_used = self._tick
+        node, taken = self._root, 0
+        for key, page in zip(keys, pages):
+            child = node.children.get(key)
+            if child is None:
+                if not self._can_take(page):
+                    return taken
+                child = self._add(node, node.children, key, page, self.page_size)
+                taken += 1
+            elif child.page != page:
+                return taken
+            child.last_used = self._tick
+            node = child
+        if tail is not None and tail[0] not in node.tails and self._can_take(tail[1]):
+            self._add(node, node.tails, tail[0], tail[1], tail[2]).last_used = self._tick
+            taken += 1
+        return taken
 
-    def take(self, slot: int) -> None:
-        """The slot is handed to a request (its content will be overwritten past the reused prefix)."""
-        del self._warm[slot]
+    def _can_take(self, page: int) -> bool:
+        """Whether the caller's `page` may enter the tree now. A page cached as a tail of the same
+        request (it was partly filled then) is taken out first: it has grown since."""
+        if self._refs[page] < 1:
+            raise ValueError(f"page {page} is free: only a held page can enter the tree")
+        node = self._nodes.get(page)
+        if node is None:
+            return True
+        if node.size == self.page_size:  # one page cannot sit at two places of the tree
+            return False
+        del node.parent.tails[node.key]
+        del self._nodes[page]
+        self.release([page])  # the caller still holds it: never freed here
+        return True
 
-    def lru(self) -> int | None:
-        """The least recently used warm slot (None when there is none)."""
-        return min(self._warm, key=lambda s: self._warm[s].last_used) if self._warm else None
+    def _add(self, parent: _Node, where: dict[bytes, _Node], key: bytes, page: int, size: int) -> _Node:
+        child = _Node(page, key, parent, size)
+        where[key] = child
+        self._nodes[page] = child
+        self._refs[page] += 1  # the caller holds it too: never evictable yet
+        return child
 
-    def clear(self) -> list[int]:
-        """Forget every warm slot (new weights, flush, uncertain cache); returns them."""
-        slots = sorted(self._warm)
-        self._warm.clear()
-        return slots
+    def clear(self) -> int:
+        """Forget every cached prefix (the K/V no longer matches the weights); returns the pages dropped."""
+        pages = list(self._nodes)
+        self._nodes.clear()
+        self._evictable = 0
+        self._root = _Node(-1, b"", None)
+        self.release(pages)
+        return len(pages)
+
+    def _evict(self, n: int) -> None:
+        """Free `n` tree pages that no request holds, least recently used leaves first."""
+        leaves = [(node.last_used, node.page) for node in self._nodes.values()
+                  if not node.children and not node.tails and self._refs[node.page] == 1]
+        heapq.heapify(leaves)
+        while n > 0:
+            if not leaves:
+                raise RuntimeError("page eviction ran out of candidates (accounting bug)")
+            _, page = heapq.heappop(leaves)
+            node = self._nodes.pop(page)
+            self._evictable -= 1
+            parent = node.parent
+            del (parent.children if node.size == self.page_size else parent.tails)[node.key]
+            self.release([page])
+            self.evictions += 1
+            n -= 1
+            if parent is not self._root and not parent.children and not parent.tails and self._refs[parent.page] == 1:
+                heapq.heappush(leaves, (parent.last_used, parent.page))

@@ -1,9 +1,10 @@
-"""Device side of the engine: parameters, KV cache, logit-bias rows and the compiled programs.
+"""Device side of the engine: parameters, paged KV cache, logit-bias rows and the compiled programs.
 
 `ModelRunner` owns every device array and is driven by one thread (the scheduler's). It pads host
-inputs to the buckets of `EngineOptions`, calls one jitted program per step (prefill+sample for one
-prompt, or decode+sample for a batch of slots) and returns plain numpy results. Parameters are an
-`nnx.State` passed as an argument, so new weights swap in without recompiling.
+inputs (tokens, page tables) to the buckets of `EngineOptions`, calls one jitted program per step
+(prefill+sample for one prompt, or decode+sample for a batch of requests) and returns plain numpy
+results. Which pages a request uses is the scheduler's business (`prefix_cache.PageCache`).
+Parameters are an `nnx.State` passed as an argument, so new weights swap in without recompiling.
 """
 
 from __future__ import annotations
@@ -81,14 +82,17 @@ def images_after(
 
 
 class ModelRunner:
-    """Compiled prefill/decode over a slotted KV cache for one model on one replica's devices.
+    """Compiled prefill/decode over a paged KV cache for one model on one replica's devices.
 
     `placement`: the replica's mesh (tensor parallel over its devices; default: the first local device).
-    Parameters and the KV cache are sharded on it and every program's outputs keep those shardings.
+    Parameters and the KV cache (pages split by kv heads) are sharded on it, and every program's outputs keep
+    those shardings.
 
+    A running request has a *slot*: its row in the per-request arrays (logit bias here, sampling
+    parameters in the scheduler), in [0, max_batch). Its K/V lives in the pages of its page table.
     `banned_ids`: token ids that can never be sampled (Qwen-VL's vision special tokens).
     `program_calls` counts calls per compiled-program key: ("prefill", bucket, patch_bucket),
-    ("extend", bucket, kv_len, patch_bucket), ("copy", rows), ("decode", batch, kv_len, filtered).
+    ("extend", bucket, kv_len, patch_bucket), ("copy_page",), ("decode", batch, kv_len, filtered).
     """
 
     def __init__(self, model: Qwen3VL, config: EngineOptions, banned_ids: Sequence[int],
@@ -114,29 +118,26 @@ class ModelRunner:
         banned_v = jnp.asarray(banned)
         graphdef = self._graphdef
 
-        def prefill_program(params, cache, bias, slot, start, tokens, positions, length, vision, bias_row, ints, floats, *, kv_len):
+        def prefill_program(params, cache, bias, slot, table, start, tokens, positions, length, vision, bias_row, ints, floats):
             model = nnx.merge(graphdef, params)
-            cache, logits = forward.prefill(model, cache, slot, start, tokens, positions, length, vision, kv_len)
+            cache, logits = forward.prefill(model, cache, table, start, tokens, positions, length, vision)
             bias = bias.at[slot].set(bias_row)
             # Always the filtered sampler: sorting one row is cheap next to a prefill, and it halves the programs.
             ids, lps = sample_tokens(logits[None], bias_row[None], banned_v, _rows(ints, floats), filtered=True)
             return cache, bias, ids[0], lps[0]
 
-        def decode_program(params, cache, bias, slots, ints, floats, *, kv_len, filtered):
+        def decode_program(params, cache, bias, slots, tables, ints, floats, *, filtered):
             model = nnx.merge(graphdef, params)
-            cache, logits = forward.decode(
-                model, cache, slots, ints[IntRow.TOKEN], ints[IntRow.LENGTH], ints[IntRow.ROPE_DELTA], kv_len
-            )
+            cache, logits = forward.decode(model, cache, tables, ints[IntRow.TOKEN], ints[IntRow.LENGTH], ints[IntRow.ROPE_DELTA])
             ids, lps = sample_tokens(logits, bias[slots], banned_v, _rows(ints, floats), filtered=filtered)
             return cache, ids, lps
 
         # Explicit output shardings: the cache and bias stay where they live, step after step (no resharding).
-        self._prefill = jax.jit(prefill_program, static_argnames=("kv_len",), donate_argnames=("cache", "bias"),
+        self._prefill = jax.jit(prefill_program, donate_argnames=("cache", "bias"),
                                 out_shardings=(cache_sh, replicated, replicated, replicated))
-        self._decode = jax.jit(decode_program, static_argnames=("kv_len", "filtered"), donate_argnames=("cache",),
+        self._decode = jax.jit(decode_program, static_argnames=("filtered",), donate_argnames=("cache",),
                                out_shardings=(cache_sh, replicated, replicated))
-        self._copy = jax.jit(forward.copy_rows, static_argnames=("rows",), donate_argnames=("cache",),
-                             out_shardings=cache_sh)
+        self._copy_page = jax.jit(forward.copy_page, donate_argnames=("cache",), out_shardings=cache_sh)
         self.program_calls: collections.Counter[tuple[Any, ...]] = collections.Counter()
         self.encoded_images = 0  # images run through the vision tower (a reused prefix skips its images)
 
@@ -144,14 +145,14 @@ class ModelRunner:
 
     @property
     def _cache_sharding(self) -> forward.KVCache:
-        shape = forward.cache_shape(self.cfg, self.config.max_batch, self.config.max_seq_len)
+        shape = forward.cache_shape(self.cfg, self.config.num_pages, self.config.page_size)
         sharding = self.placement.cache(shape)
         return forward.KVCache(sharding, sharding)
 
     def allocate_cache(self) -> None:
         """(Re)create the KV cache, zeroed, in its shardings (created on the devices, never on the host)."""
         sh = self._cache_sharding
-        make = jax.jit(lambda: forward.init_cache(self.cfg, self.config.max_batch, self.config.max_seq_len,
+        make = jax.jit(lambda: forward.init_cache(self.cfg, self.config.num_pages, self.config.page_size,
                                                   self.config.jnp_compute_dtype), out_shardings=sh)
         self.cache = make()
 
@@ -186,9 +187,22 @@ class ModelRunner:
         """Distinct compiled programs so far (one per bucket key)."""
         return len(self.program_calls)
 
+    def _table_width(self, kv_len: int) -> int:
+        """Page-table entries covering a kv-length bucket."""
+        return -(-kv_len // self.config.page_size)
+
+    def _padded_tables(self, tables: np.ndarray, rows: int, width: int) -> np.ndarray:
+        """int32 [rows, width]: page tables [n, >= width] cut to `width` entries, then rows of `num_pages`
+        only (no page: writes dropped, reads masked)."""
+        out = np.full((rows, width), self.config.num_pages, np.int32)
+        n, w = tables.shape[0], min(tables.shape[1], width)
+        out[:n, :w] = tables[:, :w]
+        return out
+
     def prefill(
         self,
         slot: int,
+        pages: Sequence[int],
         input_ids: np.ndarray,
         positions: np.ndarray,
         pixel_values: np.ndarray | None,
@@ -199,12 +213,13 @@ class ModelRunner:
         *,
         start: int = 0,
     ) -> tuple[int, float]:
-        """Prefill `input_ids` [L] (positions [3, L]) into `slot` and sample its next token.
+        """Prefill `input_ids` [L] (positions [3, L]) into the request's `pages` (its page table, at
+        least ceil(L / page_size) pages) and sample its next token; `slot` is its bias row.
 
-        start > 0 ("extend"): rows [0, start) of the slot already hold the K/V of input_ids[:start]
-        (a reused prefix, whose images must lie wholly inside it); only [start, L) is computed and the
-        vision tower runs only on the images there. start + the suffix's prefill bucket must fit in
-        max_seq_len (`prefix_cache.fit_start`).
+        start > 0 ("extend"): positions [0, start) of the pages already hold the K/V of
+        input_ids[:start] (a reused prefix, whose images must lie wholly inside it); only [start, L)
+        is computed, into pages the request owns alone, and the vision tower runs only on the images
+        there.
         ints int32 [6] / floats float32 [3]: the slot's column of `IntRow` / `FloatRow` (token,
         length and rope_delta are unused here). bias_row float32 [V] or None (no bias).
         Returns (token id, its log-prob).
@@ -214,9 +229,10 @@ class ModelRunner:
             raise ValueError(f"prefill start={start} must lie in [0, {total}) (the last prompt token is always computed)")
         length = total - start
         t = bucket_for(length, self.config.prefill_buckets, "prompt tokens")
-        if start + t > self.config.max_seq_len:
-            raise ValueError(f"extend of {length} tokens after {start} cached ones pads to {t} and runs past max_seq_len")
         kv_len = t if start == 0 else bucket_for(total, self.config.kv_buckets, "cached tokens")
+        if len(pages) * self.config.page_size < total:
+            raise ValueError(f"{len(pages)} pages of {self.config.page_size} tokens cannot hold a prompt of {total} tokens")
+        table = self._padded_tables(np.asarray(pages, np.int32)[None], 1, self._table_width(kv_len))[0]
         tokens = np.zeros((1, t), np.int32)
         tokens[0, :length] = input_ids[start:]
         pos = np.zeros((3, 1, t), np.int32)
@@ -235,22 +251,24 @@ class ModelRunner:
         key = ("prefill", t, patch_bucket) if start == 0 else ("extend", t, kv_len, patch_bucket)
         self.program_calls[key] += 1
         self.cache, self.bias, tok, lp = self._prefill(
-            self.params, self.cache, self.bias, np.int32(slot), np.int32(start), tokens, pos, np.int32(length), vision, row,
-            ints[:, None], floats[:, None], kv_len=kv_len,
+            self.params, self.cache, self.bias, np.int32(slot), table, np.int32(start), tokens, pos, np.int32(length), vision,
+            row, ints[:, None], floats[:, None],
         )
         tok, lp = jax.device_get((tok, lp))
         return int(tok), float(lp)
 
-    def copy_prefix(self, src: int, dst: int, n: int) -> None:
-        """Copy the K/V of the first `n` tokens of slot `src` into slot `dst` (rows past `n`, up to the
-        kv bucket, come along as garbage that `dst`'s next prefill overwrites or masks)."""
-        rows = bucket_for(n, self.config.kv_buckets, "cached tokens")
-        self.program_calls[("copy", rows)] += 1
-        self.cache = self._copy(self.cache, np.int32(src), np.int32(dst), rows=rows)
+    def copy_page(self, src: int, dst: int) -> None:
+        """Copy the K/V of page `src` into page `dst` (a reused, partly shared last page)."""
+        self.program_calls[("copy_page",)] += 1
+        self.cache = self._copy_page(self.cache, np.int32(src), np.int32(dst))
 
-    def decode(self, slots: np.ndarray, ints: np.ndarray, floats: np.ndarray, filtered: bool) -> tuple[np.ndarray, np.ndarray]:
-        """One decode step for the running requests in `slots` [n], padded to a batch bucket.
+    def decode(
+        self, slots: np.ndarray, tables: np.ndarray, ints: np.ndarray, floats: np.ndarray, filtered: bool
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """One decode step for the running requests in `slots` [n] (their bias rows), padded to a batch bucket.
 
+        tables int32 [n, W]: their page tables, padded with num_pages (covering position LENGTH, where
+        this step writes; entries past the kv-length bucket are not read);
         ints int32 [6, n], floats float32 [3, n]: their columns of `IntRow` / `FloatRow`. Returns ids
         int32 [n] and log-probs float32 [n].
         """
@@ -259,14 +277,14 @@ class ModelRunner:
         kv_len = bucket_for(int(ints[IntRow.LENGTH].max()) + 1, self.config.kv_buckets, "cached tokens")
         batch_slots = np.zeros((b,), np.int32)
         batch_slots[:n] = slots
+        batch_tables = self._padded_tables(tables, b, self._table_width(kv_len))  # padding rows: no page, writes dropped
         batch_ints = np.zeros((ints.shape[0], b), np.int32)
         batch_ints[:, :n] = ints
-        batch_ints[IntRow.LENGTH, n:] = self.config.max_seq_len  # padding rows: K/V writes dropped
         batch_floats = np.zeros((floats.shape[0], b), np.float32)
         batch_floats[:, :n] = floats
         self.program_calls[("decode", b, kv_len, filtered)] += 1
-        self.cache, ids, lps = self._decode(self.params, self.cache, self.bias, batch_slots, batch_ints, batch_floats,
-                                            kv_len=kv_len, filtered=filtered)
+        self.cache, ids, lps = self._decode(self.params, self.cache, self.bias, batch_slots, batch_tables, batch_ints,
+                                            batch_floats, filtered=filtered)
         ids, lps = jax.device_get((ids, lps))
         return np.asarray(ids)[:n], np.asarray(lps)[:n]
 

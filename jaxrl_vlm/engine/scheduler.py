@@ -1,18 +1,25 @@
 """Continuous batching: one thread that admits, prefills, decodes and finishes requests.
 
 Every loop iteration (1) applies the typed messages of its inbox (`inbox.py`: requests, aborts, control), (2) runs a
-pending weight update once nothing is decoding, (3) admits waiting requests into free KV slots
-(one prefill each, which samples their first token) and (4) runs ONE decode step for every active
-slot. Requests therefore join and leave between decode steps. A decode batch holds only the running
-slots (padded to a batch bucket), wherever they sit in the cache.
+pending weight update once nothing is decoding, (3) admits waiting requests (one prefill each,
+which samples their first token) and (4) runs ONE decode step for every running request. Requests
+therefore join and leave between decode steps. A decode batch holds only the running requests
+(padded to a batch bucket).
 
-Prefix cache (`EngineOptions.prefix_cache`): a finished request leaves its slot *warm* (free, its K/V
-kept, see `prefix_cache.py`). Admission finds the warm slot holding the longest reusable prefix of
-the prompt (if at least `prefix_cache_min_tokens`) and prefills only the rest: in that slot when the
-request continues its whole content, else after copying the prefix into an empty slot. Without a
-match a request gets an empty slot, else the least recently used warm slot. Warm slots are dropped whenever their K/V may no
-longer be what the serving weights compute: new weights, `/flush_cache`, a failed device program; a
-request that was running across a weight update never leaves its slot warm.
+KV memory is paged (`prefix_cache.PageCache`): a request holds the pages of its page table, taken
+at admission for its prompt and one more whenever decoding crosses a page boundary. Admission is in
+arrival order and needs a free slot (a row of the per-request arrays, at most `max_batch`) and the
+prompt's pages, with one page of headroom per running request left over; a request that cannot get
+its next page retracts the most recently admitted one (its K/V stays cached, so readmission recomputes
+little), as SGLang does when decoding runs out of memory.
+
+Prefix cache (`EngineOptions.prefix_cache`): a request's prompt pages enter the radix tree right
+after its prefill (so the other samples of its group, admitted next, reuse them) and its prompt +
+output pages when it finishes (so the next turn of the episode reuses them). Admission reuses the
+pages of the longest cached prefix of the prompt (copying the partly shared last one) and prefills
+only the rest; `cached_tokens` counts the reused tokens, as SGLang reports its radix-cache hits. The tree is dropped
+whenever its K/V may no longer be what the serving weights compute: new weights, `/flush_cache`, a
+failed device program; a request that was running across a weight update never enters the tree.
 
 Stop rules follow SGLang's `Req.check_finished`, in its order: abort, then `max_new_tokens`
 (length), then stop token ids / EOS ids (unless `ignore_eos`), then stop strings on the detokenized
@@ -49,7 +56,7 @@ from jaxrl_vlm.engine.inbox import (
     StopMsg,
     UpdateWeightsMsg,
 )
-from jaxrl_vlm.engine.prefix_cache import ImageSpan, Match, PrefixCache, fit_start, image_spans
+from jaxrl_vlm.engine.prefix_cache import ImageSpan, PageCache, image_spans, page_keys, reusable_tokens, tail_key
 from jaxrl_vlm.engine.protocol import GenerateOutput, GenerateRequest
 from jaxrl_vlm.engine.runner import FloatRow, IntRow, ModelRunner
 from rollout.sglang_wire import (
@@ -76,7 +83,9 @@ class ActiveRequest:
     arrival: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
-    slot: int | None = None
+    slot: int | None = None  # its row in the per-request arrays while running
+    pages: list[int] = field(default_factory=list)  # its page table while running (pages it holds)
+    admitted: int = 0  # admission order (the most recent is retracted first)
     num_retractions: int = 0
     stop_ids: frozenset[int] = frozenset()
     max_new_tokens: int = 0
@@ -102,17 +111,17 @@ class EngineStats:
     finished: int = 0
     aborted: int = 0
     weight_updates: int = 0
-    prefix_hits: int = 0  # admissions that reused a warm slot's prefix
+    prefix_hits: int = 0  # admissions that reused cached pages
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     prefilled_tokens: int = 0  # prompt tokens computed by prefill / extend (padding not counted)
     encoded_images: int = 0  # images run through the vision tower
-    prefix_copies: int = 0  # hits on a prefix shared with a warm slot that was copied, not taken
-    prefix_evictions: int = 0  # warm slots given to a request that could not reuse them
-    prefix_invalidations: int = 0  # times every warm slot was dropped (weights, flush, failures)
+    prefix_evictions: int = 0  # cached pages evicted to make room
+    prefix_invalidations: int = 0  # times the prefix cache was dropped (weights, flush, failures)
+    retractions: int = 0  # running requests sent back to the queue for lack of KV pages
 
 
 class Scheduler:
-    """Owns the request queues and the slot table; drives a `ModelRunner` from its own thread."""
+    """Owns the request queues, the slots and the KV pages; drives a `ModelRunner` from its own thread."""
 
     def __init__(
         self,
@@ -138,10 +147,16 @@ class Scheduler:
         self._waiting: deque[ActiveRequest] = deque()
         self._held: deque[ActiveRequest] = deque()  # arrived while paused; not yet the scheduler's
         self._running: dict[int, ActiveRequest] = {}
-        self._free: list[int] = list(range(self.max_batch))  # empty slots (a heap)
+        self._free: list[int] = list(range(self.max_batch))  # free slots (a heap)
         heapq.heapify(self._free)
-        self._prefix = PrefixCache()  # warm slots: free, with reusable K/V
+        self.page_size = runner.config.page_size
+        self._pages = PageCache(runner.config.num_pages, self.page_size)
+        # Page tables of the running requests by slot (mirrors `ActiveRequest.pages`, padded with num_pages)
+        # and their lengths, so that a decode step gathers them without a Python loop.
+        self._tables = np.full((self.max_batch, runner.config.pages_per_request), runner.config.num_pages, np.int32)
+        self._table_len = np.zeros((self.max_batch,), np.int64)
         self._prefix_on = runner.config.prefix_cache
+        self._admissions = 0
         self._cache_epoch = 0  # bumped whenever cached K/V stops matching the serving weights
         self._paused: PauseMode | None = None
         self._updates: deque[UpdateWeightsMsg] = deque()
@@ -244,7 +259,7 @@ class Scheduler:
                 and self._has_free_slot())
 
     def _has_free_slot(self) -> bool:
-        return bool(self._free) or len(self._prefix) > 0
+        return bool(self._free)
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -309,56 +324,82 @@ class Scheduler:
             return
         admitted = 0
         while self._waiting and self._has_free_slot() and admitted < self.runner.config.max_prefills_per_step:
-            seq = self._waiting.popleft()
+            seq = self._waiting[0]
             slot = None
             try:
-                slot, start, source = self._take_slot(seq)
-                self._prefill(seq, slot, start, source)
+                start = self._take_pages(seq)
+                if start is None:
+                    break  # in arrival order: wait until running requests free pages
+                self._waiting.popleft()
+                slot = heapq.heappop(self._free)
+                self._prefill(seq, slot, start)
             except Exception as exc:  # a failed prefill fails that request, not the server
                 logger.exception("prefill of %s failed", seq.rid)
-                if slot is not None:
-                    self._release(slot)
-                # The cache was donated to the failed program: no warm slot can be trusted any more.
+                if self._waiting and self._waiting[0] is seq:
+                    self._waiting.popleft()
+                if slot is not None and slot not in self._free:  # not released by a finish already
+                    self._running.pop(slot, None)
+                    self._release(slot, seq, cache=False)
+                else:
+                    self._drop_pages(seq)
+                seq.slot = None
+                # The cache was donated to the failed program: no cached page can be trusted any more.
                 self._invalidate_prefix_cache()
                 self._finish(seq, None, error=f"prefill failed: {type(exc).__name__}: {exc}")
             admitted += 1
+        self.stats.prefix_evictions = self._pages.evictions
 
-    def _take_slot(self, seq: ActiveRequest) -> tuple[int, int, int | None]:
-        """(slot, tokens of cached K/V to reuse, slot to copy them from or None) for `seq`.
-
-        The warm slot with the longest reusable prefix (at least `prefix_cache_min_tokens`) is taken
-        when the request continues its whole content; when they only share a prefix, that prefix is
-        copied into an empty slot (else into the least recently used warm one), so the warm slot keeps
-        serving its own conversation. Without a match: an empty slot, else the least recently used
-        warm slot. Needs `_has_free_slot()`; changes nothing if it raises.
-        """
-        match: Match | None = None
-        if len(self._prefix):
-            ids = self._cached_sequence(seq)
+    def _take_pages(self, seq: ActiveRequest) -> int | None:
+        """Give `seq` the pages of its longest cached prefix and fresh pages for the rest of its prompt
+        and its first decoded token; returns the cached prefix's length in tokens, or None (nothing
+        changed) when that would leave less than one free page per running request that may still
+        need one (without that headroom a new request would be retracted at the next page boundary)."""
+        ids = self._cached_sequence(seq)
+        total = ids.shape[0]
+        ps = self.page_size
+        reuse, reused, source = 0, [], []
+        if self._prefix_on:
             images = self._images(seq)
-            found = self._prefix.best(ids, images)
-            if found is not None:
-                cfg = self.runner.config
-                reuse = fit_start(found.reuse, ids.shape[0], images, cfg.prefill_buckets, cfg.max_seq_len)
-                if reuse >= cfg.prefix_cache_min_tokens:
-                    match = found._replace(reuse=reuse)
-        if match is not None and match.lost <= 1:  # the next turn of the slot's own conversation
-            self._prefix.take(match.slot)
-            return match.slot, match.reuse, None
-        if self._free:
-            slot = heapq.heappop(self._free)
-        else:
-            slot = self._prefix.lru()
-            assert slot is not None, "_take_slot needs a free slot"
-            self._prefix.take(slot)
-            if match is None or slot != match.slot:
-                self.stats.prefix_evictions += 1
-        if match is None:
-            return slot, 0, None
-        if slot == match.slot:  # the shared prefix sits in the slot about to be reused anyway
-            return slot, match.reuse, None
-        self._prefix.touch(match.slot)
-        return slot, match.reuse, match.slot
+            matched, tail = self._pages.match(page_keys(ids, images, ps, total // ps),
+                                              lambda j, n: tail_key(ids, images, ps, j, n))
+            reuse = reusable_tokens(len(matched) * ps + (tail[1] if tail else 0), total, images)
+            reused = matched[: reuse // ps]
+            if reuse % ps:  # the page holding the rest of the prefix is copied: this request writes into it
+                source = [matched[reuse // ps] if reuse // ps < len(matched) else tail[0]]
+        need = (total + ps) // ps - len(reused)  # positions [0, total]: the first decode writes at `total`
+        self._pages.hold(reused + source)  # before allocating, so eviction cannot take them
+        try:
+            if self._pages.available() - need < sum(self._may_grow(r) for r in self._running.values()):
+                self._pages.release(reused)
+                return None
+            fresh = self._pages.allocate(need)
+            assert fresh is not None, "available() promised these pages"
+            seq.pages = reused + fresh
+            if source:
+                self.runner.copy_page(source[0], fresh[0])
+        finally:
+            self._pages.release(source)
+        return reuse
+
+    def _may_grow(self, seq: ActiveRequest) -> bool:
+        """Whether a running request may still write past its pages (before its token budget ends)."""
+        last_fed = seq.request.prompt.num_tokens + seq.max_new_tokens - 2  # the last sampled token is never fed
+        return last_fed // self.page_size >= len(seq.pages)
+
+    def _drop_pages(self, seq: ActiveRequest) -> None:
+        self._pages.release(seq.pages)
+        seq.pages = []
+
+    def _cache_pages(self, seq: ActiveRequest, ids: np.ndarray) -> None:
+        """Offer the request's full pages holding `ids` to the radix tree (if its K/V is current)."""
+        if self._prefix_on and seq.cache_epoch == self._cache_epoch:
+            ps, images = self.page_size, self._images(seq)
+            full = min(ids.shape[0] // ps, len(seq.pages))
+            rest = ids.shape[0] - full * ps
+            tail = None
+            if 0 < rest < ps and full < len(seq.pages):
+                tail = (tail_key(ids, images, ps, full, rest), seq.pages[full], rest)
+            self._pages.insert(page_keys(ids, images, ps, full), seq.pages[:full], tail)
 
     def _cached_sequence(self, seq: ActiveRequest) -> np.ndarray:
         """Token ids whose K/V the request's slot holds while it runs or once it stops: prompt +
@@ -378,9 +419,9 @@ class Scheduler:
                                         cfg.image_token_id, cfg.vision.spatial_merge_size)
         return prompt.images
 
-    def _prefill(self, seq: ActiveRequest, slot: int, start: int = 0, source: int | None = None) -> None:
-        """Admit `seq` into `slot`: reuse the K/V of its first `start` tokens (copied from warm slot
-        `source` first, or already in `slot`), prefill the rest and sample its first token."""
+    def _prefill(self, seq: ActiveRequest, slot: int, start: int) -> None:
+        """Run `seq` in `slot` with the pages `_take_pages` gave it: reuse the K/V of its cached
+        prefix, prefill the rest, sample its first token and offer its full prompt pages to the tree."""
         req, params = seq.request, seq.request.params
         prompt = req.prompt
         ids, positions = prompt.input_ids, prompt.positions
@@ -404,11 +445,8 @@ class Scheduler:
             bias_row = np.zeros((self.runner.vocab_size,), np.float32)
             for token, value in params.logit_bias:
                 bias_row[token] += value
-        if source is not None:
-            self.runner.copy_prefix(source, slot, start)
-            self.stats.prefix_copies += 1
         token, logprob = self.runner.prefill(
-            slot, ids, positions, prompt.pixel_values, prompt.image_grid_thw, bias_row,
+            slot, seq.pages, ids, positions, prompt.pixel_values, prompt.image_grid_thw, bias_row,
             self._ints[:, slot], self._floats[:, slot], start=start,
         )
         self.stats.prefills += 1
@@ -419,24 +457,63 @@ class Scheduler:
         seq.cached_tokens += start
         seq.cache_epoch = self._cache_epoch
         seq.slot = slot
+        self._admissions += 1
+        seq.admitted = self._admissions
         self._running[slot] = seq
+        self._tables[slot, : len(seq.pages)] = seq.pages
+        self._table_len[slot] = len(seq.pages)
+        self._cache_pages(seq, ids)  # the group's other samples, admitted next, reuse the prompt
         if resumed:
             self._set_next(seq, seq.output_ids[-1])
         else:
             self._append(seq, token, logprob)
 
+    def _grow_pages(self) -> None:
+        """Give every running request the page its next decoded token is written to, retracting the
+        most recently admitted requests while pages run out (the oldest always progresses)."""
+        slots = np.fromiter(self._running, np.int64, len(self._running))
+        short = slots[self._ints[IntRow.LENGTH, slots] // self.page_size >= self._table_len[slots]]
+        for seq in sorted((self._running[int(s)] for s in short), key=lambda r: r.admitted):
+            if self._running.get(seq.slot) is not seq:
+                continue  # retracted below for an older request
+            while int(self._ints[IntRow.LENGTH, seq.slot]) // self.page_size >= len(seq.pages):
+                page = self._pages.allocate(1)
+                if page is not None:
+                    self._tables[seq.slot, len(seq.pages)] = page[0]
+                    seq.pages += page
+                    self._table_len[seq.slot] = len(seq.pages)
+                    continue
+                victim = max(self._running.values(), key=lambda r: r.admitted)
+                self._retract(victim)
+                self.stats.retractions += 1
+                if victim is seq:
+                    break
+
+    def _retract(self, seq: ActiveRequest) -> None:
+        """Send a running request back to the front of the queue; its K/V stays cached for its readmission."""
+        del self._running[seq.slot]
+        self._release(seq.slot, seq)
+        seq.slot = None
+        seq.num_retractions += 1
+        self._waiting.appendleft(seq)
+
     def _decode_step(self) -> None:
+        self._grow_pages()
+        self.stats.prefix_evictions = self._pages.evictions
         slots = sorted(self._running)
+        if not slots:
+            return
         try:
             ids, lps = self.runner.decode(
-                np.asarray(slots, np.int32), self._ints[:, slots], self._floats[:, slots], bool(self._filtered[slots].any())
+                np.asarray(slots, np.int32), self._tables[slots], self._ints[:, slots],
+                self._floats[:, slots], bool(self._filtered[slots].any()),
             )
         except Exception as exc:
             logger.exception("decode step failed")
             self._invalidate_prefix_cache()  # the donated cache cannot be trusted
             for slot in slots:
                 seq = self._running.pop(slot)
-                self._release(slot)
+                self._release(slot, seq, cache=False)
                 self._finish(seq, None, error=f"decode failed: {type(exc).__name__}: {exc}")
             return
         self.stats.decode_steps += 1
@@ -477,34 +554,31 @@ class Scheduler:
 
     # ------------------------------------------------------------------ finishing
 
-    def _release(self, slot: int, seq: ActiveRequest | None = None) -> None:
-        """Free `slot`. With `seq` (the request that ran there, its K/V intact) and the prefix cache
-        on, the slot stays warm, unless the weights changed since its K/V was computed."""
+    def _release(self, slot: int, seq: ActiveRequest, cache: bool = True) -> None:
+        """Free `slot` and the pages of `seq`, the request that ran there. With `cache` (its K/V
+        intact), its full pages enter the prefix cache first, unless the weights changed since its
+        K/V was computed."""
         self._ints[:, slot] = 0
         self._floats[:, slot] = 0.0
         self._filtered[slot] = False
-        ids = None
-        if seq is not None and self._prefix_on and seq.cache_epoch == self._cache_epoch:
-            ids = self._cached_sequence(seq)
-        if ids is not None and ids.shape[0] >= self.runner.config.prefix_cache_min_tokens:  # else never reusable
-            self._prefix.put(slot, ids, self._images(seq))
-        else:
-            heapq.heappush(self._free, slot)
+        self._tables[slot] = self._pages.num_pages
+        self._table_len[slot] = 0
+        if cache:
+            self._cache_pages(seq, self._cached_sequence(seq))
+        self._drop_pages(seq)
+        heapq.heappush(self._free, slot)
 
     def _invalidate_prefix_cache(self) -> None:
-        """Forget every warm slot, and make running requests' K/V non-reusable (e.g. new weights)."""
+        """Forget every cached prefix, and make running requests' K/V non-reusable (e.g. new weights)."""
         self._cache_epoch += 1
-        dropped = self._prefix.clear()
-        if dropped:
+        if self._pages.clear():
             self.stats.prefix_invalidations += 1
-        for slot in dropped:
-            heapq.heappush(self._free, slot)
 
     def _finish(self, seq: ActiveRequest, reason: FinishReason | None, error: str | None = None) -> None:
         if seq.slot is not None:
             if self._running.get(seq.slot) is seq:
                 del self._running[seq.slot]
-                self._release(seq.slot, seq if error is None else None)
+                self._release(seq.slot, seq, cache=error is None)
             seq.slot = None
         if reason is not None and reason.type is FinishType.ABORT:
             self.stats.aborted += 1
@@ -553,12 +627,8 @@ class Scheduler:
         if mode is PauseMode.ABORT:
             self._abort_matching(None, "Abort by pause_generation")
         elif mode is PauseMode.RETRACT:
-            for slot in sorted(self._running, reverse=True):
-                seq = self._running.pop(slot)
-                self._release(slot, seq)  # warm: its own readmission usually gets the slot back
-                seq.slot = None
-                seq.num_retractions += 1
-                self._waiting.appendleft(seq)
+            for seq in sorted(self._running.values(), key=lambda r: r.slot, reverse=True):
+                self._retract(seq)
         self._paused = mode
         return paused_answer()
 
@@ -591,7 +661,7 @@ class Scheduler:
         if busy:
             return f"cannot release memory while {busy} requests run or wait (pause_generation and flush_cache first)"
         if "kv_cache" in tags:
-            self._invalidate_prefix_cache()  # warm slots live in the cache being freed
+            self._invalidate_prefix_cache()  # cached pages live in the memory being freed
             self.runner.release_cache()
         if "weights" in tags:
             self.runner.release_params()
@@ -603,7 +673,7 @@ class Scheduler:
             "num_running_reqs": len(self._running),
             "num_waiting_reqs": len(self._waiting) + len(self._held),
             "num_used_tokens": int(sum(s.request.prompt.num_tokens + len(s.output_ids) for s in self._running.values())),
-            "max_total_num_tokens": self.max_batch * self.max_seq_len,
+            "max_total_num_tokens": self._pages.num_pages * self.page_size,
         }
 
     def _run_weight_updates(self) -> None:

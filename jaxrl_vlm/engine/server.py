@@ -260,6 +260,7 @@ async def server_info(request: web.Request) -> web.Response:
         "dtype": cfg.param_dtype,
         "compute_dtype": cfg.compute_dtype,
         "disable_radix_cache": not cfg.prefix_cache,  # SGLang's name for its prefix cache switch
+        "page_size": cfg.page_size,
         "weight_version": engine.scheduler.weight_version,
         "internal_states": [{
             "max_req_input_len": cfg.max_seq_len - 1,
