@@ -17,6 +17,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from jaxrl_vlm.tiny_assets import CLIP_IMAGE_MEAN, CLIP_IMAGE_STD
+
 VOCAB_SPECIALS = dict(vision_start_token_id=250, vision_end_token_id=251, image_token_id=252, video_token_id=253)
 
 # Two deliberately different shapes: head_dim 16 / mrope [4,2,2] / tied / GQA 2,
@@ -114,8 +116,6 @@ def image_processor(qwen25: bool = False):
     from transformers import Qwen2VLImageProcessorPil
 
     if qwen25:
-        from jaxrl_vlm.tiny_assets import CLIP_IMAGE_MEAN, CLIP_IMAGE_STD
-
         return Qwen2VLImageProcessorPil(
             patch_size=14, temporal_patch_size=2, merge_size=2, image_mean=list(CLIP_IMAGE_MEAN),
             image_std=list(CLIP_IMAGE_STD), size={"shortest_edge": 28 * 28, "longest_edge": 196 * 196},

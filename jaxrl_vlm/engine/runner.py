@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import functools
 import os
 from typing import Any, Sequence
 
@@ -105,6 +106,9 @@ class ModelRunner:
         self.params = self.placement.put_params(params)
         self._params_backup: Any = None  # host copy of released weights
         self.cache: forward.KVCache | None = None
+        # Compiled once: a colocated engine re-creates its cache after every train step.
+        self._new_cache = jax.jit(functools.partial(forward.init_cache, model.cfg, config.num_pages, config.page_size,
+                                                    config.jnp_compute_dtype), out_shardings=self._cache_sharding)
         self.allocate_cache()
         replicated = self.placement.replicated
         self.bias = jax.device_put(jnp.zeros((config.max_batch, self.vocab_size), jnp.float32), replicated)
@@ -151,10 +155,7 @@ class ModelRunner:
 
     def allocate_cache(self) -> None:
         """(Re)create the KV cache, zeroed, in its shardings (created on the devices, never on the host)."""
-        sh = self._cache_sharding
-        make = jax.jit(lambda: forward.init_cache(self.cfg, self.config.num_pages, self.config.page_size,
-                                                  self.config.jnp_compute_dtype), out_shardings=sh)
-        self.cache = make()
+        self.cache = self._new_cache()
 
     def release_cache(self) -> None:
         """Drop the KV cache (`/release_memory_occupation` kv_cache): its device memory is freed with its last
