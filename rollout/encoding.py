@@ -45,7 +45,8 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 from PIL import Image
 
-from rollout.processing import VisionTokens, image_to_data_url, load_image, num_image_pads, process_images
+from rollout.image_cache import ProcessedImageCache
+from rollout.processing import VisionTokens, image_to_data_url, load_image, num_image_pads
 
 logger = logging.getLogger(__name__)
 
@@ -161,6 +162,7 @@ class ChatEncoder:
                  template_kwargs: Mapping[str, Any] | None = None):
         self.tokenizer = tokenizer
         self.image_processor = image_processor
+        self.images = ProcessedImageCache(image_processor)
         self.vision = vision or VisionTokens.from_tokenizer(tokenizer)
         self.merge_size = int(getattr(image_processor, "merge_size", 2))
         self._template_kwargs = checked_template_kwargs(template_kwargs)
@@ -261,10 +263,21 @@ class ChatEncoder:
     def _encode_images(self, items: list[Any]) -> tuple[list[str], dict[str, np.ndarray] | None]:
         if not items:
             return [], None
-        pil: list[Image.Image] = [load_image(item) for item in items]
         # PNG data URLs are lossless, so the engine decodes exactly the pixels the trainer processes here.
-        urls = [item if isinstance(item, str) and item.startswith("data:image/png") else image_to_data_url(img) for item, img in zip(items, pil)]
-        return urls, process_images(self.image_processor, pil)
+        pil: dict[int, Image.Image] = {}
+        urls = []
+        for i, item in enumerate(items):
+            if isinstance(item, str) and item.startswith("data:image/png"):
+                urls.append(item)
+            else:
+                pil[i] = load_image(item)
+                urls.append(image_to_data_url(pil[i]))
+
+        def load(i: int) -> Image.Image:
+            return pil[i] if i in pil else load_image(items[i])
+
+        # Keyed by the URL: an image every sample of a group (or every turn) shows is processed once.
+        return urls, self.images.process(urls, load)
 
     def _segment(self, text: str, image_items: list[Any]) -> EncodedSegment:
         wire = self.tokenize(text)

@@ -12,6 +12,16 @@ _DEVICE_FLAG = "--xla_force_host_platform_device_count=8"
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _DEVICE_FLAG).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# JAX's persistent compilation cache, for this process and every subprocess the tests start (servers, CLI runs,
+# multi-host workers inherit the environment): the suite builds the same tiny models, train steps and engines in
+# many modules and processes, and a program compiled once comes back from disk afterwards (also after the
+# per-module clear below). Git-ignored; a fresh checkout (CI) starts empty and fills it within the run. Entries
+# are keyed by the program, its compile options and the devices, so a hit is the program a compile would give.
+_XLA_CACHE = os.environ.get("JAXRL_TEST_XLA_CACHE", os.path.join(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))), ".cache", "xla-tests"))
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _XLA_CACHE)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
@@ -29,6 +39,14 @@ from PIL import Image  # noqa: E402
 TINY_SEED = 0
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    timing_path = os.environ.get("JAXRL_SUITE_TIMING")
+    if timing_path:
+        from _suite_timing import register
+
+        register(config, timing_path)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _free_compiled_programs_after_each_module():
     """Drop JAX's compiled programs after every test module.
@@ -36,7 +54,8 @@ def _free_compiled_programs_after_each_module():
     Each compiled XLA CPU program holds memory mappings, and a module of engine tests leaves thousands of them
     (measured: 15 prefix-cache tests, +4,300); over the whole suite in one process they reach the kernel's
     vm.max_map_count (65,530) and the next compilation aborts the interpreter. Programs are rarely shared
-    between modules, so clearing costs little recompilation.
+    between modules; those that are come back from the persistent compilation cache on disk (above), not from a
+    new compilation.
     """
     yield
     jax.clear_caches()

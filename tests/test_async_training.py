@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import types
 from pathlib import Path
 
@@ -404,6 +405,23 @@ def _read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def _checkpoint_with_buffered_groups(directory: Path, at_least: int) -> tuple[int, list[dict]] | None:
+    """The latest finished checkpoint whose driver state carries at least `at_least` buffered (not restarting)
+    groups, as (step, partial groups); None while there is none. Orbax writes a step under a temporary name and
+    renames it when done, so only digit-named directories are complete; a metadata file is read whole or not yet."""
+    if not directory.is_dir():
+        return None
+    for step in sorted((int(p.name) for p in directory.iterdir() if p.name.isdigit()), reverse=True):
+        try:
+            meta = json.loads((directory / str(step) / "meta" / "metadata").read_text())
+        except (OSError, ValueError):
+            continue
+        carried = meta["driver_state"]["partial_groups"]
+        if sum(not g["restart"] for g in carried) >= at_least:
+            return step, carried
+    return None
+
+
 @pytest.mark.slow
 def test_sigkill_then_load_trains_the_buffered_samples_of_the_checkpoint(tiny, tmp_path):
     """An asynchronous run killed with SIGKILL resumes with `--load` and first trains exactly the groups that were
@@ -440,23 +458,25 @@ def test_sigkill_then_load_trains_the_buffered_samples_of_the_checkpoint(tiny, t
 
         proc = subprocess.Popen(cmd(), cwd=repo, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + 600
-        try:
+        try:  # kill as soon as a finished checkpoint really holds two buffered groups (not assumed from a step count)
             while time.monotonic() < deadline:
-                metrics = out / "metrics.jsonl"
-                if metrics.exists() and len(read_metrics(metrics)) >= 3:
+                found = _checkpoint_with_buffered_groups(out / "checkpoints", at_least=2)
+                if found is not None:
                     break
                 assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
-                time.sleep(0.1)
+                time.sleep(0.05)
             else:
-                pytest.fail("the run did not reach step 3 in time")
+                pytest.fail("no checkpoint with two buffered groups was written in time")
         finally:
             proc.send_signal(signal.SIGKILL)
             proc.wait()
+        checkpoint, carried = found
+        # A later checkpoint may have been finished between the look and the kill: resume from the one looked at,
+        # as if the kill had come right after it.
+        for later in (p for p in (out / "checkpoints").iterdir() if p.name.isdigit() and int(p.name) > checkpoint):
+            shutil.rmtree(later)
         killed = _read_jsonl(out / "trained.jsonl")
         assert len(killed) < 7, "the run finished before it could be killed"
-        checkpoint = max(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
-        meta = json.loads((out / "checkpoints" / str(checkpoint) / "meta" / "metadata").read_text())
-        carried = meta["driver_state"]["partial_groups"]
         buffered = [g for g in carried if not g["restart"]]
         assert len(buffered) >= 2, carried  # the run generated one batch ahead
         expected = [[s["group_index"], s["index"], s["tokens"], s["weight_versions"]]

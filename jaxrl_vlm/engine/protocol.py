@@ -20,7 +20,8 @@ from jaxrl_vlm.engine.prefix_cache import ImageSpan, image_spans
 from jaxrl_vlm.models.config import Qwen3VLConfig
 from jaxrl_vlm.models.rope import get_rope_index
 from rollout.encoding import ChatEncoder, compact_pad_runs
-from rollout.processing import ImageDecodeError, ImageReadPolicy, load_image, process_images
+from rollout.image_cache import ProcessedImageCache, cache_key
+from rollout.processing import ImageDecodeError, ImageReadPolicy, load_image
 from rollout.sglang_wire import (
     FinishReason,
     FinishType,
@@ -84,8 +85,8 @@ class PromptPreparer:
     """Turns `RawGenerate` into `GenerateRequest`: tokenize, decode images, expand pads, positions.
 
     `image_policy` says what `image_data` items may be read (data URLs and base64, local files only under the
-    allowed directory) and caps their bytes and pixels. Thread-safe for concurrent `prepare` calls (stateless
-    apart from read-only tokenizer/processor).
+    allowed directory) and caps their bytes and pixels. Thread-safe for concurrent `prepare` calls (the
+    tokenizer and processor are read-only; the cache of preprocessed images locks).
     """
 
     def __init__(self, tokenizer: Any, image_processor: Any | None, cfg: Qwen3VLConfig, image_policy: ImageReadPolicy):
@@ -94,6 +95,7 @@ class PromptPreparer:
         self.cfg = cfg
         self.image_policy = image_policy
         self.encoder = ChatEncoder(tokenizer, image_processor) if image_processor is not None else None
+        self.images = ProcessedImageCache(image_processor)
 
     def prepare(self, raw: RawGenerate) -> GenerateRequest:
         ids = list(self.tokenizer.encode(raw.text)) if raw.text is not None else list(raw.input_ids or [])
@@ -112,14 +114,14 @@ class PromptPreparer:
         if raw.image_data:
             if self.encoder is None:
                 raise RequestError("this model directory has no preprocessor_config.json: image input is not available")
-            images = []
-            for i, item in enumerate(raw.image_data):
+            def load(i: int) -> Any:
                 try:
-                    images.append(load_image(item, self.image_policy))
+                    return load_image(raw.image_data[i], self.image_policy)
                 except ImageDecodeError as e:
                     raise RequestError(f"image_data[{i}]: {e}") from e
-            try:
-                mm = process_images(self.image_processor, images)
+
+            try:  # a data URL seen before (a group's shared prompt, earlier turns) is neither decoded nor processed
+                mm = self.images.process([cache_key(item) for item in raw.image_data], load)
             except ValueError as e:  # e.g. an image too small for the processor's smart resize
                 raise RequestError(f"image_data: the image processor refused the images ({e})") from e
             pixel_values, grid = mm["pixel_values"], mm["image_grid_thw"]
