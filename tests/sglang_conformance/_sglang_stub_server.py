@@ -59,12 +59,21 @@ from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 from sglang.srt.server_args import ServerArgs  # noqa: E402
 from sglang.srt.utils.weight_versions import WeightVersionEvent, compute_weight_version_spans  # noqa: E402
 
-VOCAB_SIZE = 1024
+VOCAB_SIZE = 151936  # Qwen3-VL's
 EOS_ID = 2
 STEP_S = 0.02
 from sglang.srt.managers.load_snapshot import LoadSnapshot  # noqa: E402
 from sglang.srt.managers.io_struct import FlushCacheReqOutput  # noqa: E402
 from sglang.srt.utils.aio_rwlock import RWLock  # noqa: E402
+
+
+class _ByteTokenizer:
+    """What SamplingParams.normalize asks of a tokenizer (stop-string lengths): one token per UTF-8 byte."""
+
+    eos_token_id = EOS_ID
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(text.encode())
 
 
 class _Running:
@@ -163,6 +172,7 @@ class StubTokenizerManager(TokenizerManager):
     def __init__(self, server_args: ServerArgs) -> None:  # noqa: D107 - the parent's __init__ is not run on purpose
         self.server_args = server_args
         self.elastic_worker_count = 1
+        self.startup_time = {"server_ready": time.time()}
         self.init_running_status()
         self.init_weight_update()
         self.init_request_logging_and_dumping()
@@ -225,7 +235,7 @@ class StubTokenizerManager(TokenizerManager):
                 if obj.input_ids is None:
                     raise ValueError("the stub takes input_ids only")
                 params = SamplingParams(**(obj.sampling_params or {}))
-                params.normalize(None)
+                params.normalize(_ByteTokenizer())
                 params.verify(VOCAB_SIZE)
                 self.scheduler.add(_Running(obj.rid, state, list(obj.input_ids), params))
                 await state.event.wait()
@@ -240,7 +250,12 @@ class StubTokenizerManager(TokenizerManager):
 
     # ---- control
     async def flush_cache(self, timeout_s: float = 0.0) -> FlushCacheReqOutput:
-        return FlushCacheReqOutput(success=not self.scheduler.reqs)
+        """scheduler.flush_cache: only when fully idle, the waiting queue ignored while paused (retracted
+        requests wait there); an in_place pause keeps requests running, so it fails."""
+        reqs = self.scheduler.reqs.values()
+        paused = self.scheduler.paused_mode is not None
+        busy = any(r.running or not paused for r in reqs)
+        return FlushCacheReqOutput(success=not busy, message="" if not busy else "Flush cache failed.\n")
 
     async def update_weights_from_disk(self, obj: Any, request: Any = None) -> tuple[bool, str, int]:
         if obj.abort_all_requests:
