@@ -711,8 +711,9 @@ class UpdateWeightsRequest:
             model_path=body["model_path"],
             weight_version=None if version is None else str(version),
             load_format=load_format,
-            flush_cache=None if body.get("flush_cache") is None else _flag(body, "flush_cache", True, ""),
-            abort_all_requests=_flag(body, "abort_all_requests", False, ""),  # a JSON bool ("false" is refused)
+            flush_cache=None if body.get("flush_cache") is None else pydantic_bool(body["flush_cache"], "flush_cache"),
+            # pydantic's bool, as SGLang's request model: "false" is false, never read as true
+            abort_all_requests=pydantic_bool(body.get("abort_all_requests", False), "abort_all_requests"),
         )
 
 
