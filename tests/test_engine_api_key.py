@@ -58,5 +58,5 @@ async def test_the_embedded_engine_requires_the_configured_key(tiny):
         async with aiohttp.ClientSession() as http:
             async with http.get(client.url + "/model_info") as reply:
                 assert reply.status == 401
-            async with http.get(client.url + "/get_weight_version", headers={"Authorization": f"Bearer {KEY}"}) as reply:
+            async with http.get(client.url + "/model_info", headers={"Authorization": f"Bearer {KEY}"}) as reply:
                 assert reply.status == 200
