@@ -81,8 +81,8 @@ def parse_json_body(raw: bytes | str, where: str) -> Any:
 # ---------------------------------------------------------------------------------------------- API key
 
 # SGLang's `--api-key`: every request must carry `Authorization: Bearer <key>`, except paths starting with
-# these (health probes stay open, as in SGLang's add_api_key_middleware).
-AUTH_EXEMPT_PREFIXES = ("/health", "/metrics")
+# these (health and readiness probes stay open, as in SGLang 0.5.23's utils/auth.py decide_request_auth).
+AUTH_EXEMPT_PREFIXES = ("/health", "/ready", "/metrics")
 UNAUTHORIZED_BODY = {"error": "Unauthorized"}  # SGLang's 401 answer
 
 
@@ -92,11 +92,14 @@ def authorization_header(api_key: str) -> dict[str, str]:
 
 
 def is_authorized(path: str, authorization: str | None, api_key: str | None) -> bool:
-    """Whether a request to `path` with this Authorization header may be served (always, without a key)."""
+    """Whether a request to `path` with this Authorization header may be served (always, without a key). The
+    scheme matches case-insensitively ("bearer k" is accepted, as SGLang does); the key in constant time."""
     if api_key is None or path.startswith(AUTH_EXEMPT_PREFIXES):
         return True
-    expected = f"Bearer {api_key}".encode()
-    return authorization is not None and hmac.compare_digest(authorization.encode("utf-8", "replace"), expected)
+    scheme, _, token = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not token:
+        return False
+    return hmac.compare_digest(token.encode("utf-8", "replace"), api_key.encode("utf-8", "replace"))
 
 
 def _is_int(x: Any) -> bool:

@@ -287,6 +287,8 @@ def test_api_key_rule_matches_sglang() -> None:
     assert not is_authorized("/update_weights_from_disk", "k", "k")
     assert is_authorized("/generate", "Bearer k", "k")
     assert is_authorized("/health", None, "k") and is_authorized("/health_generate", None, "k")
+    assert is_authorized("/ready", None, "k")  # SGLang 0.5.23 exempts /ready too
+    assert is_authorized("/generate", "bearer k", "k") and not is_authorized("/generate", "Bearer  k", "k")
 
 
 def test_engine_options_derive_the_body_cap_and_validate_limits() -> None:
