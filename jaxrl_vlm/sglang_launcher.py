@@ -72,6 +72,24 @@ def apply_colocation(engine: Any, environ: MutableMapping[str, str]) -> str | No
     return f"colocated: SGLang --mem-fraction-static {sglang_fraction}, JAX {JAX_MEM_FRACTION_ENV}={jax_fraction}"
 
 
+# Server flags that SGLang 0.5.23 renamed: older names (slime's `--sglang-cuda-graph-bs`, SGLang's own before the
+# split into decode and prefill graphs) are ambiguous prefixes there, and argparse exits 2. The old flags set the
+# decode graphs, so that is what they become.
+RENAMED_SERVER_FLAGS: dict[str, str] = {
+    "--cuda-graph-bs": "--cuda-graph-bs-decode",
+    "--cuda-graph-max-bs": "--cuda-graph-max-bs-decode",
+}
+
+
+def current_server_flags(args: list[str]) -> list[str]:
+    """`args` with every renamed SGLang flag (`--flag v` or `--flag=v`) under its 0.5.23 name."""
+    out: list[str] = []
+    for a in args:
+        name, sep, value = a.partition("=")
+        out.append(RENAMED_SERVER_FLAGS.get(name, name) + sep + value if name in RENAMED_SERVER_FLAGS else a)
+    return out
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -87,7 +105,7 @@ class SGLangProcess:
         self.model_path = str(model_path)
         self.host = host
         self.port = port or free_port(host)
-        self.extra_args = list(extra_args or [])
+        self.extra_args = current_server_flags(list(extra_args or []))
         self.log_path = Path(log_path)
         self.process: subprocess.Popen | None = None
 

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from jaxrl_vlm.sglang_launcher import RENAMED_SERVER_FLAGS
+
 Values = list[str]
 Translation = dict[str, Any]
 
@@ -90,9 +92,15 @@ def _external_engines(values: Values) -> Translation:
     return {"engine_worker_urls": urls}
 
 
+def _server_flag(flag: str) -> str:
+    """`--sglang-X` -> SGLang's `--X`, under its current name when SGLang renamed it (`RENAMED_SERVER_FLAGS`)."""
+    server_flag = "--" + flag[len("--sglang-") :]
+    return RENAMED_SERVER_FLAGS.get(server_flag, server_flag)
+
+
 def _sglang_forward(flag: str) -> Callable[[Values], Translation]:
     """`--sglang-X v ...` -> `--X v ...` appended to the arguments of the SGLang server we launch."""
-    server_flag = "--" + flag[len("--sglang-") :]
+    server_flag = _server_flag(flag)
     return lambda values: {"+sglang_args": [server_flag, *values]}
 
 
@@ -223,6 +231,6 @@ def lookup(flag: str) -> SlimeFlag | None:
     if flag in SLIME_FLAGS:
         return SLIME_FLAGS[flag]
     if flag.startswith("--sglang-") and flag not in OWN_SGLANG_FLAGS:
-        return SlimeFlag("*", f"-> {'--' + flag[len('--sglang-'):]} for a launched SGLang server (--launch-sglang)",
+        return SlimeFlag("*", f"-> {_server_flag(flag)} for a launched SGLang server (--launch-sglang)",
                          _sglang_forward(flag), "sglang")
     return None

@@ -4,7 +4,7 @@ Each version is exported as an HF safetensors directory of its own (`weights_v00
 temporary name and renamed when complete, so an engine never reads a half-written version. Then every
 engine (every worker behind a router) runs pause -> flush (retried while busy) -> `/update_weights_from_disk`
 with the `weight_version` -> continue (`SGLangClient.sync_weights_from_disk`), and then every engine must report
-that version on `/get_weight_version` (an engine that answers success yet keeps other weights is caught here,
+that version in `/model_info` (an engine that answers success yet keeps other weights is caught here,
 not by silently off-policy training). Older versions are deleted only after the engines acknowledged the new one. A sync that still fails after the retries stops the run with a
 clear error: training on by stale rollouts silently is worse than stopping.
 
@@ -175,7 +175,7 @@ class WeightSyncer:
         return report
 
     async def confirm(self, version: int) -> None:
-        """Every engine reports `version` on `/get_weight_version`, or WeightSyncFailed naming the ones that don't."""
+        """Every engine reports `version` in `/model_info`, or WeightSyncFailed naming the ones that don't."""
         if self.client is None:
             raise RuntimeError("WeightSyncer.confirm needs an attached client")
         try:

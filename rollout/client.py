@@ -37,8 +37,10 @@ from rollout.sglang_wire import (
     FinishReason,
     FinishType,
     UpdateWeightsRequest,
+    WeightVersionSpan,
     as_pause_mode,
     authorization_header,
+    parse_weight_version_spans,
 )
 
 logger = logging.getLogger(__name__)
@@ -153,20 +155,24 @@ class GenerateResult:
     `output_ids` / `output_log_probs` come from `meta_info.output_token_logprobs` (entries
     `[logprob, token_id, text|null]`) and include the final stop token; `output_log_probs` is None
     when the request did not ask for logprobs. `finish` is the parsed `meta_info.finish_reason`.
-    `prompt_tokens` counts the prompt after image-pad expansion. `rid` is the id the engine
-    answered for (it differs from the caller's rid after a retry, see `SGLangClient.generate`).
+    `prompt_tokens` counts the prompt after image-pad expansion; it is None only on an abort of a request that
+    never left SGLang's waiting queue, whose answer has no `prompt_tokens` or `cached_tokens`
+    (`TokenizerManager._handle_abort_req`). `weight_version_spans` say which weights sampled which output tokens
+    (several spans when weights changed while the request was alive). `rid` is the id the engine answered for (it
+    differs from the caller's rid after a retry, see `SGLangClient.generate`).
     """
 
     output_ids: list[int]
     output_log_probs: list[float] | None
     text: str
     finish: FinishReason
-    prompt_tokens: int
+    prompt_tokens: int | None
     cached_tokens: int
     weight_version: str | None
     e2e_latency: float | None
     rid: str | None
     meta_info: dict[str, Any]
+    weight_version_spans: tuple[WeightVersionSpan, ...] = ()
     retries: int = 0
     retry_errors: list[str] = field(default_factory=list)
     # An abort caused by this client's own weight update (its /pause_generation), not by the engine or a caller.
@@ -186,6 +192,15 @@ class GenerateResult:
     def finish_message(self) -> str | None:
         """The abort message, if the engine gave one."""
         return self.finish.message
+
+    @property
+    def token_weight_versions(self) -> list[str]:
+        """The versions that sampled this answer's tokens, oldest first, each once (empty: no version named)."""
+        versions: list[str] = []
+        for span in self.weight_version_spans:
+            if span.end > span.start and (not versions or versions[-1] != span.version):
+                versions.append(span.version)
+        return versions
 
 
 class WeightUpdateGate:
@@ -312,8 +327,14 @@ def parse_generate_response(
                       f"({len(bad_ids)} such id(s))")
 
     prompt_tokens = meta.get("prompt_tokens")
-    if not isinstance(prompt_tokens, int) or isinstance(prompt_tokens, bool):
+    # SGLang answers a request aborted in its waiting queue without prompt_tokens (never prefilled): still an abort.
+    queued_abort = prompt_tokens is None and finish.type is FinishType.ABORT
+    if not queued_abort and (not isinstance(prompt_tokens, int) or isinstance(prompt_tokens, bool)):
         raise bad(f"meta_info.prompt_tokens must be an int, got {prompt_tokens!r}")
+    try:
+        spans = parse_weight_version_spans(meta, len(ids))
+    except ValueError as exc:
+        raise bad(str(exc)) from None
     weight_version = meta.get("weight_version")
     e2e = meta.get("e2e_latency")
     rid = meta.get("id")
@@ -328,6 +349,7 @@ def parse_generate_response(
         e2e_latency=None if e2e is None else float(e2e),
         rid=None if rid is None else str(rid),
         meta_info=meta,
+        weight_version_spans=spans,
     )
 
 
@@ -672,6 +694,28 @@ class SGLangClient:
                 reason=f"not healthy within {timeout_s:g} s" + (f" (also unhealthy: {others})" if others else ""),
             )
 
+    async def resume_and_wait_healthy(self, timeout_s: float = 600.0, poll_interval_s: float = 1.0) -> None:
+        """Make every worker serve again after a trainer that may have died mid weight sync: `/continue_generation`
+        first (retried while a worker is not yet reachable), then `wait_healthy`.
+
+        The order matters: SGLang's `/health` sends a probe request that waits on the pause condition, so a paused
+        SGLang answers 503 after its 20 s timeout and would never be found healthy, hence never resumed."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+
+        async def resume(url: str) -> None:
+            while True:
+                try:
+                    await self.continue_generation(url=url)
+                    return
+                except EngineUnavailable:
+                    if loop.time() + poll_interval_s >= deadline:
+                        raise
+                await asyncio.sleep(poll_interval_s)
+
+        await asyncio.gather(*(resume(u) for u in self.worker_urls))
+        await self.wait_healthy(timeout_s=max(1e-3, deadline - loop.time()), poll_interval_s=poll_interval_s)
+
     # ---- info ------------------------------------------------------------------------------
 
     async def _get_with_fallback(self, url: str, paths: Sequence[str]) -> Any:
@@ -697,14 +741,12 @@ class SGLangClient:
         return await self._get_with_fallback(self._worker(url), ("/server_info", "/get_server_info"))
 
     async def get_weight_version(self, url: str | None = None) -> str | None:
-        """The worker's current weight version (set by the weight-update calls)."""
+        """The worker's current weight version (set by the weight-update calls), from `/model_info`: SGLang 0.5.23
+        has no `/get_weight_version` route."""
         worker = self._worker(url)
-        reply = await self._request("GET", worker, "/get_weight_version", timeout_s=self.control_timeout_s,
-                                    answer_statuses=frozenset({404}))
-        data = reply.data if reply.status != 404 else await self.get_model_info(worker)
-        if not isinstance(data, dict) or "weight_version" not in data:
-            raise EngineResponseError(worker + "/get_weight_version", reply.status, reply.text, reply.attempts,
-                                      reason="answer has no 'weight_version'")
+        data = await self.get_model_info(worker)
+        if "weight_version" not in data:
+            raise EngineResponseError(worker + "/model_info", 200, repr(data), 1, reason="answer has no 'weight_version'")
         version = data["weight_version"]
         return None if version is None else str(version)
 

@@ -52,6 +52,7 @@ from rollout.sglang_wire import (
     parse_pause,
     paused_answer,
     prompt_field,
+    queued_abort_response,
     route_handlers,
     update_weights_answer,
 )
@@ -78,6 +79,12 @@ class Respond:
 class Hang:
     """Never answer until the request is aborted (/abort_request, pause in abort mode, server stop) or
     the client goes away. On /generate an abort answers finish `abort` like SGLang does."""
+
+
+@dataclass(frozen=True)
+class Queue:
+    """(/generate only) stay in the waiting queue, never scheduled, until aborted; then answer as SGLang 0.5.23 does
+    for a queued abort (no prompt_tokens or cached_tokens: `sglang_wire.queued_abort_response`)."""
 
 
 @dataclass(frozen=True)
@@ -113,8 +120,8 @@ class Tokens:
     text: str | None = None
 
 
-Action = Respond | Hang | Drop | Delay | Abort | Tokens
-GENERATE_ONLY = (Abort, Tokens)
+Action = Respond | Hang | Queue | Drop | Delay | Abort | Tokens
+GENERATE_ONLY = (Abort, Tokens, Queue)
 
 
 def bad_request(message: str) -> Respond:
@@ -256,7 +263,7 @@ class FakeSGLangServer:
         handlers = {
             "generate": self._generate, "health": self._health, "health_generate": self._health,
             "model_info": self._model_info, "server_info": self._server_info,
-            "get_weight_version": self._get_weight_version, "flush_cache": self._flush_cache,
+            "ready": self._ready, "flush_cache": self._flush_cache,
             "pause_generation": self._pause_generation, "continue_generation": self._continue_generation,
             "abort_request": self._abort_request, "update_weights_from_disk": self._update_weights_from_disk,
             "loads": self._loads, "release_memory_occupation": self._release_memory,
@@ -425,6 +432,11 @@ class FakeSGLangServer:
             token_text=(lambda t: self.detokenize([t])) if body.get("return_text_in_logprobs") else None,
         ))
 
+    def _queued_abort_answer(self, body: Mapping[str, Any], rid: str, started: float) -> web.Response:
+        return web.json_response(queued_abort_response(
+            rid=rid, text="", output_ids=[], output_logprobs=[], weight_version=self.weight_version,
+            e2e_latency=time.monotonic() - started, return_logprob=bool(body.get("return_logprob"))))
+
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         started = time.monotonic()
         body = request[_RECORD].body
@@ -438,10 +450,12 @@ class FakeSGLangServer:
         self._in_flight.add(job)
         try:
             # Requests that arrive while paused wait in the queue until continue (or an abort).
-            if not self._unpaused.is_set():
+            if not self._unpaused.is_set() or isinstance(action, Queue):
                 job.waiting = True
-                await _first_of(self._unpaused, job.aborted)
+                await (job.aborted.wait() if isinstance(action, Queue) else _first_of(self._unpaused, job.aborted))
                 job.waiting = False
+                if job.aborted.is_set():
+                    return self._queued_abort_answer(body, rid, started)
             while not job.aborted.is_set():
                 if isinstance(action, Delay):
                     await _first_of(job.aborted, timeout=action.seconds)
@@ -506,8 +520,8 @@ class FakeSGLangServer:
             "fake_engine": True,
         })
 
-    async def _get_weight_version(self, request: web.Request) -> web.Response:
-        return web.json_response({"weight_version": self.weight_version})
+    async def _ready(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.healthy and self.paused is None else 503)
 
     def _counted_in_flight(self) -> int:
         # After a retract-mode pause SGLang moves running requests back to the queue and can flush.
@@ -560,8 +574,10 @@ class FakeSGLangServer:
             abort = AbortRequest.from_json(request[_RECORD].body)
         except RequestError as exc:
             return self._error(str(exc))
+        if abort is None:  # `{}`: SGLang's no-op
+            return web.Response(status=200)
         for job in list(self._in_flight):
-            if abort.rid is None or job.rid == abort.rid:
+            if abort.rid is None or job.rid.startswith(abort.rid):  # SGLang matches rid prefixes
                 self._abort(job, "Abort by /abort_request")
         return web.Response(status=200)
 

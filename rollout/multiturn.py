@@ -516,18 +516,20 @@ class _EpisodeRun:
         record.finish_reason = result.finish_reason
         record.weight_version = result.weight_version
         record.env_retries = 0
+        # Per-token versions: several when weights changed while this request was alive (SGLang's spans).
+        made_by = result.token_weight_versions
         if self.opts.max_staleness > 0 and self.opts.inflight_update_policy == "rerun":
             # Would this episode's tokens span two versions? (A cut request that made nothing yet is just re-sent.)
             made = bool(sample.weight_versions)
-            crossed = (result.aborted_by_weight_update and (made or bool(result.output_ids))) or (
-                made and result.weight_version is not None and sample.weight_versions[-1] != result.weight_version)
+            crossed = (result.aborted_by_weight_update and (made or bool(result.output_ids))) or len(made_by) > 1 or (
+                made and bool(made_by) and sample.weight_versions[-1] != made_by[0])
             if crossed:
                 record.truncation_cause = TruncationCause.WEIGHT_UPDATE
                 return _Ending(Termination(TerminationKind.WEIGHT_UPDATE_RERUN))
         # A version is recorded for the tokens it made (an aborted request may have made none).
-        if result.weight_version is not None and result.output_ids and (
-                not sample.weight_versions or sample.weight_versions[-1] != result.weight_version):
-            sample.weight_versions.append(result.weight_version)
+        for version in made_by:
+            if not sample.weight_versions or sample.weight_versions[-1] != version:
+                sample.weight_versions.append(version)
 
         banned = set(ctx.encoder.vision.banned_ids).intersection(result.output_ids)
         if banned:

@@ -81,8 +81,8 @@ def parse_json_body(raw: bytes | str, where: str) -> Any:
 # ---------------------------------------------------------------------------------------------- API key
 
 # SGLang's `--api-key`: every request must carry `Authorization: Bearer <key>`, except paths starting with
-# these (health probes stay open, as in SGLang's add_api_key_middleware).
-AUTH_EXEMPT_PREFIXES = ("/health", "/metrics")
+# these (health and readiness probes stay open, as in SGLang 0.5.23's utils/auth.py decide_request_auth).
+AUTH_EXEMPT_PREFIXES = ("/health", "/ready", "/metrics")
 UNAUTHORIZED_BODY = {"error": "Unauthorized"}  # SGLang's 401 answer
 
 
@@ -92,11 +92,14 @@ def authorization_header(api_key: str) -> dict[str, str]:
 
 
 def is_authorized(path: str, authorization: str | None, api_key: str | None) -> bool:
-    """Whether a request to `path` with this Authorization header may be served (always, without a key)."""
+    """Whether a request to `path` with this Authorization header may be served (always, without a key). The
+    scheme matches case-insensitively ("bearer k" is accepted, as SGLang does); the key in constant time."""
     if api_key is None or path.startswith(AUTH_EXEMPT_PREFIXES):
         return True
-    expected = f"Bearer {api_key}".encode()
-    return authorization is not None and hmac.compare_digest(authorization.encode("utf-8", "replace"), expected)
+    scheme, _, token = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not token:
+        return False
+    return hmac.compare_digest(token.encode("utf-8", "replace"), api_key.encode("utf-8", "replace"))
 
 
 def _is_int(x: Any) -> bool:
@@ -370,7 +373,7 @@ def parse_generate(body: Any, vocab_size: int, unsupported: Unsupported,
         image_items = _image_list(images[i], "image_data" + (f"[{i}]" if is_batch else ""), unsupported.server)
         for k in range(params.n):
             out.append(RawGenerate(
-                rid=base_rid if params.n == 1 else f"{base_rid}-{k}",
+                rid=base_rid if params.n == 1 else sub_request_rid(base_rid, k),
                 text=prompt if isinstance(prompt, str) else None,
                 input_ids=None if isinstance(prompt, str) else [int(t) for t in prompt],
                 image_data=image_items,
@@ -446,6 +449,51 @@ class FinishReason:
         )
 
 
+# ---------------------------------------------------------------------------------------------- weight versions
+
+
+@dataclass(frozen=True)
+class WeightVersionSpan:
+    """Output tokens `[start, end)` of one answer were sampled with weights `version`.
+
+    SGLang 0.5.23 reports `meta_info.weight_versions` as such spans when weights changed while the request was alive
+    (pause `retract` / `in_place`; `utils/weight_versions.py`), and `weight_version` is then the last span's: reading
+    only `weight_version` would record every token as the newest version."""
+
+    version: str
+    start: int
+    end: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"version": self.version, "start": self.start, "end": self.end}
+
+
+def parse_weight_version_spans(meta: Mapping[str, Any], num_tokens: int) -> tuple[WeightVersionSpan, ...]:
+    """The spans of an answer's output tokens, in order: `meta_info.weight_versions` when present, else one span
+    of `weight_version` over all of them (none when the answer names no version). A ValueError names what breaks
+    the contract: spans must be `{version: str, start: int, end: int}`, contiguous from 0 and end at `num_tokens`."""
+    raw = meta.get("weight_versions")
+    if raw is None:
+        version = meta.get("weight_version")
+        return () if version is None else (WeightVersionSpan(str(version), 0, num_tokens),)
+    if not isinstance(raw, list) or not raw:
+        raise ValueError(f"meta_info.weight_versions must be a non-empty list of spans, got {raw!r}")
+    spans: list[WeightVersionSpan] = []
+    for i, span in enumerate(raw):
+        if not (isinstance(span, dict) and isinstance(span.get("version"), str) and _is_int(span.get("start"))
+                and _is_int(span.get("end"))):
+            raise ValueError(f"meta_info.weight_versions[{i}] must be {{version: str, start: int, end: int}}, got {span!r}")
+        expected_start = spans[-1].end if spans else 0
+        if span["start"] != expected_start or span["end"] < span["start"]:
+            raise ValueError(f"meta_info.weight_versions[{i}] = {span!r} does not continue the spans at token "
+                             f"{expected_start}")
+        spans.append(WeightVersionSpan(span["version"], span["start"], span["end"]))
+    if spans[-1].end != num_tokens:
+        raise ValueError(f"meta_info.weight_versions end at token {spans[-1].end}, but the answer has {num_tokens} "
+                         "output tokens")
+    return tuple(spans)
+
+
 # ---------------------------------------------------------------------------------------------- /generate answer
 
 
@@ -484,6 +532,45 @@ def generate_response(
         meta["output_token_logprobs_length"] = len(output_ids)
     meta["e2e_latency"] = e2e_latency
     return {"text": text, "output_ids": list(output_ids), "meta_info": meta}
+
+
+# SGLang's message for a request aborted before it was scheduled (`TokenizerManager._handle_abort_req`).
+QUEUED_ABORT_MESSAGE = "Abort in waiting queue"
+
+
+def queued_abort_response(
+    *,
+    rid: str,
+    text: str,
+    output_ids: Sequence[int],
+    output_logprobs: Sequence[float],
+    weight_version: str,
+    e2e_latency: float,
+    return_logprob: bool,
+    token_text: Callable[[int], str] | None = None,
+) -> dict[str, Any]:
+    """The answer SGLang 0.5.23 sends for a request aborted in its waiting queue (never scheduled, or retracted
+    and re-queued): the tokenizer manager builds it, not the scheduler, so `meta_info` has no `prompt_tokens`,
+    `cached_tokens`, `reasoning_tokens` or `num_retractions`, and the finish reason only `type` and `message`."""
+    meta: dict[str, Any] = {
+        "id": rid,
+        "finish_reason": {"type": "abort", "message": QUEUED_ABORT_MESSAGE},
+        "weight_version": weight_version,
+        "e2e_latency": e2e_latency,
+    }
+    if return_logprob:
+        meta["input_token_logprobs"] = []
+        meta["output_token_logprobs"] = [
+            [lp, t, None if token_text is None else token_text(t)] for lp, t in zip(output_logprobs, output_ids)
+        ]
+        meta["output_token_logprobs_length"] = len(output_ids)
+    meta["completion_tokens"] = len(output_ids)
+    return {"text": text, "output_ids": list(output_ids), "meta_info": meta}
+
+
+def sub_request_rid(rid: str, k: int) -> str:
+    """The rid of generation k of a request with `sampling_params.n > 1` (SGLang's io_struct: `<rid>_<k>`)."""
+    return f"{rid}_{k}"
 
 
 # ---------------------------------------------------------------------------------------------- control
@@ -556,7 +643,8 @@ FLUSH_BUSY = "Cache not flushed. Please check backend logs for more details. " +
 
 @dataclass(frozen=True)
 class AbortRequest:
-    """A `/abort_request` body: one rid, or every request (`rid` None)."""
+    """A `/abort_request` body: one rid, or every request (`rid` None). SGLang aborts every request whose rid starts
+    with `rid` (so a client's `<rid>.retry1` goes too), and treats a body with neither as a no-op."""
 
     rid: str | None
 
@@ -564,16 +652,36 @@ class AbortRequest:
         return {"abort_all": True} if self.rid is None else {"rid": self.rid}
 
     @classmethod
-    def from_json(cls, body: Any) -> AbortRequest:
-        """`abort_all` must be a JSON bool: the string "false" is refused, never read as true."""
+    def from_json(cls, body: Any) -> AbortRequest | None:
+        """The abort a body asks for; None for SGLang's no-op (`{}`, an empty rid without abort_all). `abort_all`
+        follows pydantic's bool parsing, as SGLang's AbortReq does ("false" is false, never read as true)."""
         if not isinstance(body, dict):
             raise RequestError("abort_request body must be a JSON object with 'rid' or 'abort_all'")
-        rid, abort_all = body.get("rid"), _flag(body, "abort_all", False, "")
+        rid, abort_all = body.get("rid"), pydantic_bool(body.get("abort_all", False), "abort_all")
         if rid is not None and not isinstance(rid, str):
             raise RequestError(f"rid must be a string, got {rid!r}")
-        if not abort_all and rid is None:
-            raise RequestError("abort_request needs a string 'rid' or 'abort_all': true")
-        return cls(None if abort_all else rid)
+        if abort_all:
+            return cls(None)
+        return cls(rid) if rid else None
+
+
+# The strings pydantic (SGLang's request models) reads as a bool.
+_PYDANTIC_TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
+_PYDANTIC_FALSE = frozenset({"0", "off", "f", "false", "n", "no"})
+
+
+def pydantic_bool(value: Any, name: str) -> bool:
+    """A bool field as SGLang's pydantic request models parse it: JSON bools, 0/1, and the strings
+    true/false/yes/no/on/off/1/0 (any case); anything else is a 400."""
+    if isinstance(value, bool):
+        return value
+    if _is_int(value) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.lower() in _PYDANTIC_TRUE | _PYDANTIC_FALSE:
+        return value.lower() in _PYDANTIC_TRUE
+    if value is None:
+        return False
+    raise RequestError(f"{name} must be a boolean, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -598,7 +706,7 @@ class UpdateWeightsRequest:
         if not isinstance(body, dict) or not isinstance(body.get("model_path"), str) or not body["model_path"]:
             raise RequestError("update_weights_from_disk needs a non-empty string 'model_path'")
         version, load_format = body.get("weight_version"), body.get("load_format")
-        if version is not None and (isinstance(version, bool) or not isinstance(version, (str, int))):
+        if version is not None and not isinstance(version, str):  # SGLang's model refuses an int too (400)
             raise RequestError(f"weight_version must be a string, got {version!r}")
         if load_format is not None and not isinstance(load_format, str):
             raise RequestError(f"load_format must be a string, got {load_format!r}")
@@ -606,8 +714,9 @@ class UpdateWeightsRequest:
             model_path=body["model_path"],
             weight_version=None if version is None else str(version),
             load_format=load_format,
-            flush_cache=None if body.get("flush_cache") is None else _flag(body, "flush_cache", True, ""),
-            abort_all_requests=_flag(body, "abort_all_requests", False, ""),  # a JSON bool ("false" is refused)
+            flush_cache=None if body.get("flush_cache") is None else pydantic_bool(body["flush_cache"], "flush_cache"),
+            # pydantic's bool, as SGLang's request model: "false" is false, never read as true
+            abort_all_requests=pydantic_bool(body.get("abort_all_requests", False), "abort_all_requests"),
         )
 
 
@@ -641,6 +750,7 @@ def loads_response(*, version: str, running: int, waiting: int, used_tokens: int
 
 
 # ---------------------------------------------------------------------------------------------- routes
+# SGLang 0.5.23 has no `/get_weight_version`: the version is in `/model_info` only.
 
 
 @dataclass(frozen=True)
@@ -661,7 +771,7 @@ ROUTES: tuple[Route, ...] = (
     Route(_GET, "/model_info", "model_info"),
     Route(_GET, "/get_server_info", "server_info"),  # the older name of /server_info
     Route(_GET, "/server_info", "server_info"),
-    Route(_GET, "/get_weight_version", "get_weight_version"),
+    Route(_GET, "/ready", "ready"),
     Route(("GET", "POST"), "/flush_cache", "flush_cache"),
     Route(_POST, "/pause_generation", "pause_generation"),
     Route(_POST, "/continue_generation", "continue_generation"),

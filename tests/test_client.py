@@ -449,7 +449,7 @@ async def test_control_5xx_is_retried_and_4xx_is_not(srv):
 
 
 async def test_delayed_control_answer_times_out(srv):
-    srv.enqueue(*[Delay(1.0)] * 3, path="/get_weight_version")
+    srv.enqueue(*[Delay(1.0)] * 3, path="/model_info")  # the version lives in /model_info (SGLang 0.5.23)
     async with client_for(srv.url, control_timeout_s=0.1) as client:
         with pytest.raises(EngineUnavailable, match="timeout after 0.1 s"):
             await client.get_weight_version()

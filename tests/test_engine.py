@@ -444,7 +444,7 @@ async def test_info_health_and_client_helpers(engine):
     status, answer = await post(engine, "/pause_generation", {"mode": "sideways"})
     assert status == 400 and "mode" in answer["error"]["message"]
     status, answer = await post(engine, "/abort_request", {"nothing": 1})
-    assert status == 400
+    assert status == 200  # SGLang 0.5.23: neither rid nor abort_all is a no-op (tests/sglang_conformance)
     status, answer = await post(engine, "/update_weights_from_disk", {})
     assert status == 400 and "model_path" in answer["error"]["message"]
 

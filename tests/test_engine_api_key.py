@@ -43,7 +43,7 @@ async def test_an_external_engine_with_a_key_is_reached_only_with_it(tiny):
         cfg = _config(tiny, "--engine-url", server.url, "--engine-api-key", KEY)
         async with rollout_session(cfg, tiny, tiny, cfg.to_namespace()) as client:
             assert await client.get_weight_version() == "default"
-        authorized = [r for r in server.requests if r.path == "/get_weight_version"]
+        authorized = [r for r in server.requests if r.path == "/model_info"]
         assert authorized and all(r.headers.get("Authorization") == f"Bearer {KEY}" for r in authorized)
         cfg = _config(tiny, "--engine-url", server.url)  # no key: the first control call is refused by name
         with pytest.raises(EngineError, match="401"):
@@ -56,7 +56,7 @@ async def test_the_embedded_engine_requires_the_configured_key(tiny):
     async with rollout_session(cfg, tiny, tiny, cfg.to_namespace()) as client:
         assert await client.get_weight_version() == "default"
         async with aiohttp.ClientSession() as http:
-            async with http.get(client.url + "/get_weight_version") as reply:
+            async with http.get(client.url + "/model_info") as reply:
                 assert reply.status == 401
-            async with http.get(client.url + "/get_weight_version", headers={"Authorization": f"Bearer {KEY}"}) as reply:
+            async with http.get(client.url + "/model_info", headers={"Authorization": f"Bearer {KEY}"}) as reply:
                 assert reply.status == 200

@@ -257,19 +257,26 @@ def test_deep_or_malformed_json_is_a_request_error() -> None:
     assert parse_json_body(b'{"a": [1]}', "/generate") == {"a": [1]}
 
 
-def test_abort_all_and_weight_flags_must_be_json_bools() -> None:
-    for body in ({"abort_all": "false"}, {"abort_all": "true"}, {"abort_all": 1}, {"abort_all": "false", "rid": "r"}):
-        with pytest.raises(RequestError, match="abort_all must be true or false"):
-            AbortRequest.from_json(body)
-    assert AbortRequest.from_json({"abort_all": True}).rid is None
+def test_abort_all_and_weight_flags_parse_as_sglangs_pydantic_bools() -> None:
+    """SGLang 0.5.23's request models (pydantic) read "false" as false, "true"/1 as true, and refuse anything else
+    (checked against its own app in tests/sglang_conformance); `{}` is its no-op."""
+    assert AbortRequest.from_json({"abort_all": "false"}) is None  # neither rid nor abort_all: nothing aborted
+    assert AbortRequest.from_json({"abort_all": "false", "rid": "r"}).rid == "r"
+    for body in ({"abort_all": "true"}, {"abort_all": 1}, {"abort_all": True}):
+        assert AbortRequest.from_json(body).rid is None
+    assert AbortRequest.from_json({}) is None
+    with pytest.raises(RequestError, match="abort_all must be a boolean"):
+        AbortRequest.from_json({"abort_all": "maybe"})
     assert AbortRequest.from_json({"abort_all": False, "rid": "r1"}).rid == "r1"
     with pytest.raises(RequestError, match="rid must be a string"):
         AbortRequest.from_json({"rid": 5})
-    with pytest.raises(RequestError, match="abort_all_requests must be true or false"):
-        UpdateWeightsRequest.from_json({"model_path": "/x", "abort_all_requests": "false"})
-    with pytest.raises(RequestError, match="flush_cache must be true or false"):
-        UpdateWeightsRequest.from_json({"model_path": "/x", "flush_cache": "no"})
-    ok = UpdateWeightsRequest.from_json({"model_path": "/x", "weight_version": 3, "flush_cache": False})
+    assert UpdateWeightsRequest.from_json({"model_path": "/x", "abort_all_requests": "false"}).abort_all_requests is False
+    assert UpdateWeightsRequest.from_json({"model_path": "/x", "flush_cache": "no"}).flush_cache is False
+    with pytest.raises(RequestError, match="flush_cache must be a boolean"):
+        UpdateWeightsRequest.from_json({"model_path": "/x", "flush_cache": "nah"})
+    with pytest.raises(RequestError, match="weight_version must be a string"):  # SGLang: 400 for an int
+        UpdateWeightsRequest.from_json({"model_path": "/x", "weight_version": 3})
+    ok = UpdateWeightsRequest.from_json({"model_path": "/x", "weight_version": "3", "flush_cache": False})
     assert ok.weight_version == "3" and ok.flush_cache is False and ok.abort_all_requests is False
 
 
@@ -280,6 +287,8 @@ def test_api_key_rule_matches_sglang() -> None:
     assert not is_authorized("/update_weights_from_disk", "k", "k")
     assert is_authorized("/generate", "Bearer k", "k")
     assert is_authorized("/health", None, "k") and is_authorized("/health_generate", None, "k")
+    assert is_authorized("/ready", None, "k")  # SGLang 0.5.23 exempts /ready too
+    assert is_authorized("/generate", "bearer k", "k") and not is_authorized("/generate", "Bearer  k", "k")
 
 
 def test_engine_options_derive_the_body_cap_and_validate_limits() -> None:
@@ -450,11 +459,11 @@ async def test_request_limits_answer_4xx_and_the_server_keeps_serving(engine, mo
     assert threads[0] == "jaxrl-vlm-engine-http" and threads[1].startswith("jaxrl-vlm-prepare"), threads
     monkeypatch.undo()
 
-    # abort_all must be a JSON bool: the string "false" aborts nothing.
+    # abort_all parses as SGLang's pydantic bool: the string "false" aborts nothing (a 200 no-op, as SGLang).
     aborted: list[Any] = []
     monkeypatch.setattr(engine.engine.scheduler, "abort", lambda rid, *a: aborted.append(rid))
     status, answer = await post(url, "/abort_request", {"abort_all": "false"})
-    assert status == 400 and "abort_all must be true or false" in _message(answer) and aborted == []
+    assert status == 200 and aborted == []
     status, _ = await post(url, "/abort_request", {"abort_all": True})
     assert status == 200 and aborted == [None]
     monkeypatch.undo()
@@ -650,8 +659,8 @@ async def test_the_fake_engine_applies_the_same_limits():
         auth = {"Authorization": "Bearer k"}
         status, answer = await post(srv.url, "/generate", {"input_ids": [1], "sampling_params": {"n": 3}}, headers=auth)
         assert status == 400 and "maximum of 2" in _message(answer)
-        status, answer = await post(srv.url, "/abort_request", {"abort_all": "false"}, headers=auth)
-        assert status == 400 and "abort_all must be true or false" in _message(answer)
+        status, answer = await post(srv.url, "/abort_request", {"abort_all": "maybe"}, headers=auth)
+        assert status == 400 and "abort_all must be a boolean" in _message(answer)
         status, answer = await post(srv.url, "/generate", data=b"[" * 100_000 + b"]" * 100_000, headers=auth)
         assert status == 400
         async with SGLangClient(srv.url, retry=FAST, api_key="k") as client:

@@ -1,7 +1,7 @@
 """An external engine holds exactly the trainer's weights before the first rollout (issue 17 row 7).
 
 On a fresh start and on resume with `--engine-url`, the job pushes the trainer's weights and confirms their
-version on `/get_weight_version` before any `/generate`; an engine that reports another version stops the run,
+version on `/model_info` before any `/generate`; an engine that reports another version stops the run,
 and so does a sample whose turns were made by other weights than the confirmed version.
 """
 
@@ -72,7 +72,7 @@ async def test_fresh_start_pushes_and_confirms_before_the_first_rollout(tiny, tm
             assert server.weight_version == "0"
             loaded = [r.body["model_path"] for r in server.requests_to("/update_weights_from_disk")]
             assert len(loaded) == 1 and Path(loaded[0]).name == "weights_v000000"
-            assert "/get_weight_version" in server.paths and "/generate" not in server.paths
+            assert "/model_info" in server.paths and "/generate" not in server.paths
             # Another trainer (or a stale worker) changes the engine's weights behind this run's back.
             server.weight_version = "7"
             with pytest.raises(OffPolicySampleError, match="weight version 7|\\['7'\\]"):
@@ -86,7 +86,7 @@ async def test_fresh_start_pushes_and_confirms_before_the_first_rollout(tiny, tm
 
 async def test_an_engine_that_keeps_other_weights_stops_the_run_before_any_rollout(tiny, tmp_path):
     async with FakeSGLangServer(weight_version="old") as server:
-        server.enqueue(*[Respond(200, {"weight_version": "old"})] * 3, path="/get_weight_version")
+        server.enqueue(*[Respond(200, {"weight_version": "old"})] * 3, path="/model_info")
         with pytest.raises(WeightSyncFailed, match=r"report weight version\(s\) .*'old'.*version 0"):
             await MainJob(_config(tiny, tmp_path, server.url)).run()
         assert "/generate" not in server.paths

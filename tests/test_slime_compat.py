@@ -48,7 +48,7 @@ def test_jaxrl_vlm_config_accepts_slimes_whole_run_line(backend, capsys):
     sglang = cfg["engine"]["sglang_args"]
     assert "--mem-fraction-static" in sglang and "0.6" in sglang
     assert cfg["engine"]["tp_size"] == 1  # --rollout-num-gpus-per-engine: the engine's (and a launched SGLang's) tp
-    graph_bs = sglang[sglang.index("--cuda-graph-bs") + 1 :]
+    graph_bs = sglang[sglang.index("--cuda-graph-bs-decode") + 1 :]  # SGLang 0.5.23 renamed --cuda-graph-bs
     assert graph_bs[:5] == ["1", "2", "4", "8", "16"] and "256" in graph_bs
     assert cfg["engine"]["colocate"] is True
     # Eval group (slime's syntax, sliced path) and wandb group.

@@ -124,7 +124,7 @@ async def test_weight_sync_keeps_old_version_until_success_and_stops_on_failure(
             report = await syncer.push(model, 1)
             assert server.weight_version == "1" and report.path == version_dir(tmp_path / "weights", 1)
             assert server.paths[-5:] == ["/pause_generation", "/flush_cache", "/update_weights_from_disk",
-                                         "/continue_generation", "/get_weight_version"]  # the load is confirmed
+                                         "/continue_generation", "/model_info"]  # the load is confirmed
             await syncer.push(model, 2)
             assert [p.name for p in (tmp_path / "weights").iterdir()] == ["weights_v000002"]  # v1 deleted after success
 

@@ -4,9 +4,10 @@ The wire format itself (fields, validation, finish reasons, answer shape) is `ro
 request the engine cannot honour exactly (streaming, input log-probs, penalties, grammars) is refused
 with a `RequestError` naming the field (`EMBEDDED_UNSUPPORTED`), never silently served differently.
 
-Images: each `<|vision_start|>` + one or more `<|image_pad|>` + `<|vision_end|>` run is one image
-(compact, as the rollout sends, or already expanded), paired in order with `image_data`, then
-expanded with the same HF image processor the trainer uses (`rollout.processing`, `ChatEncoder`).
+Images: each `<|vision_start|><|image_pad|><|vision_end|>` is one image (compact, as the rollout sends), paired in
+order with `image_data`, then expanded with the same HF image processor the trainer uses (`rollout.processing`,
+`ChatEncoder`). Already-expanded pads are refused, as SGLang 0.5.23's Qwen-VL fast path refuses them (its
+`build_input_ids` asserts one pad per image).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from rollout.sglang_wire import (
     SamplingParams,
     Unsupported,
     generate_response,
+    queued_abort_response,
 )
 
 # What the embedded engine does not implement: such a request is refused naming the field (HTTP 400).
@@ -103,7 +105,11 @@ class PromptPreparer:
             raise RequestError("the prompt is empty after tokenization")
         if self.cfg.video_token_id in ids:
             raise RequestError(f"input contains video pad tokens (id {self.cfg.video_token_id}); video input is not supported")
-        compact = compact_pad_runs(ids, self.cfg.image_token_id)  # SGLang's legacy path accepts both forms
+        compact = compact_pad_runs(ids, self.cfg.image_token_id)
+        if len(compact) != len(ids):
+            raise RequestError(
+                f"input_ids hold already-expanded image pads ({len(ids) - len(compact)} extra <|image_pad|>): send one "
+                "pad per image, <|vision_start|><|image_pad|><|vision_end|> (SGLang 0.5.23 refuses expanded pads too)")
         n_pads = sum(1 for t in compact if t == self.cfg.image_token_id)
         if n_pads != len(raw.image_data):
             raise RequestError(
@@ -153,6 +159,7 @@ class GenerateOutput:
     num_retractions: int = 0
     error: str | None = None  # an engine failure (HTTP 500), not a finish reason
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    queued: bool = False  # aborted while waiting (never scheduled, or retracted): SGLang's queued-abort answer
 
 
 def response_body(req: GenerateRequest, out: GenerateOutput, tokenizer: Any) -> dict[str, Any]:
@@ -163,13 +170,20 @@ def response_body(req: GenerateRequest, out: GenerateOutput, tokenizer: Any) -> 
     if stopped and isinstance(finish.matched, int) and text_ids:
         text_ids = text_ids[:-1]
     text = tokenizer.decode(text_ids, skip_special_tokens=params.skip_special_tokens)
-    if stopped and isinstance(finish.matched, str):
+    if finish.type is FinishType.STOP and isinstance(finish.matched, str):
+        # SGLang's detokenizer cuts at the matched stop string: before it, or after it with no_stop_trim.
         cut = text.find(finish.matched)
         if cut >= 0:
-            text = text[:cut]
+            text = text[:cut] if stopped else text[:cut + len(finish.matched)]
+    token_text = (lambda t: tokenizer.decode([t], skip_special_tokens=False)) if req.return_text_in_logprobs else None
+    if out.queued:
+        return queued_abort_response(
+            rid=out.rid, text=text, output_ids=out.output_ids, output_logprobs=out.output_logprobs,
+            weight_version=out.weight_version, e2e_latency=out.e2e_latency, return_logprob=req.return_logprob,
+            token_text=token_text)
     return generate_response(
         rid=out.rid, text=text, output_ids=out.output_ids, output_logprobs=out.output_logprobs, finish=finish,
         prompt_tokens=out.prompt_tokens, weight_version=out.weight_version, e2e_latency=out.e2e_latency,
         return_logprob=req.return_logprob, cached_tokens=out.cached_tokens, num_retractions=out.num_retractions,
-        token_text=(lambda t: tokenizer.decode([t], skip_special_tokens=False)) if req.return_text_in_logprobs else None,
+        token_text=token_text,
     )

@@ -170,7 +170,7 @@ class ReplicatedScheduler:
     @property
     def weight_version(self) -> str:
         """The replicas' common version; if they disagree (a partly failed update), a label no trainer version
-        equals, so `/get_weight_version` checks fail loudly."""
+        equals, so weight-version checks (`/model_info`) fail loudly."""
         versions = [s.weight_version for s in self.replicas]
         return versions[0] if len(set(versions)) == 1 else "mixed:" + ",".join(versions)
 

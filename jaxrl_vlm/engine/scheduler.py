@@ -63,6 +63,7 @@ from rollout.sglang_wire import (
     FinishReason,
     IN_MEMORY_LOAD_FORMAT,
     MEMORY_TAGS,
+    QUEUED_ABORT_MESSAGE,
     FinishType,
     PauseMode,
     continued_answer,
@@ -574,7 +575,8 @@ class Scheduler:
         if self._pages.clear():
             self.stats.prefix_invalidations += 1
 
-    def _finish(self, seq: ActiveRequest, reason: FinishReason | None, error: str | None = None) -> None:
+    def _finish(self, seq: ActiveRequest, reason: FinishReason | None, error: str | None = None,
+                queued: bool = False) -> None:
         if seq.slot is not None:
             if self._running.get(seq.slot) is seq:
                 del self._running[seq.slot]
@@ -594,6 +596,7 @@ class Scheduler:
             num_retractions=seq.num_retractions,
             cached_tokens=seq.cached_tokens,
             error=error,
+            queued=queued,
         )
         try:
             seq.on_finish(out)
@@ -601,17 +604,22 @@ class Scheduler:
             logger.exception("on_finish callback of %s failed", seq.rid)
 
     def _abort_matching(self, rid: str | None, message: str) -> None:
+        """Abort `rid` and every rid it prefixes (SGLang matches with startswith), or all (None). A request in a
+        queue gets SGLang's queued-abort answer (no prompt_tokens); a running one the scheduler's FINISH_ABORT."""
+        def matches(seq: ActiveRequest) -> bool:
+            return rid is None or seq.rid.startswith(rid)
+
         for queue_ in (self._waiting, self._held):
             keep = deque()
             for seq in queue_:
-                if rid is None or seq.rid == rid:
-                    self._finish(seq, FinishReason.aborted(message))
+                if matches(seq):
+                    self._finish(seq, FinishReason.aborted(QUEUED_ABORT_MESSAGE), queued=True)
                 else:
                     keep.append(seq)
             queue_.clear()
             queue_.extend(keep)
         for seq in list(self._running.values()):
-            if rid is None or seq.rid == rid:
+            if matches(seq):
                 self._finish(seq, FinishReason.aborted(message))
 
     def _fail_all(self, message: str) -> None:

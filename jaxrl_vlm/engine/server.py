@@ -272,8 +272,16 @@ async def server_info(request: web.Request) -> web.Response:
     })
 
 
-async def get_weight_version(request: web.Request) -> web.Response:
-    return web.json_response({"weight_version": request.app[_ENGINE].scheduler.weight_version})
+async def ready(request: web.Request) -> web.Response:
+    """SGLang's `/ready`: 200 while the engine takes new requests (running and not paused), else 503."""
+    engine = request.app[_ENGINE]
+    if not engine.scheduler.alive:
+        return web.Response(status=503)
+    try:
+        loads = await _scheduler_call(engine, LoadsMsg, min(HEALTH_TIMEOUT_S, engine.config.control_timeout_s))
+    except SchedulerUnavailable:
+        return web.Response(status=503)
+    return web.Response(status=503 if loads["paused"] else 200)
 
 
 async def flush_cache(request: web.Request) -> web.Response:
@@ -283,7 +291,7 @@ async def flush_cache(request: web.Request) -> web.Response:
 
 async def pause_generation(request: web.Request) -> web.Response:
     try:
-        mode = parse_pause(await _json_body(request, optional=True))
+        mode = parse_pause(await _json_body(request))  # SGLang answers 400 to a missing body
     except RequestError as e:
         return _refused(e)
     return web.json_response(await _scheduler_call(request.app[_ENGINE], lambda reply: PauseMsg(mode, reply)))
@@ -291,7 +299,7 @@ async def pause_generation(request: web.Request) -> web.Response:
 
 async def continue_generation(request: web.Request) -> web.Response:
     try:
-        await _json_body(request, optional=True)
+        await _json_body(request)  # SGLang answers 400 to a missing body
     except RequestError as e:
         return _refused(e)
     return web.json_response(await _scheduler_call(request.app[_ENGINE], ContinueMsg))
@@ -302,7 +310,8 @@ async def abort_request(request: web.Request) -> web.Response:
         abort = AbortRequest.from_json(await _json_body(request))
     except RequestError as e:
         return _refused(e)
-    request.app[_ENGINE].scheduler.abort(abort.rid)
+    if abort is not None:  # `{}` is SGLang's no-op
+        request.app[_ENGINE].scheduler.abort(abort.rid)
     return web.Response(status=200)
 
 
@@ -322,7 +331,7 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
     except SchedulerUnavailable as e:
         # Not started by the deadline: the scheduler drops it. Started: it may still finish (check the version).
         message = (f"{e}. An update that had not started is dropped; one that had started may still finish "
-                   "(check /get_weight_version).")
+                   "(check weight_version in /model_info).")
         return web.json_response(update_weights_answer(False, message, 0), status=503)
     return web.json_response(result, status=200 if result["success"] else 400)
 
@@ -339,7 +348,7 @@ async def _memory_occupation(request: web.Request, *, release: bool) -> web.Resp
     """SGLang's memory saver: free (or restore) the weights' and KV cache's device memory while a colocated
     trainer runs. Answers 200 with a null body, as SGLang does; 400 when the engine is busy."""
     try:
-        tags = parse_memory_tags(await _json_body(request, optional=True))
+        tags = parse_memory_tags(await _json_body(request))  # SGLang answers 400 to a missing body
     except RequestError as e:
         return _refused(e)
     problem = await _scheduler_call(request.app[_ENGINE], lambda reply: MemoryMsg(release, tags, reply))
@@ -404,7 +413,7 @@ def build_app(engine: Engine, *, host: str = "127.0.0.1", port: int | None = Non
     app.on_cleanup.append(_close_executor)
     handlers = {
         "generate": generate, "health": health, "health_generate": health_generate, "model_info": model_info,
-        "server_info": server_info, "get_weight_version": get_weight_version, "flush_cache": flush_cache,
+        "server_info": server_info, "ready": ready, "flush_cache": flush_cache,
         "pause_generation": pause_generation, "continue_generation": continue_generation,
         "abort_request": abort_request, "update_weights_from_disk": update_weights_from_disk, "loads": loads,
         "release_memory_occupation": release_memory_occupation, "resume_memory_occupation": resume_memory_occupation,

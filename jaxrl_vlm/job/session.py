@@ -57,12 +57,12 @@ async def rollout_session(
                                     api_key=key)
             client = SGLangClient(engine.start(), **client_options)
             client.local_engine = engine.engine  # same process: weights may be synced in memory
-        await client.wait_healthy(timeout_s=cfg.engine.engine_start_timeout)
         if engine is None:
             # A trainer that died between /pause_generation and /continue_generation leaves an external engine
-            # paused (healthy, yet every /generate hangs): resume every worker before the first rollout.
-            for url in client.worker_urls:
-                await client.continue_generation(url=url)
+            # paused (every /generate and SGLang's own /health wait): resume every worker, then wait for health.
+            await client.resume_and_wait_healthy(timeout_s=cfg.engine.engine_start_timeout)
+        else:
+            await client.wait_healthy(timeout_s=cfg.engine.engine_start_timeout)
         encoder = ChatEncoder(load_tokenizer(model_dir), load_image_processor(model_dir))
         client.vocab_size = len(encoder.tokenizer)  # an engine returning an id outside it fails the sample by name
         env_module = load_module(cfg.rollout.rollout_interaction_env_path, "--rollout-interaction-env-path")
