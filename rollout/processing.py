@@ -58,6 +58,7 @@ __all__ = [
     "load_image",
     "load_image_processor",
     "load_tokenizer",
+    "max_frame_patches",
     "num_image_pads",
     "process_images",
     "read_chat_template",
@@ -329,6 +330,20 @@ def process_images(image_processor: Any, images: Sequence[Image.Image]) -> dict[
             f"for {len(images)} images; expected ({num_patches}, {patch_dim}) and ({len(images)}, 3)"
         )
     return {"pixel_values": pixel_values, "image_grid_thw": grid_thw}
+
+
+def max_frame_patches(image_processor: Any) -> int:
+    """The most patches one image frame can have after this processor: its smart resize keeps height x width
+    within the pixel cap (`size.longest_edge`, or `max_pixels`), in whole patches. The vision attention of
+    training uses it as a static bound (`patch_attention_block`)."""
+    size = getattr(image_processor, "size", None)
+    cap = None
+    if size is not None:
+        cap = size.get("longest_edge") if hasattr(size, "get") else getattr(size, "longest_edge", None)
+    cap = cap or getattr(image_processor, "max_pixels", None)
+    if not cap:
+        raise ValueError(f"{type(image_processor).__name__} states no pixel cap (size.longest_edge / max_pixels)")
+    return int(cap) // int(image_processor.patch_size) ** 2
 
 
 def num_image_pads(grid_thw_row: Sequence[int] | np.ndarray, merge_size: int) -> int:

@@ -120,6 +120,7 @@ class PromptPreparer:
         if raw.image_data:
             if self.encoder is None:
                 raise RequestError("this model directory has no preprocessor_config.json: image input is not available")
+
             def load(i: int) -> Any:
                 try:
                     return load_image(raw.image_data[i], self.image_policy)
@@ -128,6 +129,8 @@ class PromptPreparer:
 
             try:  # a data URL seen before (a group's shared prompt, earlier turns) is neither decoded nor processed
                 mm = self.images.process([cache_key(item) for item in raw.image_data], load)
+            except RequestError:  # an unreadable image_data item, named by `load`
+                raise
             except ValueError as e:  # e.g. an image too small for the processor's smart resize
                 raise RequestError(f"image_data: the image processor refused the images ({e})") from e
             pixel_values, grid = mm["pixel_values"], mm["image_grid_thw"]

@@ -30,6 +30,7 @@ from jaxrl_vlm.rl.train_step import StepConfig, TrainState, compile_train_step, 
 from jaxrl_vlm.sharding.layout import batch_shardings, build_mesh, param_shardings, row_multiple, shardings_for
 from jaxrl_vlm.sharding.rules import resolve_rules
 from rollout.hooks import Hook, load_hook
+from rollout.processing import load_image_processor, max_frame_patches
 from rollout.sample import Sample
 from rollout.sglang_wire import logprob_temperature
 
@@ -140,6 +141,36 @@ def _masked_nll(logprobs: jax.Array, loss_mask: jax.Array) -> tuple[jax.Array, j
 
 
 # ----------------------------------------------------------------------------- the learner
+def frame_patch_cap(model_dir: Path | str) -> int | None:
+    """The most patches of one image frame the model directory's image processor can produce (None: no image
+    processor, or no cap). The vision tower's XLA attention is then computed chunk by chunk instead of over every
+    pair of patches of a micro-batch (`models.qwen3_vl.local_segment_attention`): the same numbers, and on a
+    packed batch of small images a fraction of the work."""
+    if not (Path(model_dir) / "preprocessor_config.json").is_file():
+        return None
+    try:
+        return max_frame_patches(load_image_processor(model_dir))
+    except ValueError:
+        return None
+
+
+def check_frame_patches(samples: list[Sample], cap: int | None) -> None:
+    """Every image frame of the samples fits the vision attention's bound: images preprocessed by another
+    processor than the model directory's (e.g. a custom generate function's) would otherwise attend wrongly."""
+    if cap is None:
+        return
+    for s in samples:
+        grid = s.multimodal_train_inputs.get("image_grid_thw") if s.multimodal_train_inputs else None
+        if grid is None or len(grid) == 0:
+            continue
+        frame = np.asarray(grid, np.int64).reshape(-1, 3)[:, 1:].prod(axis=1)
+        if int(frame.max()) > cap:
+            raise ValueError(
+                f"sample (group {s.group_index}, index {s.index}) has an image frame of {int(frame.max())} patches, "
+                f"more than the {cap} that the model's image processor allows (its pixel cap): its images were not "
+                "preprocessed with the model directory's preprocessor_config.json")
+
+
 class Trainer:
     """The policy being trained: parameters and optimizer state on the mesh, and `train_on(samples)`."""
 
@@ -164,10 +195,11 @@ class Trainer:
         self.mesh = build_mesh(cfg.mesh, self.devices)
         self.rules = resolve_rules(cfg.mesh.sharding_rules)
         placement = shardings_for(self.mesh, self.rules, load_hf_config(str(model_dir)))
+        self.frame_patch_cap = frame_patch_cap(model_dir)
         model = from_hf(
             str(model_dir), param_dtype=jnp.dtype(cfg.model.param_dtype), shardings_for=placement,
             compute_dtype=jnp.dtype(cfg.model.compute_dtype), remat=cfg.model.remat != "none",
-            attention_impl=cfg.model.attention_impl,
+            attention_impl=cfg.model.attention_impl, patch_attention_block=self.frame_patch_cap,
         )
         self.model_cfg = model.cfg
         self.graphdef, params = nnx.split(model, nnx.Param)
@@ -224,6 +256,7 @@ class Trainer:
 
     def _batch(self, samples: list[Sample], advantages: np.ndarray) -> tuple[TrainBatch, Any]:
         cfg = self.cfg
+        check_frame_patches(samples, self.frame_patch_cap)
         shards = row_multiple(self.mesh, self.rules)  # devices the batch rows are split over
         budget = cfg.batching.max_tokens_per_device
         batch = build_train_batch(

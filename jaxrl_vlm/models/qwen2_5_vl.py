@@ -90,12 +90,14 @@ class VisionTower25(nnx.Module):
         compute_dtype: jnp.dtype,
         remat: bool = False,
         attention_impl: str = "xla",
+        patch_attention_block: int | None = None,
     ):
         v = cfg.vision
         self.cfg = cfg
         self.compute_dtype = compute_dtype
         self.remat = remat
         self.attention_impl = attention_impl
+        self.patch_attention_block = patch_attention_block  # bounds frames, so their windows too
         self.full_attention_blocks = frozenset(v.fullatt_block_indexes)
         self.patch_kernel_cd = _param(rngs, (v.patch_dim, v.hidden_size), ("vision_patch", "vision_embed"), param_dtype)
         kw = dict(rngs=rngs, param_dtype=param_dtype, compute_dtype=compute_dtype)
@@ -106,8 +108,8 @@ class VisionTower25(nnx.Module):
         cd = self.compute_dtype
         x = jnp.einsum("pc,cd->pd", vis.pixel_values.astype(cd), self.patch_kernel_cd[...].astype(cd))
         cos, sin = vision_rotary_cos_sin(vis.patch_rotary_pos, self.cfg.vision)
-        frame_mask = patch_mask(vis.patch_segment_ids, self.attention_impl)
-        window_mask = patch_mask(vis.patch_window_ids, self.attention_impl)
+        frame_mask = patch_mask(vis.patch_segment_ids, self.attention_impl, self.patch_attention_block)
+        window_mask = patch_mask(vis.patch_window_ids, self.attention_impl, self.patch_attention_block)
         run = _run_block_remat if self.remat else _run_block
         for i, block in enumerate(self.blocks):
             x = run(block, x, cos, sin, frame_mask if i in self.full_attention_blocks else window_mask)
@@ -127,7 +129,8 @@ class Qwen25VL(VisionLanguageDecoder):
         compute_dtype: jnp.dtype = jnp.float32,
         remat: bool = False,
         attention_impl: str = "xla",
+        patch_attention_block: int | None = None,
     ):
-        """remat and attention_impl as for `Qwen3VL`."""
+        """remat, attention_impl and patch_attention_block as for `Qwen3VL`."""
         super().__init__(cfg, VisionTower25, rngs=rngs, param_dtype=param_dtype, compute_dtype=compute_dtype,
-                         remat=remat, attention_impl=attention_impl)
+                         remat=remat, attention_impl=attention_impl, patch_attention_block=patch_attention_block)
