@@ -62,7 +62,7 @@ class Stage:
 
 def run_pytest(paths: list[str], env: dict[str, str], timeout_s: float, cwd: Path = ROOT) -> PytestResult:
     """Run pytest on `paths` in a subprocess; counts come from its final summary line."""
-    cmd = [sys.executable, "-m", "pytest", *paths, "-q", "-p", "no:cacheprovider"]
+    cmd = [sys.executable, "-m", "pytest", *paths, "-q", "-n", "0", "-p", "no:cacheprovider"]  # one process: one GPU
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s)

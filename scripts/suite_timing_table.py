@@ -1,7 +1,7 @@
 """Print where the suite's time went, from the JSON lines of `tests/_suite_timing.py`.
 
     JAXRL_SUITE_TIMING=/tmp/t.jsonl python -m pytest -q
-    python scripts/suite_timing_table.py /tmp/t.jsonl [--top 40]
+    python scripts/suite_timing_table.py /tmp/t.jsonl [--top 40] [--write-durations tests/module_durations.json]
 
 Columns: wall, XLA compilation (trace + lower + backend, in the pytest process), subprocess (wall time with a
 live child process: servers, CLI runs, workers) and the rest (execution and Python). Several files (one per
@@ -33,8 +33,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("paths", nargs="+")
     parser.add_argument("--top", type=int, default=40)
+    parser.add_argument("--write-durations", metavar="JSON",
+                        help="also write seconds per test module (tests/conftest.py orders modules by it)")
     args = parser.parse_args()
     rows = load(args.paths)
+    if args.write_durations:
+        modules: dict[str, float] = {}
+        for r in rows:
+            module = r["test"].split("::")[0]
+            modules[module] = modules.get(module, 0.0) + r["wall_s"]
+        with open(args.write_durations, "w") as f:
+            json.dump({m: round(t, 1) for m, t in sorted(modules.items(), key=lambda kv: -kv[1])}, f, indent=1)
+            f.write("\n")
     rows.sort(key=lambda r: r["wall_s"], reverse=True)
     print("| test | wall s | compile s | compiles | subprocess s | rest s |")
     print("|---|---|---|---|---|---|")

@@ -26,6 +26,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import gc  # noqa: E402
+import json  # noqa: E402
 import shutil  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -39,12 +40,36 @@ from PIL import Image  # noqa: E402
 TINY_SEED = 0
 
 
+# Measured seconds per test module (`scripts/suite_timing_table.py --write-durations`), used only to order modules.
+MODULE_DURATIONS = Path(__file__).parent / "module_durations.json"
+
+
 def pytest_configure(config: pytest.Config) -> None:
     timing_path = os.environ.get("JAXRL_SUITE_TIMING")
     if timing_path:
         from _suite_timing import register
 
         register(config, timing_path)
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Longest modules first, each module's tests kept together and in their order.
+
+    Under `-n 2 --dist loadfile --no-loadscope-reorder` (the README's command) xdist hands out whole modules in
+    this order, so the longest start first and no worker is left running one long module at the end (longest
+    processing time first). Modules missing from the file (new ones) keep their place after the measured ones.
+    A plain run is reordered too; modules share no state, so the order changes nothing but when each one runs.
+    """
+    durations = json.loads(MODULE_DURATIONS.read_text()) if MODULE_DURATIONS.is_file() else {}
+    first_seen: dict[str, int] = {}
+    for item in items:
+        first_seen.setdefault(item.nodeid.split("::")[0], len(first_seen))
+
+    def key(item: pytest.Item) -> tuple[float, int]:
+        module = item.nodeid.split("::")[0]
+        return (-float(durations.get(module, 0.0)), first_seen[module])
+
+    items.sort(key=key)  # stable: order within a module is kept
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -73,6 +73,7 @@ def _axes(result) -> set[str]:
 # ----------------------------------------------------------------------------- the bench on devices
 
 
+@pytest.mark.slow
 def test_every_shipped_layout_runs_on_8_devices_with_the_same_batch_and_gradient(bench8, bench1):
     report, _ = bench8
     rows = _by_layout(report)
@@ -146,6 +147,7 @@ def test_collective_bytes_zero_on_one_device_and_on_the_right_axes_when_sharded(
         assert r.collective_bytes == sum(getattr(r, f"{k.replace('-', '_')}_bytes") for k in hlo.COLLECTIVE_KINDS)
 
 
+@pytest.mark.slow
 def test_fsdp_gathers_weights_instead_of_all_reducing_activations(bench8):
     """The activation constraints (`models/activation_sharding.py`) make FSDP all-reduce only gradients, and use
     less memory per device than dp; without them XLA all-reduces the log-prob logits and MLP activations."""
@@ -404,6 +406,7 @@ def test_gpu_check_dry_run_prints_one_summary_block(tmp_path):
     assert step["status"] == OK and step["model"] == "tiny"
 
 
+@pytest.mark.slow
 def test_bench_runs_the_tiny_qwen2_5_vl_and_counts_its_gated_vision_blocks():
     """`--model tiny_qwen2_5_vl` (the windowed family) compiles and runs under a sharded layout; its analytic
     vision FLOPs count the gated MLP (three matrices), as the real 3B's parameter shapes say."""

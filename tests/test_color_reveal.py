@@ -79,6 +79,7 @@ def _play(env: ColorRevealEnv, policy) -> float:
     return env.verdict()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("max_turns,discount", [(2, 0.75), (3, 0.5)])
 def test_chance_levels_match_a_simulation_of_the_env(max_turns, discount):
     rng = np.random.default_rng(0)

@@ -48,6 +48,7 @@ def learn(ablations, root):
     return ablations.run_arm("learn", root)
 
 
+@pytest.mark.slow
 def test_the_main_command_learns_from_chance(learn):
     assert abs(learn.initial - learn.chance) <= INITIAL_SLACK, learn
     assert learn.rise >= RISE or learn.final >= 2 * learn.chance, learn
@@ -55,6 +56,7 @@ def test_the_main_command_learns_from_chance(learn):
     assert len(learn.evals) >= 3, learn  # step 0, every eval_interval steps, and the end
 
 
+@pytest.mark.slow
 def test_blind_ablation_stays_at_chance(ablations, root, learn):
     blind = ablations.run_arm("blind", root, ["--num-rollout", str(BLIND_STEPS)])
     assert max(blind.evals) == BLIND_STEPS, blind
@@ -63,6 +65,7 @@ def test_blind_ablation_stays_at_chance(ablations, root, learn):
     assert learn.evals[BLIND_STEPS] - blind.final >= 0.15, (learn, blind)
 
 
+@pytest.mark.slow
 def test_sync_off_ablation_does_not_rise(ablations, root, learn):
     frozen = ablations.run_arm("sync_off", root, ["--num-rollout", str(SYNC_OFF_STEPS)])
     assert max(frozen.evals) == SYNC_OFF_STEPS, frozen

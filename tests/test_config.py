@@ -201,6 +201,7 @@ def test_dump_round_trips_through_yaml(tmp_path):
     assert isinstance(Config().to_namespace().lr, float)
 
 
+@pytest.mark.slow
 def test_cli_config_dump_and_error_exit_code(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "jaxrl_vlm.cli", "config", "--rollout-batch-size", "8", "--dump"],

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import pytest
 
 from jaxrl_vlm.checkpoint import CheckpointStore, abstract_like
 from jaxrl_vlm.models.hf_io import from_hf
@@ -53,6 +54,7 @@ _CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_a_full_disk_fails_the_save_and_the_export_and_keeps_the_previous_ones(tmp_path):
     ckpt = tmp_path / "ckpt"
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}

@@ -174,6 +174,7 @@ def our_logits_logprobs(engine: EmbeddedEngine, ids: list[int], outputs: list[in
 # ---------------------------------------------------------------------------- generation
 
 
+@pytest.mark.slow
 async def test_greedy_text_equals_transformers_generate_and_logprobs_are_teacher_forced(engine, checkpoint, encoder):
     _, hf = checkpoint
     ids = text_prompt(encoder, "Find the area of the triangle with base 6 and height 4.")
@@ -218,6 +219,7 @@ async def test_greedy_image_prompt_equals_transformers_generate(engine, checkpoi
     assert second.output_ids != result.output_ids
 
 
+@pytest.mark.slow
 async def test_16_concurrent_requests_equal_their_solo_results_and_share_decode_steps(engine, encoder):
     prompts = [text_prompt(encoder, " ".join(["side angle circle radius"] * (1 + i % 8)) + f" case {i}") for i in range(16)]
     budgets = [8 + (5 * i) % 17 for i in range(16)]

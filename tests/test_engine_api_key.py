@@ -26,6 +26,7 @@ def _config(tiny, *extra: str):
                               "--engine-start-timeout", "5", *extra])
 
 
+@pytest.mark.slow
 def test_the_key_is_a_redacted_credential_kept_from_env_args(tiny):
     cfg = _config(tiny, "--engine-api-key", KEY)
     assert cfg.engine.engine_api_key == KEY

@@ -553,6 +553,7 @@ async def test_corrupt_weights_and_memory_errors_keep_the_old_weights_and_the_sc
         assert await client.health()
 
 
+@pytest.mark.slow
 async def test_a_stuck_scheduler_answers_503_within_the_deadlines(engine, tiny_hf_checkpoint, monkeypatch):
     sched, runner = engine.engine.scheduler, engine.engine.runner
     release = threading.Event()

@@ -89,6 +89,7 @@ def _assert_same(got, want) -> None:
         np.testing.assert_allclose(lps, ref_lps, atol=2e-5, rtol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp,dp", [(2, 1), (4, 1), (1, 2), (2, 2)])
 def test_sharded_engine_equals_the_one_device_engine(tiny_dir, prompts, one_device, tp, dp):
     assert len({tuple(ids) for ids, _, _ in one_device}) == len(one_device), "degenerate reference"
@@ -113,6 +114,7 @@ def test_sharded_engine_equals_the_one_device_engine(tiny_dir, prompts, one_devi
     assert stats.finished == 2 * len(prompts)
 
 
+@pytest.mark.slow
 def test_sharded_qwen2_5_vl_engine_equals_its_one_device_engine(tmp_path, make_test_image):
     """The second family through the same placement (window-attention vision tower, q/k/v biases) at tp 2, dp 2."""
     from rollout.processing import load_image_processor, load_tokenizer
@@ -180,6 +182,7 @@ def _teacher_forced(model, prompt: dict, outputs: list[int]) -> np.ndarray:
     return np.asarray(lps)[0, start:start + len(outputs)]
 
 
+@pytest.mark.slow
 def test_in_memory_update_across_device_sets_serves_what_a_disk_update_serves(tiny_dir, prompts, tmp_path):
     devices = jax.local_devices()
     trainer_model = _perturbed_trainer_state(tiny_dir, devices[4:8])
@@ -215,6 +218,7 @@ def test_in_memory_update_across_device_sets_serves_what_a_disk_update_serves(ti
         np.testing.assert_allclose(lps, _teacher_forced(trainer_model, prompt, ids), atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow
 def test_memory_release_frees_cache_and_weights_and_resume_serves_the_same(tiny_dir, prompts, one_device):
     with EmbeddedEngine(str(tiny_dir), config=_options()) as engine:
         runner = engine.engine.runner
@@ -291,6 +295,7 @@ def _write_prompts(path: Path) -> None:
             f.write(json.dumps({"problem": f"Say something about {i}.", "answer": "x", "images": []}) + "\n")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("staleness", [0, 1])
 def test_main_job_with_engine_and_trainer_on_disjoint_devices(tiny_dir, tmp_path, staleness):
     """Synchronous, and asynchronous (K = 1: the engine on 0-3 generates while the trainer on 4-7 trains; the
@@ -313,6 +318,7 @@ def test_main_job_with_engine_and_trainer_on_disjoint_devices(tiny_dir, tmp_path
     assert not list((tmp_path / "run").rglob("weights_v*"))  # nothing went through the disk
 
 
+@pytest.mark.slow
 def test_colocated_main_job_releases_engine_memory_while_training(tiny_dir, tmp_path, monkeypatch):
     _write_prompts(tmp_path / "prompts.jsonl")
     calls: list[str] = []

@@ -282,6 +282,7 @@ def prepared(engine: EmbeddedEngine, ids: list[int], images: list[str]) -> Any:
 # ---------------------------------------------------------------------------- engine behaviour
 
 
+@pytest.mark.slow
 async def test_three_turn_image_episode_equals_the_cache_off_engine_and_skips_cached_work(engines, encoder, make_test_image):
     on, off = engines
     await flush(on, off)
@@ -364,6 +365,7 @@ def cached_path(engine: EmbeddedEngine, ids: list[int], tokens: int) -> int:
     return held
 
 
+@pytest.mark.slow
 async def test_lru_eviction_under_memory_pressure_and_concurrent_turns_equal_solo_runs(engines, encoder):
     on, off = engines
     await flush(on, off)
@@ -431,6 +433,7 @@ async def test_a_shared_prefix_is_shared_and_both_conversations_keep_their_cache
         assert got.cached_tokens == prev.prompt_tokens + len(prev.output_ids) - 1
 
 
+@pytest.mark.slow
 async def test_a_group_of_samples_prefills_its_image_prompt_once(engines, encoder, make_test_image):
     on, off = engines
     await flush(on, off)
@@ -453,6 +456,7 @@ async def test_a_group_of_samples_prefills_its_image_prompt_once(engines, encode
     assert on.stats.encoded_images - before[on][1] == 1
 
 
+@pytest.mark.slow
 async def test_weight_reload_and_flush_drop_the_cache(engines, encoder, checkpoint, tmp_path):
     on, off = engines
     await flush(on, off)
@@ -534,6 +538,7 @@ def _stream_prompts(encoder: ChatEncoder, make_test_image: Any, stream: list[dic
     return [Conversation(encoder, prefixes[r["prefix"]] + [text_item(" ".join(r["words"]) + " Answer?")]) for r in stream]
 
 
+@pytest.mark.slow
 @settings(max_examples=6, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(stream=request_streams())
 def test_random_request_streams_give_every_request_its_solo_answer(engines, encoder, make_test_image, stream):

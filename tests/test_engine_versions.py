@@ -62,6 +62,7 @@ async def _attached(job: MainJob):
     return session, client
 
 
+@pytest.mark.slow
 async def test_fresh_start_pushes_and_confirms_before_the_first_rollout(tiny, tmp_path):
     async with FakeSGLangServer(weight_version="whatever-it-held") as server:
         cfg = _config(tiny, tmp_path, server.url)
@@ -92,6 +93,7 @@ async def test_an_engine_that_keeps_other_weights_stops_the_run_before_any_rollo
         assert "/generate" not in server.paths
 
 
+@pytest.mark.slow
 async def test_resume_pushes_the_resumed_version_to_the_external_engine(tiny, tmp_path):
     async with FakeSGLangServer(weight_version="default") as first:
         await MainJob(_config(tiny, tmp_path, first.url)).run()

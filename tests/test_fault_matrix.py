@@ -144,6 +144,7 @@ def test_the_audit_finds_a_lost_sample_and_a_failure_without_a_cause(fm):
 
 
 # ----------------------------------------------------------------------------- the script end to end
+@pytest.mark.slow
 def test_only_runs_one_class_end_to_end_and_ends_with_the_summary_line():
     done = subprocess.run([sys.executable, str(SCRIPT), "--only", "unimportable_env_module"], cwd=ROOT,
                           capture_output=True, text=True, timeout=180)

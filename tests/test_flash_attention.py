@@ -58,6 +58,7 @@ def _dense_mask(seg: jax.Array, causal: bool) -> jax.Array:
     return same & (jnp.arange(T)[:, None] >= jnp.arange(T)[None, :])[None] if causal else same
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
 def test_kernel_equals_xla_attention_with_gradients(impl, causal):
@@ -113,6 +114,7 @@ def test_block_size_must_tile_the_sequence():
         flash_attention(*_inputs(), impl="cudnn", scale=1.0, causal=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", IMPLS)
 def test_model_forward_with_images_equals_xla(impl):
     """Text rows with two images (vision tower: per-image bidirectional attention) through both implementations."""
@@ -139,11 +141,12 @@ def test_model_forward_with_images_equals_xla(impl):
     np.testing.assert_allclose(np.where(valid, out, 0), np.where(valid, xla(*args), 0), atol=5e-5)
 
 
+@pytest.mark.slow
 def test_tpu_kernel_cases_in_a_single_device_process():
     """The `pallas_tpu` parametrizations of this file, in a fresh process with one CPU device (see the docstring)."""
     env = {**os.environ, TPU_PROCESS_ENV: "1", "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-q", "-k", "pallas_tpu", "-p", "no:cacheprovider"],
+        [sys.executable, "-m", "pytest", __file__, "-q", "-n", "0", "-k", "pallas_tpu", "-p", "no:cacheprovider"],
         env=env, capture_output=True, text=True, timeout=600, cwd=os.path.dirname(os.path.dirname(__file__)),
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]

@@ -75,6 +75,7 @@ def test_export_reloads_in_transformers_bit_identically(saved, tmp_path):
     np.testing.assert_array_equal(hf_logits(reloaded, batch), hf_logits(hf, batch))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["B", "Q25B"])
 def test_import_of_export_is_identity(name, tmp_path):
     cfg = from_hf_dict(build_hf_model(name).config.to_dict())  # untied, GQA, 3 vision heads
@@ -209,6 +210,7 @@ def _independent_2b_count() -> int:
     return vis + text
 
 
+@pytest.mark.slow
 def test_param_count_of_2b_preset():
     n = param_count(qwen3_vl_2b_instruct())
     assert n == _independent_2b_count()

@@ -544,6 +544,7 @@ def test_custom_tis_wrong_return_type_is_named(tmp_path, body, needle):
 
 
 # ============================================================================ inside the compiled train step
+@pytest.mark.slow
 def test_custom_loss_trains_in_the_compiled_step_like_the_builtin(tmp_path_factory, make_test_image):
     from _train_samples import train_samples
 

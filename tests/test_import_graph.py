@@ -63,6 +63,7 @@ def _append(root: Path, rel: str, line: str) -> None:
         ("jaxrl_vlm/rl/aggregation.py", "def _late():\n    from jaxrl_vlm.rl import losses", "module cycle"),
     ],
 )
+@pytest.mark.slow
 def test_each_rule_fires_on_one_forbidden_import(tree_copy: Path, rel: str, line: str, needle: str):
     _append(tree_copy, rel, line)
     problems = violations(tree_copy)

@@ -45,6 +45,7 @@ def _one_sample_logprobs(trainer: Trainer, params, sample) -> tuple[np.ndarray, 
     return lp[0, 0].astype(np.float64), batch.arrays.loss_mask[0, 0].astype(np.float64)
 
 
+@pytest.mark.slow
 def test_kl_coef_shapes_rewards_with_k1_before_grpo(tiny_dir, tmp_path, make_test_image):
     samples = train_samples(tiny_dir, make_test_image)
     trainer = _trainer(tiny_dir, tmp_path, "--kl-coef", str(COEF), "--global-batch-size", "4")

@@ -68,6 +68,7 @@ def test_patch_mask_chooses_chunks_only_where_they_are_cheaper():
     assert patch_mask(seg, "pallas_gpu", 16).block is None  # the fused kernels skip masked tiles themselves
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3_vl", "qwen2_5_vl"])
 def test_model_forward_and_gradient_with_chunked_vision_equal_dense(family):
     """A packed batch of several small images through the whole model, with and without the bound."""

@@ -448,6 +448,7 @@ def _renumber(ids: np.ndarray) -> np.ndarray:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", AGGREGATION_MODES)
 @pytest.mark.parametrize("name", ["ppo_clip", "gspo"])
 def test_microbatch_split_gives_the_full_batch_loss_and_grad(name: str, mode: str) -> None:

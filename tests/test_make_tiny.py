@@ -58,6 +58,7 @@ def test_weights_are_our_init_and_import_exactly(tiny_dir):
         np.testing.assert_array_equal(loaded[key], ours[key], err_msg=str(key))
 
 
+@pytest.mark.slow
 def test_transformers_loads_it_with_the_same_logits(tiny_dir, make_test_image):
     import torch
     from transformers import Qwen3VLForConditionalGeneration

@@ -179,6 +179,7 @@ def _tiny_config(family: str) -> Qwen3VLConfig | Qwen25VLConfig:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3_vl", "qwen2_5_vl"])
 def test_remat_gives_same_loss_and_gradients(family):
     cfg = _tiny_config(family)

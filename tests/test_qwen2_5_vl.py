@@ -208,6 +208,7 @@ def test_released_layout_flat_config_and_legacy_names_load_identically(pair, tmp
             np.testing.assert_array_equal(np.asarray(got[key].get_value()), np.asarray(var.get_value()))
 
 
+@pytest.mark.slow
 def test_3b_preset_matches_transformers_architecture():
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
@@ -247,6 +248,7 @@ def test_bad_qwen25_configs_fail_naming_the_key():
             from_hf_dict(bad)
 
 
+@pytest.mark.slow
 def test_make_tiny_qwen2_5_vl_loads_in_transformers_with_equal_logits(tmp_path):
     from transformers import Qwen2_5_VLForConditionalGeneration
 
@@ -313,6 +315,7 @@ def served(tiny_qwen25_processing_dir, tmp_path_factory):
     eng.stop()
 
 
+@pytest.mark.slow
 async def test_engine_greedy_with_images_equals_transformers_generate_and_trainer_logprobs(served, make_test_image):
     engine, hf, encoder = served
     assert isinstance(engine.engine.runner.model(), Qwen25VL)

@@ -188,6 +188,7 @@ def _expected_ways(layout: Path, names, shape, mesh_sizes) -> list[int]:
     return ways
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda p: p.stem)
 def test_layout_matches_single_device_and_shards_as_rules_say(layout, tiny_dir, batch, single_device_logits, monkeypatch):
     mesh_cfg = _mesh_cfg(layout)
@@ -407,6 +408,7 @@ def abstract_2b():
     return abstract_model(qwen3_vl_2b_instruct())
 
 
+@pytest.mark.slow
 def test_2b_fsdp_bytes_per_device_without_allocating():
     live_before = sum(a.nbytes for a in jax.live_arrays())
     cfg = qwen3_vl_2b_instruct()
@@ -437,6 +439,7 @@ def test_2b_needs_no_fallback_on_8_devices(layout, abstract_2b):
     assert [(p.path, p.notes) for p in layouts if p.notes] == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda p: p.stem)
 def test_qwen25_3b_falls_back_only_where_its_shape_cannot_split(layout):
     """Qwen2.5-VL-3B has 2 kv heads and a vision MLP of 3420 (= 4 * 855): an 8-way tensor axis cannot split

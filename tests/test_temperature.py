@@ -39,6 +39,7 @@ def tiny_model_dir(tmp_path_factory):
 
 
 # ------------------------------------------------------------------------------- the chunked kernel
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature", [0.6, 1.3])
 def test_token_logprobs_and_entropy_are_those_of_tempered_logits(tiny_model_dir, temperature):
     model = from_hf(str(tiny_model_dir))

@@ -47,6 +47,7 @@ def baseline(tiny_dir, make_test_image):
     return samples, _trajectory(tiny_dir, samples, ["--mesh-data", "1"], one)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS, ids=[p.stem for p in LAYOUTS])
 def test_layout_matches_one_device(tiny_dir, baseline, layout):
     assert len(jax.devices()) == 8
@@ -64,6 +65,7 @@ def test_layout_matches_one_device(tiny_dir, baseline, layout):
     assert max(diffs) < 1e-3
 
 
+@pytest.mark.slow
 def test_fused_attention_under_fsdp_tp_matches_xla_on_one_device(tiny_dir, baseline):
     """`attention_impl: pallas_gpu` (the flash kernel, run by Pallas' interpreter on CPU, inside shard_map over
     the mesh) follows the same trajectory as the XLA attention on one device: text rows (packed, causal) and

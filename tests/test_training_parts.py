@@ -48,6 +48,7 @@ def trainer(tiny_dir):
 
 
 # ------------------------------------------------------------------------------------------- NaN guard
+@pytest.mark.slow
 def test_nonfinite_loss_skips_the_update(trainer, tiny_dir, make_test_image):
     samples = train_samples(tiny_dir, make_test_image)
     # The step donates its input state, so keep an independent copy to restore from.
@@ -182,6 +183,7 @@ async def test_launch_sglang_that_dies_reports_its_log(tmp_path, monkeypatch):
         SGLangProcess("", "/m", log_path=tmp_path / "x.log")
 
 
+@pytest.mark.slow
 def test_global_batch_size_splits_the_rollout_into_optimizer_steps(tiny_dir, make_test_image):
     samples = train_samples(tiny_dir, make_test_image)  # 8 samples in 2 groups
     cfg = load_config(None, [
