@@ -125,7 +125,7 @@ def test_parse_generate_batches_n_and_image_lists():
     assert is_batch and [r.rid for r in reqs] == ["a", "b"] and reqs[1].image_data == ["x.png"]
     assert [r.params.max_new_tokens for r in reqs] == [1, 2]
     reqs, is_batch = parse_generate({"text": "hi", "rid": "r", "sampling_params": {"n": 3}}, 100, EMBEDDED_UNSUPPORTED)
-    assert is_batch and [r.rid for r in reqs] == ["r-0", "r-1", "r-2"]
+    assert is_batch and [r.rid for r in reqs] == ["r_0", "r_1", "r_2"]  # SGLang 0.5.23's rid_k (io_struct)
     with pytest.raises(RequestError, match="one entry per prompt"):
         parse_generate({"input_ids": [[1], [2]], "image_data": ["a.png"]}, 100, EMBEDDED_UNSUPPORTED)
     with pytest.raises(RequestError, match="logprob_start_len"):

@@ -212,7 +212,11 @@ async def test_session_resumes_an_external_engine_left_paused_and_runs_use_their
         cfg = load_config(None, ["--hf-checkpoint", str(tiny_dir), "--engine-url", server.url,
                                  "--rollout-interaction-env-path", "envs.letter_game"])
         async with rollout_session(cfg, tiny_dir, tiny_dir, cfg.to_namespace()):
-            assert server.paused is None and server.paths[-1] == "/continue_generation"
+            # Resumed first, then probed: SGLang's health probe cannot succeed while it is paused.
+            assert server.paused is None and "/continue_generation" in server.paths
+            resumed = server.paths.index("/continue_generation")
+            assert not any(p.startswith("/health") for p in server.paths[:resumed]), server.paths
+            assert any(p.startswith("/health") for p in server.paths[resumed:]), server.paths
     shared = ["--weight-sync-dir", str(tmp_path / "shm")]
     a = weight_sync_root(load_config(None, [*shared, "--output-dir", str(tmp_path / "a")]), tmp_path / "a")
     b = weight_sync_root(load_config(None, [*shared, "--output-dir", str(tmp_path / "b")]), tmp_path / "b")
