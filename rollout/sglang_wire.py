@@ -8,6 +8,7 @@ control bodies and answers, and the route table. Pure data and small functions: 
 
 from __future__ import annotations
 
+import datetime
 import enum
 import hmac
 import json
@@ -726,25 +727,38 @@ def update_weights_answer(success: bool, message: str, num_paused_requests: int)
 
 
 def loads_response(*, version: str, running: int, waiting: int, used_tokens: int, max_total_tokens: int,
-                   max_running_requests: int, **extra: Any) -> dict[str, Any]:
-    """The body of `GET /v1/loads` (one data-parallel rank), which `SGLangClient.abort_all` polls until idle."""
+                   max_running_requests: int, cache_hit_rate: float = 0.0) -> dict[str, Any]:
+    """The body of `GET /v1/loads` (one data-parallel rank), which `SGLangClient.abort_all` polls until idle.
+
+    SGLang 0.5.23's shape, key for key (`entrypoints/http_server.py`, checked against its own app by
+    tests/sglang_conformance): an ISO-8601 timestamp, the version, the accelerator and one load object per rank
+    (a Unix timestamp, request and token counts, usage ratios; `decode_moments` only with `include=core`
+    details, null here). Counters an embedded engine does not keep are 0."""
+    now = time.time()
     return {
-        "timestamp": time.time(),
+        "timestamp": datetime.datetime.fromtimestamp(now, datetime.timezone.utc).isoformat(),
         "version": version,
-        "dp_rank_count": 1,
+        "accelerator": None,
+        "num_accelerators": 1,
         "loads": [{
+            "timestamp": now,
             "dp_rank": 0,
             "num_running_reqs": running,
             "num_waiting_reqs": waiting,
-            "num_total_reqs": running + waiting,
+            "num_waiting_uncached_tokens": 0,
             "num_used_tokens": used_tokens,
+            "num_total_tokens": used_tokens,
+            "num_active_tokens": used_tokens,
+            "num_prealloc_ready_tokens": 0,
             "max_total_num_tokens": max_total_tokens,
+            "max_running_requests": max_running_requests,
             "token_usage": used_tokens / max(1, max_total_tokens),
             "gen_throughput": 0.0,
-            "cache_hit_rate": 0.0,
+            "cache_hit_rate": float(cache_hit_rate),
             "utilization": running / max(1, max_running_requests),
-            "max_running_requests": max_running_requests,
-            **extra,
+            "total_prefill_uncached_tokens": 0,
+            "total_prefill_busy_us": 0,
+            "decode_moments": None,
         }],
     }
 

@@ -358,12 +358,10 @@ async def _memory_occupation(request: web.Request, *, release: bool) -> web.Resp
 async def loads(request: web.Request) -> web.Response:
     engine = request.app[_ENGINE]
     state = await _scheduler_call(engine, LoadsMsg)
-    stats = engine.scheduler.stats
     running, waiting = state["num_running_reqs"], state["num_waiting_reqs"]
     return web.json_response(loads_response(
         version=VERSION, running=running, waiting=waiting, used_tokens=state["num_used_tokens"],
         max_total_tokens=state["max_total_num_tokens"], max_running_requests=engine.config.max_batch,
-        decode_steps=stats.decode_steps,
     ))
 
 
