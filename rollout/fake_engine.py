@@ -44,6 +44,7 @@ from rollout.sglang_wire import (
     check_generate_keys,
     continued_answer,
     error_body,
+    refusal_body,
     generate_response,
     is_authorized,
     loads_response,
@@ -369,6 +370,10 @@ class FakeSGLangServer:
     def _error(self, message: str, status: int = 400) -> web.Response:
         return web.json_response(error_body(message), status=status)
 
+    def _refused(self, error: RequestError) -> web.Response:
+        """A refused request, with SGLang's body for its kind (`sglang_wire.refusal_body`)."""
+        return web.json_response(refusal_body(error), status=400)
+
     # ---- /generate -------------------------------------------------------------------------
 
     def _validate_generate(self, body: Any) -> SamplingParams:
@@ -444,7 +449,7 @@ class FakeSGLangServer:
         try:
             params = self._validate_generate(body)
         except RequestError as exc:
-            return self._error(str(exc))
+            return self._refused(exc)
         rid = str(body.get("rid") or uuid.uuid4().hex)
         job = _InFlight(rid)
         self._in_flight.add(job)
@@ -546,7 +551,7 @@ class FakeSGLangServer:
         try:
             tags = set(parse_memory_tags(request[_RECORD].body) or MEMORY_TAGS)
         except RequestError as exc:
-            return self._error(str(exc))
+            return self._refused(exc)
         if release and self._counted_in_flight():
             return self._error("cannot release memory while requests run")
         self.released = self.released | tags if release else self.released - tags
@@ -556,7 +561,7 @@ class FakeSGLangServer:
         try:
             mode = parse_pause(request[_RECORD].body)
         except RequestError as exc:
-            return self._error(str(exc))
+            return self._refused(exc)
         self.paused = mode
         self._unpaused.clear()
         if mode is PauseMode.ABORT:
@@ -573,7 +578,7 @@ class FakeSGLangServer:
         try:
             abort = AbortRequest.from_json(request[_RECORD].body)
         except RequestError as exc:
-            return self._error(str(exc))
+            return self._refused(exc)
         if abort is None:  # `{}`: SGLang's no-op
             return web.Response(status=200)
         for job in list(self._in_flight):
@@ -585,7 +590,7 @@ class FakeSGLangServer:
         try:
             update = UpdateWeightsRequest.from_json(request[_RECORD].body)
         except RequestError as exc:
-            return self._error(str(exc))
+            return self._refused(exc)
         path = update.model_path
         if not os.path.exists(path):
             message = f"Failed to get weights iterator: {path} (repo id: {path}). No such file or directory"

@@ -63,9 +63,29 @@ class RequestError(ValueError):
     """A request a server refuses (HTTP 400); the message names the field at fault."""
 
 
+class RequestModelError(RequestError):
+    """The body does not fit SGLang's request model: not a JSON object, or a top-level field missing, of the wrong
+    type or outside its choices. SGLang's pydantic validation answers its OpenAI-style error object."""
+
+
+class SchemaTypeError(RequestError):
+    """A sampling parameter of the wrong JSON type, which SGLang's `/generate` schema gate refuses before parsing
+    (`{"error": "<message>"}`)."""
+
+
 def error_body(message: str) -> dict[str, Any]:
-    """SGLang's error object."""
+    """SGLang's error object for a refused value (`{"error": {"message": ...}}`)."""
     return {"error": {"message": message}}
+
+
+def refusal_body(error: RequestError) -> dict[str, Any]:
+    """The body SGLang 0.5.23 answers with for `error`, by its kind (checked against SGLang's own app by
+    tests/sglang_conformance): request-model validation, the schema gate, or a refused value."""
+    if isinstance(error, RequestModelError):
+        return {"object": "error", "message": str(error), "type": "Bad Request", "param": None, "code": 400}
+    if isinstance(error, SchemaTypeError):
+        return {"error": str(error)}
+    return error_body(str(error))
 
 
 def parse_json_body(raw: bytes | str, where: str) -> Any:
@@ -74,9 +94,9 @@ def parse_json_body(raw: bytes | str, where: str) -> Any:
     try:
         return json.loads(raw)
     except RecursionError:
-        raise RequestError(f"{where}: request body nests JSON too deeply") from None
+        raise RequestModelError(f"{where}: request body nests JSON too deeply") from None
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-        raise RequestError(f"{where}: request body is not valid JSON ({e})") from e
+        raise RequestModelError(f"{where}: request body is not valid JSON ({e})") from e
 
 
 # ---------------------------------------------------------------------------------------------- API key
@@ -111,7 +131,9 @@ def _number(params: Mapping[str, Any], key: str, default: float) -> float:
     value = params.get(key, default)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise SchemaTypeError(f"sampling_params.{key} must be a number, got {value!r}")
+    if not math.isfinite(float(value)):
         raise RequestError(f"sampling_params.{key} must be a finite number, got {value!r}")
     return float(value)
 
@@ -182,7 +204,9 @@ class SamplingParams:
         max_new = params.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
         if max_new is None:
             max_new = DEFAULT_MAX_NEW_TOKENS
-        if not _is_int(max_new) or max_new < 0:
+        if not _is_int(max_new):
+            raise SchemaTypeError(f"sampling_params.max_new_tokens must be an integer >= 0, got {max_new!r}")
+        if max_new < 0:
             raise RequestError(f"sampling_params.max_new_tokens must be an integer >= 0, got {max_new!r}")
         temperature = _number(params, "temperature", 1.0)
         if temperature < 0:
@@ -282,7 +306,7 @@ class RawGenerate:
 def check_generate_keys(body: Any) -> None:
     """A `/generate` body must be an object of GenerateReqInput fields (a typo is refused, not ignored)."""
     if not isinstance(body, dict):
-        raise RequestError("request body must be a JSON object (GenerateReqInput)")
+        raise RequestModelError("request body must be a JSON object (GenerateReqInput)")
     unknown = sorted(set(body) - GENERATE_KEYS)
     if unknown:
         raise RequestError(f"unknown GenerateReqInput field(s): {unknown}")
@@ -621,10 +645,10 @@ def parse_pause(body: Any) -> PauseMode:
     if body is None:
         body = {}
     if not isinstance(body, dict):
-        raise RequestError("pause_generation body must be a JSON object")
+        raise RequestModelError("pause_generation body must be a JSON object")
     mode = body.get("mode", PauseMode.ABORT) or PauseMode.ABORT
     if mode not in PAUSE_MODES:
-        raise RequestError(f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
+        raise RequestModelError(f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
     return PauseMode(mode)
 
 
@@ -682,7 +706,7 @@ def pydantic_bool(value: Any, name: str) -> bool:
         return value.lower() in _PYDANTIC_TRUE
     if value is None:
         return False
-    raise RequestError(f"{name} must be a boolean, got {value!r}")
+    raise RequestModelError(f"{name} must be a boolean, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -705,12 +729,12 @@ class UpdateWeightsRequest:
     @classmethod
     def from_json(cls, body: Any) -> UpdateWeightsRequest:
         if not isinstance(body, dict) or not isinstance(body.get("model_path"), str) or not body["model_path"]:
-            raise RequestError("update_weights_from_disk needs a non-empty string 'model_path'")
+            raise RequestModelError("update_weights_from_disk needs a non-empty string 'model_path'")
         version, load_format = body.get("weight_version"), body.get("load_format")
         if version is not None and not isinstance(version, str):  # SGLang's model refuses an int too (400)
-            raise RequestError(f"weight_version must be a string, got {version!r}")
+            raise RequestModelError(f"weight_version must be a string, got {version!r}")
         if load_format is not None and not isinstance(load_format, str):
-            raise RequestError(f"load_format must be a string, got {load_format!r}")
+            raise RequestModelError(f"load_format must be a string, got {load_format!r}")
         return cls(
             model_path=body["model_path"],
             weight_version=None if version is None else str(version),

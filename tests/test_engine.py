@@ -354,7 +354,14 @@ async def test_malformed_generate_is_400_with_an_error_object(engine, body, need
         async with s.post(engine.url + "/generate", data=data, json=None if data else body) as r:
             status, answer = r.status, await r.json(content_type=None)
     assert status == 400
-    assert needle in answer["error"]["message"]
+    # SGLang's body for the kind of refusal (sglang_wire.refusal_body): request-model validation (not a JSON object)
+    # is its OpenAI-style error object, a mistyped sampling parameter the schema gate's string, a refused value
+    # {"error": {"message"}}.
+    if not isinstance(body, dict):  # not JSON, or not an object: SGLang's request model refuses it
+        assert answer["object"] == "error" and answer["code"] == 400
+    message = answer["message"] if answer.get("object") == "error" else answer["error"]
+    message = message["message"] if isinstance(message, dict) else message
+    assert needle in message
 
 
 async def test_bad_image_is_400_and_the_server_keeps_serving(engine, encoder, make_test_image):
@@ -443,12 +450,13 @@ async def test_info_health_and_client_helpers(engine):
     for path in ("/get_model_info", "/get_server_info", "/health_generate", "/health"):
         status, _ = await post(engine, path, method="GET")
         assert status == 200, path
+    # Request-model refusals carry SGLang's OpenAI-style error object (tests/sglang_conformance compares it).
     status, answer = await post(engine, "/pause_generation", {"mode": "sideways"})
-    assert status == 400 and "mode" in answer["error"]["message"]
+    assert status == 400 and answer["object"] == "error" and "mode" in answer["message"]
     status, answer = await post(engine, "/abort_request", {"nothing": 1})
     assert status == 200  # SGLang 0.5.23: neither rid nor abort_all is a no-op (tests/sglang_conformance)
     status, answer = await post(engine, "/update_weights_from_disk", {})
-    assert status == 400 and "model_path" in answer["error"]["message"]
+    assert status == 400 and answer["object"] == "error" and "model_path" in answer["message"]
 
 
 async def test_update_weights_from_disk_changes_outputs_and_bad_paths_keep_old_weights(engine, checkpoint, encoder, tmp_path):

@@ -57,6 +57,7 @@ from rollout.sglang_wire import (
     SamplingParams,
     UpdateWeightsRequest,
     error_body,
+    refusal_body,
     is_authorized,
     loads_response,
     parse_generate,
@@ -99,7 +100,8 @@ def _bad(message: str, status: int = 400) -> web.Response:
 
 
 def _refused(e: RequestError) -> web.Response:
-    return _bad(str(e), status=413 if isinstance(e, BodyTooLarge) else 400)
+    """A refused request, answered with SGLang's body for its kind (`sglang_wire.refusal_body`)."""
+    return web.json_response(refusal_body(e), status=413 if isinstance(e, BodyTooLarge) else 400)
 
 
 def is_loopback(host: str) -> bool:

@@ -251,16 +251,38 @@ async def _answers(url: str, prompt_ids: list[int]) -> dict[str, dict[str, Any]]
             out["loads"] = await reply.json(content_type=None)
         async with http.post(url + "/flush_cache") as reply:  # idle: flushed (a plain-text answer)
             out["flush_idle_status"] = {"status": reply.status, "text": await reply.text()}
+        # Refusals, one of each kind: request-model validation, the schema gate, a refused value.
+        for case, path, kw in ERROR_CASES:
+            async with http.post(url + path, **kw) as reply:
+                out[case] = {"status": reply.status, "body": await reply.json(content_type=None)}
     return out
 
 
+ERROR_CASES = [
+    ("error_body_not_json", "/generate", {"data": "not json"}),
+    ("error_update_without_model_path", "/update_weights_from_disk", {"json": {}}),
+    ("error_unknown_pause_mode", "/pause_generation", {"json": {"mode": "bogus"}}),
+    ("error_abort_all_not_a_bool", "/abort_request", {"json": {"abort_all": "maybe"}}),
+    ("error_sampling_param_of_the_wrong_type", "/generate",
+     {"json": {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": "x"}}}),
+    ("error_temperature_of_the_wrong_type", "/generate",
+     {"json": {"input_ids": [5, 6], "sampling_params": {"temperature": "hot"}}}),
+    ("error_negative_temperature", "/generate",
+     {"json": {"input_ids": [5, 6], "sampling_params": {"temperature": -1, "max_new_tokens": 2}}}),
+    ("error_no_prompt", "/generate", {"json": {"sampling_params": {"max_new_tokens": 2}}}),
+]
+
+
 @pytest.mark.parametrize("case", ["generate", "pause", "continue", "int_weight_version_status", "pause_no_body_status",
-                                  "model_info_version", "loads", "flush_idle_status"])
+                                  "model_info_version", "loads", "flush_idle_status",
+                                  *(case for case, _, _ in ERROR_CASES)])
 async def test_the_embedded_engine_answers_with_sglangs_shapes(sglang_server, embedded_engine_url, case):
     ours = (await _answers(embedded_engine_url, [5, 6, 7]))[case]
     theirs = (await _answers(sglang_server.url, [5, 6, 7]))[case]
     if case.endswith("_status"):
         assert ours == theirs
+    elif case.startswith("error_"):
+        assert ours["status"] == theirs["status"] and shape(ours["body"]) == shape(theirs["body"]), (ours, theirs)
     else:
         assert shape(ours) == shape(theirs)
 
