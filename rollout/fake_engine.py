@@ -45,6 +45,7 @@ from rollout.sglang_wire import (
     continued_answer,
     error_body,
     refusal_body,
+    require_body,
     generate_response,
     is_authorized,
     loads_response,
@@ -549,7 +550,7 @@ class FakeSGLangServer:
 
     def _memory(self, request: web.Request, *, release: bool) -> web.Response:
         try:
-            tags = set(parse_memory_tags(request[_RECORD].body) or MEMORY_TAGS)
+            tags = set(parse_memory_tags(require_body(request[_RECORD].body, request.path)) or MEMORY_TAGS)
         except RequestError as exc:
             return self._refused(exc)
         if release and self._counted_in_flight():
@@ -559,7 +560,7 @@ class FakeSGLangServer:
 
     async def _pause_generation(self, request: web.Request) -> web.Response:
         try:
-            mode = parse_pause(request[_RECORD].body)
+            mode = parse_pause(require_body(request[_RECORD].body, request.path))
         except RequestError as exc:
             return self._refused(exc)
         self.paused = mode
@@ -570,6 +571,10 @@ class FakeSGLangServer:
         return web.json_response(paused_answer())
 
     async def _continue_generation(self, request: web.Request) -> web.Response:
+        try:
+            require_body(request[_RECORD].body, request.path)
+        except RequestError as exc:
+            return self._refused(exc)
         self.paused = None
         self._unpaused.set()
         return web.json_response(continued_answer())

@@ -611,6 +611,14 @@ MEMORY_TAGS: tuple[str, ...] = ("weights", "kv_cache")
 IN_MEMORY_LOAD_FORMAT = "jaxrl_in_memory"
 
 
+def require_body(body: Any, path: str) -> Any:
+    """`body` itself; a missing one is refused as SGLang's request model refuses it (pause, continue, release and
+    resume take a JSON body, even if only `{}`)."""
+    if body is None:
+        raise RequestModelError(f"{path}: empty request body, expected a JSON object")
+    return body
+
+
 def parse_memory_tags(body: Any) -> tuple[str, ...] | None:
     """The tags of a memory-occupation body (None: all); RequestError for anything but a list of known tags."""
     if body is None or (isinstance(body, dict) and body.get("tags") is None):

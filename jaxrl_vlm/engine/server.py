@@ -58,6 +58,7 @@ from rollout.sglang_wire import (
     UpdateWeightsRequest,
     error_body,
     refusal_body,
+    require_body,
     is_authorized,
     loads_response,
     parse_generate,
@@ -129,7 +130,7 @@ async def _json_body(request: web.Request, *, optional: bool = False) -> Any:
     if not raw.strip():
         if optional:
             return {}
-        raise RequestError(f"{request.path}: empty request body, expected a JSON object")
+        return require_body(None, request.path)
     if len(raw) <= JSON_INLINE_BYTES:
         return parse_json_body(raw, request.path)
     loop = asyncio.get_running_loop()
@@ -235,17 +236,22 @@ async def health_generate(request: web.Request) -> web.Response:
 
 async def model_info(request: web.Request) -> web.Response:
     engine = request.app[_ENGINE]
+    # SGLang 0.5.23's keys, all of them (tests/sglang_conformance compares the whole answer's shape).
     return web.json_response({
         "model_path": engine.model_path,
+        "served_model_name": engine.model_path,
         "tokenizer_path": engine.model_path,
         "is_generation": True,
         "preferred_sampling_params": None,
         "weight_version": engine.scheduler.weight_version,
+        "load_format": "safetensors",
+        "reasoning_parser": None,
+        "tool_call_parser": None,
+        "disaggregation_mode": None,
         "has_image_understanding": engine.has_image_understanding,
         "has_audio_understanding": False,
         "model_type": engine.cfg.model_type,
         "architectures": engine.architectures,
-        "load_format": "safetensors",
     })
 
 

@@ -246,6 +246,7 @@ async def _answers(url: str, prompt_ids: list[int]) -> dict[str, dict[str, Any]]
         async with http.get(url + "/model_info") as reply:
             info = await reply.json()
             out["model_info_version"] = {"weight_version": info["weight_version"]}
+            out["model_info"] = info
         async with http.get(url + "/v1/loads", params={"include": "core"}) as reply:
             assert reply.status == 200
             out["loads"] = await reply.json(content_type=None)
@@ -274,7 +275,7 @@ ERROR_CASES = [
 
 
 @pytest.mark.parametrize("case", ["generate", "pause", "continue", "int_weight_version_status", "pause_no_body_status",
-                                  "model_info_version", "loads", "flush_idle_status",
+                                  "model_info_version", "model_info", "loads", "flush_idle_status",
                                   *(case for case, _, _ in ERROR_CASES)])
 async def test_the_embedded_engine_answers_with_sglangs_shapes(sglang_server, embedded_engine_url, case):
     ours = (await _answers(embedded_engine_url, [5, 6, 7]))[case]
