@@ -550,13 +550,20 @@ def generate_response(
         "num_retractions": num_retractions,
     }
     if return_logprob:
-        meta["input_token_logprobs"] = []
-        meta["output_token_logprobs"] = [
-            [lp, t, None if token_text is None else token_text(t)] for lp, t in zip(output_logprobs, output_ids)
-        ]
-        meta["output_token_logprobs_length"] = len(output_ids)
+        meta.update(_logprob_fields(output_ids, output_logprobs, token_text))
     meta["e2e_latency"] = e2e_latency
     return {"text": text, "output_ids": list(output_ids), "meta_info": meta}
+
+
+def _logprob_fields(output_ids: Sequence[int], output_logprobs: Sequence[float],
+                    token_text: Callable[[int], str] | None) -> dict[str, Any]:
+    """The log-prob keys of `meta_info` (`return_logprob`): `(logprob, id, text|None)` triples per output token."""
+    return {
+        "input_token_logprobs": [],
+        "output_token_logprobs": [[lp, t, None if token_text is None else token_text(t)]
+                                  for lp, t in zip(output_logprobs, output_ids)],
+        "output_token_logprobs_length": len(output_ids),
+    }
 
 
 # SGLang's message for a request aborted before it was scheduled (`TokenizerManager._handle_abort_req`).
@@ -584,11 +591,7 @@ def queued_abort_response(
         "e2e_latency": e2e_latency,
     }
     if return_logprob:
-        meta["input_token_logprobs"] = []
-        meta["output_token_logprobs"] = [
-            [lp, t, None if token_text is None else token_text(t)] for lp, t in zip(output_logprobs, output_ids)
-        ]
-        meta["output_token_logprobs_length"] = len(output_ids)
+        meta.update(_logprob_fields(output_ids, output_logprobs, token_text))
     meta["completion_tokens"] = len(output_ids)
     return {"text": text, "output_ids": list(output_ids), "meta_info": meta}
 

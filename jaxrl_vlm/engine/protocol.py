@@ -97,7 +97,8 @@ class PromptPreparer:
         self.cfg = cfg
         self.image_policy = image_policy
         self.encoder = ChatEncoder(tokenizer, image_processor) if image_processor is not None else None
-        self.images = ProcessedImageCache(image_processor)
+        # The encoder's own cache (one per engine); without an image processor no image is ever processed.
+        self.images = self.encoder.images if self.encoder is not None else ProcessedImageCache(None)
 
     def prepare(self, raw: RawGenerate) -> GenerateRequest:
         ids = list(self.tokenizer.encode(raw.text)) if raw.text is not None else list(raw.input_ids or [])
