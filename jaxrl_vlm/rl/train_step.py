@@ -10,7 +10,7 @@ One `jax.jit` per batch shape, with explicit in/out shardings on the configured 
 * old log-probs: with one optimizer step per rollout they are the current policy's own (detached) log-probs,
   as slime does, so the ratio is exactly 1; with several steps they are computed once before the first step
   (`compute_logprobs`) and passed in;
-* a non-finite loss or gradient skips the update (params and optimizer state unchanged) and is reported in
+* a non-finite loss or gradient (norm) skips the update (params and optimizer state unchanged) and is reported in
   the metrics (`train/skipped_nonfinite`), never written into the weights.
 """
 
@@ -169,8 +169,11 @@ def _train_step(graphdef, tx, cfg: StepConfig, state: TrainState, batch, old_log
     metrics0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metrics_shape)
     (grads, loss, metrics_acc), _ = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32), metrics0), jnp.arange(num_micro))
 
-    finite = jnp.isfinite(loss) & jnp.all(jnp.array([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree.norm(grads)
+    # One scalar test: a NaN or inf in any gradient makes the global norm non-finite. A per-leaf
+    # `all(isfinite(g))` and-chain gets fused by XLA into every parameter's update fusion (measured: the optimized
+    # program of the tiny model grew from 21k to 59k HLO lines, compile 6 s -> 11 s on CPU).
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     updates, new_opt_state = tx.update(grads, state.opt_state, state.params)
     new_params = optax.apply_updates(state.params, updates)
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
