@@ -310,6 +310,22 @@ def _has_junk(norm: str) -> bool:
     return any(w.lower() not in _MATH_WORDS for w in words)
 
 
+# A binary operator, relation or separator with no operand on one side: math-verify parses "12+" as 12 (it keeps the
+# longest valid prefix), so an answer that stops mid-expression would be graded by the part before the operator.
+_DANGLING_TAIL = re.compile(r"(?:[-+*/^=<>,;:_&|]|\\(?:cdot|times|div|pm|mp|le|leq|ge|geq|ne|neq|lt|gt|approx|to|"
+                            r"equiv|sim|cap|cup|wedge|vee|circ|ast|star|over))$")
+_DANGLING_HEAD = re.compile(r"^(?:[*/^=<>,;:_&|]|\\(?:cdot|times|div|le|leq|ge|geq|ne|neq|lt|gt|approx|to|equiv|"
+                            r"cap|cup|wedge|vee|circ|ast|star|over)(?![A-Za-z]))")
+
+
+def _dangling_operator(norm: str) -> bool:
+    """True when a normalised answer starts or ends with an operator that lacks its operand ("12+", "*3", "3\\cdot").
+
+    A leading sign (+ or -) or \\pm is an operand's sign, not a dangling operator.
+    """
+    return bool(_DANGLING_TAIL.search(norm) or _DANGLING_HEAD.match(norm))
+
+
 def _is_interval(norm: str) -> bool:
     """Half-open intervals such as "(1,2]" or "[0,\\infty)" legitimately pair different brackets."""
     return norm[:1] in "([" and norm[-1:] in ")]" and norm.count(",") == 1
@@ -329,7 +345,7 @@ def _prepare(answer: Any) -> str | None:
     if len(answer) > MAX_ANSWER_CHARS:
         return None
     norm = normalize_answer(answer)
-    if not norm or not _braces_balanced(norm) or _has_junk(norm):
+    if not norm or not _braces_balanced(norm) or _has_junk(norm) or _dangling_operator(norm):
         return None
     return norm
 

@@ -182,6 +182,11 @@ FAULT_CLASSES: tuple[FaultClass, ...] = (
                '"1+garbage()" and other answers with trailing junk -> graded wrong, math words still graded',
                (GRADE + "test_trailing_junk_is_not_graded_by_its_prefix",
                 GRADE + "test_math_words_intervals_and_units_are_not_junk")),
+    FaultClass("grading_dangling_operator", "issue 35 item 5",
+               '"12+", "3\\cdot", "*12": an answer cut off at an operator -> graded wrong, not by the prefix math-verify '
+               'keeps; signs, degrees and complete expressions still graded',
+               (GRADE + "test_an_answer_that_ends_or_starts_with_a_dangling_operator_is_wrong",
+                GRADE + "test_signs_degrees_and_complete_expressions_are_not_dangling")),
     FaultClass("corrupt_parquet_page", "row 13",
                "a damaged data page in one row group -> DatasetError naming the file and the row group, under both "
                "bad-row policies",

@@ -308,6 +308,27 @@ def test_trailing_junk_is_not_graded_by_its_prefix(pred, gold):
 
 @pytest.mark.parametrize(
     ("pred", "gold"),
+    [("12+", "12"), ("12 +", "12"), ("12-", "12"), ("12*", "12"), ("12/", "12"), ("12^", "12"), ("12=", "12"),
+     ("12,", "12"), ("3\\cdot", "3"), ("2\\times", "2"), ("\\frac{1}{2}+", "0.5"), ("*12", "12"), ("/4", "4"),
+     ("\\boxed{12+}", "12"), ("x \\le", "x")],
+)
+def test_an_answer_that_ends_or_starts_with_a_dangling_operator_is_wrong(pred, gold):
+    """math-verify keeps the longest valid prefix ("12+" parses as 12): an expression cut off at an operator is
+    not graded by what precedes it (issue 35, item 5)."""
+    assert not grade_answer(pred, gold)
+
+
+@pytest.mark.parametrize(
+    ("pred", "gold"),
+    [("-12", "-12"), ("+12", "12"), ("\\pm 3", "\\pm 3"), ("30^\\circ", "30"), ("= 12", "12"), ("x^2+1", "1+x^2"),
+     ("f \\circ g", "f \\circ g"), ("-\\frac{1}{2}", "-0.5")],
+)
+def test_signs_degrees_and_complete_expressions_are_not_dangling(pred, gold):
+    assert grade_answer(pred, gold)
+
+
+@pytest.mark.parametrize(
+    ("pred", "gold"),
     [("(1,2]", "(1,2]"), ("[0,\\infty)", "[0,\\infty)"), ("sqrt(3)", "\\sqrt{3}"), ("AB", "AB"), ("5 cm", "5"),
      ("x = 5", "5"), ("2\\pi", "2\\pi")],
 )
