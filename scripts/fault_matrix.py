@@ -57,7 +57,7 @@ class FaultClass:
     """One fault class: where it comes from, the injected fault -> the trusted behaviour, the tests that prove it."""
 
     name: str
-    origin: str  # "row N" of issue 17's table, or "survived" (a class that was survived before issue 17)
+    origin: str  # "row N" of issue 17's table, "issue N item M" for a later issue, or "survived" (before issue 17)
     fault: str
     tests: tuple[str, ...]
 

@@ -41,10 +41,13 @@ def test_every_node_id_of_the_table_names_an_existing_test(fm):
 
 
 def test_the_table_covers_every_row_of_issue_17_once_per_class_name(fm):
+    """Every row of issue 17's table has a class; later classes name their issue and item."""
     names = [c.name for c in fm.FAULT_CLASSES]
     assert len(names) == len(set(names))
-    rows = {c.origin for c in fm.FAULT_CLASSES if c.origin != "survived"}
+    rows = {c.origin for c in fm.FAULT_CLASSES if c.origin.startswith("row ")}
     assert rows == {f"row {k}" for k in range(1, 14)}
+    later = {c.origin for c in fm.FAULT_CLASSES if c.origin != "survived" and not c.origin.startswith("row ")}
+    assert all(re.fullmatch(r"issue \d+ item \d+", o) for o in later), later
     for c in fm.FAULT_CLASSES:
         assert (c.name == fm.ACCOUNTING) == (not c.tests), c.name
         assert all("[" not in t for t in c.tests), "name a test, not one of its parametrizations"
