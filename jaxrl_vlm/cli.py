@@ -39,9 +39,14 @@ def _cmd_train(ns: argparse.Namespace, rest: list[str]) -> int:
     if colocation:
         cfg.notes.append(colocation)
     initialize_from_env_or_config(cfg.distributed)  # before anything touches a JAX backend
-    from jaxrl_vlm.job.run import train
+    from jaxrl_vlm.job.run import run_training
 
-    train(cfg)
+    outcome = run_training(cfg)
+    if outcome.preempted is not None:  # a preemption is a clean stop: exit 0, the checkpoint resumes it
+        p = outcome.preempted
+        print(f"run preempted ({p.signals}) after {p.completed_steps} steps: checkpoint of step {p.completed_steps} in "
+              f"{p.directory}; resume with --load {p.directory}")
+        return 0
     print(f"run finished: metrics, plots, checkpoints and final_model under {cfg.train.output_dir}")
     return 0
 

@@ -409,6 +409,19 @@ class CheckpointConfig:
     load_step: int | None = opt(None, "Resume from this step of --load instead of the latest (e.g. when it is corrupt).")
     save_interval: int = opt(0, "Steps between checkpoints (0: only at the end).")
     keep_checkpoints: int = opt(3, "How many recent checkpoints to keep.")
+    preemption_policy: str = opt(
+        "finish",
+        "On SIGTERM/SIGINT (spot VMs, schedulers): finish the training step in progress when it fits in "
+        "--preemption-grace-seconds, else abort it; or abort it at once. Either way a checkpoint is written and the "
+        "run exits 0 (a second signal aborts at once).",
+        choices=("finish", "abort"),
+    )
+    preemption_grace_seconds: float = opt(
+        30.0,
+        "Seconds between SIGTERM and the SIGKILL that follows it (the scheduler's grace period): finishing the step "
+        "is given up when it would not leave time for the checkpoint.",
+        gt=0.0,
+    )
 
 
 @dataclass
@@ -517,6 +530,8 @@ class FieldInfo:
     help: str
     choices: Collection[Any] | None  # a tuple, or a registry (its names, resolved when a value is checked)
     default: Any
+    gt: float | None = None  # lower bounds of a number, declared on the field (`opt(..., gt=, ge=)`)
+    ge: float | None = None
 
     @property
     def flag(self) -> str:
@@ -531,7 +546,8 @@ def _build_field_index() -> dict[str, FieldInfo]:
             if f.name in index:
                 raise RuntimeError(f"config field {f.name!r} defined in both {index[f.name].section} and {section}")
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-            index[f.name] = FieldInfo(section, f.name, hints[f.name], f.metadata.get("help", ""), f.metadata.get("choices"), default)
+            index[f.name] = FieldInfo(section, f.name, hints[f.name], f.metadata.get("help", ""), f.metadata.get("choices"),
+                                      default, gt=f.metadata.get("gt"), ge=f.metadata.get("ge"))
     return index
 
 
@@ -990,6 +1006,10 @@ def _validate_numbers(cfg: Config) -> None:
             raise ConfigError(f"{where} must be > 0, got {value}")
         if info.name in _UNIT_INTERVAL and not 0 <= value < 1:
             raise ConfigError(f"{where} must be in [0, 1), got {value}")
+        if info.gt is not None and not value > info.gt:
+            raise ConfigError(f"{where} ({info.flag}) must be > {info.gt:g}, got {value}")
+        if info.ge is not None and not value >= info.ge:
+            raise ConfigError(f"{where} ({info.flag}) must be >= {info.ge:g}, got {value}")
 
 
 def _validate_hooks(cfg: Config) -> None:
@@ -1110,5 +1130,6 @@ def describe_options() -> str:
                 continue
             tp = str(info.type).replace("typing.", "")
             choices = f" choices={list(info.choices)}" if info.choices else ""
-            lines.append(f"  {info.flag:<40} {tp:<22} default={info.default!r}{choices}\n      {info.help}")
+            bounds = "".join(f" {op}{b:g}" for op, b in ((">", info.gt), (">=", info.ge)) if b is not None)
+            lines.append(f"  {info.flag:<40} {tp:<22} default={info.default!r}{choices}{bounds}\n      {info.help}")
     return "\n".join(lines)

@@ -23,6 +23,11 @@ Evaluation (`job/eval.py`, `--eval-prompt-data`) runs on process 0 before rollou
 after k steps (synced at the end of step k - 1), and once more after the last step; it never touches the training
 rollout's state.
 
+Preemption (`job/preemption.py`): SIGTERM or SIGINT stops the run at a safe point by `--preemption-policy` within
+`--preemption-grace-seconds`: the step in progress finishes or is aborted, a checkpoint is written (in asynchronous
+mode with the stream's buffered groups, as periodic checkpoints are), and the run exits 0 without its final export;
+`--load` of that checkpoint resumes exactly.
+
 Saved rollouts (`job/replay.py`, slime's flags): `--save-debug-rollout-data` writes each step's rollout result
 before it is trained on. `--load-debug-rollout-data` replays them: step k trains on the saved result of step k in
 place of a rollout, and the job has no engine session, no weight sync and no evaluation (it needs an engine; the
@@ -35,9 +40,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +58,7 @@ from jaxrl_vlm.distributed import barrier, broadcast_samples, broadcast_stop, ex
 from jaxrl_vlm.job.assets import load_dataset, load_eval_sets, prepare_assets, prepare_model
 from jaxrl_vlm.job.checkpointing import CheckpointCadence, ResumePoint, restore
 from jaxrl_vlm.job.eval import Evaluator, eval_due, passrate_metrics
+from jaxrl_vlm.job.preemption import Preemption, StepAborted, StepTimes
 from jaxrl_vlm.job.replay import RolloutReplay, RolloutSaver
 from jaxrl_vlm.job.run_log import RunLog, plot_run
 from jaxrl_vlm.job.session import rollout_session
@@ -59,6 +67,7 @@ from jaxrl_vlm.job.staleness import check_bounded_staleness, check_sample_versio
 from jaxrl_vlm.job.tracking import open_sinks
 from jaxrl_vlm.job.trainer import Trainer
 from jaxrl_vlm.weight_sync import SyncReport, WeightSyncer
+from rollout.client import EngineError
 from rollout.driver import RolloutResult, driver_checkpoint_state, restore_driver_state
 from rollout.failures import AllFailedStepsError, all_failed_streak, failure_report
 from rollout.dump import dump_samples
@@ -69,6 +78,8 @@ from rollout.streaming import GroupStream, StepBatch
 
 # /flush_cache poll of a weight update in asynchronous mode: the requests the pause aborted are answering.
 ASYNC_FLUSH_POLL_S = 0.02
+# Bound of the engine abort after a preempted step, whatever is left of the grace period: the checkpoint comes after.
+PREEMPTION_ABORT_TIMEOUT_S = 10.0
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +97,35 @@ def weight_sync_root(cfg: Config, out_dir: Path) -> Path:
 def _prompt_iterator(cfg: Config, data_path: Path) -> PromptIterator:
     return PromptIterator(load_dataset(cfg, data_path), cfg.rollout.rollout_batch_size,
                           shuffle=cfg.data.rollout_shuffle, seed=cfg.train.seed)
+
+
+@dataclass(frozen=True)
+class RunState:
+    """What a checkpoint holds beside the train state, read in one instant: the data cursor (None: a replay reads
+    no prompts) and the rollout driver's state (None on processes other than 0, and in a replay)."""
+
+    prompt_iterator: dict[str, Any] | None
+    driver_state: dict[str, Any] | None
+
+
+@dataclass(frozen=True)
+class PreemptedRun:
+    """A run stopped by a signal: the signals, the steps it completed (its checkpoint is that step, under
+    `directory`), and what it gave up (None when it stopped at a step boundary or finished the step in progress)."""
+
+    signals: str
+    completed_steps: int
+    directory: Path
+    aborted: str | None
+
+
+@dataclass
+class RunOutcome:
+    """What `run_training` returns: the last step's metrics, and how the run was preempted (None: it ran to its
+    end)."""
+
+    metrics: dict[str, Any]
+    preempted: PreemptedRun | None = None
 
 
 class MainJob:
@@ -108,6 +148,13 @@ class MainJob:
         self.stream: GroupStream | None = None  # the asynchronous rollout (--max-staleness >= 1)
         self.next_train_version = 0  # asynchronous mode: the trainer version the next batch taken trains at
         self.warm_started = False  # --load named an SFT run's checkpoint: the policy starts from its weights
+        self.preemption = Preemption.from_config(cfg.checkpoint)
+        self.times = StepTimes()  # the last completed step's phases, for the grace-period verdict
+        self.completed = 0  # steps completed (the resume point's, then each finished step)
+        self.step_start: RunState | None = None  # the run state when an aborted step began (synchronous mode)
+        self.aborted: str | None = None  # why a preemption gave up the step in progress
+        self.stopping = False  # every process agreed to stop for a preemption
+        self.preempted: PreemptedRun | None = None
 
     # -------------------------------------------------------------------------- phases
     def prepare(self) -> None:
@@ -136,6 +183,7 @@ class MainJob:
             self.warm_started, self.resume = True, None
         if self.resume is not None:
             self.start_step, self.version = self.resume.step, self.resume.weight_version
+            self.completed = self.start_step
             self.trainer.state = self.resume.state
             if self.prompts is not None:
                 if self.resume.prompt_iterator is None:  # a replay's checkpoint: it read no prompts
@@ -292,35 +340,122 @@ class MainJob:
             await self.syncer.client.resume_memory_occupation(["kv_cache"])
         metrics["perf/update_weights_time"] = time.perf_counter() - t2
 
-    def checkpoint(self, done: int) -> None:
-        if not self.checkpoints.due(done):
-            return
-        # Asynchronous mode: the stream's buffered and in-flight groups, read in the same instant as the data cursor.
+    def run_state(self) -> RunState:
+        """The data cursor and the driver state of this instant (no await between them). Asynchronous mode: the
+        stream's buffered and in-flight groups."""
         if self.stream is not None:
             driver = self.stream.checkpoint_state()
         else:
             driver = driver_checkpoint_state(self.args) if self.main and self.replay is None else None
-        self.checkpoints.save(
-            done, self.trainer.state, weight_version=self.version,
-            prompt_iterator=self.prompts.state_dict() if self.prompts is not None else None,
-            driver_state=driver,
-        )
+        return RunState(self.prompts.state_dict() if self.prompts is not None else None, driver)
+
+    def checkpoint(self, done: int) -> None:
+        if self.checkpoints.due(done):
+            self.save_checkpoint(done, self.run_state())
+
+    def save_checkpoint(self, done: int, run_state: RunState) -> None:
+        t0 = time.perf_counter()
+        self.checkpoints.save(done, self.trainer.state, weight_version=self.version,
+                              prompt_iterator=run_state.prompt_iterator, driver_state=run_state.driver_state)
+        self.times = dataclasses.replace(self.times, checkpoint_s=time.perf_counter() - t0)
+
+    @property
+    def abortable(self) -> bool:
+        """A step in progress may be aborted for a preemption: one process only (module docstring of
+        job/preemption.py)."""
+        return jax.process_count() == 1
+
+    async def preemptible(self, awaitable: Any, *, evaluation: bool = False) -> Any:
+        """Await the wait for samples (or an evaluation), cut short by a preemption when the policy says so."""
+        if not self.abortable:
+            return await awaitable
+        return await self.preemption.run_abortable(awaitable, self.times, always_abort=evaluation)
+
+    def stop_requested(self) -> bool:
+        """At a step boundary: process 0's signal flag, agreed by every process (a collective); sets `stopping`."""
+        if broadcast_stop("preempted" if self.main and self.preemption.requested else None) is not None:
+            self.stopping = True
+        return self.stopping
+
+    def skip_sync(self, step: int) -> bool:
+        """A signal came while step `step` trained: its weight sync is skipped (the resumed run pushes the weights).
+        One process only: with several, the export is a collective that every process joins."""
+        if self.abortable and self.preemption.requested:
+            logger.warning("step %d trained; its weight sync is skipped for the preemption (%s)", step,
+                           self.preemption.describe())
+            return True
+        return False
+
+    async def stop_for_preemption(self) -> None:
+        """After a signal, at a safe point: abort the engine's generation if a wait was cut short, then write the
+        checkpoint of the last completed step (its run state as the step began, when the step was aborted) unless
+        the store has that step already (a periodic checkpoint of the same state), and say where it is."""
+        done = self.completed
+        if self.aborted is not None:
+            logger.warning("preemption (%s): gave up the step in progress (%s)", self.preemption.describe(),
+                           self.aborted)
+            if self.stream is None:  # the stream aborts its own requests when it closes
+                await self.abort_engine()
+        run_state = self.step_start if self.step_start is not None else self.run_state()
+        directory = self.checkpoints.store.directory
+        if done in self.checkpoints.store.steps():
+            logger.info("the checkpoint of step %d is already written", done)
+        else:
+            self.save_checkpoint(done, run_state)
+        self.preempted = PreemptedRun(self.preemption.describe(), done, directory, self.aborted)
+        logger.warning("preempted by %s after %d completed steps (%.1f s after the signal): checkpoint of step %d in "
+                       "%s; resume with --load %s", self.preemption.describe(), done, self.preemption.since_signal_s(),
+                       done, directory, directory)
+
+    async def abort_engine(self) -> None:
+        """Abort every request on the engine (a cut rollout's or evaluation's episodes), bounded by what is left of
+        the grace period; the episodes still running see `aborting` and end."""
+        if not self.main or self.replay is not None or self.syncer.client is None:
+            return
+        ctx = self.args.rollout_context
+        ctx.aborting = True
+        left = self.preemption.grace_s - self.preemption.since_signal_s()
+        timeout = max(1.0, min(PREEMPTION_ABORT_TIMEOUT_S, left / 2))
+        try:
+            await self.syncer.client.abort_all(timeout_s=timeout, retry_interval_s=0.5)
+        except EngineError as e:  # the checkpoint matters more than an idle engine: said, then on
+            logger.warning("preemption: aborting the engine's requests failed within %.1f s: %s", timeout, e)
 
     async def step(self, step: int) -> dict[str, Any]:
+        """One synchronous step. A preemption may abort its rollout (StepAborted; the run state of its start is kept
+        for the checkpoint); once training starts, the step completes, without its weight sync when a signal came."""
         t0 = time.perf_counter()
-        result, samples, metrics = await self.rollout(step)
+        start = self.run_state() if self.abortable else None
+        try:
+            result, samples, metrics = await self.preemptible(self.rollout(step))
+        except StepAborted:
+            self.step_start = start  # the rollout took prompts and carried groups: the checkpoint saves these
+            raise
+        wait_s = time.perf_counter() - t0
         if samples:
             await self.release_engine(metrics)
             self.train(samples, metrics)
-            await self.sync(metrics)
+            if not self.skip_sync(step):
+                await self.sync(metrics)
         elif self.main:
             logger.warning("step %d: no trainable samples (dropped %s); no update", step, dict(result.dropped))
         metrics["perf/step_time"] = time.perf_counter() - t0
         metrics["weight_version"] = self.version
         if self.log is not None:
             self.log.log(step, metrics)
+        self.completed = step + 1
+        self.times = dataclasses.replace(self.times, wait_s=wait_s, train_s=time.perf_counter() - t0 - wait_s)
         self.checkpoint(step + 1)
         return metrics
+
+    async def evaluate_unless_preempted(self, done: int) -> None:
+        """`evaluate`, never waited for after a signal: cut short, or not started."""
+        if self.preemption.requested:
+            return
+        try:
+            await self.preemptible(self.evaluate(done), evaluation=True)
+        except StepAborted as e:
+            self.aborted = f"evaluation of step {done}: {e}"
 
     async def evaluate(self, done: int) -> dict[str, Any] | None:
         """Evaluate the engine's current weights (after `done` training steps, synced) when the schedule says so
@@ -356,9 +491,17 @@ class MainJob:
         last: dict[str, Any] = {}
         try:
             for step in range(self.start_step, self.cfg.rollout.num_rollout + 1):
-                await self.evaluate(step)
+                await self.evaluate_unless_preempted(step)
+                if self.stop_requested():
+                    break
                 if step < self.cfg.rollout.num_rollout:
-                    last = await self.async_step(step)
+                    try:
+                        last = await self.async_step(step)
+                    except StepAborted as e:
+                        self.aborted, self.stopping = f"step {step}: {e}", True
+                        break
+            if self.stopping:  # before the stream closes: its running groups are saved to restart
+                await self.stop_for_preemption()
         finally:
             await self.stream.close()
         return last
@@ -369,7 +512,7 @@ class MainJob:
         stream, k = self.stream, self.cfg.rollout.max_staleness
         t0 = time.perf_counter()
         busy0 = stream.busy_seconds()
-        batch = await stream.take(self.cfg.rollout.rollout_batch_size, step)
+        batch = await self.preemptible(stream.take(self.cfg.rollout.rollout_batch_size, step))
         result, samples = batch.result, batch.result.samples
         self.all_failed_steps = all_failed_streak(self.all_failed_steps, failure_report(result), step=step,
                                                   limit=self.cfg.rollout.max_all_failed_steps)
@@ -390,7 +533,8 @@ class MainJob:
             metrics["perf/train_time"] = train_s
             metrics["async/overlap_fraction"] = (stream.busy_seconds() - busy1) / train_s if train_s > 0 else 0.0
             self.version += 1
-            paused = await self.sync_async(metrics)
+            if not self.skip_sync(step):
+                paused = await self.sync_async(metrics)
         else:
             logger.warning("step %d: no trainable samples (dropped %s); no update", step, dict(result.dropped))
         step_s = time.perf_counter() - t0
@@ -403,6 +547,8 @@ class MainJob:
         metrics["weight_version"] = self.version
         if self.log is not None:
             self.log.log(step, metrics)
+        self.completed = step + 1
+        self.times = dataclasses.replace(self.times, wait_s=batch.waited_s, train_s=step_s - batch.waited_s)
         self.checkpoint(step + 1)
         return metrics
 
@@ -424,7 +570,12 @@ class MainJob:
 
     # -------------------------------------------------------------------------- the whole run
     async def run(self) -> dict[str, Any]:
-        """The whole job; returns the last step's metrics (the final eval is in metrics.jsonl)."""
+        """The whole job; returns the last step's metrics (the final eval is in metrics.jsonl). A preempted run
+        (`self.preempted`) returns after its checkpoint, without the final export."""
+        with self.preemption.installed():
+            return await self._run()
+
+    async def _run(self) -> dict[str, Any]:
         self.prepare()
         last: dict[str, Any] = {}
         try:
@@ -433,18 +584,32 @@ class MainJob:
                 if self.cfg.rollout.max_staleness > 0:
                     last = await self.run_async()
                 else:
-                    # Eval of the weights after `step` steps runs before rollout `step` (after the previous step's
-                    # sync), and once more after the last step.
-                    for step in range(self.start_step, self.cfg.rollout.num_rollout + 1):
-                        await self.evaluate(step)
-                        if step < self.cfg.rollout.num_rollout:
-                            last = await self.step(step)
-            self.finish()
+                    last = await self.run_sync()
+            if self.preempted is None:
+                self.finish()
             return last
         finally:
             if self.log is not None:
                 self.log.close()
             self.checkpoints.close()
+
+    async def run_sync(self) -> dict[str, Any]:
+        """The steps of `--max-staleness 0`; returns the last step's metrics. Eval of the weights after `step` steps
+        runs before rollout `step` (after the previous step's sync), and once more after the last step."""
+        last: dict[str, Any] = {}
+        for step in range(self.start_step, self.cfg.rollout.num_rollout + 1):
+            await self.evaluate_unless_preempted(step)
+            if self.stop_requested():
+                break
+            if step < self.cfg.rollout.num_rollout:
+                try:
+                    last = await self.step(step)
+                except StepAborted as e:
+                    self.aborted, self.stopping = f"step {step}: {e}", True
+                    break
+        if self.stopping:
+            await self.stop_for_preemption()
+        return last
 
 
 def _stream_metrics(batch: StepBatch, samples: list[Sample]) -> dict[str, float]:
@@ -462,12 +627,19 @@ def _stream_metrics(batch: StepBatch, samples: list[Sample]) -> dict[str, float]
     }
 
 
-def train(cfg: Config, *, devices: list[Any] | None = None) -> dict[str, Any]:
-    """Run the main job to the end (on `devices`, default all; an SFT job for `--loss-type sft_loss`); returns the
-    last step's metrics."""
+def run_training(cfg: Config, *, devices: list[Any] | None = None) -> RunOutcome:
+    """Run the main job to its end or to a preemption (on `devices`, default all; an SFT job for `--loss-type
+    sft_loss`, which does not handle preemption)."""
     if is_sft(cfg):
-        return SFTJob(cfg).run()
-    return asyncio.run(MainJob(cfg, devices=devices).run())
+        return RunOutcome(SFTJob(cfg).run())
+    job = MainJob(cfg, devices=devices)
+    metrics = asyncio.run(job.run())
+    return RunOutcome(metrics, job.preempted)
+
+
+def train(cfg: Config, *, devices: list[Any] | None = None) -> dict[str, Any]:
+    """`run_training`'s last step's metrics."""
+    return run_training(cfg, devices=devices).metrics
 
 
 async def run_one_rollout(cfg: Config, dump_path: str | None = None) -> RolloutResult:
