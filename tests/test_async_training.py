@@ -9,9 +9,16 @@ job end to end with the real trainer on a tiny model: no sample ever trains past
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 import types
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -33,6 +40,8 @@ from rollout.sample import Sample, Status, TerminationKind, TruncationCause, Tur
 from rollout.sglang_wire import FinishType
 from rollout.streaming import GroupStream, generation_allowance
 from test_driver import EnvSpec, PromptSource, harness, rid_of
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 # ----------------------------------------------------------------------------- pure parts
@@ -422,41 +431,69 @@ def _checkpoint_with_buffered_groups(directory: Path, at_least: int) -> tuple[in
     return None
 
 
+@contextlib.contextmanager
+def _fake_engine_process() -> Iterator[str]:
+    """`python -m rollout.fake_engine` on a free port (20 ms per answer), for CLI runs; yields its URL."""
+    engine = subprocess.Popen([sys.executable, "-m", "rollout.fake_engine", "--port", "0", "--latency-s", "0.02"],
+                              cwd=REPO, env=_cli_env(), stdout=subprocess.PIPE, text=True)
+    try:
+        url = engine.stdout.readline().strip().rsplit(" ", 1)[-1]
+        assert url.startswith("http://"), url
+        yield url
+    finally:
+        engine.terminate()
+        engine.wait(10)
+
+
+def _cli_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CLI runs like a user's: one CPU device
+
+
+def _async_train_cmd(tiny: Path, tmp: Path, url: str, *extra: str) -> list[str]:
+    """`jaxrl-vlm train` of 7 asynchronous steps (K = 1) against the fake engine at `url`, logging what each step
+    trained to <output_dir>/trained.jsonl."""
+    prompts = tmp / "prompts.jsonl"
+    if not prompts.exists():
+        prompts.write_text("".join(json.dumps({"problem": f"Q{i}", "answer": "x", "images": []}) + "\n"
+                                   for i in range(16)))
+    return [sys.executable, "-m", "jaxrl_vlm.cli", "train", "--hf-checkpoint", str(tiny),
+            "--prompt-data", str(prompts), "--prompt-style", "plain",
+            "--rollout-interaction-env-path", "envs.letter_game", "--max-turns", "1", "--engine-url", url,
+            "--num-rollout", "7", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
+            "--rollout-max-response-len", "8", "--seq-buckets", "64", "--row-buckets", "8",
+            "--patch-buckets", "0", "--use-tis", "--max-staleness", "1", "--custom-rollout-log-function-path",
+            str(REPO / "tests" / "_trained_log.py") + ":log_trained", "--output-dir", str(tmp / "run"), *extra]
+
+
+def _check_resume_trains_the_buffer_first(killed: list[dict], after: list[dict], checkpoint: int,
+                                          buffered: list[dict]) -> None:
+    """The resumed run's first batch starts with exactly the checkpoint's first two buffered groups (same samples,
+    tokens and weight versions; the whole batch when two were buffered); no group is trained twice, and none is
+    skipped."""
+    expected = [[s["group_index"], s["index"], s["tokens"], s["weight_versions"]]
+                for g in buffered[:2] for s in g["finished"]]  # the buffer's order is the order it trains
+    assert [r["rollout_id"] for r in after] == list(range(checkpoint, 7))
+    assert after[0]["samples"][:len(expected)] == expected  # the buffered samples, exactly
+    same_step = [r for r in killed if r["rollout_id"] == checkpoint]
+    if same_step:  # the interrupted run took that step's batch before it stopped: the very same samples
+        assert same_step[0]["samples"][:len(expected)] == expected
+    trained_before = {(s[0], s[1]) for r in killed if r["rollout_id"] < checkpoint for s in r["samples"]}
+    trained_after = [(s[0], s[1]) for r in after for s in r["samples"]]
+    assert not trained_before & set(trained_after) and len(trained_after) == len(set(trained_after))
+
+
 @pytest.mark.slow
 def test_sigkill_then_load_trains_the_buffered_samples_of_the_checkpoint(tiny, tmp_path):
     """An asynchronous run killed with SIGKILL resumes with `--load` and first trains exactly the groups that were
     buffered at its checkpoint (same samples, same tokens, same weight versions); the groups in flight restart."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
     from jaxrl_vlm.job.run_log import read_metrics
 
-    repo = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    engine = subprocess.Popen([sys.executable, "-m", "rollout.fake_engine", "--port", "0", "--latency-s", "0.02"],
-                              cwd=repo, env=env, stdout=subprocess.PIPE, text=True)
-    try:
-        url = engine.stdout.readline().strip().rsplit(" ", 1)[-1]
-        assert url.startswith("http://"), url
-        prompts = tmp_path / "prompts.jsonl"
-        prompts.write_text("".join(json.dumps({"problem": f"Q{i}", "answer": "x", "images": []}) + "\n"
-                                   for i in range(16)))
-        out = tmp_path / "run"
-
+    out = tmp_path / "run"
+    with _fake_engine_process() as url:
         def cmd(*extra: str) -> list[str]:
-            return [sys.executable, "-m", "jaxrl_vlm.cli", "train", "--hf-checkpoint", str(tiny),
-                    "--prompt-data", str(prompts), "--prompt-style", "plain",
-                    "--rollout-interaction-env-path", "envs.letter_game", "--max-turns", "1", "--engine-url", url,
-                    "--num-rollout", "7", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
-                    "--rollout-max-response-len", "8", "--seq-buckets", "64", "--row-buckets", "8",
-                    "--patch-buckets", "0", "--use-tis", "--max-staleness", "1", "--save-interval", "1",
-                    "--keep-checkpoints", "10", "--custom-rollout-log-function-path",
-                    str(repo / "tests" / "_trained_log.py") + ":log_trained", "--output-dir", str(out), *extra]
+            return _async_train_cmd(tiny, tmp_path, url, "--save-interval", "1", "--keep-checkpoints", "10", *extra)
 
-        proc = subprocess.Popen(cmd(), cwd=repo, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        proc = subprocess.Popen(cmd(), cwd=REPO, env=_cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + 600
         try:  # kill as soon as a finished checkpoint really holds two buffered groups (not assumed from a step count)
             while time.monotonic() < deadline:
@@ -479,25 +516,120 @@ def test_sigkill_then_load_trains_the_buffered_samples_of_the_checkpoint(tiny, t
         assert len(killed) < 7, "the run finished before it could be killed"
         buffered = [g for g in carried if not g["restart"]]
         assert len(buffered) >= 2, carried  # the run generated one batch ahead
-        expected = [[s["group_index"], s["index"], s["tokens"], s["weight_versions"]]
-                    for g in buffered[:2] for s in g["finished"]]  # the buffer's order is the order it trains
 
         (out / "trained.jsonl").rename(out / "trained_killed.jsonl")
-        resumed = subprocess.run(cmd("--load", str(out / "checkpoints")), cwd=repo, env=env, capture_output=True,
-                                 text=True, timeout=600)
+        resumed = subprocess.run(cmd("--load", str(out / "checkpoints")), cwd=REPO, env=_cli_env(),
+                                 capture_output=True, text=True, timeout=600)
         assert resumed.returncode == 0, resumed.stderr[-3000:]
-    finally:
-        engine.terminate()
-        engine.wait(10)
-    after = _read_jsonl(out / "trained.jsonl")
-    assert [r["rollout_id"] for r in after] == list(range(checkpoint, 7))
-    assert after[0]["samples"] == expected  # the buffered samples, exactly
-    same_step = [r for r in killed if r["rollout_id"] == checkpoint]
-    if same_step:  # the killed run trained that step before it died: on the very same samples
-        assert same_step[0]["samples"] == expected
-    # No group is trained twice, and none is skipped between the checkpoint's last trained step and the resume.
-    trained_before = {(s[0], s[1]) for r in killed if r["rollout_id"] < checkpoint for s in r["samples"]}
-    trained_after = [(s[0], s[1]) for r in after for s in r["samples"]]
-    assert not trained_before & set(trained_after) and len(trained_after) == len(set(trained_after))
+    _check_resume_trains_the_buffer_first(killed, _read_jsonl(out / "trained.jsonl"), checkpoint, buffered)
     records = {r["step"]: r for r in read_metrics(out / "metrics.jsonl")}
     assert sorted(records) == list(range(7)) and records[6]["weight_version"] == 7
+
+
+@pytest.mark.slow
+def test_sigterm_mid_step_checkpoints_the_stream_buffer_exits_0_and_resumes_from_it(tiny, tmp_path):
+    """SIGTERM while an asynchronous step trains (its batch taken, the stream generating the next one): the step
+    finishes without its weight sync, the checkpoint after it holds the stream's groups as a periodic one would
+    (buffered ones whole, running ones to restart), the run exits 0, and `--load` first trains exactly those
+    groups: the buffered ones as they were, then the restarted ones.
+
+    How many of the stream's groups are buffered rather than running at the signal depends on how fast the tiny
+    model trains against the fake engine's latency; either kind must come back."""
+    from jaxrl_vlm.job.run_log import read_metrics
+
+    out = tmp_path / "run"
+    with _fake_engine_process() as url:
+        # --save-interval 0: the only checkpoint before the end is the preemption's.
+        log = tmp_path / "preempted.log"  # a file, not a pipe: nobody reads a pipe while the test polls
+        with open(log, "w") as sink:
+            proc = subprocess.Popen(_async_train_cmd(tiny, tmp_path, url, "--save-interval", "0"), cwd=REPO,
+                                    env=_cli_env(), stdout=sink, stderr=subprocess.STDOUT)
+        trained = out / "trained.jsonl"
+        deadline = time.monotonic() + 600
+        try:  # the hook writes a step's line when its batch is taken, just before it trains
+            while not (trained.exists() and trained.read_text().count("\n") >= 2):  # whole lines only
+                assert proc.poll() is None, log.read_text()[-3000:]
+                assert time.monotonic() < deadline, "step 1 did not start training in time"
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=300)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        output = log.read_text()
+        assert proc.returncode == 0, output[-3000:]
+        steps = sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
+        assert len(steps) == 1 and steps[0] >= 2, steps  # step 1 (at least) completed
+        checkpoint = steps[0]
+        assert f"preempted by SIGTERM after {checkpoint} completed steps" in output, output[-3000:]
+        assert not (out / "final_model").exists()
+        carried = json.loads((out / "checkpoints" / str(checkpoint) / "meta" / "metadata").read_text())[
+            "driver_state"]["partial_groups"]
+        # The stream generates one batch ahead (K = 1): its groups are in the checkpoint, buffered or to restart.
+        assert len(carried) >= 2, carried
+        buffered = [g for g in carried if not g["restart"]]
+        assert all(len(g["finished"]) == 2 for g in buffered) and all(g["restart"] == [0, 1] for g in carried
+                                                                         if g not in buffered), carried
+        killed = _read_jsonl(trained)
+        assert len(killed) < 7, "the run finished before it could be preempted"
+        assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == list(range(checkpoint))
+
+        trained.rename(out / "trained_preempted.jsonl")
+        resumed = subprocess.run(_async_train_cmd(tiny, tmp_path, url, "--load", str(out / "checkpoints")),
+                                 cwd=REPO, env=_cli_env(), capture_output=True, text=True, timeout=600)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+    after = _read_jsonl(trained)
+    _check_resume_trains_the_buffer_first(killed, after, checkpoint, buffered)
+    # The first batch is made of the checkpoint's groups only (the restarted ones in the order they finish).
+    first = [s[0] for s in after[0]["samples"]]
+    assert len(first) == 4 and set(first) <= {g["group_index"] for g in carried}, (first, carried)
+    records = {r["step"]: r for r in read_metrics(out / "metrics.jsonl")}
+    assert sorted(records) == list(range(7)) and records[6]["weight_version"] == 7
+
+
+@pytest.mark.slow
+async def test_sigterm_while_a_step_trains_checkpoints_the_groups_buffered_meanwhile(tiny, tmp_path):
+    """The buffered case made certain: step 1's training (in its worker thread) waits until the stream has buffered
+    the next batch, then the process signals itself. The step finishes, and the preemption checkpoint of step 2
+    holds those groups whole (same samples, tokens and weight versions); a job resumed from it trains them first."""
+    from jaxrl_vlm.job.run import MainJob
+
+    def recording(job: MainJob, trained: list[list[list]], preempt_at: int | None = None) -> None:
+        train_on = job.trainer.train_on
+
+        def train_on_then(samples):  # the worker thread; the job's version is the step's until it returns
+            trained.append([[s.group_index, s.index, list(s.tokens), list(s.weight_versions)] for s in samples])
+            if job.version == preempt_at:
+                deadline = time.monotonic() + 60
+                while len(job.stream.buffer) < 2:  # the producer runs on the event loop meanwhile
+                    assert time.monotonic() < deadline, "the stream buffered no batch while step 1 trained"
+                    time.sleep(0.01)
+                buffered.extend([s.group_index, s.index, list(s.tokens), list(s.weight_versions)]
+                                for g in job.stream.buffer[:2] for s in g.samples)
+                os.kill(os.getpid(), signal.SIGTERM)
+            return train_on(samples)
+
+        job.trainer.train_on = train_on_then
+
+    buffered: list[list] = []
+    before: list[list[list]] = []
+    after: list[list[list]] = []
+    async with FakeSGLangServer(script=lambda record: Delay(0.02), eos_token_id=151645) as server:
+        job = MainJob(_job_config(tiny, tmp_path, server.url))
+        recording(job, before, preempt_at=1)
+        await job.run()
+        assert job.preempted is not None and job.preempted.completed_steps == 2, job.preempted
+        assert job.preempted.signals == "SIGTERM" and job.preempted.aborted is None  # step 1 was finished
+        checkpoints = tmp_path / "run" / "checkpoints"
+        meta = json.loads((checkpoints / "2" / "meta" / "metadata").read_text())
+        saved = [[s["group_index"], s["index"], s["tokens"], s["weight_versions"]]
+                 for g in meta["driver_state"]["partial_groups"] if not g["restart"] for s in g["finished"]]
+        assert len(buffered) == 4 and saved[:4] == buffered  # the stream's buffer at the signal, whole
+        assert not (tmp_path / "run" / "final_model").exists()
+
+        resumed = MainJob(_job_config(tiny, tmp_path, server.url, "--load", str(checkpoints)))
+        recording(resumed, after)
+        await resumed.run()
+    assert resumed.preempted is None and len(before) == 2 and len(after) == 2  # steps 0-1, then 2-3
+    assert after[0] == buffered

@@ -110,6 +110,69 @@ def test_sigkill_then_load_resumes_like_an_uninterrupted_run(full_run):
             assert after[step][key] == pytest.approx(full[step][key], rel=1e-4, abs=1e-6), (step, key)
 
 
+def _wait_for(predicate, proc: subprocess.Popen, log: Path, what: str, timeout_s: float = 600) -> None:
+    """Poll `predicate` until it holds; fail naming `what` (with the log's tail) if the process ends or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        if proc.poll() is not None:
+            pytest.fail(f"the run exited with {proc.returncode} before {what}:\n{log.read_text()[-3000:]}")
+        time.sleep(0.05)
+    pytest.fail(f"{what}: not within {timeout_s:g} s")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["abort", "finish"])
+def test_sigterm_mid_step_checkpoints_exits_0_and_resumes_like_an_uninterrupted_run(full_run, policy):
+    """SIGTERM while step 2 rolls out: `abort` gives the step up and checkpoints step 2 (the data cursor and driver
+    state as the step began); `finish` trains step 2 (within the grace period) and checkpoints step 3. Either way the
+    run exits 0 without its final export, and `--load` continues exactly like the uninterrupted run."""
+    tmp, _ = full_run
+    name = f"sigterm_{policy}"
+    out = tmp / name
+    out.mkdir()
+    log = out / "stderr.log"
+    grace = "300" if policy == "finish" else "30"  # finish: room for a step on a loaded 2-core machine
+    # --save-interval 0: the only checkpoint before the end is the preemption's.
+    argv = _cmd(tmp, name, "--save-interval", "0", "--preemption-policy", policy, "--preemption-grace-seconds", grace)
+    metrics = out / "metrics.jsonl"
+    with open(log, "w") as err:
+        proc = subprocess.Popen(argv, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=err, text=True)
+    try:
+        # Step 1 is logged: the run is in step 2's rollout (no checkpoint or evaluation in between).
+        _wait_for(lambda: metrics.exists() and len(read_metrics(metrics)) >= 2, proc, log, "step 1 was logged")
+        proc.send_signal(signal.SIGTERM)
+        stdout, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    stderr = log.read_text()
+    assert proc.returncode == 0, stderr[-3000:]
+    checkpoint = 2 if policy == "abort" else 3
+    if policy == "abort":
+        assert "gave up the step in progress (step 2: --preemption-policy abort)" in stderr, stderr[-3000:]
+    else:
+        assert "step 2 trained; its weight sync is skipped for the preemption (SIGTERM)" in stderr, stderr[-3000:]
+    assert f"preempted by SIGTERM after {checkpoint} completed steps" in stderr
+    assert f"run preempted (SIGTERM) after {checkpoint} steps" in stdout
+    assert sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == [checkpoint]
+    assert not (out / "final_model").exists()  # the preempted run is not finished
+    assert [r["step"] for r in read_metrics(metrics)] == list(range(checkpoint))
+
+    resumed = subprocess.run(_cmd(tmp, name, "--load", str(out / "checkpoints")), cwd=ROOT, env=_env(),
+                             capture_output=True, text=True, timeout=900)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"at step {checkpoint}" in resumed.stderr and "run finished" in resumed.stdout
+    full = {r["step"]: r for r in read_metrics(tmp / "full" / "metrics.jsonl")}
+    after = {r["step"]: r for r in read_metrics(metrics)}
+    assert sorted(after) == list(range(6))
+    for step in range(checkpoint, 6):
+        for key in ("rollout/raw_reward", "rollout/response_len/mean", "train/loss_total", "train/grad_norm"):
+            assert after[step][key] == pytest.approx(full[step][key], rel=1e-4, abs=1e-6), (step, key)
+
+
 @pytest.mark.slow
 def test_rollout_command_on_synthetic_geo3k_writes_a_valid_dump(full_run):
     from rollout.dump import validate_dump

@@ -182,5 +182,7 @@ class Preemption:
                 logged = True
             if verdict.abort:
                 task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+                (outcome,) = await asyncio.gather(task, return_exceptions=True)
+                if isinstance(outcome, Exception):  # it failed while it was being cancelled: said, then given up
+                    logger.warning("the aborted wait raised %s: %s", type(outcome).__name__, outcome)
                 raise StepAborted(verdict.reason)
