@@ -616,7 +616,9 @@ async def test_sigterm_while_a_step_trains_checkpoints_the_groups_buffered_meanw
     before: list[list[list]] = []
     after: list[list[list]] = []
     async with FakeSGLangServer(script=lambda record: Delay(0.02), eos_token_id=151645) as server:
-        job = MainJob(_job_config(tiny, tmp_path, server.url))
+        # --save-interval 2: the periodic checkpoint of step 2 is written just before the job sees the signal, and the
+        # preemption keeps it (the subprocess tests above cover the checkpoint the preemption writes itself).
+        job = MainJob(_job_config(tiny, tmp_path, server.url, "--save-interval", "2"))
         recording(job, before, preempt_at=1)
         await job.run()
         assert job.preempted is not None and job.preempted.completed_steps == 2, job.preempted
@@ -628,6 +630,7 @@ async def test_sigterm_while_a_step_trains_checkpoints_the_groups_buffered_meanw
         assert len(buffered) == 4 and saved[:4] == buffered  # the stream's buffer at the signal, whole
         assert not (tmp_path / "run" / "final_model").exists()
 
+        assert sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()) == [2]
         resumed = MainJob(_job_config(tiny, tmp_path, server.url, "--load", str(checkpoints)))
         recording(resumed, after)
         await resumed.run()

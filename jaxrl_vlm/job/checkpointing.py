@@ -90,7 +90,8 @@ def restore(cfg: Config, like_state: Any) -> ResumePoint | None:
 
 
 class CheckpointCadence:
-    """Writes a checkpoint every `--save-interval` steps and at the last step (orbax, atomic, `keep` newest)."""
+    """Writes a checkpoint every `--save-interval` steps and at the last step (orbax, atomic, `keep` newest); the
+    main job also writes one when it is preempted (job/preemption.py), whatever the interval."""
 
     def __init__(self, cfg: Config, out_dir: Path):
         self.cfg = cfg
@@ -110,6 +111,14 @@ class CheckpointCadence:
             "prompt_iterator": prompt_iterator, "weight_version": weight_version, "config": self.cfg.to_dict(),
             "driver_state": driver_state,
         })
+
+    def has(self, done: int) -> bool:
+        """Whether the checkpoint of step `done` is already written (complete)."""
+        return done in self.store.steps()
+
+    @property
+    def directory(self) -> Path:
+        return self.store.directory
 
     def close(self) -> None:
         self.store.close()

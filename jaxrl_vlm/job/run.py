@@ -397,8 +397,8 @@ class MainJob:
             if self.stream is None:  # the stream aborts its own requests when it closes
                 await self.abort_engine()
         run_state = self.step_start if self.step_start is not None else self.run_state()
-        directory = self.checkpoints.store.directory
-        if done in self.checkpoints.store.steps():
+        directory = self.checkpoints.directory
+        if self.checkpoints.has(done):
             logger.info("the checkpoint of step %d is already written", done)
         else:
             self.save_checkpoint(done, run_state)
