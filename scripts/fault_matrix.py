@@ -76,6 +76,7 @@ JUDGE = "tests/test_llm_judge.py::"
 GRADE = "tests/test_grading.py::"
 VERSIONS = "tests/test_engine_versions.py::"
 DATASET = "tests/test_dataset_faults.py::"
+PREEMPT = "tests/test_preemption.py::"
 
 FAULT_CLASSES: tuple[FaultClass, ...] = (
     # ---- issue 17, rows 1-13
@@ -187,6 +188,18 @@ FAULT_CLASSES: tuple[FaultClass, ...] = (
                'keeps; signs, degrees and complete expressions still graded',
                (GRADE + "test_an_answer_that_ends_or_starts_with_a_dangling_operator_is_wrong",
                 GRADE + "test_signs_degrees_and_complete_expressions_are_not_dangling")),
+    FaultClass("sigterm_mid_step", "issue 35 item 2",
+               "SIGTERM (or SIGINT) while a step runs -> the step finishes or is aborted by --preemption-policy "
+               "within --preemption-grace-seconds (a second signal aborts at once), a checkpoint of the last "
+               "completed step (with the stream's buffered groups in async mode), exit 0, and --load resumes exactly",
+               (PREEMPT + "test_finish_policy_finishes_a_step_that_fits_in_the_grace_period",
+                PREEMPT + "test_finish_policy_aborts_when_finishing_would_overrun_the_grace_period",
+                PREEMPT + "test_the_deadline_aborts_a_wait_that_runs_longer_than_measured",
+                PREEMPT + "test_abort_policy_a_second_signal_and_no_completed_step_abort_at_once",
+                PREEMPT + "test_handler_records_the_signal_and_restores_the_previous_handlers",
+                PREEMPT + "test_a_signal_cuts_the_wait_short_and_cancels_it_when_the_policy_aborts",
+                "tests/test_async_training.py::test_sigterm_while_a_step_trains_checkpoints_the_groups_buffered_meanwhile",
+                "tests/test_main_job.py::test_sigterm_mid_step_checkpoints_exits_0_and_resumes_like_an_uninterrupted_run")),
     FaultClass("corrupt_parquet_page", "row 13",
                "a damaged data page in one row group -> DatasetError naming the file and the row group, under both "
                "bad-row policies",
