@@ -89,6 +89,8 @@ def test_handler_records_the_signal_and_restores_the_previous_handlers():
         signal.raise_signal(signal.SIGINT)  # would raise KeyboardInterrupt without it
         assert preemption.requested and preemption.signals == 2
         assert preemption.describe() == "SIGTERM, SIGINT"
+        with pytest.raises(KeyboardInterrupt, match="without a checkpoint"):  # the third: at once
+            os.kill(os.getpid(), signal.SIGTERM)
     assert {sig: signal.getsignal(sig) for sig in before} == before
 
 

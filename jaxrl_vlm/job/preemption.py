@@ -11,6 +11,8 @@ is over. Without this, a run loses everything since its last periodic checkpoint
   step (the data cursor and rollout driver state snapshotted when the step began).
 In both, a second signal forces the fastest path (abort now), the engine's generation is aborted through the
 client's `abort_all`, the run exits 0 and its log says where the checkpoint is. `--load` of it resumes exactly.
+A third signal stops at once without a checkpoint (KeyboardInterrupt), as Ctrl-C did before: a start-up that
+takes long (compilation, an engine launch) has no safe point to wait for.
 
 **What can be aborted**: waiting for samples (the synchronous rollout, the asynchronous stream's `take`) and
 evaluation, which produces no training state and runs again on resume. A train step that has started always
@@ -139,9 +141,12 @@ class Preemption:
                 signal.signal(sig, handler)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        """Only records: the job acts at its next safe point (never checkpoint from a signal handler)."""
+        """Only records: the job acts at its next safe point (never checkpoint from a signal handler). The third
+        signal interrupts whatever runs (module docstring)."""
         self.received.append((signal.Signals(signum).name, time.monotonic()))
         self._event.set()
+        if len(self.received) >= 3:
+            raise KeyboardInterrupt(f"{self.describe()}: stopping at once, without a checkpoint")
 
     # -------------------------------------------------------------------------- the job's side
     @property
