@@ -5,8 +5,9 @@ is over. Without this, a run loses everything since its last periodic checkpoint
 
 **Policy** (`--preemption-policy`):
 - `finish` (default): the training step in progress completes when the estimate says it fits in the grace period
-  with time left for the checkpoint (`abort_verdict`), and the checkpoint after it is written. Its weight sync is
-  skipped: the resumed run pushes the trainer's weights to the engine before its first rollout anyway.
+  with time left for the checkpoint (`abort_verdict`; with no completed step in this run to measure, it is
+  aborted), and the checkpoint after it is written. Its weight sync is skipped: the resumed run pushes the
+  trainer's weights to the engine before its first rollout anyway.
 - `abort`: the step in progress is given up at once, and the checkpoint holds the state as of the last completed
   step (the data cursor and rollout driver state snapshotted when the step began).
 In both, a second signal forces the fastest path (abort now), the engine's generation is aborted through the
