@@ -23,9 +23,11 @@ from typing import Any, Callable, TypeVar
 _T = TypeVar("_T", bound="ArgsOptions")
 
 
-def opt(default: Any, help: str, *, choices: Collection[Any] | None = None) -> Any:
-    """Declare an option with its help text (and optional allowed values); lists/dicts get a fresh copy each time."""
-    meta = {"help": help, "choices": choices}
+def opt(default: Any, help: str, *, choices: Collection[Any] | None = None, ge: float | None = None,
+        le: float | None = None) -> Any:
+    """Declare an option with its help text (and optional allowed values, and inclusive bounds `ge`/`le` of a
+    number, checked by the run config); lists/dicts get a fresh copy each time."""
+    meta = {"help": help, "choices": choices, "ge": ge, "le": le}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: copy.deepcopy(d), metadata=meta)
     return field(default=default, metadata=meta)

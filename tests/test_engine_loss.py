@@ -1,0 +1,185 @@
+"""An engine that dies and comes back, and a router worker that dies (issue 35, items 1 and 4).
+
+Against the scripted fake SGLang server: while the engine is unreachable no /generate is sent (the server counts
+them), the requests the loss cut are re-sent once it is back, the trainer's weights are pushed again before any of
+them, and an engine that does not come back fails the waiting requests with `EngineLost` naming the URL and the wait.
+A router worker that no control call reaches is dropped under `--allow-worker-loss` and stops the run otherwise.
+The end-to-end test (`kill -9` of `jaxrl-vlm serve` mid-run, restart on the same port) is at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from rollout.client import RetryPolicy, SGLangClient, WorkerLost
+from rollout.engine_link import EngineLost, LinkState
+from rollout.fake_engine import FakeSGLangServer, Hang
+
+FAST = RetryPolicy(max_retries=2, backoff_base_s=0.001, backoff_max_s=0.01)
+PARAMS = {"max_new_tokens": 16, "stop_token_ids": [151645]}
+ROOT = Path(__file__).resolve().parents[1]
+
+
+async def until(predicate, timeout_s: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what} not reached within {timeout_s} s"
+        await asyncio.sleep(0.01)
+
+
+def linked_client(url: str, timeout_s: float = 10.0, **kw) -> SGLangClient:
+    return SGLangClient(url, retry=FAST, seed=0, reconnect_timeout_s=timeout_s, **kw)
+
+
+class Restores:
+    """A stand-in for the job's return hook: counts calls, says it pushed the weights."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def __call__(self) -> bool:
+        self.calls += 1
+        return True
+
+
+async def test_no_generate_is_sent_while_the_engine_is_down_and_cut_requests_are_resent():
+    async with FakeSGLangServer() as srv:
+        async with linked_client(srv.url) as client:
+            restores = Restores()
+            client.link.arm(restores)
+            srv.enqueue(*[Hang()] * 4)
+            in_flight = [asyncio.ensure_future(client.generate([1, 2], sampling_params=PARAMS)) for _ in range(4)]
+            await until(lambda: srv.num_in_flight == 4, what="4 requests in flight")
+            srv.take_down()  # the engine crashes under them
+            await until(lambda: client.link.state is LinkState.DOWN, what="link down")
+            sent_at_loss = len(srv.requests_to("/generate"))
+            later = [asyncio.ensure_future(client.generate([3], sampling_params=PARAMS)) for _ in range(3)]
+            # Probed while down (with backoff), but no /generate reaches the engine.
+            await until(lambda: len(srv.requests_to("/health_generate")) >= 3, what="3 health probes")
+            assert len(srv.requests_to("/generate")) == sent_at_loss == 4
+            assert not any(t.done() for t in in_flight + later)
+            srv.bring_back()
+            results = await asyncio.wait_for(asyncio.gather(*in_flight, *later), 10)
+    assert all(r.finish_reason.value == "stop" and r.output_ids for r in results)
+    assert restores.calls == 1
+    assert len(srv.requests_to("/generate")) == 4 + 4 + 3  # the 4 cut requests once more, the 3 held ones once
+    metrics = client.link.metrics()
+    assert metrics["engine/outages"] == 1 and metrics["engine/requests_resent"] == 4
+    assert metrics["engine/weight_restores"] == 1 and metrics["engine/outage_seconds"] > 0
+    # A re-sent request carries a rid of its own (the engine may still hold the old one for a moment).
+    rids = [r.body["rid"] for r in srv.requests_to("/generate")]
+    assert len(set(rids)) == len(rids)
+
+
+async def test_an_engine_restarted_on_the_same_port_serves_the_cut_request_again():
+    first = await FakeSGLangServer([Hang()]).start()
+    port = first.port
+    async with linked_client(first.url) as client:
+        client.link.arm(Restores())
+        pending = asyncio.ensure_future(client.generate([1], sampling_params=PARAMS))
+        await until(lambda: first.num_in_flight == 1, what="request in flight")
+        first.take_down()  # it crashes: the request's connection is reset...
+        await first.stop()  # ...and then connections are refused
+        await until(lambda: client.link.state is LinkState.DOWN, what="link down")
+        async with FakeSGLangServer(port=port) as second:
+            result = await asyncio.wait_for(pending, 10)
+            assert result.output_ids and len(second.requests_to("/generate")) == 1
+    assert client.link.outages[0].recovered
+
+
+async def test_an_engine_that_does_not_return_fails_the_waiting_requests_naming_url_and_wait():
+    server = await FakeSGLangServer([Hang()]).start()
+    url = server.url
+    async with linked_client(url, timeout_s=0.6) as client:
+        client.link.arm(Restores())
+        pending = asyncio.ensure_future(client.generate([1], sampling_params=PARAMS))
+        await until(lambda: server.num_in_flight == 1, what="request in flight")
+        server.take_down()
+        await server.stop()
+        with pytest.raises(EngineLost, match=rf"engine at {url} lost: not back after waiting 0\.\d s "
+                                             r"\(--engine-reconnect-timeout 0\.6\)"):
+            await asyncio.wait_for(pending, 10)
+        with pytest.raises(EngineLost):  # later requests fail at once, and the owner can ask
+            await client.generate([1], sampling_params=PARAMS)
+        with pytest.raises(EngineLost, match=url):
+            client.link.raise_if_failed()
+    assert client.link.state is LinkState.FAILED
+
+
+async def test_the_restore_pushes_the_trainers_weights_before_any_request_is_resent(tmp_path):
+    from jaxrl_vlm.weight_sync import SyncReport, WeightSyncer
+
+    weights = tmp_path / "weights_v000003"
+    weights.mkdir()
+    async with FakeSGLangServer(weight_version="3") as srv:
+        async with linked_client(srv.url) as client:
+            syncer = WeightSyncer(client, tmp_path, flush_poll_s=0.01)
+            syncer.history.append(SyncReport(3, weights, 0.0, 0.0, 0, 1))
+            client.link.arm(syncer.restore)
+            # A blip: the engine answers again with the weights it had -> nothing is pushed.
+            srv.enqueue(Hang())
+            first = asyncio.ensure_future(client.generate([1], sampling_params=PARAMS))
+            await until(lambda: srv.num_in_flight == 1, what="request in flight")
+            srv.take_down()
+            await until(lambda: client.link.state is LinkState.DOWN, what="link down")
+            srv.bring_back(weight_version="3")
+            await asyncio.wait_for(first, 10)
+            assert srv.requests_to("/update_weights_from_disk") == []
+            # A restart: the engine came back with its initial weights -> version 3 pushed and confirmed first.
+            srv.enqueue(Hang())
+            second = asyncio.ensure_future(client.generate([2], sampling_params=PARAMS))
+            await until(lambda: srv.num_in_flight == 1, what="request in flight")
+            srv.take_down()
+            await until(lambda: client.link.state is LinkState.DOWN, what="link down")
+            cut = len(srv.requests)
+            srv.bring_back(weight_version="default")
+            result = await asyncio.wait_for(second, 10)
+    after = [r.path for r in srv.requests[cut:] if not r.path.startswith("/health")]
+    assert after.index("/update_weights_from_disk") < after.index("/generate"), after
+    assert srv.requests_to("/update_weights_from_disk")[0].body["model_path"] == str(weights)
+    assert srv.weight_version == "3" and result.weight_version == "3"
+    assert [o.weights_restored for o in client.link.outages] == [False, True]
+
+
+@pytest.mark.parametrize("allow", [True, False])
+async def test_a_dead_router_worker_is_dropped_when_allowed_and_stops_the_run_otherwise(tmp_path, allow):
+    async with FakeSGLangServer() as router, FakeSGLangServer() as w1:
+        w2 = await FakeSGLangServer().start()
+        dead = w2.url
+        await w2.stop()  # the worker died: connections refused
+        async with SGLangClient(router.url, worker_urls=[w1.url, dead], retry=FAST, seed=0,
+                                allow_worker_loss=allow) as client:
+            if allow:
+                answers = await client.sync_weights_from_disk(str(tmp_path), "5", flush_poll_s=0.001)
+                assert set(answers) == {w1.url} and client.worker_urls == [w1.url]
+                assert [loss.url for loss in client.lost_workers] == [dead]
+                assert "/pause_generation" in client.lost_workers[0].during
+                assert await client.get_weight_versions() == {w1.url: "5"}
+            else:
+                with pytest.raises(WorkerLost, match=rf"router worker {dead} is unreachable during the weight update"
+                                                     r".*--allow-worker-loss"):
+                    await client.sync_weights_from_disk(str(tmp_path), "5", flush_poll_s=0.001)
+                with pytest.raises(WorkerLost, match=rf"{dead} .*weight version check"):
+                    await client.get_weight_versions()
+                assert client.worker_urls == [w1.url, dead]
+    assert w1.paths[-1] in ("/continue_generation", "/model_info") and w1.paused is None
+
+
+async def test_the_last_router_worker_is_never_dropped(tmp_path):
+    async with FakeSGLangServer() as router:
+        w = await FakeSGLangServer().start()
+        dead = w.url
+        await w.stop()
+        async with SGLangClient(router.url, worker_urls=[dead], retry=FAST, allow_worker_loss=True) as client:
+            with pytest.raises(WorkerLost, match="it is the last worker"):
+                await client.get_weight_versions()
