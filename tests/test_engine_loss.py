@@ -183,3 +183,109 @@ async def test_the_last_router_worker_is_never_dropped(tmp_path):
         async with SGLangClient(router.url, worker_urls=[dead], retry=FAST, allow_worker_loss=True) as client:
             with pytest.raises(WorkerLost, match="it is the last worker"):
                 await client.get_weight_versions()
+
+
+# ---- end to end: kill -9 of `jaxrl-vlm serve` mid-run, restarted on the same port --------------------------------
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> dict[str, str]:
+    """One CPU device, and this tree's code in every process."""
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "PYTHONPATH": str(ROOT)}
+
+
+def _serve(model: Path, port: int, log: Path) -> subprocess.Popen:
+    with open(log, "ab") as out:
+        return subprocess.Popen([sys.executable, "-m", "jaxrl_vlm.cli", "serve", "--model", str(model), "--port",
+                                 str(port), "--max-batch", "2", "--max-seq-len", "256"],
+                                cwd=ROOT, env=_env(), stdout=out, stderr=subprocess.STDOUT)
+
+
+def _get(url: str) -> dict | None:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as reply:
+            return json.loads(reply.read())
+    except OSError:
+        return None
+
+
+def _busy(url: str) -> int:
+    """Requests running or waiting in the engine (0 when it does not answer)."""
+    loads = _get(url + "/v1/loads?include=core")
+    return sum(r["num_running_reqs"] + r["num_waiting_reqs"] for r in loads["loads"]) if loads else 0
+
+
+def _steps(metrics: Path) -> list[dict]:
+    if not metrics.exists():
+        return []
+    return [r for r in map(json.loads, metrics.read_text().splitlines()) if "rollout/samples" in r]
+
+
+@pytest.mark.slow
+def test_a_run_survives_kill_9_of_its_engine_and_a_restart_on_the_same_port(tmp_path):
+    """The acceptance test of issue 35 item 1: every step trains its full batch, the weights are pushed and confirmed
+    on the restarted engine, and no episode is lost or FAILED by anything but `engine_lost`."""
+    from jaxrl_vlm.tiny import make_tiny
+
+    model = make_tiny(tmp_path / "model", seed=3)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"problem": f"Q{i}", "answer": "x", "images": []}) + "\n" for i in range(8)))
+    port = _free_port()  # chosen by the OS, reused for the restart
+    url = f"http://127.0.0.1:{port}"
+    out = tmp_path / "run"
+    steps, batch, n = 3, 2, 4
+    procs: list[subprocess.Popen] = [_serve(model, port, tmp_path / "serve.log")]
+    try:
+        deadline = time.monotonic() + 180
+        while _get(url + "/model_info") is None:
+            assert procs[0].poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
+            time.sleep(0.2)
+        with open(tmp_path / "train.log", "wb") as log:
+            train = subprocess.Popen([
+                sys.executable, "-m", "jaxrl_vlm.cli", "train", "--hf-checkpoint", str(model), "--prompt-data",
+                str(prompts), "--prompt-style", "plain", "--rollout-interaction-env-path", "envs.letter_game",
+                "--engine-url", url, "--engine-reconnect-timeout", "240", "--num-rollout", str(steps),
+                "--rollout-batch-size", str(batch), "--n-samples-per-prompt", str(n), "--rollout-max-response-len",
+                "24", "--seq-buckets", "128", "--row-buckets", "8", "--patch-buckets", "0", "--output-dir", str(out),
+                "--save-interval", "100"], cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT)
+        procs.append(train)
+
+        def train_log() -> str:
+            return (tmp_path / "train.log").read_text(errors="replace")[-4000:]
+
+        # Mid-run: after the first step trained (the engine then holds weights version 1, not its initial ones),
+        # while the next rollout has requests in the engine.
+        deadline = time.monotonic() + 300
+        while not (_steps(out / "metrics.jsonl") and _busy(url) >= 2):
+            assert train.poll() is None, train_log()
+            assert time.monotonic() < deadline, "no busy engine after the first step\n" + train_log()
+            time.sleep(0.01)
+        procs[0].send_signal(signal.SIGKILL)
+        procs[0].wait(timeout=30)
+        killed_at_step = len(_steps(out / "metrics.jsonl"))
+        time.sleep(3)  # the outage: the trainer must hold its requests meanwhile
+        procs[0] = _serve(model, port, tmp_path / "serve.log")  # a fresh engine: its initial weights
+        assert train.wait(timeout=600) == 0, train_log()
+        final = _get(url + "/model_info")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)
+    records = _steps(out / "metrics.jsonl")
+    assert [r["rollout/samples"] for r in records] == [batch * n] * steps, records  # every step: its full batch
+    last = records[-1]
+    assert last["engine/outages"] == 1 and last["engine/weight_restores"] == 1, last
+    assert final["weight_version"] == str(steps)  # the restarted engine got every later version too
+    # The episodes in flight at the kill were re-sent once the weights were back: none FAILED (engine_lost would be
+    # the only cause allowed), none vanished.
+    assert 1 <= last["engine/requests_resent"] <= batch * n, last
+    assert [r["rollout/episodes"] for r in records] == [batch * n] * steps, records
+    assert killed_at_step >= 1
