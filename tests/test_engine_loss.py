@@ -23,7 +23,7 @@ import pytest
 
 from rollout.client import RetryPolicy, SGLangClient, WorkerLost
 from rollout.engine_link import EngineLost, LinkState
-from rollout.fake_engine import FakeSGLangServer, Hang
+from rollout.fake_engine import Drop, FakeSGLangServer, Hang
 
 FAST = RetryPolicy(max_retries=2, backoff_base_s=0.001, backoff_max_s=0.01)
 PARAMS = {"max_new_tokens": 16, "stop_token_ids": [151645]}
@@ -289,3 +289,71 @@ def test_a_run_survives_kill_9_of_its_engine_and_a_restart_on_the_same_port(tmp_
     assert 1 <= last["engine/requests_resent"] <= batch * n, last
     assert [r["rollout/episodes"] for r in records] == [batch * n] * steps, records
     assert killed_at_step >= 1
+
+
+# ---- the main job against the fake engine ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from jaxrl_vlm.tiny import make_tiny
+
+    return make_tiny(tmp_path_factory.mktemp("tiny") / "model", seed=3)
+
+
+def _job_config(tiny: Path, tmp: Path, url: str, *extra: str):
+    from jaxrl_vlm.config import load_config
+
+    prompts = tmp / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"problem": f"Q{i}", "answer": "x", "images": []}) + "\n" for i in range(4)))
+    return load_config(None, [
+        "--hf-checkpoint", str(tiny), "--prompt-data", str(prompts), "--prompt-style", "plain",
+        "--rollout-interaction-env-path", "envs.letter_game", "--engine-url", url, "--engine-max-retries", "1",
+        "--num-rollout", "1", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "8",
+        "--seq-buckets", "64", "--row-buckets", "8", "--patch-buckets", "0", "--output-dir", str(tmp / "run"), *extra,
+    ])
+
+
+@pytest.mark.slow
+async def test_a_run_whose_engine_does_not_return_stops_naming_url_and_wait_and_sends_nothing_meanwhile(tiny, tmp_path):
+    from jaxrl_vlm.job.run import MainJob
+
+    def crash_on_second_request(record):
+        if len(server.requests_to("/generate")) == 2:
+            server.take_down()  # any other request in flight sees its connection closed too
+            return Drop()
+        return None
+
+    async with FakeSGLangServer(crash_on_second_request) as server:
+        with pytest.raises(EngineLost, match=rf"engine at {server.url} lost: not back after waiting 1\.\d s "
+                                             r"\(--engine-reconnect-timeout 1\)"):
+            await MainJob(_job_config(tiny, tmp_path, server.url, "--engine-reconnect-timeout", "1")).run()
+        # The rollout waited instead of submitting: at most the first request of each of the 4 first episodes
+        # reached the engine (some were on their way when it went down), none was re-sent, no new group was sent.
+        rids = [r.body["rid"].split("-t")[0] for r in server.requests_to("/generate")]
+        assert len(rids) <= 4 and len(set(rids)) == len(rids), rids
+        assert len(server.requests_to("/health_generate")) >= 2  # probed meanwhile
+
+
+async def test_an_engine_that_restarted_unseen_between_steps_gets_the_weights_before_the_next_rollout(tiny, tmp_path):
+    from jaxrl_vlm.job.run import MainJob
+
+    async with FakeSGLangServer() as server:
+        job = MainJob(_job_config(tiny, tmp_path, server.url))
+        job.prepare()
+        session = job.session(await job.serve_dir())
+        client = await session.__aenter__()
+        try:
+            await job.attach(client)
+            assert server.weight_version == "0" and client.link.armed
+            await job.ensure_engine()  # the engine holds the confirmed version: nothing to do
+            assert len(server.requests_to("/update_weights_from_disk")) == 1
+            server.bring_back(weight_version="default")  # it restarted between two calls, no request saw it down
+            await job.ensure_engine()
+            assert server.weight_version == "0" and len(server.requests_to("/update_weights_from_disk")) == 2
+            assert job.engine_metrics()["engine/weight_restores"] == 1
+        finally:
+            await session.__aexit__(None, None, None)
+            job.checkpoints.close()
+            if job.log is not None:
+                job.log.close()

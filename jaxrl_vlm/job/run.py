@@ -228,9 +228,10 @@ class MainJob:
                 result = self.replay.load(step)
             else:
                 result = await self.rollout_fn(self.args, step, self.prompts)
-                self.engine_link_failed()
             if self.saver is not None:  # before any check: a step that stops the run is saved too
                 self.saver.save(step, result, weight_version=self.engine_version)
+            if self.replay is None:  # a lost engine ends the run here: its episodes FAILED engine_lost, none train
+                self.engine_link_failed()
         stop: str | None = None
         if self.main:  # stop a run that only fails (--max-all-failed-steps), naming the causes
             try:
