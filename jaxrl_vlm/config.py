@@ -245,7 +245,8 @@ class EngineConfig:
         "back. Meanwhile no /generate is sent (requests wait, /health is probed with backoff); on return the "
         "trainer's weights are pushed again unless the engine still reports them, their version is confirmed, and "
         "the requests the outage cut are re-sent. Past it the run stops naming the URL; episodes still waiting FAIL "
-        "with cause engine_lost. 0: no waiting (a lost engine fails requests after --engine-max-retries).",
+        "with cause engine_lost. 0: no waiting (a lost engine fails requests after --engine-max-retries). The wait "
+        "counts in --episode-timeout: keep that longer.",
         ge=0.0, le=86400.0)
     allow_worker_loss: bool = opt(
         False,

@@ -151,6 +151,27 @@ async def test_the_restore_pushes_the_trainers_weights_before_any_request_is_res
     assert [o.weights_restored for o in client.link.outages] == [False, True]
 
 
+async def test_a_weight_load_cut_by_the_loss_waits_for_the_engine_and_is_pushed_once_on_return(tmp_path):
+    from jaxrl_vlm.weight_sync import SyncReport, WeightSyncer
+
+    old, new = tmp_path / "weights_v000003", tmp_path / "weights_v000004"
+    old.mkdir(), new.mkdir()
+    async with FakeSGLangServer(weight_version="3") as srv:
+        async with linked_client(srv.url) as client:
+            syncer = WeightSyncer(client, tmp_path, flush_poll_s=0.01, retry_wait_s=0.01)
+            syncer.history.append(SyncReport(3, old, 0.0, 0.0, 0, 1))
+            client.link.arm(syncer.restore)
+            srv.take_down()  # the engine dies while the trainer trains: the sync's /pause_generation meets it
+            load = asyncio.ensure_future(syncer.load(SyncReport(4, new, 0.0, 0.0, 0, 0)))
+            await until(lambda: len(srv.requests_to("/health_generate")) >= 2, what="2 health probes")
+            assert not load.done() and client.link.state is LinkState.DOWN
+            srv.bring_back()
+            report = await asyncio.wait_for(load, 10)
+    updates = srv.requests_to("/update_weights_from_disk")
+    assert [u.body["model_path"] for u in updates] == [str(new)]  # the version being loaded, pushed once
+    assert srv.weight_version == "4" and syncer.restored_version == 4 and report.attempts == 1
+
+
 @pytest.mark.parametrize("allow", [True, False])
 async def test_a_dead_router_worker_is_dropped_when_allowed_and_stops_the_run_otherwise(tmp_path, allow):
     async with FakeSGLangServer() as router, FakeSGLangServer() as w1:
