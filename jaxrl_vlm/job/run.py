@@ -61,7 +61,7 @@ from jaxrl_vlm.job.trainer import Trainer
 from jaxrl_vlm.weight_sync import SyncReport, WeightSyncer
 from rollout.client import EngineUnavailable
 from rollout.driver import RolloutResult, driver_checkpoint_state, restore_driver_state
-from rollout.engine_link import LinkState
+from rollout.engine_link import EngineLost, LinkState
 from rollout.failures import AllFailedStepsError, all_failed_streak, failure_report
 from rollout.dump import dump_samples
 from rollout.loading import load_function
@@ -230,10 +230,14 @@ class MainJob:
                 result = await self.rollout_fn(self.args, step, self.prompts)
             if self.saver is not None:  # before any check: a step that stops the run is saved too
                 self.saver.save(step, result, weight_version=self.engine_version)
-            if self.replay is None:  # a lost engine ends the run here: its episodes FAILED engine_lost, none train
-                self.engine_link_failed()
         stop: str | None = None
-        if self.main:  # stop a run that only fails (--max-all-failed-steps), naming the causes
+        lost: EngineLost | None = None
+        if self.main:
+            try:  # a lost engine ends the run here: the episodes it cut FAILED engine_lost, none train
+                self.engine_link_failed()
+            except EngineLost as e:
+                lost, stop = e, str(e)
+        if self.main and stop is None:  # stop a run that only fails (--max-all-failed-steps), naming the causes
             try:
                 self.all_failed_steps = all_failed_streak(self.all_failed_steps, failure_report(result), step=step,
                                                           limit=self.cfg.rollout.max_all_failed_steps)
@@ -241,7 +245,7 @@ class MainJob:
                 stop = str(e)
         stop = broadcast_stop(stop)  # every process stops together, none waits in the next collective
         if stop is not None:
-            raise AllFailedStepsError(stop)
+            raise lost if lost is not None else AllFailedStepsError(stop)
         if self.main:  # synchronous mode trains on-policy only: every sample from the confirmed version
             # (a replay's samples were checked when they were made, against the engine of the run that saved them)
             versions = (unreported_versions(result.samples) if self.replay is not None
