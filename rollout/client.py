@@ -14,7 +14,13 @@ httpx helpers (60 blind retries, no timeouts):
   continue, where continue is attempted whatever happened before, so no engine is left paused;
 - `api_key`: sent as `Authorization: Bearer <key>` to servers started with SGLang's `--api-key`;
 - `vocab_size`: every token id an engine returns is checked against it, so an id the tokenizer cannot
-  know fails that request with a named cause instead of surfacing later in batching.
+  know fails that request with a named cause instead of surfacing later in batching;
+- `reconnect_timeout_s` (`--engine-reconnect-timeout`): an engine lost to a connection-level failure is waited for
+  by its `link` (rollout/engine_link.py): `/generate` requests are held, not sent, until it is back and its weights
+  are restored, and the requests it cut are re-sent;
+- router worker loss (`allow_worker_loss`, `--allow-worker-loss`): a worker that a fleet control call (weight sync,
+  version check) cannot reach is dropped from `worker_urls` and recorded in `lost_workers`, or stops the run with
+  `WorkerLost` naming it.
 
 This module never imports jax: a rollout host runs without it.
 """

@@ -378,3 +378,16 @@ async def test_an_engine_that_restarted_unseen_between_steps_gets_the_weights_be
             job.checkpoints.close()
             if job.log is not None:
                 job.log.close()
+
+
+def test_the_cli_reports_a_lost_engine_or_worker_as_an_error_and_exits_1(monkeypatch, capsys):
+    from jaxrl_vlm import cli
+
+    for error in (EngineLost("http://h:1", "engine at http://h:1 lost: not back after waiting 300.0 s"),
+                  WorkerLost("http://w:2", "router worker http://w:2 is unreachable during the weight update")):
+        def fail(ns, rest, error=error):
+            raise error
+
+        monkeypatch.setattr(cli, "_cmd_train", fail)
+        assert cli.main(["train"]) == 1
+        assert f"jaxrl-vlm train: error: {error}" in capsys.readouterr().err
