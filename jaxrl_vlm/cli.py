@@ -12,6 +12,8 @@ import sys
 
 from jaxrl_vlm.config import Config, ConfigError, describe_options, is_sft, load_config
 from jaxrl_vlm.models.config import FAMILY_PARSERS
+from rollout.client import WorkerLost
+from rollout.engine_link import EngineLost
 from rollout.loading import LoadError, load_module
 
 
@@ -365,6 +367,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"jaxrl-vlm {ns.command}: error: {e}", file=sys.stderr)
         return 2
+    except (EngineLost, WorkerLost) as e:  # the engine (or a router worker) is gone: the run stops, saying which
+        print(f"jaxrl-vlm {ns.command}: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

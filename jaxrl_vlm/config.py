@@ -239,6 +239,20 @@ class EngineConfig:
     engine_request_timeout: float = opt(300.0, "Seconds per /generate request.")
     engine_start_timeout: float = opt(900.0, "Seconds to wait for the engine (embedded, launched or external) to become healthy.")
     engine_max_retries: int = opt(3, "Retries of a /generate request on connection errors and 5xx.")
+    engine_reconnect_timeout: float = opt(
+        300.0,
+        "--engine-url: seconds to wait for an engine that became unreachable (connection refused or reset) to come "
+        "back. Meanwhile no /generate is sent (requests wait, /health is probed with backoff); on return the "
+        "trainer's weights are pushed again unless the engine still reports them, their version is confirmed, and "
+        "the requests the outage cut are re-sent. Past it the run stops naming the URL; episodes still waiting FAIL "
+        "with cause engine_lost. 0: no waiting (a lost engine fails requests after --engine-max-retries). The wait "
+        "counts in --episode-timeout: keep that longer.",
+        ge=0.0, le=86400.0)
+    allow_worker_loss: bool = opt(
+        False,
+        "--engine-worker-urls behind a router: a worker that a control call (pause, flush, update, continue, version "
+        "check) cannot reach is dropped and the run carries on with the others (logged, counted in "
+        "engine/workers_lost). Without it the run stops naming the worker. The last worker is never dropped.")
     engine_allowed_local_media_path: str | None = opt(
         None, "Embedded engine: image_data may name local image files only under this directory (None: data URLs and "
         "base64 only; `serve --allowed-local-media-path`).")
@@ -530,8 +544,9 @@ class FieldInfo:
     help: str
     choices: Collection[Any] | None  # a tuple, or a registry (its names, resolved when a value is checked)
     default: Any
-    gt: float | None = None  # lower bounds of a number, declared on the field (`opt(..., gt=, ge=)`)
+    gt: float | None = None  # bounds of a number, declared on the field (`opt(..., gt=, ge=, le=)`)
     ge: float | None = None
+    le: float | None = None
 
     @property
     def flag(self) -> str:
@@ -547,7 +562,7 @@ def _build_field_index() -> dict[str, FieldInfo]:
                 raise RuntimeError(f"config field {f.name!r} defined in both {index[f.name].section} and {section}")
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
             index[f.name] = FieldInfo(section, f.name, hints[f.name], f.metadata.get("help", ""), f.metadata.get("choices"),
-                                      default, gt=f.metadata.get("gt"), ge=f.metadata.get("ge"))
+                                      default, gt=f.metadata.get("gt"), ge=f.metadata.get("ge"), le=f.metadata.get("le"))
     return index
 
 
@@ -1010,6 +1025,8 @@ def _validate_numbers(cfg: Config) -> None:
             raise ConfigError(f"{where} ({info.flag}) must be > {info.gt:g}, got {value}")
         if info.ge is not None and not value >= info.ge:
             raise ConfigError(f"{where} ({info.flag}) must be >= {info.ge:g}, got {value}")
+        if info.le is not None and not value <= info.le:
+            raise ConfigError(f"{where} ({info.flag}) must be <= {info.le:g}, got {value}")
 
 
 def _validate_hooks(cfg: Config) -> None:

@@ -8,6 +8,11 @@ that version in `/model_info` (an engine that answers success yet keeps other we
 not by silently off-policy training). Older versions are deleted only after the engines acknowledged the new one. A sync that still fails after the retries stops the run with a
 clear error: training on by stale rollouts silently is worse than stopping.
 
+An external engine that dies and comes back (`SGLangClient.link`, `--engine-reconnect-timeout`) restarts with its
+initial weights: `restore` is the link's return hook. It pushes the version the engine must hold (the one being
+loaded, else the last one loaded) unless every engine still reports it, and confirms it. A load that the outage
+interrupted waits for the link instead of spending its retries, and is done once the restore pushed its version.
+
 In memory (`mode` "memory", or "auto" with our embedded engine in this one-process job): `export` puts the
 trainer's parameters straight into the engine replicas' shardings (device to device, also across disjoint device
 sets) while the engine keeps serving, and `load` runs the same pause -> flush -> update -> continue sequence with
@@ -34,6 +39,7 @@ from flax import nnx
 
 from jaxrl_vlm.distributed import barrier, export_hf, is_main_process
 from rollout.client import EngineError, SGLangClient, WeightSyncError
+from rollout.engine_link import MAX_OUTAGES_PER_REQUEST, EngineLost, LinkState
 from rollout.sglang_wire import IN_MEMORY_LOAD_FORMAT
 
 logger = logging.getLogger(__name__)
@@ -123,6 +129,10 @@ class WeightSyncer:
         # busy for a moment, and a short poll keeps the engine's stop short.
         self.flush_poll_s = flush_poll_s
         self.history: list[SyncReport] = []
+        # One weight operation on the engines at a time: a load and the link's restore never interleave.
+        self._engine_ops = asyncio.Lock()
+        self._loading: SyncReport | None = None  # the version being loaded, which a restore must push
+        self.restored_version: int | None = None  # the last version a restore pushed and confirmed
 
     async def push(self, model: Any, version: int) -> SyncReport:
         """Export `model` as `version` and load it into every engine (all of them, or none: see WeightSyncFailed)."""
@@ -162,9 +172,11 @@ class WeightSyncer:
         main = jax.process_index() == 0
         t1 = time.perf_counter()
         if self.client is not None and main:
+            self._loading = report
             try:
                 await self._sync(report)
             finally:
+                self._loading = None
                 if report.in_memory:  # consumed by a successful update; freed here after a failed one
                     self.client.local_engine.discard_staged(report.path.name)
             await self.confirm(report.version)
@@ -188,16 +200,36 @@ class WeightSyncer:
                 f"engines report weight version(s) {wrong}, but the trainer's weights are version {version}; "
                 "stopping rather than training on rollouts of other weights")
 
+    async def _push(self, report: SyncReport) -> None:
+        async with self._engine_ops:
+            await self.client.sync_weights_from_disk(
+                str(report.path), str(report.version), flush_timeout_s=self.flush_timeout_s,
+                flush_poll_s=self.flush_poll_s, **({"load_format": IN_MEMORY_LOAD_FORMAT} if report.in_memory else {}))
+
     async def _sync(self, report: SyncReport) -> None:
-        for attempt in range(1, self.retries + 2):
+        link = self.client.link
+        attempt = outages = 0
+        while attempt <= self.retries:
+            attempt += 1
             report.attempts = attempt
             try:
-                await self.client.sync_weights_from_disk(
-                    str(report.path), str(report.version), flush_timeout_s=self.flush_timeout_s,
-                    flush_poll_s=self.flush_poll_s, **({"load_format": IN_MEMORY_LOAD_FORMAT} if report.in_memory else {}))
+                await self._push(report)
                 return
             except (WeightSyncError, EngineError) as e:
                 report.errors.append(f"attempt {attempt}: {e}")
+                if link is not None and link.armed and link.state is not LinkState.UP:
+                    # The engine is lost: wait for it (the restore pushes this version) instead of retrying.
+                    outages += 1
+                    if outages > MAX_OUTAGES_PER_REQUEST:
+                        raise EngineLost(link.url, f"weight version {report.version}: the engine at {link.url} was "
+                                                   f"lost {outages} times during its load; errors: {report.errors}")
+                    logger.warning("weight sync of version %d interrupted by the loss of the engine; waiting for it",
+                                   report.version)
+                    attempt -= 1
+                    await link.wait_up()  # raises EngineLost when it does not come back
+                    if self.restored_version == report.version:
+                        return
+                    continue
                 logger.warning("weight sync of version %d failed (attempt %d): %s", report.version, attempt, e)
                 if attempt <= self.retries:
                     await asyncio.sleep(self.retry_wait_s)
@@ -205,6 +237,25 @@ class WeightSyncer:
             f"engines did not load weight version {report.version} from {report.path} after {report.attempts} attempts; "
             f"stopping rather than training on stale rollouts. Errors: {report.errors}"
         )
+
+    async def restore(self) -> bool:
+        """The engine link's return hook: make a returned engine hold the version it must hold (the one being loaded,
+        else the last one loaded), unless every engine still reports it (a blip, not a restart). Returns whether the
+        weights were pushed; raises when the engine fails again (the link then probes on)."""
+        target = self._loading or (self.history[-1] if self.history else None)
+        if target is None:
+            raise RuntimeError("the engine came back before any weights were loaded into it: nothing to restore")
+        if target.in_memory:
+            raise RuntimeError("an in-memory weight version cannot be restored into a restarted engine")
+        reported = await self.client.get_weight_versions()
+        if all(v == str(target.version) for v in reported.values()):
+            return False
+        logger.warning("engine(s) report weight version(s) %s after coming back (restarted): pushing version %d "
+                       "from %s", reported, target.version, target.path)
+        await self._push(target)
+        await self.confirm(target.version)
+        self.restored_version = target.version
+        return True
 
     def _delete_old_versions(self, keep: int) -> None:
         """Remove versions older than the newest `keep_versions` ones (only ever after a successful sync)."""

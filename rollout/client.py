@@ -14,7 +14,13 @@ httpx helpers (60 blind retries, no timeouts):
   continue, where continue is attempted whatever happened before, so no engine is left paused;
 - `api_key`: sent as `Authorization: Bearer <key>` to servers started with SGLang's `--api-key`;
 - `vocab_size`: every token id an engine returns is checked against it, so an id the tokenizer cannot
-  know fails that request with a named cause instead of surfacing later in batching.
+  know fails that request with a named cause instead of surfacing later in batching;
+- `reconnect_timeout_s` (`--engine-reconnect-timeout`): an engine lost to a connection-level failure is waited for
+  by its `link` (rollout/engine_link.py): `/generate` requests are held, not sent, until it is back and its weights
+  are restored, and the requests it cut are re-sent;
+- router worker loss (`allow_worker_loss`, `--allow-worker-loss`): a worker that a fleet control call (weight sync,
+  version check) cannot reach is dropped from `worker_urls` and recorded in `lost_workers`, or stops the run with
+  `WorkerLost` naming it.
 
 This module never imports jax: a rollout host runs without it.
 """
@@ -25,6 +31,7 @@ import asyncio
 import json
 import logging
 import random
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -32,6 +39,7 @@ from typing import Any
 
 import aiohttp
 
+from rollout.engine_link import MAX_OUTAGES_PER_REQUEST, EngineLink, EngineLost, LinkState
 from rollout.sglang_wire import (
     AbortRequest,
     FinishReason,
@@ -99,6 +107,30 @@ class EngineRequestError(EngineError):
 
 class EngineResponseError(EngineError):
     """The engine answered 2xx but the body breaks the wire contract (missing keys, ids disagree)."""
+
+
+class WorkerLost(RuntimeError):
+    """A worker behind the router could not be reached by a control call, and the policy is to stop
+    (`--allow-worker-loss` unset, or it was the last worker). Not an EngineError: no caller retries it."""
+
+    def __init__(self, url: str, message: str) -> None:
+        self.url = url
+        super().__init__(message)
+
+
+@dataclass(frozen=True)
+class WorkerLoss:
+    """A worker dropped from `worker_urls` under `--allow-worker-loss`: which, during what call, why, when."""
+
+    url: str
+    during: str
+    error: str
+    at: float  # time.time()
+
+
+def _unreachable(exc: BaseException) -> bool:
+    """No HTTP answer at all after the retries (refused, reset, timed out): the worker is gone, not just busy."""
+    return isinstance(exc, EngineUnavailable) and exc.status is None
 
 
 class WeightSyncError(RuntimeError):
@@ -415,6 +447,8 @@ class SGLangClient:
         seed: int | None = None,
         api_key: str | None = None,
         vocab_size: int | None = None,
+        reconnect_timeout_s: float = 0.0,
+        allow_worker_loss: bool = False,
     ) -> None:
         self.url = _strip_url(url)
         self.worker_urls = [_strip_url(u) for u in worker_urls] if worker_urls is not None else [self.url]
@@ -454,6 +488,16 @@ class SGLangClient:
         self.trust_env = trust_env
         self._rng = random.Random(seed)
         self.update_gate = WeightUpdateGate()
+        # The engine that serves /generate may die and come back (rollout/engine_link.py); None: no waiting.
+        if reconnect_timeout_s < 0:
+            raise ValueError(f"reconnect_timeout_s must be >= 0, got {reconnect_timeout_s}")
+        self.link: EngineLink | None = None
+        if reconnect_timeout_s > 0:
+            self.link = EngineLink(self.url, lambda t: self._probe_health(self.url, t), reconnect_timeout_s,
+                                   probe_timeout_s=min(self.health_timeout_s, 5.0))
+        # Router mode: a worker no control call can reach is dropped (allowed) or stops the run (WorkerLost).
+        self.allow_worker_loss = allow_worker_loss
+        self.lost_workers: list[WorkerLoss] = []
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.sessions_created = 0
@@ -469,6 +513,8 @@ class SGLangClient:
 
     async def close(self) -> None:
         """Close the pooled connections. The client may be used again afterwards (new pool)."""
+        if self.link is not None:
+            await self.link.close()
         session, self._session, self._loop = self._session, None, None
         if session is not None and not session.closed:
             await session.close()
@@ -516,6 +562,8 @@ class SGLangClient:
         retries: bool = True,
         answer_statuses: frozenset[int] = frozenset(),
         before_attempt: Callable[[], Awaitable[Any]] | None = None,
+        wait_for_engine: bool = False,
+        bypass_link: bool = False,
     ) -> _Reply:
         """Send one HTTP request with bounded retries; return the first 2xx (or `answer_statuses`) reply.
 
@@ -523,6 +571,11 @@ class SGLangClient:
         `answer_statuses` raises `EngineRequestError` at once. `body_for_attempt(k)` (k = 1, 2, ...)
         overrides `json_body` when each attempt needs its own body. `before_attempt` is awaited before each
         attempt (the weight-update gate of `/generate`).
+
+        Engine loss (`self.link`, a request to `self.url`): a connection-level failure (refused, reset, disconnected;
+        not a timeout) marks the link down. A `wait_for_engine` request (`/generate`) then waits until the engine is
+        back and re-sends, without spending a retry (at most MAX_OUTAGES_PER_REQUEST outages; `EngineLost` past
+        them or when the engine does not return); any other request to the lost engine fails at once.
         """
         endpoint = base_url + path
         session = self._get_session()
@@ -533,10 +586,22 @@ class SGLangClient:
         errors: list[str] = []
         last_status: int | None = None
         last_body = ""
-        for attempt in range(1, max_attempts + 1):
+        link = self.link if (self.link is not None and base_url == self.url and self.link.armed
+                             and not bypass_link) else None
+        outages = 0
+        attempt = sends = 0
+        while attempt < max_attempts:
+            attempt += 1
+            sends += 1
+            if link is not None and wait_for_engine:
+                await link.wait_up()
+            elif link is not None and link.is_down:
+                raise EngineUnavailable(endpoint, None, f"engine unreachable since {link.outages[-1].cause}",
+                                        attempt - 1, errors, reason="engine lost, waiting for it to come back")
             if before_attempt is not None:
                 await before_attempt()
-            body = body_for_attempt(attempt) if body_for_attempt is not None else json_body
+            # Numbered by sends, not attempts: a request re-sent after an outage gets a rid of its own too.
+            body = body_for_attempt(sends) if body_for_attempt is not None else json_body
             try:
                 async with session.request(
                     method, endpoint, json=body, params=params, headers=headers, timeout=timeout
@@ -551,6 +616,18 @@ class SGLangClient:
                     detail = f"{type(exc).__name__}: {exc}"
                 errors.append(f"attempt {attempt}: {detail}")
                 last_status, last_body = None, detail
+                if link is not None and not isinstance(exc, asyncio.TimeoutError):
+                    link.lost(f"{method} {endpoint}: {detail}")
+                    if wait_for_engine and link.state is not LinkState.UP:
+                        outages += 1
+                        if outages > MAX_OUTAGES_PER_REQUEST:
+                            raise EngineLost(self.url, f"{endpoint}: engine at {self.url} lost {outages} times "
+                                                       f"while this request was in flight; errors: {errors}")
+                        # This attempt is the outage's, not the request's: re-sent once the engine is back.
+                        attempt -= 1
+                        await link.wait_up()
+                        link.requests_resent += 1
+                        continue
             except aiohttp.ClientError as exc:  # malformed URL, bad headers...: not transient
                 raise EngineError(endpoint, None, f"{type(exc).__name__}: {exc}", attempt, errors) from exc
             else:
@@ -628,6 +705,7 @@ class SGLangClient:
         reply = await self._request(
             "POST", self.url, "/generate", body_for_attempt=body_for_attempt, headers=headers,
             timeout_s=timeout_s if timeout_s is not None else self.timeout_s, before_attempt=wait_for_gate,
+            wait_for_engine=True,
         )
         result = parse_generate_response(
             reply.data, endpoint=self.url + "/generate", return_logprob=return_logprob,
@@ -647,7 +725,7 @@ class SGLangClient:
         for path in ("/health_generate", "/health"):
             try:
                 reply = await self._request("GET", url, path, timeout_s=timeout_s, retries=False,
-                                            answer_statuses=frozenset({404}))
+                                            answer_statuses=frozenset({404}), bypass_link=True)
             except EngineRequestError as exc:
                 return False, str(exc)
             except EngineUnavailable as exc:
@@ -751,9 +829,42 @@ class SGLangClient:
         return None if version is None else str(version)
 
     async def get_weight_versions(self) -> dict[str, str | None]:
-        """Weight version of every worker, keyed by worker URL."""
-        versions = await asyncio.gather(*(self.get_weight_version(u) for u in self.worker_urls))
-        return dict(zip(self.worker_urls, versions))
+        """Weight version of every worker, keyed by worker URL (router mode: a worker no call reaches is handled by
+        the worker-loss policy, `_each_worker`)."""
+        return await self._each_worker(self.get_weight_version, "the weight version check (/model_info)")
+
+    async def _each_worker(self, call: Callable[[str], Awaitable[Any]], during: str) -> dict[str, Any]:
+        """`call(url)` on every worker concurrently; their answers keyed by URL.
+
+        Router mode: a worker that gives no HTTP answer at all (refused, reset, timed out after the retries) is
+        lost. With `allow_worker_loss` it is dropped from `worker_urls` (logged, kept in `lost_workers`) and the
+        others' answers are returned; otherwise, or when no worker would be left, `WorkerLost` names it. Any other
+        failure is raised as it is.
+        """
+        urls = list(self.worker_urls)
+        results = await asyncio.gather(*(call(u) for u in urls), return_exceptions=True)
+        answers: dict[str, Any] = {}
+        for url, res in zip(urls, results):
+            if isinstance(res, BaseException) and not (self.is_router and _unreachable(res)):
+                raise res
+        for url, res in zip(urls, results):
+            if isinstance(res, BaseException):
+                self._lose_worker(url, during, res)
+            else:
+                answers[url] = res
+        return answers
+
+    def _lose_worker(self, url: str, during: str, error: BaseException) -> None:
+        """The worker-loss policy for a worker no call reached (see `_each_worker`)."""
+        others = [u for u in self.worker_urls if u != url]
+        if not self.allow_worker_loss or not others:
+            why = ("it is the last worker" if self.allow_worker_loss
+                   else "pass --allow-worker-loss to carry on with the other workers")
+            raise WorkerLost(url, f"router worker {url} is unreachable during {during} ({why}): {error}")
+        self.worker_urls = others
+        self.lost_workers.append(WorkerLoss(url, during, str(error), time.time()))
+        logger.error("router worker %s unreachable during %s: dropped (--allow-worker-loss); carrying on with %d "
+                     "worker(s) %s. Error: %s", url, during, len(others), others, error)
 
     async def get_loads(self, url: str | None = None) -> dict[str, Any]:
         """`/v1/loads?include=core`: running and waiting request counts per DP rank."""
@@ -902,11 +1013,19 @@ class SGLangClient:
     async def _sync_worker(
         self, url: str, model_path: str, weight_version: str, flush_timeout_s: float, poll_s: float,
         pause_mode: str, update_options: Mapping[str, Any],
-    ) -> dict[str, Any]:
+    ) -> dict[str, Any] | EngineUnavailable:
+        """One worker's pause -> flush -> update -> continue; its update answer, or (router mode) the error of a
+        worker that no pause reached."""
         failure: str | None = None
         response: dict[str, Any] = {}
         try:
-            await self.pause_generation(pause_mode, url=url)
+            try:
+                await self.pause_generation(pause_mode, url=url)
+            except EngineUnavailable as exc:
+                if self.is_router and _unreachable(exc):
+                    # A lost worker, left to the worker-loss policy (sync_weights_from_disk); nothing to continue.
+                    return exc
+                raise
             await self._flush_until_idle(url, flush_timeout_s, poll_s)
             response = await self.update_weights_from_disk(model_path, weight_version, url=url, **update_options)
             if not response.get("success"):
@@ -947,17 +1066,23 @@ class SGLangClient:
         if flush_timeout_s < 0 or flush_poll_s <= 0:
             raise ValueError("flush_timeout_s must be >= 0 and flush_poll_s > 0 seconds")
         self.update_gate.close()  # this client's /generate calls wait until every worker continued
+        urls = list(self.worker_urls)
         try:
             results = await asyncio.gather(
                 *(self._sync_worker(u, model_path, weight_version, flush_timeout_s, flush_poll_s, pause_mode,
-                                    update_options) for u in self.worker_urls),
+                                    update_options) for u in urls),
                 return_exceptions=True,
             )
         finally:
             self.update_gate.open()
         failures: dict[str, str] = {}
         answers: dict[str, dict[str, Any]] = {}
-        for url, res in zip(self.worker_urls, results):
+        for url, res in zip(urls, results):  # lost workers first: the policy may stop the run naming one
+            if isinstance(res, EngineUnavailable) and self.is_router and _unreachable(res):
+                self._lose_worker(url, "the weight update (/pause_generation)", res)
+        for url, res in zip(urls, results):
+            if url not in self.worker_urls:
+                continue
             if isinstance(res, WeightSyncError):
                 failures.update(res.failures)
             elif isinstance(res, BaseException):

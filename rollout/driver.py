@@ -53,6 +53,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
+from rollout.client import SGLangClient
 from rollout.failures import failure_report
 from rollout.hooks import Hook, dynamic_filter_verdict, finite_metric, is_reward, load_hook
 from rollout.loading import load_function
@@ -563,6 +564,8 @@ async def generate_rollout(args: Any, rollout_id: int, data_source: PromptSource
                 if kept is not None:
                     result.groups.append(kept)
             missing = target - len(result.groups) - len(running)
+            if _engine_lost(ctx):  # every new episode could only FAIL engine_lost: the run stops after this step
+                missing = 0
             while missing > 0 and result.groups_submitted < max_groups:
                 submit(_new_group(prompts, n))
                 missing -= 1
@@ -579,6 +582,12 @@ async def generate_rollout(args: Any, rollout_id: int, data_source: PromptSource
     end_of_step_hooks(hooks, args, rollout_id, result, finished_groups, data_source, time.perf_counter() - t0)
     log_step_problems(rollout_id, result, target, opts)
     return result
+
+
+def _engine_lost(ctx: RolloutContext) -> bool:
+    """The engine did not come back within --engine-reconnect-timeout (rollout/engine_link.py)."""
+    link = ctx.client.link if isinstance(ctx.client, SGLangClient) else None  # an offline context has no client
+    return link is not None and link.failure is not None
 
 
 def _take_buffered(hook: Hook, args: Any, rollout_id: int, carried: list[CarriedGroup], num_samples: int

@@ -235,6 +235,9 @@ class FakeSGLangServer:
         self.disabled_paths = set(disabled_paths)
         self.max_running_requests = max_running_requests
         self.healthy = True
+        # While True every request (health probes included) is recorded and its connection closed unanswered, as a
+        # crashed engine's would be: `take_down()` / `bring_back()`.
+        self.unreachable = False
         self.paused: PauseMode | None = None  # the pause mode while paused
         self.released: set[str] = set()  # memory tags released by /release_memory_occupation
         self.requests: list[RecordedRequest] = []
@@ -311,6 +314,19 @@ class FakeSGLangServer:
                 raise ValueError(f"{type(inner).__name__} only applies to /generate, not {path}")
             self._queues[path].append(action)
 
+    def take_down(self) -> None:
+        """Behave as a crashed engine: drop every connection, also those of requests in flight (they see a reset)."""
+        self.unreachable = True
+        for job in list(self._in_flight):
+            self._abort(job, "engine crashed")
+
+    def bring_back(self, weight_version: str = "default") -> None:
+        """Serve again as a restarted engine: its initial weights (`weight_version`), unpaused."""
+        self.weight_version = weight_version
+        self.paused = None
+        self._unpaused.set()
+        self.unreachable = False
+
     def requests_to(self, path: str) -> list[RecordedRequest]:
         return [r for r in self.requests if r.path == path]
 
@@ -337,6 +353,8 @@ class FakeSGLangServer:
                                  tuple(peer[:2]) if peer else None, time.time())
         self.requests.append(record)
         request[_RECORD] = record
+        if self.unreachable:
+            return await _drop(request)
         if not is_authorized(request.path, request.headers.get("Authorization"), self.api_key):
             return web.json_response(UNAUTHORIZED_BODY, status=401)
         if request.path in self.disabled_paths:
@@ -460,6 +478,8 @@ class FakeSGLangServer:
                 job.waiting = True
                 await (job.aborted.wait() if isinstance(action, Queue) else _first_of(self._unpaused, job.aborted))
                 job.waiting = False
+                if job.aborted.is_set() and self.unreachable:  # the engine "crashed" under it
+                    return await _drop(request)
                 if job.aborted.is_set():
                     return self._queued_abort_answer(body, rid, started)
             while not job.aborted.is_set():
@@ -489,6 +509,8 @@ class FakeSGLangServer:
                 except ValueError as exc:
                     return self._error(str(exc), status=500)
                 return self._generate_answer(body, rid, ids, lps, finish, started, text=out.text)
+            if self.unreachable:  # the engine "crashed" under it
+                return await _drop(request)
             return self._generate_answer(body, rid, [], [], FinishReason.aborted(job.abort_message), started)
         except asyncio.CancelledError:
             self.disconnected_rids.append(rid)

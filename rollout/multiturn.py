@@ -53,6 +53,7 @@ import numpy as np
 
 from rollout.client import EngineError, SGLangClient
 from rollout.encoding import ChatEncoder, check_prefix_stability
+from rollout.engine_link import EngineLost
 from rollout.options import MultiTurnOptions, RolloutOptions
 from rollout.rewards import RewardError, RewardSettings, reward_components, rm_function, scalar_reward
 from rollout.sample import (
@@ -508,6 +509,9 @@ class _EpisodeRun:
                     rid=f"g{sample.group_index}-s{sample.index}-t{record.turn}-{uuid.uuid4().hex[:8]}",
                     routing_key=state.routing_key if ctx.router_mode else None,
                 )
+            except EngineLost as e:  # the engine did not come back (--engine-reconnect-timeout): the run stops
+                record.error = f"engine lost: {e}"
+                return _Ending(Termination(TerminationKind.ENGINE_LOST), record.error)
             except EngineError as e:
                 record.error = f"engine: {e}"
                 return _Ending(Termination(TerminationKind.ENGINE_ERROR), record.error)

@@ -24,10 +24,10 @@ _T = TypeVar("_T", bound="ArgsOptions")
 
 
 def opt(default: Any, help: str, *, choices: Collection[Any] | None = None, gt: float | None = None,
-        ge: float | None = None) -> Any:
-    """Declare an option with its help text (and optional allowed values, or lower bounds `gt` (>) / `ge` (>=) of a
-    number, checked by the config's validation); lists/dicts get a fresh copy each time."""
-    meta = {"help": help, "choices": choices, "gt": gt, "ge": ge}
+        ge: float | None = None, le: float | None = None) -> Any:
+    """Declare an option with its help text (and optional allowed values, or bounds of a number: `gt` (>), `ge` (>=),
+    `le` (<=), checked by the config's validation); lists/dicts get a fresh copy each time."""
+    meta = {"help": help, "choices": choices, "gt": gt, "ge": ge, "le": le}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: copy.deepcopy(d), metadata=meta)
     return field(default=default, metadata=meta)

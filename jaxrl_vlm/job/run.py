@@ -67,8 +67,9 @@ from jaxrl_vlm.job.staleness import check_bounded_staleness, check_sample_versio
 from jaxrl_vlm.job.tracking import open_sinks
 from jaxrl_vlm.job.trainer import Trainer
 from jaxrl_vlm.weight_sync import SyncReport, WeightSyncer
-from rollout.client import EngineError
+from rollout.client import EngineError, EngineUnavailable
 from rollout.driver import RolloutResult, driver_checkpoint_state, restore_driver_state
+from rollout.engine_link import EngineLost, LinkState
 from rollout.failures import AllFailedStepsError, all_failed_streak, failure_report
 from rollout.dump import dump_samples
 from rollout.loading import load_function
@@ -258,6 +259,9 @@ class MainJob:
             else:
                 await self.syncer.confirm(self.version)
         self.engine_version = self.version
+        if self.main and client.link is not None:
+            # From now on an engine that dies and comes back gets these weights again before any new request.
+            client.link.arm(self.syncer.restore)
         if self.main and self.resume is not None:
             restore_driver_state(self.args, self.resume.driver_state, next_group_index=self.resume.next_group_index)
 
@@ -274,7 +278,13 @@ class MainJob:
             if self.saver is not None:  # before any check: a step that stops the run is saved too
                 self.saver.save(step, result, weight_version=self.engine_version)
         stop: str | None = None
-        if self.main:  # stop a run that only fails (--max-all-failed-steps), naming the causes
+        lost: EngineLost | None = None
+        if self.main:
+            try:  # a lost engine ends the run here: the episodes it cut FAILED engine_lost, none train
+                self.engine_link_failed()
+            except EngineLost as e:
+                lost, stop = e, str(e)
+        if self.main and stop is None:  # stop a run that only fails (--max-all-failed-steps), naming the causes
             try:
                 self.all_failed_steps = all_failed_streak(self.all_failed_steps, failure_report(result), step=step,
                                                           limit=self.cfg.rollout.max_all_failed_steps)
@@ -282,7 +292,7 @@ class MainJob:
                 stop = str(e)
         stop = broadcast_stop(stop)  # every process stops together, none waits in the next collective
         if stop is not None:
-            raise AllFailedStepsError(stop)
+            raise lost if lost is not None else AllFailedStepsError(stop)
         if self.main:  # synchronous mode trains on-policy only: every sample from the confirmed version
             # (a replay's samples were checked when they were made, against the engine of the run that saved them)
             versions = (unreported_versions(result.samples) if self.replay is not None
@@ -294,6 +304,45 @@ class MainJob:
             metrics.update(self._rollout_metrics(result))
         metrics["perf/rollout_time"] = time.perf_counter() - t0
         return result, samples, metrics
+
+    @property
+    def client(self) -> Any:
+        return self.syncer.client
+
+    def engine_link_failed(self) -> None:
+        """Stop the run when the engine did not come back (`EngineLost`, naming its URL and the wait): the step's
+        rollout was crippled by the outage and must not train."""
+        if self.client is not None and self.client.link is not None:
+            self.client.link.raise_if_failed()
+
+    async def ensure_engine(self) -> None:
+        """Before a rollout: every engine holds the confirmed version. One that does not (it restarted between two
+        calls, unseen) or cannot be reached is handled as a lost engine: wait for it, restore, confirm."""
+        link = self.client.link if self.main and self.client is not None else None
+        if link is None or not link.armed:
+            return
+        if link.state is LinkState.UP:
+            try:
+                reported = await self.client.get_weight_versions()
+            except EngineUnavailable:
+                if link.state is LinkState.UP:  # not a lost engine (a timeout, 5xx): as before, it stops the run
+                    raise
+            else:
+                if all(v == str(self.engine_version) for v in reported.values()):
+                    return
+                link.lost(f"engines report weight version(s) {reported}, expected {self.engine_version} (restarted)")
+        await link.wait_up()
+
+    def engine_metrics(self) -> dict[str, float]:
+        """Run totals of engine outages (rollout/engine_link.py) and lost router workers (--allow-worker-loss)."""
+        client = self.client
+        if client is None or not self.main:
+            return {}
+        metrics = client.link.metrics() if client.link is not None else {}
+        if client.is_router:
+            metrics["engine/workers_lost"] = float(len(client.lost_workers))
+            metrics["engine/workers"] = float(len(client.worker_urls))
+        return metrics
 
     def _rollout_metrics(self, result: RolloutResult) -> dict[str, Any]:
         metrics = rollout_metrics(result.samples, result)
@@ -427,6 +476,8 @@ class MainJob:
         t0 = time.perf_counter()
         start = self.run_state() if self.abortable else None
         try:
+            if self.replay is None:  # an engine that was lost and came back gets the current weights first
+                await self.preemptible(self.ensure_engine())
             result, samples, metrics = await self.preemptible(self.rollout(step))
         except StepAborted:
             self.step_start = start  # the rollout took prompts and carried groups: the checkpoint saves these
@@ -441,6 +492,7 @@ class MainJob:
             logger.warning("step %d: no trainable samples (dropped %s); no update", step, dict(result.dropped))
         metrics["perf/step_time"] = time.perf_counter() - t0
         metrics["weight_version"] = self.version
+        metrics.update(self.engine_metrics())
         if self.log is not None:
             self.log.log(step, metrics)
         self.completed = step + 1
@@ -513,6 +565,7 @@ class MainJob:
         t0 = time.perf_counter()
         busy0 = stream.busy_seconds()
         batch = await self.preemptible(stream.take(self.cfg.rollout.rollout_batch_size, step))
+        self.engine_link_failed()
         result, samples = batch.result, batch.result.samples
         self.all_failed_steps = all_failed_streak(self.all_failed_steps, failure_report(result), step=step,
                                                   limit=self.cfg.rollout.max_all_failed_steps)
@@ -545,6 +598,7 @@ class MainJob:
         metrics["async/buffered_groups"] = float(len(stream.buffer))
         metrics["async/running_groups"] = float(len(stream.running))
         metrics["weight_version"] = self.version
+        metrics.update(self.engine_metrics())
         if self.log is not None:
             self.log.log(step, metrics)
         self.completed = step + 1

@@ -42,7 +42,10 @@ async def rollout_session(
                           api_key=key)
     try:
         if cfg.engine.engine_url:
-            client = SGLangClient(cfg.engine.engine_url, worker_urls=cfg.engine.engine_worker_urls or None, **client_options)
+            # Only an external engine can die and come back on its own; the job arms the link once attached.
+            client = SGLangClient(cfg.engine.engine_url, worker_urls=cfg.engine.engine_worker_urls or None,
+                                  reconnect_timeout_s=cfg.engine.engine_reconnect_timeout,
+                                  allow_worker_loss=cfg.engine.allow_worker_loss, **client_options)
         elif cfg.engine.launch_sglang:
             launched = SGLangProcess(
                 cfg.engine.sglang_python or "", str(serve_dir), host=cfg.engine.engine_host, port=cfg.engine.engine_port,
