@@ -76,6 +76,7 @@ JUDGE = "tests/test_llm_judge.py::"
 GRADE = "tests/test_grading.py::"
 VERSIONS = "tests/test_engine_versions.py::"
 DATASET = "tests/test_dataset_faults.py::"
+LOSS = "tests/test_engine_loss.py::"
 PREEMPT = "tests/test_preemption.py::"
 
 FAULT_CLASSES: tuple[FaultClass, ...] = (
@@ -200,6 +201,27 @@ FAULT_CLASSES: tuple[FaultClass, ...] = (
                 PREEMPT + "test_a_signal_cuts_the_wait_short_and_cancels_it_when_the_policy_aborts",
                 "tests/test_async_training.py::test_sigterm_while_a_step_trains_checkpoints_the_groups_buffered_meanwhile",
                 "tests/test_main_job.py::test_sigterm_mid_step_checkpoints_exits_0_and_resumes_like_an_uninterrupted_run")),
+    FaultClass("engine_lost_and_restarted", "issue 35 item 1",
+               "external engine kill -9 mid-rollout, restarted on the same port -> no /generate while it is down, the "
+               "trainer's weights pushed and confirmed before any request, cut requests re-sent, every step trains its "
+               "full batch",
+               (LOSS + "test_a_run_survives_kill_9_of_its_engine_and_a_restart_on_the_same_port",
+                LOSS + "test_no_generate_is_sent_while_the_engine_is_down_and_cut_requests_are_resent",
+                LOSS + "test_an_engine_restarted_on_the_same_port_serves_the_cut_request_again",
+                LOSS + "test_the_restore_pushes_the_trainers_weights_before_any_request_is_resent",
+                LOSS + "test_a_weight_load_cut_by_the_loss_waits_for_the_engine_and_is_pushed_once_on_return",
+                LOSS + "test_an_engine_that_restarted_unseen_between_steps_gets_the_weights_before_the_next_rollout")),
+    FaultClass("engine_never_returns", "issue 35 item 1",
+               "external engine gone past --engine-reconnect-timeout -> waiting episodes FAILED engine_lost, nothing "
+               "submitted meanwhile, the run stops before training naming the URL and the wait, CLI exit 1",
+               (LOSS + "test_an_engine_that_does_not_return_fails_the_waiting_requests_naming_url_and_wait",
+                LOSS + "test_a_run_whose_engine_does_not_return_stops_naming_url_and_wait_and_sends_nothing_meanwhile",
+                LOSS + "test_the_cli_reports_a_lost_engine_or_worker_as_an_error_and_exits_1")),
+    FaultClass("router_worker_lost", "issue 35 item 4",
+               "a router worker unreachable at a weight sync or version check -> dropped, logged and counted with "
+               "--allow-worker-loss (never the last one), else a WorkerLost error naming it",
+               (LOSS + "test_a_dead_router_worker_is_dropped_when_allowed_and_stops_the_run_otherwise",
+                LOSS + "test_the_last_router_worker_is_never_dropped")),
     FaultClass("corrupt_parquet_page", "row 13",
                "a damaged data page in one row group -> DatasetError naming the file and the row group, under both "
                "bad-row policies",
