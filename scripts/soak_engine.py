@@ -26,12 +26,15 @@ held by requests once the load settled, and pages not free after `/flush_cache`,
 the same way before the load (the engine's `/get_server_info` `internal_states[0].kv_pages`); greedy answers
 during and after the load against the quiet reference.
 
-Exit status 1 when any check fails: an unexpected failure, a leaked page, a greedy mismatch, or RSS growth
-after warm-up over `--rss-growth-bound-mib` (growth = the highest RSS of the last quarter of the post-warm-up
-window minus the RSS at the end of warm-up). The engine compiles one program per new shape, and each adds to
+Exit status 1 when any check fails: an unexpected failure, a page held or leaked, a greedy mismatch, the server
+gone, or RSS growth after warm-up over a bound. The engine compiles one program per new shape, and each adds to
 its RSS for good, so warm-up lasts `--warmup` seconds and then until no program was compiled for
-`warmup_quiet_s` (at most half the load). Setup failures (no model, a server never healthy, a server without
-page accounting, an engine that does not go idle after the load) exit 2 with the reason.
+`warmup_quiet_s` (at most half the load), and RSS is judged twice: all growth after warm-up (the highest RSS of
+the last quarter of the post-warm-up window minus the RSS at its start) within `--rss-growth-bound-mib`, late
+compilations included; and the drift between compilations (`rss_drift_between_compiles`: the growth over the
+sample intervals with no compilation near them, where a leak shows) within `--rss-drift-bound-mib`. Setup
+failures (no model, a server never healthy, a server without page accounting, an engine that does not go idle
+after the load) exit 2 with the reason.
 """
 
 from __future__ import annotations
@@ -45,7 +48,6 @@ import os
 import random
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -58,7 +60,7 @@ from typing import Any, Sequence
 import numpy as np
 from PIL import Image
 
-from rollout.client import EngineRequestError, EngineResponseError, EngineUnavailable, GenerateResult, RetryPolicy, SGLangClient
+from rollout.client import EngineError, EngineRequestError, EngineResponseError, EngineUnavailable, GenerateResult, RetryPolicy, SGLangClient
 from rollout.encoding import ChatEncoder, EncodedSegment
 from rollout.multiturn import default_sampling_params
 from rollout.options import RolloutOptions
@@ -93,12 +95,13 @@ class SoakOptions:
     request_timeout_s: float = 180.0
     settle_timeout_s: float = 60.0  # for in-flight requests and aborts to finish after the load
     rss_interval_s: float = 1.0
-    rss_growth_bound_mib: float = 64.0
+    rss_growth_bound_mib: float = 64.0  # all growth after warm-up, late compilations included
+    rss_drift_bound_mib: float = 16.0  # growth after warm-up while no program was being compiled
     seed: int = 0
     # The server this script starts (ignored with url).
     max_batch: int = 8
     max_seq_len: int = 512
-    max_total_tokens: int = 1536
+    max_total_tokens: int = 1024  # 64 pages of 16: the prefix cache evicts, and long requests get retracted
     startup_timeout_s: float = 300.0
     url: str | None = None
     server_pid: int | None = None
@@ -144,7 +147,10 @@ def parse_options(argv: Sequence[str] | None = None) -> SoakOptions:
     p.add_argument("--request-timeout", type=float, default=d.request_timeout_s, help="Seconds one request may take.")
     p.add_argument("--settle-timeout", type=float, default=d.settle_timeout_s, help="Seconds for the engine to go idle after the load.")
     p.add_argument("--rss-interval", type=float, default=d.rss_interval_s, help="Seconds between RSS samples.")
-    p.add_argument("--rss-growth-bound-mib", type=float, default=d.rss_growth_bound_mib, help="Most RSS growth after warm-up (MiB).")
+    p.add_argument("--rss-growth-bound-mib", type=float, default=d.rss_growth_bound_mib,
+                   help="Most RSS growth after warm-up (MiB), late compilations included.")
+    p.add_argument("--rss-drift-bound-mib", type=float, default=d.rss_drift_bound_mib,
+                   help="Most RSS growth after warm-up between compilations (MiB): the leak bound.")
     p.add_argument("--seed", type=int, default=d.seed, help="Seeds the traffic (prompts, images, faults, sampling).")
     p.add_argument("--max-batch", type=int, default=d.max_batch, help="Started server: --max-batch.")
     p.add_argument("--max-seq-len", type=int, default=d.max_seq_len, help="Started server: --max-seq-len.")
@@ -162,7 +168,7 @@ def parse_options(argv: Sequence[str] | None = None) -> SoakOptions:
             max_new_tokens=ns.max_new_tokens, image_fraction=ns.image_fraction, abort_fraction=ns.abort_fraction,
             drop_fraction=ns.drop_fraction, greedy_fraction=ns.greedy_fraction, greedy_tokens=ns.greedy_tokens,
             request_timeout_s=ns.request_timeout, settle_timeout_s=ns.settle_timeout, rss_interval_s=ns.rss_interval,
-            rss_growth_bound_mib=ns.rss_growth_bound_mib, seed=ns.seed, max_batch=ns.max_batch,
+            rss_growth_bound_mib=ns.rss_growth_bound_mib, rss_drift_bound_mib=ns.rss_drift_bound_mib, seed=ns.seed, max_batch=ns.max_batch,
             max_seq_len=ns.max_seq_len, max_total_tokens=ns.max_total_tokens, startup_timeout_s=ns.startup_timeout,
             url=ns.url, server_pid=ns.server_pid, model=ns.model, workdir=ns.workdir, json_path=ns.json_path,
         )
@@ -375,8 +381,15 @@ def read_rss_mib(pid: int) -> float:
     except ImportError:
         psutil = None
     if psutil is not None:
-        return psutil.Process(pid).memory_info().rss / 2**20
-    with open(f"/proc/{pid}/status") as f:
+        try:
+            return psutil.Process(pid).memory_info().rss / 2**20
+        except psutil.NoSuchProcess:
+            raise ProcessLookupError(f"server process {pid} is gone") from None
+    try:
+        f = open(f"/proc/{pid}/status")
+    except FileNotFoundError:
+        raise ProcessLookupError(f"server process {pid} is gone") from None
+    with f:
         for line in f:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024  # kB
@@ -422,10 +435,13 @@ class SoakReport:
     faults_too_late: dict[str, int] = field(default_factory=dict)  # injected, but the answer had come already
     failure_examples: list[str] = field(default_factory=list)
     latency_s: dict[str, float | None] = field(default_factory=dict)
-    rss_mib: list[tuple[float, float]] = field(default_factory=list)  # (seconds since the load started, MiB)
+    # (seconds since the load started, server RSS in MiB, programs the engine had compiled then or None)
+    rss_mib: list[tuple[float, float, int | None]] = field(default_factory=list)
     rss_at_warmup_end_mib: float | None = None
     rss_end_mib: float | None = None
     rss_growth_after_warmup_mib: float | None = None
+    rss_drift_between_compiles_mib: float | None = None
+    programs_compiled_after_warmup: int | None = None
     compiled_programs: dict[str, int | None] = field(default_factory=dict)
     pages_idle_baseline: dict[str, int] = field(default_factory=dict)
     pages_after_load: dict[str, int] = field(default_factory=dict)
@@ -437,6 +453,7 @@ class SoakReport:
     greedy_mismatches_under_load: int = 0
     greedy_equal_after_load: bool | None = None
     greedy_mismatch_details: list[str] = field(default_factory=list)
+    server_exited: bool = False  # the server process went away during the run
     checks: dict[str, bool] = field(default_factory=dict)
 
     @property
@@ -523,7 +540,8 @@ class Soak:
                         await self.client.abort_request(rid=rid)
                     except (EngineUnavailable, EngineRequestError) as e:
                         self._record(client, kind, fault, Outcome.INJECTION_FAILED, sent, str(e))
-                        await asyncio.wait({task}, timeout=self.opts.request_timeout_s)
+                        task.cancel()
+                        await asyncio.gather(task, return_exceptions=True)  # its outcome is this failure's
                         return None
                 result = await task
             else:
@@ -612,7 +630,16 @@ class Soak:
         if self.server_pid is None:
             return
         while not self._rss_stop.is_set():
-            self.report.rss_mib.append((round(time.monotonic() - self.t0, 2), round(read_rss_mib(self.server_pid), 1)))
+            try:
+                rss = read_rss_mib(self.server_pid)
+            except ProcessLookupError:
+                self.report.server_exited = True
+                return
+            try:
+                programs = (await self.server_info())["internal_states"][0].get("num_compiled_programs")
+            except EngineError:
+                programs = None  # the clients record what the engine answers
+            self.report.rss_mib.append((round(time.monotonic() - self.t0, 2), round(rss, 1), programs))
             try:
                 await asyncio.wait_for(self._rss_stop.wait(), self.opts.rss_interval_s)
             except asyncio.TimeoutError:
@@ -713,13 +740,16 @@ class Soak:
                             "max": _round(max(warm) if warm else None), "p99_with_warmup": _round(percentile(every, 99))}
         samples = report.rss_mib
         if samples:
-            post = [(t, m) for t, m in samples if t >= self.warmup_end_s]
+            post = [x for x in samples if x[0] >= self.warmup_end_s]
             report.rss_end_mib = samples[-1][1]
             if post:
                 report.rss_at_warmup_end_mib = post[0][1]
                 last_quarter_from = post[0][0] + 0.75 * (post[-1][0] - post[0][0])
                 report.rss_growth_after_warmup_mib = round(
-                    max(m for t, m in post if t >= last_quarter_from) - post[0][1], 1)
+                    max(m for t, m, _ in post if t >= last_quarter_from) - post[0][1], 1)
+                report.rss_drift_between_compiles_mib = rss_drift_between_compiles(samples, self.warmup_end_s)
+                if post[0][2] is not None and post[-1][2] is not None:
+                    report.programs_compiled_after_warmup = post[-1][2] - post[0][2]
         report.checks = {
             "no_unexpected_failures": report.unexpected_failures == 0,
             "no_pages_held_after_load": report.pages_held_after_load == 0,
@@ -731,8 +761,30 @@ class Soak:
                                           and report.by_outcome[Outcome.INJECTED_DROP.value] > 0,
         }
         if self.server_pid is not None:
+            report.checks["server_alive_after_load"] = not report.server_exited
             growth = report.rss_growth_after_warmup_mib
             report.checks["rss_growth_within_bound"] = growth is not None and growth <= opts.rss_growth_bound_mib
+            drift = report.rss_drift_between_compiles_mib
+            report.checks["rss_drift_within_bound"] = drift is not None and drift <= opts.rss_drift_bound_mib
+
+
+COMPILE_LAG_SAMPLES = 3  # RSS grows while a program compiles and at its first run: a compilation owns 3 intervals
+
+
+def rss_drift_between_compiles(samples: Sequence[tuple[float, float, int | None]], since_s: float) -> float | None:
+    """RSS growth (MiB) summed over the sample intervals ending at or after `since_s` that no compilation can
+    explain: those whose program count held over the interval and the COMPILE_LAG_SAMPLES intervals before it. A
+    leak shows here; the one-off growth of a new program does not. None without two such samples or counts."""
+    if sum(t >= since_s for t, _, _ in samples) < 2 or any(p is None for _, _, p in samples):
+        return None
+    drift = 0.0
+    for i in range(1, len(samples)):
+        if samples[i][0] < since_s:
+            continue
+        window = [p for _, _, p in samples[max(0, i - COMPILE_LAG_SAMPLES) : i + 1]]
+        if len(set(window)) == 1:
+            drift += samples[i][1] - samples[i - 1][1]
+    return round(drift, 1)
 
 
 def _difference(expected: Sequence[int], got: Sequence[int]) -> str:
@@ -768,7 +820,10 @@ def format_report(report: SoakReport) -> str:
              ("latency p99 with warm-up (compiles) (s)", report.latency_s["p99_with_warmup"]),
              ("warm-up ended at (s)", report.warmup_end_s),
              ("server RSS at warm-up end / end (MiB)", f"{report.rss_at_warmup_end_mib} / {report.rss_end_mib}"),
-             ("RSS growth after warm-up (MiB)", f"{report.rss_growth_after_warmup_mib} (bound {report.options['rss_growth_bound_mib']:g})"),
+             ("RSS growth after warm-up (MiB)", f"{report.rss_growth_after_warmup_mib} (bound {report.options['rss_growth_bound_mib']:g}), "
+              f"{report.programs_compiled_after_warmup} programs compiled since"),
+             ("RSS drift between compilations (MiB)",
+              f"{report.rss_drift_between_compiles_mib} (bound {report.options['rss_drift_bound_mib']:g})"),
              ("compiled programs (before / warm-up end / end)",
               f"{report.compiled_programs.get('before_load')} / {report.compiled_programs.get('warmup_end')} / {report.compiled_programs.get('end')}"),
              ("KV pages idle baseline", _pages(report.pages_idle_baseline)),
@@ -786,7 +841,8 @@ def format_report(report: SoakReport) -> str:
     lines += [f"  greedy: {x}" for x in report.greedy_mismatch_details[:5]]
     if report.rss_mib:
         step = max(1, len(report.rss_mib) // 12)
-        lines.append("  RSS over time (s: MiB): " + ", ".join(f"{t:g}: {m:g}" for t, m in report.rss_mib[::step]))
+        lines.append("  RSS over time (s: MiB, programs): "
+                     + ", ".join(f"{t:g}: {m:g} ({p})" for t, m, p in report.rss_mib[::step]))
     lines.append(f"soak {'PASSED' if report.passed else 'FAILED'}")
     return "\n".join(lines)
 
@@ -812,8 +868,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             url, pid = opts.url.rstrip("/"), opts.server_pid
             desc = {"url": url, "pid": pid}
         report = asyncio.run(_run(opts, url, model, pid, desc, server))
-    except SetupError as e:
-        print(f"soak: setup failed: {e}", file=sys.stderr)
+    except (SetupError, EngineError) as e:  # an engine that stops answering control calls ends the run here
+        print(f"soak: {'setup' if isinstance(e, SetupError) else 'engine'} failed: {e}", file=sys.stderr)
         if server is not None:
             print(f"--- server log tail ({server.log}) ---\n{server.log_tail()}", file=sys.stderr)
         return 2

@@ -6,15 +6,47 @@ greedy answers equal to the quiet engine's, and a flat RSS after warm-up."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "soak_engine.py"
+
+
+@pytest.fixture(scope="module")
+def soak() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("soak_engine", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_rss_drift_counts_growth_only_away_from_compilations(soak):
+    # (seconds, MiB, compiled programs): +10 with a compilation, +1 flat, +9 with none near it, +10 with one.
+    samples = [(0, 100, 1), (1, 110, 2), (2, 111, 2), (3, 111, 2), (4, 111, 2), (5, 120, 2), (6, 120, 3), (7, 130, 3)]
+    assert soak.rss_drift_between_compiles(samples, since_s=1) == 9.0  # 2 s and 3 s are within the lag of 1 s
+    assert soak.rss_drift_between_compiles(samples, since_s=5) == 9.0
+    assert soak.rss_drift_between_compiles(samples, since_s=7) is None  # one sample is no interval
+    assert soak.rss_drift_between_compiles([(0, 1, None), (1, 2, None)], since_s=0) is None
+
+
+def test_injected_faults_never_count_as_unexpected_and_options_are_checked(soak):
+    assert soak.INJECTED.isdisjoint(soak.UNEXPECTED) and soak.Outcome.ANSWERED not in soak.UNEXPECTED
+    assert soak.INJECTED | soak.UNEXPECTED | {soak.Outcome.ANSWERED} == set(soak.Outcome)
+    with pytest.raises(ValueError, match="--model"):
+        soak.SoakOptions(url="http://127.0.0.1:1")
+    with pytest.raises(ValueError, match="warmup"):
+        soak.SoakOptions(duration_s=10, warmup_s=10)
+    with pytest.raises(ValueError, match="abort-fraction"):
+        soak.SoakOptions(abort_fraction=0.6, drop_fraction=0.6)
 
 
 @pytest.mark.slow
@@ -22,9 +54,10 @@ def test_soak_of_the_served_engine_has_no_unexpected_failure_leak_or_drift(tmp_p
     report_path = tmp_path / "soak.json"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the server runs on one CPU device
     env.update({"JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))})
-    # A 256-token context keeps the set of compiled shapes small, so warm-up ends well before the load does.
-    argv = [sys.executable, str(ROOT / "scripts" / "soak_engine.py"), "--clients", "3", "--duration", "40",
-            "--warmup", "10", "--max-seq-len", "256", "--max-total-tokens", "1024", "--workdir", str(tmp_path),
+    # A 256-token context keeps the set of compiled shapes small, so warm-up ends well before the load does; a KV
+    # memory of two such requests makes the prefix cache evict and long requests get retracted.
+    argv = [sys.executable, str(SCRIPT), "--clients", "4", "--duration", "40",
+            "--warmup", "10", "--max-seq-len", "256", "--max-total-tokens", "512", "--workdir", str(tmp_path),
             "--json", str(report_path)]
     proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
     output = proc.stdout[-6000:] + proc.stderr[-4000:]
@@ -39,6 +72,8 @@ def test_soak_of_the_served_engine_has_no_unexpected_failure_leak_or_drift(tmp_p
     assert report["pages_after_flush"] == report["pages_idle_baseline"], output
     assert report["greedy_probes_under_load"] > 0 and report["greedy_mismatches_under_load"] == 0, report["greedy_mismatch_details"]
     assert report["greedy_equal_after_load"] is True, report["greedy_mismatch_details"]
-    assert report["rss_growth_after_warmup_mib"] is not None
+    assert report["engine_stats"]["prefix_hits"] > 0 and report["engine_stats"]["prefix_evictions"] > 0
+    assert report["rss_growth_after_warmup_mib"] is not None and report["checks"]["server_alive_after_load"]
     assert report["rss_growth_after_warmup_mib"] <= report["options"]["rss_growth_bound_mib"], output
+    assert report["rss_drift_between_compiles_mib"] <= report["options"]["rss_drift_bound_mib"], output
     assert report["passed"] and proc.returncode == 0, output
