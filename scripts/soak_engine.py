@@ -1,6 +1,6 @@
 """Soak and load test of `jaxrl-vlm serve`: N concurrent clients for T seconds, with faults, measured.
 
-    python scripts/soak_engine.py [--clients 6] [--duration 180] [--json soak.json]
+    python scripts/soak_engine.py [--clients 6] [--duration 300] [--json soak.json]
     python scripts/soak_engine.py --url http://127.0.0.1:30000 --model DIR [--server-pid PID]
 
 Without `--url` it builds a tiny random Qwen3-VL (`jaxrl-vlm make-tiny`, nothing downloaded) unless `--model`
@@ -80,9 +80,9 @@ class SoakOptions:
     """Every knob of one soak run (defaults sized for a busy 2-core machine). Times in seconds."""
 
     clients: int = 6
-    duration_s: float = 180.0
-    warmup_s: float = 45.0  # at least this long; then until no program was compiled for warmup_quiet_s
-    warmup_quiet_s: float = 6.0
+    duration_s: float = 300.0
+    warmup_s: float = 60.0  # at least this long; then until no program was compiled for warmup_quiet_s
+    warmup_quiet_s: float = 15.0
     max_turns: int = 3
     max_new_tokens: int = 24
     image_fraction: float = 0.5  # episodes whose prompt has an image
@@ -137,6 +137,8 @@ def parse_options(argv: Sequence[str] | None = None) -> SoakOptions:
     p.add_argument("--duration", type=float, default=d.duration_s, help="Seconds of load.")
     p.add_argument("--warmup", type=float, default=d.warmup_s,
                    help="Seconds of load before RSS growth is measured (longer while programs still compile).")
+    p.add_argument("--warmup-quiet", type=float, default=d.warmup_quiet_s,
+                   help="Warm-up ends once no program was compiled for this long (at most half the load).")
     p.add_argument("--max-turns", type=int, default=d.max_turns, help="Most turns of one episode.")
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="Tokens generated per turn.")
     p.add_argument("--image-fraction", type=float, default=d.image_fraction, help="Episodes whose prompt has an image.")
@@ -164,7 +166,7 @@ def parse_options(argv: Sequence[str] | None = None) -> SoakOptions:
     ns = p.parse_args(argv)
     try:
         return SoakOptions(
-            clients=ns.clients, duration_s=ns.duration, warmup_s=ns.warmup, max_turns=ns.max_turns,
+            clients=ns.clients, duration_s=ns.duration, warmup_s=ns.warmup, warmup_quiet_s=ns.warmup_quiet, max_turns=ns.max_turns,
             max_new_tokens=ns.max_new_tokens, image_fraction=ns.image_fraction, abort_fraction=ns.abort_fraction,
             drop_fraction=ns.drop_fraction, greedy_fraction=ns.greedy_fraction, greedy_tokens=ns.greedy_tokens,
             request_timeout_s=ns.request_timeout, settle_timeout_s=ns.settle_timeout, rss_interval_s=ns.rss_interval,
