@@ -294,7 +294,7 @@ class Traffic:
         probes = (
             Segment.of(encoder.encode_prompt([user("Probe: " + words(12), None)])),
             Segment.of(encoder.encode_prompt([user("Probe: " + words(6), images[2])])),
-            Segment.of(encoder.encode_prompt([user("Probe: " + words(20), images[3]), ])),
+            Segment.of(encoder.encode_prompt([user("Probe: " + words(20), images[3])])),
             prompts[1],  # a pool prompt: its prefix is cached under load
         )
         vision = encoder.vision
@@ -770,20 +770,23 @@ class Soak:
             report.checks["rss_drift_within_bound"] = drift is not None and drift <= opts.rss_drift_bound_mib
 
 
-COMPILE_LAG_SAMPLES = 3  # RSS grows while a program compiles and at its first run: a compilation owns 3 intervals
+# RSS keeps growing for some seconds after a program compiled (a 300 s run: +10 MiB at once, then +4 MiB over the next
+# 7 s, then < 1 MiB a minute): the intervals this long after a compilation belong to it.
+COMPILE_LAG_S = 12.0
 
 
 def rss_drift_between_compiles(samples: Sequence[tuple[float, float, int | None]], since_s: float) -> float | None:
     """RSS growth (MiB) summed over the sample intervals ending at or after `since_s` that no compilation can
-    explain: those whose program count held over the interval and the COMPILE_LAG_SAMPLES intervals before it. A
-    leak shows here; the one-off growth of a new program does not. None without two such samples or counts."""
+    explain: those whose program count held from COMPILE_LAG_S before the interval to its end. A leak shows here;
+    the one-off growth of a new program does not. None without two such samples or counts."""
     if sum(t >= since_s for t, _, _ in samples) < 2 or any(p is None for _, _, p in samples):
         return None
     drift = 0.0
     for i in range(1, len(samples)):
         if samples[i][0] < since_s:
             continue
-        window = [p for _, _, p in samples[max(0, i - COMPILE_LAG_SAMPLES) : i + 1]]
+        first = next(j for j in range(i + 1) if samples[j][0] >= samples[i][0] - COMPILE_LAG_S)
+        window = [p for _, _, p in samples[max(0, first - 1) : i + 1]]
         if len(set(window)) == 1:
             drift += samples[i][1] - samples[i - 1][1]
     return round(drift, 1)

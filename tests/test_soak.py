@@ -30,11 +30,14 @@ def soak() -> ModuleType:
 
 
 def test_rss_drift_counts_growth_only_away_from_compilations(soak):
-    # (seconds, MiB, compiled programs): +10 with a compilation, +1 flat, +9 with none near it, +10 with one.
-    samples = [(0, 100, 1), (1, 110, 2), (2, 111, 2), (3, 111, 2), (4, 111, 2), (5, 120, 2), (6, 120, 3), (7, 130, 3)]
-    assert soak.rss_drift_between_compiles(samples, since_s=1) == 9.0  # 2 s and 3 s are within the lag of 1 s
-    assert soak.rss_drift_between_compiles(samples, since_s=5) == 9.0
-    assert soak.rss_drift_between_compiles(samples, since_s=7) is None  # one sample is no interval
+    # (seconds, MiB, compiled programs): +10 at a compilation, +1 within the lag after it, +9 with no compilation
+    # near it, +10 at the next one.
+    lag = soak.COMPILE_LAG_S
+    samples = [(0, 100, 1), (1, 110, 2), (2, 111, 2), (lag + 1.5, 111, 2), (lag + 2, 120, 2), (lag + 3, 120, 3),
+               (lag + 4, 130, 3)]
+    assert soak.rss_drift_between_compiles(samples, since_s=1) == 9.0
+    assert soak.rss_drift_between_compiles(samples, since_s=lag + 2) == 9.0
+    assert soak.rss_drift_between_compiles(samples, since_s=lag + 4) is None  # one sample is no interval
     assert soak.rss_drift_between_compiles([(0, 1, None), (1, 2, None)], since_s=0) is None
 
 
