@@ -27,14 +27,14 @@ the same way before the load (the engine's `/get_server_info` `internal_states[0
 during and after the load against the quiet reference.
 
 Exit status 1 when any check fails: an unexpected failure, a page held or leaked, a greedy mismatch, the server
-gone, or RSS growth after warm-up over a bound. The engine compiles one program per new shape, and each adds to
-its RSS for good, so warm-up lasts `--warmup` seconds and then until no program was compiled for
-`warmup_quiet_s` (at most half the load), and RSS is judged twice: all growth after warm-up (the highest RSS of
-the last quarter of the post-warm-up window minus the RSS at its start) within `--rss-growth-bound-mib`, late
-compilations included; and the drift between compilations (`rss_drift_between_compiles`: the growth over the
-sample intervals with no compilation near them, where a leak shows) within `--rss-drift-bound-mib`. Setup
-failures (no model, a server never healthy, a server without page accounting, an engine that does not go idle
-after the load) exit 2 with the reason.
+gone, or RSS growth over a bound. The engine compiles one program per new shape, and each adds to its RSS for
+good, so warm-up lasts `--warmup` seconds and then until no program was compiled for `--warmup-quiet` seconds (at
+most half the load), and RSS is judged twice: all growth after warm-up (the highest RSS of the last quarter of
+the post-warm-up window minus the RSS at its start), late compilations included, within
+`--rss-growth-bound-mib`; and the leak bound, the drift over the second half of the load away from compilations
+(`rss_drift_between_compiles`), within `--rss-drift-bound-mib`. Setup failures (no model, a server never
+healthy, a server without page accounting, an engine that does not go idle after the load) exit 2 with the
+reason.
 """
 
 from __future__ import annotations
@@ -95,8 +95,11 @@ class SoakOptions:
     request_timeout_s: float = 180.0
     settle_timeout_s: float = 60.0  # for in-flight requests and aborts to finish after the load
     rss_interval_s: float = 1.0
-    rss_growth_bound_mib: float = 64.0  # all growth after warm-up, late compilations included
-    rss_drift_bound_mib: float = 16.0  # growth after warm-up while no program was being compiled
+    # All growth after warm-up, late compilations included: one compilation of the tiny model's programs adds 5 to
+    # 45 MiB for good, and a 300 s run may still compile two or three after warm-up.
+    rss_growth_bound_mib: float = 128.0
+    # The leak bound: growth over the second half of the load away from compilations (measured: 0 to 2 MiB).
+    rss_drift_bound_mib: float = 8.0
     seed: int = 0
     # The server this script starts (ignored with url).
     max_batch: int = 8
@@ -152,7 +155,7 @@ def parse_options(argv: Sequence[str] | None = None) -> SoakOptions:
     p.add_argument("--rss-growth-bound-mib", type=float, default=d.rss_growth_bound_mib,
                    help="Most RSS growth after warm-up (MiB), late compilations included.")
     p.add_argument("--rss-drift-bound-mib", type=float, default=d.rss_drift_bound_mib,
-                   help="Most RSS growth after warm-up between compilations (MiB): the leak bound.")
+                   help="Most RSS growth over the second half of the load away from compilations (MiB): the leak bound.")
     p.add_argument("--seed", type=int, default=d.seed, help="Seeds the traffic (prompts, images, faults, sampling).")
     p.add_argument("--max-batch", type=int, default=d.max_batch, help="Started server: --max-batch.")
     p.add_argument("--max-seq-len", type=int, default=d.max_seq_len, help="Started server: --max-seq-len.")
@@ -442,7 +445,8 @@ class SoakReport:
     rss_at_warmup_end_mib: float | None = None
     rss_end_mib: float | None = None
     rss_growth_after_warmup_mib: float | None = None
-    rss_drift_between_compiles_mib: float | None = None
+    rss_drift_between_compiles_mib: float | None = None  # over the second half of the load (or after warm-up)
+    rss_drift_from_s: float | None = None
     programs_compiled_after_warmup: int | None = None
     compiled_programs: dict[str, int | None] = field(default_factory=dict)
     pages_idle_baseline: dict[str, int] = field(default_factory=dict)
@@ -749,7 +753,10 @@ class Soak:
                 last_quarter_from = post[0][0] + 0.75 * (post[-1][0] - post[0][0])
                 report.rss_growth_after_warmup_mib = round(
                     max(m for t, m, _ in post if t >= last_quarter_from) - post[0][1], 1)
-                report.rss_drift_between_compiles_mib = rss_drift_between_compiles(samples, self.warmup_end_s)
+                # A first-time path (a new batch mix, a long retraction) still adds a few MiB once some time after
+                # warm-up; a leak keeps adding: judge the second half of the load.
+                report.rss_drift_from_s = max(self.warmup_end_s, report.duration_s / 2)
+                report.rss_drift_between_compiles_mib = rss_drift_between_compiles(samples, report.rss_drift_from_s)
                 if post[0][2] is not None and post[-1][2] is not None:
                     report.programs_compiled_after_warmup = post[-1][2] - post[0][2]
         report.checks = {
@@ -827,7 +834,7 @@ def format_report(report: SoakReport) -> str:
              ("server RSS at warm-up end / end (MiB)", f"{report.rss_at_warmup_end_mib} / {report.rss_end_mib}"),
              ("RSS growth after warm-up (MiB)", f"{report.rss_growth_after_warmup_mib} (bound {report.options['rss_growth_bound_mib']:g}), "
               f"{report.programs_compiled_after_warmup} programs compiled since"),
-             ("RSS drift between compilations (MiB)",
+             (f"RSS drift between compilations from {report.rss_drift_from_s} s (MiB)",
               f"{report.rss_drift_between_compiles_mib} (bound {report.options['rss_drift_bound_mib']:g})"),
              ("compiled programs (before / warm-up end / end)",
               f"{report.compiled_programs.get('before_load')} / {report.compiled_programs.get('warmup_end')} / {report.compiled_programs.get('end')}"),
