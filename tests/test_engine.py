@@ -446,6 +446,10 @@ async def test_info_health_and_client_helpers(engine):
         server = await c.get_server_info()
         assert server["max_running_requests"] == 16 and server["context_length"] == MAX_SEQ
         assert server["internal_states"][0]["max_req_input_len"] == MAX_SEQ - 1
+        # Idle: no request holds a KV page (the prefix cache may keep some); the soak test reads these.
+        pages = server["internal_states"][0]["kv_pages"]
+        assert pages["held_by_requests"] == 0 and pages["free"] + pages["cached"] == pages["total"] > 0
+        assert server["internal_states"][0]["engine_stats"]["aborted"] >= 0
         assert await c.get_weight_version() == engine.engine.scheduler.weight_version
     for path in ("/get_model_info", "/get_server_info", "/health_generate", "/health"):
         status, _ = await post(engine, path, method="GET")

@@ -186,6 +186,7 @@ def test_page_cache_accounting_holds_under_random_requests(ops):
         assert [cache.refs(p) for p in range(12)] == holders.tolist()
         assert cache.free_pages == int((holders == 0).sum())
         assert cache.evictable_pages() == sum(1 for p in tree if holders[p] == 1)
+        assert cache.request_held_pages() == len({p for pages in running for p in pages})
         assert all(len(set(pages)) == len(pages) for pages in running)
 
 

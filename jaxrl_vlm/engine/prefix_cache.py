@@ -162,6 +162,11 @@ class PageCache:
         """Tree pages that no request holds (all of them can be evicted, leaves first)."""
         return self._evictable
 
+    def request_held_pages(self) -> int:
+        """Pages some request holds (alone or with the tree): 0 once every request has finished, whatever the
+        tree caches. The soak test's page-leak check (`scripts/soak_engine.py`) reads it."""
+        return self.num_pages - len(self._free) - self._evictable
+
     def available(self) -> int:
         """Pages `allocate` could hand out now."""
         return len(self._free) + self.evictable_pages()

@@ -682,6 +682,12 @@ class Scheduler:
             "num_waiting_reqs": len(self._waiting) + len(self._held),
             "num_used_tokens": int(sum(s.request.prompt.num_tokens + len(s.output_ids) for s in self._running.values())),
             "max_total_num_tokens": self._pages.num_pages * self.page_size,
+            # Page accounting (flat ints, so replicas add up): idle means no request holds a page, and after a
+            # flush every page is free.
+            "kv_pages_total": self._pages.num_pages,
+            "kv_pages_free": self._pages.free_pages,
+            "kv_pages_cached": self._pages.cached_pages,
+            "kv_pages_held_by_requests": self._pages.request_held_pages(),
         }
 
     def _run_weight_updates(self) -> None:

@@ -20,6 +20,7 @@ needs `Authorization: Bearer <key>`; binding a non-loopback address without one 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib.metadata
 import ipaddress
 import logging
@@ -274,6 +275,15 @@ async def server_info(request: web.Request) -> web.Response:
             "max_req_input_len": cfg.max_seq_len - 1,
             "max_total_num_tokens": loads["max_total_num_tokens"],
             "num_compiled_programs": engine.runner.num_programs,
+            # Not SGLang's: the KV page accounting (a snapshot from the scheduler thread) and the engine's counters,
+            # for leak checks and the soak test (scripts/soak_engine.py).
+            "kv_pages": {
+                "total": loads["kv_pages_total"],
+                "free": loads["kv_pages_free"],
+                "cached": loads["kv_pages_cached"],
+                "held_by_requests": loads["kv_pages_held_by_requests"],
+            },
+            "engine_stats": dataclasses.asdict(engine.scheduler.stats),
         }],
         "version": VERSION,
         "embedded_engine": True,
