@@ -222,6 +222,15 @@ FAULT_CLASSES: tuple[FaultClass, ...] = (
                "--allow-worker-loss (never the last one), else a WorkerLost error naming it",
                (LOSS + "test_a_dead_router_worker_is_dropped_when_allowed_and_stops_the_run_otherwise",
                 LOSS + "test_the_last_router_worker_is_never_dropped")),
+    FaultClass("engine_soak_under_load", "issue 35 item 3",
+               "N clients for T s against jaxrl-vlm serve (text, image, multi-turn prefixes, aborts by rid "
+               "mid-generation, dropped connections, KV pressure with evictions and retractions) -> no failure but the "
+               "injected ones, no KV page held by a request once idle and none leaked after /flush_cache, greedy "
+               "answers equal to the quiet engine's, RSS flat after warm-up away from compilations",
+               ("tests/test_soak.py::test_soak_of_the_served_engine_has_no_unexpected_failure_leak_or_drift",
+                "tests/test_soak.py::test_injected_faults_never_count_as_unexpected_and_options_are_checked",
+                "tests/test_soak.py::test_rss_drift_counts_growth_only_away_from_compilations",
+                "tests/test_engine.py::test_info_health_and_client_helpers")),
     FaultClass("corrupt_parquet_page", "row 13",
                "a damaged data page in one row group -> DatasetError naming the file and the row group, under both "
                "bad-row policies",
