@@ -231,6 +231,13 @@ FAULT_CLASSES: tuple[FaultClass, ...] = (
                 "tests/test_soak.py::test_injected_faults_never_count_as_unexpected_and_options_are_checked",
                 "tests/test_soak.py::test_rss_drift_counts_growth_only_away_from_compilations",
                 "tests/test_engine.py::test_info_health_and_client_helpers")),
+    FaultClass("sft_bad_rows", "issue 35 item 6",
+               "SFT transcripts that cannot be trained (malformed messages, missing or corrupt images, no assistant "
+               "turn) -> an error naming the file, the row and the cause, or skipped and recorded under the skip "
+               "policy",
+               ("tests/test_sft_data.py::test_a_bad_row_is_an_error_naming_file_row_and_cause",
+                "tests/test_sft_data.py::test_bad_rows_are_skipped_and_recorded_under_skip",
+                "tests/test_sft_data.py::test_transcripts_that_cannot_be_trained_are_errors")),
     FaultClass("corrupt_parquet_page", "row 13",
                "a damaged data page in one row group -> DatasetError naming the file and the row group, under both "
                "bad-row policies",
