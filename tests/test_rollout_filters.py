@@ -15,6 +15,7 @@ from test_driver import EnvSpec, check_accounting, harness, run
 
 from jaxrl_vlm.config import Config
 from jaxrl_vlm.job.run import MainJob
+from jaxrl_vlm.weight_sync import WeightSyncer
 from rollout import driver as driver_module
 from rollout.driver import DriverState, driver_checkpoint_state, restore_driver_state
 from rollout.encoding import ChatEncoder
@@ -284,7 +285,7 @@ async def test_a_step_with_few_failures_does_not_warn(encoder, caplog):
     assert not [r for r in caplog.records if "FAILED" in r.getMessage()]
 
 
-async def test_the_main_job_stops_after_consecutive_all_failed_steps():
+async def test_the_main_job_stops_after_consecutive_all_failed_steps(tmp_path):
     results = iter([_result([_failed(TerminationKind.ENGINE_ERROR, "engine: refused")] * 2)] * 2)
 
     async def rollout_fn(args, step, prompts):
@@ -294,6 +295,7 @@ async def test_the_main_job_stops_after_consecutive_all_failed_steps():
     job.cfg, job.main, job.args, job.prompts, job.rollout_fn = Config(), True, None, None, rollout_fn
     job.cfg.rollout.max_all_failed_steps = 2
     job.all_failed_steps, job.engine_version, job.replay, job.saver = 0, 0, None, None
+    job.syncer = WeightSyncer(None, tmp_path / "weights")  # no engine client: no engine link to check
     _, samples, metrics = await job.rollout(0)
     assert samples == [] and job.all_failed_steps == 1 and metrics["rollout/failed_share"] == 1.0
     with pytest.raises(AllFailedStepsError, match=r"engine_error x 2 \(e.g. 'engine: refused'\)"):
