@@ -540,18 +540,8 @@ class MainJob:
         self.stream = GroupStream(self.args, self.prompts, engine_version=self.engine_version,
                                   batches_taken=self.version, too_stale=self.too_stale)
         self.stream.start()
-        last: dict[str, Any] = {}
         try:
-            for step in range(self.start_step, self.cfg.rollout.num_rollout + 1):
-                await self.evaluate_unless_preempted(step)
-                if self.stop_requested():
-                    break
-                if step < self.cfg.rollout.num_rollout:
-                    try:
-                        last = await self.async_step(step)
-                    except StepAborted as e:
-                        self.aborted, self.stopping = f"step {step}: {e}", True
-                        break
+            last = await self.steps(self.async_step)
             if self.stopping:  # before the stream closes: its running groups are saved to restart
                 await self.stop_for_preemption()
         finally:
@@ -650,6 +640,14 @@ class MainJob:
     async def run_sync(self) -> dict[str, Any]:
         """The steps of `--max-staleness 0`; returns the last step's metrics. Eval of the weights after `step` steps
         runs before rollout `step` (after the previous step's sync), and once more after the last step."""
+        last = await self.steps(self.step)
+        if self.stopping:
+            await self.stop_for_preemption()
+        return last
+
+    async def steps(self, step_fn: Any) -> dict[str, Any]:
+        """The step loop of both modes: eval of the weights after `step` steps, then step `step` by `step_fn`,
+        until the last step or a preemption (`stopping`); returns the last step's metrics."""
         last: dict[str, Any] = {}
         for step in range(self.start_step, self.cfg.rollout.num_rollout + 1):
             await self.evaluate_unless_preempted(step)
@@ -657,12 +655,10 @@ class MainJob:
                 break
             if step < self.cfg.rollout.num_rollout:
                 try:
-                    last = await self.step(step)
+                    last = await step_fn(step)
                 except StepAborted as e:
                     self.aborted, self.stopping = f"step {step}: {e}", True
                     break
-        if self.stopping:
-            await self.stop_for_preemption()
         return last
 
 
