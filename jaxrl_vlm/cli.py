@@ -7,10 +7,14 @@ answers in well under a second.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
+import types
+import typing
 
 from jaxrl_vlm.config import Config, ConfigError, describe_options, is_sft, load_config
+from jaxrl_vlm.engine.options import DTYPES, EngineOptions
 from jaxrl_vlm.models.config import FAMILY_PARSERS
 from rollout.client import WorkerLost
 from rollout.engine_link import EngineLost
@@ -154,13 +158,38 @@ def _cmd_make_dataset(ns: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
+def _cmd_untie_embeddings(ns: argparse.Namespace, rest: list[str]) -> int:
+    """Copy a checkpoint with an explicit LM head: what a vLLM server must start from to take weight syncs."""
+    if rest:
+        raise ConfigError(f"untie-embeddings: unexpected arguments {rest}")
+    import json
+
+    from jaxrl_vlm.models.hf_io import from_hf, to_hf
+
+    from pathlib import Path
+
+    src = Path(ns.src)
+    dtype = json.loads((src / "config.json").read_text()).get("dtype") or "bfloat16"
+    model = from_hf(src, param_dtype=jnp_dtype(dtype))
+    out = to_hf(model, ns.out, dtype=jnp_dtype(dtype), copy_from=src, untie_embeddings=True)
+    print(f"wrote {out} ({dtype}): tie_word_embeddings false, explicit lm_head.weight")
+    return 0
+
+
+def jnp_dtype(name: str):  # noqa: ANN201 (jax is imported only here)
+    import jax.numpy as jnp
+
+    return jnp.dtype({"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[name])
+
+
 def _cmd_make_tiny(ns: argparse.Namespace, rest: list[str]) -> int:
     if rest:
         raise ConfigError(f"make-tiny: unexpected arguments {rest}")
     from jaxrl_vlm.tiny import make_tiny, summarize
 
     try:
-        out = make_tiny(ns.out, seed=ns.seed, vocab_size=ns.vocab_size, init=ns.init, dtype=ns.dtype, arch=ns.arch)
+        out = make_tiny(ns.out, seed=ns.seed, vocab_size=ns.vocab_size, init=ns.init, dtype=ns.dtype, arch=ns.arch,
+                        head_dim=ns.head_dim)
     except ValueError as e:
         raise ConfigError(f"make-tiny: {e}") from e
     print(summarize(out))
@@ -202,25 +231,48 @@ def _cmd_serve(ns: argparse.Namespace, rest: list[str]) -> int:
     """The embedded JAX engine behind SGLang's native HTTP API, in the foreground."""
     if rest:
         raise ConfigError(f"serve: unexpected arguments {rest}")
-    from jaxrl_vlm.engine import EngineOptions, serve
-
-    run = Config()  # serve's flags set the run config's embedded-engine options (SGLang's flag names)
-    run.engine.engine_max_batch, run.engine.engine_max_seq_len = ns.max_batch, ns.max_seq_len
-    run.engine.engine_page_size, run.engine.engine_max_total_tokens = ns.page_size, ns.max_total_tokens
-    run.engine.engine_prefix_cache = not ns.disable_radix_cache
-    run.model.param_dtype = run.model.compute_dtype = ns.dtype
-    run.rollout.rollout_seed = ns.seed
-    run.engine.engine_allowed_local_media_path = ns.allowed_local_media_path
-    run.engine.engine_max_image_bytes, run.engine.engine_max_image_pixels = ns.max_image_bytes, ns.max_image_pixels
-    run.engine.engine_max_n, run.engine.engine_max_request_bytes = ns.max_n, ns.max_request_bytes
-    run.engine.engine_control_timeout, run.engine.engine_weight_update_timeout = ns.control_timeout, ns.weight_update_timeout
-    run.engine.tp_size, run.engine.dp_size, run.engine.rollout_devices = ns.tp_size, ns.dp_size, ns.devices
+    given = {f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineOptions) if hasattr(ns, f.name)}
+    if ns.dtype is not None:  # --dtype sets both, unless one is given on its own
+        given = {"param_dtype": ns.dtype, "compute_dtype": ns.dtype, **given}
     try:
-        config = EngineOptions.from_run_config(run)
+        config = EngineOptions(**given)
     except ValueError as e:
         raise ConfigError(f"serve: {e}") from e
+    from jaxrl_vlm.engine import serve
+
     serve(ns.model, host=ns.host, port=ns.port, config=config, weight_version=ns.weight_version, api_key=ns.api_key)
     return 0
+
+
+def add_engine_options(p: argparse.ArgumentParser) -> None:
+    """One flag per `EngineOptions` field (`--max-batch`, plus the SGLang spellings its `flags` declare), with the
+    field's help, default, choices and bounds; a flag left out keeps the field's default (the bounds are checked
+    when the options are built)."""
+    hints = typing.get_type_hints(EngineOptions)
+    for f in dataclasses.fields(EngineOptions):
+        meta, flag = f.metadata, "--" + f.name.replace("_", "-")
+        bounds = "".join(f" {sign} {meta[b]:g}" for b, sign in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<="))
+                         if meta[b] is not None)
+        help_text = f"{meta['help']} (default: {f.default}{';' + bounds if bounds else ''})"
+        tp = hints[f.name]
+        members = [a for a in typing.get_args(tp) if a is not type(None)] if isinstance(tp, types.UnionType) else [tp]
+        if members == [bool]:  # --x / --no-x; a switch on by default also takes SGLang's --disable-* spelling
+            p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                           help=help_text)
+            for alias in meta["flags"]:
+                p.add_argument(alias, dest=f.name, action="store_false" if f.default else "store_true",
+                               default=argparse.SUPPRESS, help=f"Sets {flag} to {not f.default}.")
+            continue
+        kwargs: dict = {"dest": f.name, "default": argparse.SUPPRESS, "help": help_text}
+        if str in members:
+            kwargs["type"] = str
+        elif typing.get_origin(members[0]) is tuple:
+            kwargs.update(nargs="+", type=typing.get_args(members[0])[0])
+        else:
+            kwargs["type"] = members[0]
+        if meta["choices"] is not None:
+            kwargs["choices"] = list(meta["choices"])
+        p.add_argument(flag, *meta["flags"], **kwargs)
 
 
 def split_config_argv(rest: list[str]) -> tuple[str | None, list[str]]:
@@ -300,7 +352,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="Dtype of the safetensors.")
     p.add_argument("--arch", choices=tuple(FAMILY_PARSERS), default="qwen3_vl",
                    help="Model family (config.json model_type): qwen3_vl or qwen2_5_vl.")
+    p.add_argument("--head-dim", type=int, default=None,
+                   help="Text head size (default 16); vLLM's CPU attention needs 32 or more (qwen3_vl only).")
     p.set_defaults(func=_cmd_make_tiny)
+
+    p = sub.add_parser("untie-embeddings", help="Copy an HF checkpoint with an explicit LM head (tie_word_embeddings "
+                                                "false): start an external vLLM from it (README, vLLM).")
+    p.add_argument("src", help="HF checkpoint directory.")
+    p.add_argument("out", help="Output directory.")
+    p.set_defaults(func=_cmd_untie_embeddings)
 
     p = sub.add_parser("dump-shardings", help="Print/write each mesh layout's parameter and input shardings as JSON.")
     p.usage = (
@@ -320,33 +380,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="HF Qwen3-VL or Qwen2.5-VL directory (safetensors, config, tokenizer, processor).")
     p.add_argument("--host", default="127.0.0.1", help="Bind address (loopback by default).")
     p.add_argument("--port", type=int, default=30000, help="Port (0 picks a free one).")
-    p.add_argument("--max-batch", type=int, default=32, help="Most requests decoded together (SGLang's max_running_requests).")
-    p.add_argument("--max-seq-len", type=int, default=4096, help="Most tokens of one request: prompt (pads expanded) + output.")
-    p.add_argument("--page-size", type=int, default=16, help="Tokens per KV-cache page (SGLang's flag name).")
-    p.add_argument("--max-total-tokens", type=int, default=None,
-                   help="KV-cache memory in tokens for all requests and the prefix cache (default: max-batch x max-seq-len).")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="Parameter and compute dtype.")
-    p.add_argument("--seed", type=int, default=0, help="Seeds requests that carry no sampling_seed.")
     p.add_argument("--weight-version", default="default", help="Initial weight_version reported by the server.")
-    p.add_argument("--disable-radix-cache", action="store_true",
-                   help="Do not share KV pages between requests with a common prefix (SGLang's flag name).")
-    p.add_argument("--tp-size", type=int, default=1, help="Tensor-parallel devices per replica (SGLang's flag name).")
-    p.add_argument("--dp-size", type=int, default=1, help="Replicas behind this server (SGLang's flag name).")
-    p.add_argument("--devices", default=None, metavar="IDS",
-                   help="Local devices to serve on, e.g. '0-3' (tp x dp of them; default: the first tp x dp).")
-    engine = Config().engine  # the run config's defaults for the engine limits
     p.add_argument("--api-key", default=None,
                    help="Require 'Authorization: Bearer KEY' on every endpoint but /health* (SGLang's flag name).")
-    p.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
-                   help="image_data may name image files under DIR (default: data URLs and base64 only).")
-    p.add_argument("--max-image-bytes", type=int, default=engine.engine_max_image_bytes, help="Most bytes of one image.")
-    p.add_argument("--max-image-pixels", type=int, default=engine.engine_max_image_pixels, help="Most pixels of one image (checked before decoding).")
-    p.add_argument("--max-n", type=int, default=engine.engine_max_n, help="Most generations one /generate request may start (n x prompts).")
-    p.add_argument("--max-request-bytes", type=int, default=engine.engine_max_request_bytes,
-                   help="Largest request body (default: 8 MiB + 4 KiB per token of --max-seq-len).")
-    p.add_argument("--control-timeout", type=float, default=engine.engine_control_timeout, help="Seconds a control call waits for the scheduler (then 503).")
-    p.add_argument("--weight-update-timeout", type=float, default=engine.engine_weight_update_timeout,
-                   help="Seconds /update_weights_from_disk waits for the scheduler (then 503).")
+    p.add_argument("--dtype", choices=DTYPES, default=None, help="--param-dtype and --compute-dtype at once.")
+    add_engine_options(p)
     p.set_defaults(func=_cmd_serve)
 
     from jaxrl_vlm.bench.cli_args import add_bench_parser

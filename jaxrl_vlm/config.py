@@ -14,20 +14,27 @@ A run's config is resolved from four layers, later ones winning:
 
 Field names are globally unique across sections, so every field has exactly one flag:
 ``--`` + name with ``_`` replaced by ``-``. Unknown keys and wrong types are errors that name the key, the
-source and the closest valid key. This module imports neither jax nor the rollout code it configures (the loss
-registry's names are looked up, importing the loss module, only when a policy loss is given).
+source and the closest valid key.
+
+Each option is declared once, with its default, help, bounds (``opt(gt=, ge=, lt=, le=)``) and choices, in the
+options dataclass of the package that reads it: rollout (``rollout/options.py``), the embedded engine
+(``engine/options.py``, composed into the engine section under each field's ``key``), the loss (``rl/options.py``,
+composed into the algo section); the run's own options are declared below. This module imports no jax (a test
+checks it): choices kept by a module that does (loss and KL registries, attention kernels) are read, importing
+it, only when a value is checked.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib
 import math
 import re
 import sys
 import types
 import typing
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -36,12 +43,34 @@ import yaml
 
 from jaxrl_vlm import slime_flags
 from jaxrl_vlm.devices import check_disjoint, parse_device_ids
+from jaxrl_vlm.engine.options import EngineOptions
 from jaxrl_vlm.errors import ConfigError
 from jaxrl_vlm.models.config import FAMILY_PARSERS
-from jaxrl_vlm.rl.registries import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
+from jaxrl_vlm.rl.options import LossOptions
+from jaxrl_vlm.rl.registries import ADVANTAGE_ESTIMATORS, AGGREGATION_MODES, LOSS_TYPES, POLICY_LOSSES
 from rollout.hooks import HOOK_OPTIONS, load_hook
 from rollout.loading import LoadError, load_function, load_module
-from rollout.options import DebugOptions, MultiTurnOptions, RolloutOptions, check_template, opt
+from rollout.options import DebugOptions, MultiTurnOptions, RolloutOptions, bound_error, check_template, opt
+
+
+class NamesOf(Collection[str]):
+    """The names `module.attr` holds, as choices: read (importing `module`) when a value is checked, so a module
+    that imports jax is imported only then, not with the config."""
+
+    def __init__(self, module: str, attr: str):
+        self.module, self.attr = module, attr
+
+    def _names(self) -> Collection[str]:
+        return getattr(importlib.import_module(self.module), self.attr)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names())
+
+    def __len__(self) -> int:
+        return len(self._names())
 
 
 # --------------------------------------------------------------------------- sections
@@ -57,9 +86,10 @@ class ModelConfig:
         "xla",
         "Attention of the training forward: xla (einsums, dense masks), pallas_gpu or pallas_tpu (fused "
         "segment-aware flash kernels, O(T) memory; seq/patch buckets must be multiples of 16 (GPU) / 128 (TPU)).",
-        choices=("xla", "pallas_gpu", "pallas_tpu"),
+        choices=NamesOf("jaxrl_vlm.models.layers", "ATTENTION_IMPLS"),
     )
-    logprob_chunk_size: int = opt(512, "Sequence chunk for log-prob computation (bounds fp32 vocab logits memory).")
+    logprob_chunk_size: int = opt(512, "Sequence chunk for log-prob computation (bounds fp32 vocab logits memory).",
+                                  gt=0)
     make_tiny: bool = opt(False, "Create a tiny random model at --hf-checkpoint if it has no config.json (CPU demo runs).")
     make_tiny_arch: str = opt("qwen3_vl", "Family (config.json model_type) of the --make-tiny model.",
                               choices=tuple(FAMILY_PARSERS))
@@ -81,7 +111,8 @@ class DataConfig:
     on_bad_row: str = opt("error", "What to do with a malformed row: raise, or skip and count it.", choices=("error", "skip"))
     rollout_shuffle: bool = opt(True, "Shuffle prompts each epoch (deterministic by --seed).")
     system_prompt: str | None = opt(None, "System prompt prepended to every conversation (None: the task's default).")
-    prompt_style: str = opt("geo3k", "Task prompt: geo3k's tool-call instructions and tool schema, or the bare problem.", choices=("geo3k", "plain"))
+    prompt_style: str = opt("geo3k", "Task prompt: geo3k's tool-call instructions and tool schema, or the bare problem.",
+                            choices=NamesOf("jaxrl_vlm.data.geo3k", "PROMPT_STYLES"))
     synthetic_rows: int = opt(256, "Rows of synthetic data to generate when --prompt-data is missing and --make-data is on.")
     make_data: bool = opt(
         False, "Generate synthetic data (--synthetic-data-module) at --prompt-data, and at each --eval-prompt-data "
@@ -104,7 +135,9 @@ DebugConfig = DebugOptions
 
 
 @dataclass
-class AlgoConfig:
+class _AlgoOptions:
+    """The run's algorithm options; the loss hyper-parameters (`LossOptions`) are composed after them."""
+
     advantage_estimator: str = opt("grpo", "Advantage estimator (a registry name).", choices=ADVANTAGE_ESTIMATORS)
     disable_grpo_std_normalization: bool = opt(False, "Dr.GRPO: do not divide group-centred rewards by their std.")
     custom_advantage_function_path: str | None = opt(
@@ -124,24 +157,19 @@ class AlgoConfig:
         "slime's --loss-type: policy_loss trains --policy-loss; custom_loss trains the function of "
         "--custom-loss-function-path; sft_loss is supervised fine-tuning on the conversations of --prompt-data: the "
         "mean NLL (temperature 1) of their assistant tokens, no engine, no rollout (jaxrl_vlm/job/sft.py).",
-        choices=("policy_loss", "custom_loss", "sft_loss"),
+        choices=LOSS_TYPES,
     )
     custom_loss_function_path: str | None = opt(
         None,
         "The loss of --loss-type custom_loss: a JAX function `fn(inputs: LossInputs, cfg: LossConfig) -> (loss, "
         "metrics)` on the loss registry's contract (rl/losses.py), traced inside the compiled train step (slime's "
         "torch signature does not apply).")
-    eps_clip: float = opt(0.2, "Lower PPO clip range.")
-    eps_clip_high: float | None = opt(None, "Upper PPO clip range (None: equal to --eps-clip; DAPO uses 0.28).")
-    eps_clip_c: float | None = opt(None, "Dual-clip constant (> 1) capping the loss of negative-advantage tokens.")
-    use_kl_loss: bool = opt(False, "Add a KL(policy || reference) loss term.")
-    kl_loss_coef: float = opt(0.0, "Coefficient of the KL loss term.")
-    kl_loss_type: str = opt("k1", "KL estimator of the KL loss (slime's default k1).", choices=("k1", "k2", "k3", "low_var_kl"))
     kl_coef: float = opt(
         0.0,
         "KL reward shaping (slime's --kl-coef, separate from the KL loss): the k1 estimate log p_old - log p_ref of "
         "each sampled token, summed over the response, times this coefficient is subtracted from the sample's "
         "reward before advantages. Needs reference log-probs (the initial policy).",
+        ge=0,
     )
     rm_type: str | None = opt(
         None,
@@ -152,25 +180,16 @@ class AlgoConfig:
     reward_key: str | None = opt(
         None, "When a reward is a mapping, the entry that is the scalar reward (slime's --reward-key)."
     )
-    entropy_coef: float = opt(0.0, "Entropy bonus coefficient.")
-    use_tis: bool = opt(False, "Truncated importance sampling against rollout log-probs.")
-    tis_clip: float = opt(2.0, "Upper clip of TIS weights.")
-    tis_clip_low: float = opt(0.0, "Lower clip of TIS weights.")
-    custom_tis_function_path: str | None = opt(
-        None,
-        "slime's custom TIS/RS function, JAX-native, used with --use-tis in place of the clipped weight: "
-        "`fn(pg_loss [B, T], inputs: LossInputs, cfg: LossConfig) -> (pg_loss [B, T], loss_mask [B, T], metrics)` "
-        "inside the compiled step; masked-out tokens leave every loss term (the aggregation denominators stay the "
-        "host's, unlike slime's rebuilt ones); metrics are per-token [B, T] arrays logged as train/tis/<name>.")
-    loss_aggregation: str = opt("seq_mean_token_mean", "How token losses are reduced.", choices=("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"))
+    loss_aggregation: str = opt("seq_mean_token_mean", "How token losses are reduced.", choices=AGGREGATION_MODES)
     loss_aggregation_constant: float | None = opt(None, "Divisor for seq_mean_token_sum_norm (Dr.GRPO; default: --rollout-max-response-len).")
 
 
 @dataclass
 class TrainConfig:
-    global_batch_size: int | None = opt(None, "Samples per optimizer step (None: rollout_batch_size * n_samples_per_prompt).")
+    global_batch_size: int | None = opt(None, "Samples per optimizer step (None: rollout_batch_size * n_samples_per_prompt).",
+                                        ge=1)
     micro_batch_size: int | None = opt(None, "Rows per micro-batch for gradient accumulation (None: no accumulation).")
-    num_steps_per_rollout: int = opt(1, "Optimizer steps per rollout (>1 recomputes old log-probs).")
+    num_steps_per_rollout: int = opt(1, "Optimizer steps per rollout (>1 recomputes old log-probs).", ge=1)
     seed: int = opt(1234, "Seed of parameter init, data order and the trainer RNG.")
     output_dir: str = opt("runs/default", "Where metrics, plots, exports and checkpoints go.")
 
@@ -183,15 +202,15 @@ class OptimConfig:
         "torch's fused Adam apply it), so adam and adamw are the same update here.",
         choices=("adam", "adamw"),
     )
-    lr: float = opt(1e-6, "Learning rate.")
-    min_lr: float = opt(0.0, "Final learning rate of a decaying schedule.")
+    lr: float = opt(1e-6, "Learning rate.", ge=0)
+    min_lr: float = opt(0.0, "Final learning rate of a decaying schedule.", ge=0)
     lr_decay_style: str = opt("constant", "Learning-rate schedule.", choices=("constant", "linear", "cosine"))
-    lr_warmup_iters: int = opt(0, "Linear warm-up steps.")
-    weight_decay: float = opt(0.1, "AdamW weight decay.")
-    adam_beta1: float = opt(0.9, "Adam beta1.")
-    adam_beta2: float = opt(0.98, "Adam beta2.")
-    adam_eps: float = opt(1e-8, "Adam epsilon.")
-    clip_grad: float = opt(1.0, "Global-norm gradient clipping (0: off).")
+    lr_warmup_iters: int = opt(0, "Linear warm-up steps.", ge=0)
+    weight_decay: float = opt(0.1, "AdamW weight decay.", ge=0)
+    adam_beta1: float = opt(0.9, "Adam beta1.", ge=0, lt=1)
+    adam_beta2: float = opt(0.98, "Adam beta2.", ge=0, lt=1)
+    adam_eps: float = opt(1e-8, "Adam epsilon.", ge=0)
+    clip_grad: float = opt(1.0, "Global-norm gradient clipping (0: off).", ge=0)
 
 
 @dataclass
@@ -204,41 +223,40 @@ class BatchingConfig:
         None,
         "Token budget of one micro-batch per device (slime's --use-dynamic-batch-size --max-tokens-per-gpu): the "
         "rows of a micro-batch are chosen so that rows x padded length <= this x batch-sharding devices.",
+        gt=0,
     )
     overlong_policy: str = opt("error", "A trajectory longer than the largest bucket: raise, or truncate its tail.", choices=("error", "truncate"))
 
 
 @dataclass
-class EngineConfig:
+class _EngineRunOptions:
+    """How a run reaches its engine; the embedded engine's own options (`EngineOptions`) are composed after these."""
+
     engine_url: str | None = opt(None, "URL of an SGLang server or router (None: start the embedded JAX engine).")
     engine_worker_urls: list[str] = opt([], "Worker URLs behind a router: control calls go to each directly.")
     launch_sglang: bool = opt(False, "Spawn `python -m sglang.launch_server` from --sglang-python (its own venv) and stop it at the end.")
     sglang_python: str | None = opt(None, "Interpreter of the separate SGLang venv.")
     sglang_args: list[str] = opt([], "Extra arguments for sglang.launch_server.")
+    engine_api: str = opt(
+        "auto", "The protocol of --engine-url / a launched engine: SGLang's native API or vLLM's (token-in/token-out "
+        "route and dev-mode control routes). auto: vllm with --launch-vllm, else asked of the server at --engine-url "
+        "(SGLang answers /model_info, vLLM /v1/models as owner). The embedded engine speaks SGLang's.",
+        choices=("auto", "sglang", "vllm"))
+    launch_vllm: bool = opt(
+        False, "Spawn vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`, dev mode, --enable-scale-out, "
+        "--logprobs-mode processed_logprobs) from --vllm-python (its own venv) and stop it at the end.")
+    vllm_python: str | None = opt(None, "Interpreter of the separate vLLM venv (scripts/setup_vllm_cpu_venv.sh builds one).")
+    vllm_args: list[str] = opt([], "Extra arguments for vLLM's server, e.g. --max-model-len 4096 --dtype float32.")
     engine_host: str = opt("127.0.0.1", "Bind address of the embedded engine.")
     engine_port: int = opt(0, "Port of the embedded engine (0: a free port).")
-    engine_max_batch: int = opt(32, "Most requests the embedded engine decodes at once (SGLang's max_running_requests).")
-    tp_size: int = opt(1, "Tensor-parallel devices per engine replica (SGLang's --tp-size): the embedded engine's, and "
-                          "passed to a launched SGLang.")
-    dp_size: int = opt(1, "Engine replicas behind one server (SGLang's --dp-size): the embedded engine's, and passed to "
-                          "a launched SGLang.")
     rollout_devices: str | None = opt(
-        None, "Local devices of the embedded engine, e.g. '0-3' or '0,1,2,3' (exactly tp_size x dp_size of them; None: "
-        "the first tp_size x dp_size). With --train-devices, engine and trainer get disjoint devices and run side by "
-        "side (--max-staleness >= 1).")
-    engine_max_seq_len: int = opt(4096, "Most tokens of one request in the embedded engine (prompt with expanded pads + response).")
-    engine_page_size: int = opt(16, "Embedded engine: tokens per KV-cache page (SGLang's page_size).")
-    engine_max_total_tokens: int | None = opt(
-        None, "Embedded engine: KV-cache memory in tokens, shared by all requests and the prefix cache (SGLang's "
-        "max_total_tokens; None: engine_max_batch x engine_max_seq_len).")
-    engine_prefix_cache: bool = opt(
-        True,
-        "Embedded engine: keep prefilled and finished requests' KV pages in a radix tree, so a group's samples share their "
-        "prompt and a later turn of the same conversation prefills only its new tokens (and new images); SGLang's radix cache.",
-    )
-    engine_request_timeout: float = opt(300.0, "Seconds per /generate request.")
-    engine_start_timeout: float = opt(900.0, "Seconds to wait for the engine (embedded, launched or external) to become healthy.")
-    engine_max_retries: int = opt(3, "Retries of a /generate request on connection errors and 5xx.")
+        None, "Local devices of the embedded engine (its device_ids), e.g. '0-3' or '0,1,2,3' (exactly tp_size x "
+        "dp_size of them; None: the first tp_size x dp_size). With --train-devices, engine and trainer get disjoint "
+        "devices and run side by side (--max-staleness >= 1).")
+    engine_request_timeout: float = opt(300.0, "Seconds per /generate request.", gt=0)
+    engine_start_timeout: float = opt(900.0, "Seconds to wait for the engine (embedded, launched or external) to become healthy.",
+                                      gt=0)
+    engine_max_retries: int = opt(3, "Retries of a /generate request on connection errors and 5xx.", ge=0)
     engine_reconnect_timeout: float = opt(
         300.0,
         "--engine-url: seconds to wait for an engine that became unreachable (connection refused or reset) to come "
@@ -253,18 +271,6 @@ class EngineConfig:
         "--engine-worker-urls behind a router: a worker that a control call (pause, flush, update, continue, version "
         "check) cannot reach is dropped and the run carries on with the others (logged, counted in "
         "engine/workers_lost). Without it the run stops naming the worker. The last worker is never dropped.")
-    engine_allowed_local_media_path: str | None = opt(
-        None, "Embedded engine: image_data may name local image files only under this directory (None: data URLs and "
-        "base64 only; `serve --allowed-local-media-path`).")
-    engine_max_image_bytes: int = opt(64 << 20, "Embedded engine: the most bytes of one image it reads or decodes from base64.")
-    engine_max_image_pixels: int = opt(40_000_000, "Embedded engine: the most pixels of one image (checked from its header, before decoding).")
-    engine_max_n: int = opt(256, "Embedded engine: the most generations one /generate request may start (sampling_params.n x prompts).")
-    engine_max_request_bytes: int | None = opt(
-        None, "Embedded engine: the largest request body (None: 8 MiB + 4 KiB per token of --engine-max-seq-len).")
-    engine_control_timeout: float = opt(60.0, "Embedded engine: seconds a control call waits for the scheduler before answering 503.")
-    engine_weight_update_timeout: float = opt(
-        600.0, "Embedded engine: seconds /update_weights_from_disk waits for the scheduler before answering 503 (an update "
-        "that has not started by then is dropped).")
     engine_api_key: str | None = opt(
         None, "SGLang's --api-key: sent as `Authorization: Bearer` to --engine-url and its workers, passed to a launched "
         "SGLang, and required by the embedded engine's server. A credential: redacted from config dumps, checkpoints "
@@ -285,7 +291,7 @@ class EngineConfig:
         "also needs --sglang-args --enable-memory-saver; with --launch-sglang on the same GPUs, JAX gets "
         "1 - mem_fraction_static - colocate_margin of each GPU (XLA_PYTHON_CLIENT_MEM_FRACTION).",
     )
-    colocate_margin: float = opt(0.05, "Share of GPU memory left to neither JAX nor SGLang when colocated.")
+    colocate_margin: float = opt(0.05, "Share of GPU memory left to neither JAX nor SGLang when colocated.", ge=0)
 
     @property
     def rollout_device_ids(self) -> tuple[int, ...] | None:
@@ -421,8 +427,8 @@ class CheckpointConfig:
     save: str | None = opt(None, "Checkpoint directory (None: <output_dir>/checkpoints).")
     load: str | None = opt(None, "Resume from this checkpoint directory (latest complete step).")
     load_step: int | None = opt(None, "Resume from this step of --load instead of the latest (e.g. when it is corrupt).")
-    save_interval: int = opt(0, "Steps between checkpoints (0: only at the end).")
-    keep_checkpoints: int = opt(3, "How many recent checkpoints to keep.")
+    save_interval: int = opt(0, "Steps between checkpoints (0: only at the end).", ge=0)
+    keep_checkpoints: int = opt(3, "How many recent checkpoints to keep.", ge=0)
     preemption_policy: str = opt(
         "finish",
         "On SIGTERM/SIGINT (spot VMs, schedulers): finish the training step in progress when it fits in "
@@ -446,6 +452,33 @@ class DistributedConfig:
     local_device_ids: list[int] = opt([], "Local devices this process uses (default all; or env JAXRL_LOCAL_DEVICE_IDS).")
     distributed_auto: bool = opt(False, "Let jax detect the cluster: TPU pod, SLURM, Open MPI (or env JAXRL_DISTRIBUTED=auto).")
 
+
+def _compose(name: str, own: type, component: type, *, keyed_only: bool, declared: Iterable[type] = (),
+             help_prefix: str = "") -> type:
+    """The section `name`: `own` followed by the fields of a component's options, as declared there (default, help, bounds, choices),
+    each under its `key` (else its name). `keyed_only`: only the fields that name a `key`. A key that `own` or a
+    `declared` section already holds (e.g. the engine's seed is `rollout_seed`) is that option, not a new one."""
+    taken = {f.name for cls in (own, *declared) for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(component)
+    extra = []
+    for f in dataclasses.fields(component):
+        key = f.metadata["key"] or (None if keyed_only else f.name)
+        if key is None or key in taken:
+            continue
+        text = f.metadata["help"]
+        if help_prefix and text[1:2].islower():  # "Embedded engine: most requests ...", "...: KV-cache memory ..."
+            text = text[0].lower() + text[1:]
+        meta = {**f.metadata, "help": help_prefix + text}
+        default = {"default": f.default} if f.default_factory is dataclasses.MISSING else {"default_factory": f.default_factory}
+        extra.append((key, hints[f.name], field(**default, metadata=meta)))
+    cls = dataclasses.make_dataclass(name, extra, bases=(own,))
+    cls.__module__ = __name__
+    return cls
+
+
+AlgoConfig = _compose("AlgoConfig", _AlgoOptions, LossOptions, keyed_only=False)
+EngineConfig = _compose("EngineConfig", _EngineRunOptions, EngineOptions, keyed_only=True,
+                        help_prefix="Embedded engine: ", declared=(ModelConfig, RolloutConfig))
 
 SECTIONS: dict[str, type] = {
     "model": ModelConfig,
@@ -492,6 +525,10 @@ class Config:
     extra: dict[str, Any] = field(default_factory=dict)
     # What became of slime flags and spellings (one line each; logged once by the run, not part of the config).
     notes: list[str] = field(default_factory=list)
+
+    def option(self, name: str) -> Any:
+        """The value of the option `name` (a field name, unique across sections), wherever its section is."""
+        return getattr(getattr(self, FIELDS[name].section), name)
 
     def to_namespace(self) -> types.SimpleNamespace:
         """The flat `args` that rollout functions and environments receive (slime's convention), without the
@@ -544,8 +581,9 @@ class FieldInfo:
     help: str
     choices: Collection[Any] | None  # a tuple, or a registry (its names, resolved when a value is checked)
     default: Any
-    gt: float | None = None  # bounds of a number, declared on the field (`opt(..., gt=, ge=, le=)`)
+    gt: float | None = None  # bounds of a number, declared on the field (`opt(..., gt=, ge=, lt=, le=)`)
     ge: float | None = None
+    lt: float | None = None
     le: float | None = None
 
     @property
@@ -562,7 +600,7 @@ def _build_field_index() -> dict[str, FieldInfo]:
                 raise RuntimeError(f"config field {f.name!r} defined in both {index[f.name].section} and {section}")
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
             index[f.name] = FieldInfo(section, f.name, hints[f.name], f.metadata.get("help", ""), f.metadata.get("choices"),
-                                      default, gt=f.metadata.get("gt"), ge=f.metadata.get("ge"), le=f.metadata.get("le"))
+                                      default, **{b: f.metadata.get(b) for b in ("gt", "ge", "lt", "le")})
     return index
 
 
@@ -920,27 +958,8 @@ def _load_as_hf_checkpoint(cfg: Config, notes: list[str]) -> None:
 
 def validate(cfg: Config) -> None:
     """Cross-field checks that types alone cannot express."""
-    r, a, b = cfg.rollout, cfg.algo, cfg.batching
-    positive = {
-        "num_rollout": r.num_rollout,
-        "rollout_batch_size": r.rollout_batch_size,
-        "n_samples_per_prompt": r.n_samples_per_prompt,
-        "rollout_max_response_len": r.rollout_max_response_len,
-        "max_turns": cfg.multiturn.max_turns,
-        "sglang_server_concurrency": r.sglang_server_concurrency,
-        "num_steps_per_rollout": cfg.train.num_steps_per_rollout,
-    }
-    for name, value in positive.items():
-        if value < 1:
-            raise ConfigError(f"{name} must be >= 1, got {value}")
-    if not 0.0 < r.rollout_top_p <= 1.0:
-        raise ConfigError(f"rollout_top_p must be in (0, 1], got {r.rollout_top_p}")
-    if r.rollout_temperature < 0:
-        raise ConfigError(f"rollout_temperature must be >= 0, got {r.rollout_temperature}")
-    if a.eps_clip_c is not None and a.eps_clip_c <= 1.0:
-        raise ConfigError(f"eps_clip_c must be > 1 (dual clip), got {a.eps_clip_c}")
-    if cfg.multiturn.max_env_retries_per_turn < 0:
-        raise ConfigError("max_env_retries_per_turn must be >= 0")
+    b = cfg.batching
+    _validate_numbers(cfg)
     if cfg.engine.engine_api_key is not None and not cfg.engine.engine_api_key.strip():
         raise ConfigError("engine_api_key must be a non-empty string (or unset for no key)")
     if any(arg.split("=", 1)[0] == "--api-key" for arg in cfg.engine.sglang_args):
@@ -952,10 +971,6 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"{name} must be a non-empty strictly increasing list of positive ints, got {buckets}")
     if sorted(set(b.patch_buckets)) != b.patch_buckets or (b.patch_buckets and b.patch_buckets[0] < 0):
         raise ConfigError(f"patch_buckets must be strictly increasing and >= 0, got {b.patch_buckets}")
-    gbs = cfg.train.global_batch_size
-    if gbs is not None and gbs < 1:
-        raise ConfigError(f"global_batch_size must be >= 1, got {gbs}")
-    _validate_numbers(cfg)
     _validate_eval(cfg.eval)
     _validate_hooks(cfg)
     _validate_debug(cfg.debug)
@@ -968,8 +983,6 @@ def _validate_placement(cfg: Config) -> None:
     """Device lists parse and are disjoint; the embedded-engine options are not set for an external engine;
     --colocate (shared devices, memory released while training) is synchronous and has no device lists."""
     e, m = cfg.engine, cfg.mesh
-    if e.tp_size < 1 or e.dp_size < 1:
-        raise ConfigError(f"tp_size and dp_size must be >= 1, got tp_size={e.tp_size}, dp_size={e.dp_size}")
     rollout = parse_device_ids(e.rollout_devices, "--rollout-devices") if e.rollout_devices is not None else None
     train = parse_device_ids(m.train_devices, "--train-devices") if m.train_devices is not None else None
     if rollout is not None and len(rollout) != e.tp_size * e.dp_size:
@@ -977,7 +990,17 @@ def _validate_placement(cfg: Config) -> None:
                           f"tp_size {e.tp_size} x dp_size {e.dp_size} = {e.tp_size * e.dp_size}")
     if rollout is not None and train is not None:
         check_disjoint(rollout, train)
-    external = "--engine-url" if e.engine_url else "--launch-sglang" if e.launch_sglang else None
+    launchers = [flag for flag, on in (("--engine-url", bool(e.engine_url)), ("--launch-sglang", e.launch_sglang),
+                                       ("--launch-vllm", e.launch_vllm)) if on]
+    if len(launchers) > 1:
+        raise ConfigError(f"{' and '.join(launchers)} each name the engine: choose one")
+    external = launchers[0] if launchers else None
+    if e.launch_vllm and not e.vllm_python:
+        raise ConfigError("--launch-vllm needs --vllm-python (the interpreter of vLLM's own venv)")
+    if e.launch_sglang and e.engine_api == "vllm" or e.launch_vllm and e.engine_api == "sglang":
+        raise ConfigError(f"--engine-api {e.engine_api} contradicts {external}")
+    if e.engine_api == "vllm" and not external:
+        raise ConfigError("--engine-api vllm needs --engine-url or --launch-vllm (the embedded engine speaks SGLang's API)")
     if external and rollout is not None:
         raise ConfigError(f"--rollout-devices places the embedded engine; with {external} the engine's devices are "
                           "its own (CUDA_VISIBLE_DEVICES of its process)")
@@ -996,37 +1019,19 @@ def _validate_placement(cfg: Config) -> None:
                               f"combine with --max-staleness {cfg.rollout.max_staleness}")
 
 
-# Numbers whose meaningful range types cannot express; every float option must also be finite.
-_NON_NEGATIVE = ("lr", "min_lr", "weight_decay", "adam_eps", "clip_grad", "eps_clip", "eps_clip_high", "kl_loss_coef",
-                 "kl_coef", "entropy_coef", "tis_clip_low", "colocate_margin", "failed_share_warning",
-                 "max_all_failed_steps", "lr_warmup_iters", "save_interval", "keep_checkpoints", "engine_max_retries")
-_POSITIVE = ("episode_timeout", "env_step_timeout", "env_hook_timeout", "engine_request_timeout", "engine_start_timeout", "tis_clip",
-             "logprob_chunk_size", "engine_max_batch", "engine_max_seq_len", "engine_page_size", "max_tokens_per_device",
-             "rollout_max_prompt_len", "rollout_max_context_len")
-_UNIT_INTERVAL = ("adam_beta1", "adam_beta2")  # [0, 1)
-
-
 def _validate_numbers(cfg: Config) -> None:
-    """NaN, infinities and out-of-range numbers are errors naming the key (a NaN lr would train nothing)."""
+    """NaN, infinities and numbers outside the bounds declared on their field are errors naming the key and its
+    flag (a NaN lr would train nothing)."""
     for info in FIELDS.values():
         value = getattr(getattr(cfg, info.section), info.name)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             continue
-        where = f"{info.section}.{info.name}"
+        where = f"{info.section}.{info.name} ({info.flag})"
         if not math.isfinite(value):
             raise ConfigError(f"{where} must be a finite number, got {value}")
-        if info.name in _NON_NEGATIVE and value < 0:
-            raise ConfigError(f"{where} must be >= 0, got {value}")
-        if info.name in _POSITIVE and value <= 0:
-            raise ConfigError(f"{where} must be > 0, got {value}")
-        if info.name in _UNIT_INTERVAL and not 0 <= value < 1:
-            raise ConfigError(f"{where} must be in [0, 1), got {value}")
-        if info.gt is not None and not value > info.gt:
-            raise ConfigError(f"{where} ({info.flag}) must be > {info.gt:g}, got {value}")
-        if info.ge is not None and not value >= info.ge:
-            raise ConfigError(f"{where} ({info.flag}) must be >= {info.ge:g}, got {value}")
-        if info.le is not None and not value <= info.le:
-            raise ConfigError(f"{where} ({info.flag}) must be <= {info.le:g}, got {value}")
+        problem = bound_error(where, value, {"gt": info.gt, "ge": info.ge, "lt": info.lt, "le": info.le})
+        if problem:
+            raise ConfigError(problem)
 
 
 def _validate_hooks(cfg: Config) -> None:
@@ -1105,7 +1110,7 @@ def _validate_async(cfg: Config) -> None:
 # errors naming the flag, not silently ignored.
 _RL_ONLY_OPTIONS = ("use_kl_loss", "kl_coef", "use_tis", "entropy_coef", "custom_tis_function_path",
                     "custom_advantage_function_path", "custom_reward_post_process_path", "custom_rm_path", "rm_type",
-                    "engine_url", "engine_worker_urls", "launch_sglang", "partial_rollout", "dynamic_filter",
+                    "engine_url", "engine_worker_urls", "launch_sglang", "launch_vllm", "partial_rollout", "dynamic_filter",
                     "max_staleness", "save_debug_rollout_data", "load_debug_rollout_data")
 
 
@@ -1147,6 +1152,7 @@ def describe_options() -> str:
                 continue
             tp = str(info.type).replace("typing.", "")
             choices = f" choices={list(info.choices)}" if info.choices else ""
-            bounds = "".join(f" {op}{b:g}" for op, b in ((">", info.gt), (">=", info.ge)) if b is not None)
+            bounds = "".join(f" {op}{b:g}" for op, b in ((">", info.gt), (">=", info.ge), ("<", info.lt), ("<=", info.le))
+                             if b is not None)
             lines.append(f"  {info.flag:<40} {tp:<22} default={info.default!r}{choices}{bounds}\n      {info.help}")
     return "\n".join(lines)

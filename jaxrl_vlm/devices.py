@@ -8,6 +8,9 @@ synchronous loop never runs both at once; `--colocate` also frees the engine's m
 A device list is written as ids and inclusive ranges: "0-3", "0,1,2,3", "0-1,6-7". Ids are positions in
 `jax.local_devices()` (what `CUDA_VISIBLE_DEVICES` leaves visible), not global ids, so a config means the same
 on every host.
+
+Parsing and checking lists needs no jax (the run config validates them before any backend starts); only
+`pick_devices` asks jax for the local devices.
 """
 
 from __future__ import annotations
@@ -15,8 +18,6 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from typing import Any
-
-import jax
 
 from jaxrl_vlm.errors import ConfigError
 
@@ -43,6 +44,8 @@ def parse_device_ids(spec: str, what: str = "device list") -> tuple[int, ...]:
 
 def pick_devices(ids: Sequence[int], what: str = "device list", devices: Sequence[Any] | None = None) -> list[Any]:
     """The local devices with these positions (ConfigError if one does not exist)."""
+    import jax  # here, not at the top: `jaxrl_vlm.config` imports this module and must not load jax
+
     local = list(jax.local_devices() if devices is None else devices)
     missing = [i for i in ids if not 0 <= i < len(local)]
     if missing:

@@ -1,4 +1,5 @@
-"""Name -> function registries (losses, advantage estimators): one helper, one error style.
+"""Name -> function registries (losses, loss types, KL estimators, aggregation modes, advantage estimators): one
+helper, one error style.
 
 A registry may name the module that fills it (`populated_by`): asking for its names imports that module first,
 so the config can offer and validate the names without importing jax until then.
@@ -34,6 +35,12 @@ class Registry(Generic[F]):
 
         return deco
 
+    def unregister(self, name: str) -> None:
+        """Remove `name` (a test's temporary entry, a plug-in unloaded); an unknown name is a KeyError."""
+        if name not in self._entries:
+            raise KeyError(f"unknown {self.kind} {name!r}; registered: {self.names()}")
+        del self._entries[name]
+
     def get(self, name: str) -> F:
         """The function registered as `name`; an unknown name lists the registered ones."""
         self._populate()
@@ -51,3 +58,9 @@ class Registry(Generic[F]):
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names())
+
+    def __len__(self) -> int:
+        return len(self.names())
+
+    def __repr__(self) -> str:
+        return f"<{self.kind} registry: {self.names()}>"

@@ -27,8 +27,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl_vlm.models.config import FAMILY_PARSERS, ModelConfig, from_hf_dict
+from jaxrl_vlm.models.families import PolicyModel, family_model
 from jaxrl_vlm.models.hf_io import load_hf_config, model_class, param_count, to_hf
-from jaxrl_vlm.models.qwen3_vl import VisionLanguageDecoder
 
 INITS = ("scaled", "hf")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -48,6 +48,27 @@ def tiny_hf_config(vocab_size: int = 1024, tokenizer_seed: int = 0, arch: str = 
     return TINY_HF_CONFIGS[arch](tokenizer), tokenizer
 
 
+def with_head_dim(hf_config: dict[str, Any], head_dim: int) -> dict[str, Any]:
+    """`hf_config` with the text head size `head_dim`; an M-RoPE section is rescaled to keep its proportions and sum
+    to head_dim // 2 (transformers does not check that sum, our parser does)."""
+    text = dict(hf_config["text_config"])
+    if "head_dim" not in text:
+        raise ValueError(f"head_dim: the tiny {hf_config.get('model_type')} derives its head size from hidden_size / "
+                         "num_attention_heads; only configs with an explicit head_dim take this option")
+    if head_dim < 8 or head_dim % 8:
+        raise ValueError(f"head_dim={head_dim}: must be a multiple of 8 (M-RoPE splits the rotary half in three)")
+    text["head_dim"] = head_dim
+    rope = dict(text.get("rope_parameters") or {})
+    section = rope.get("mrope_section")
+    if section:
+        half = head_dim // 2
+        scaled = [max(1, round(s * half / sum(section))) for s in section]
+        scaled[0] += half - sum(scaled)
+        rope["mrope_section"] = scaled
+        text["rope_parameters"] = rope
+    return {**hf_config, "text_config": text}
+
+
 @functools.lru_cache(maxsize=8)
 def tiny_model_config(vocab_size: int = 1024, tokenizer_seed: int = 0, arch: str = "qwen3_vl") -> ModelConfig:
     """Our (frozen) config of the tiny model of `arch`: the fixed shape sharding goldens are dumped for.
@@ -56,7 +77,8 @@ def tiny_model_config(vocab_size: int = 1024, tokenizer_seed: int = 0, arch: str
 
 
 def _init_std(path: tuple[str | int, ...], shape: tuple[int, ...], cfg: ModelConfig) -> float | None:
-    """Std of the scaled init for the parameter at `path`; None keeps the constructor's value."""
+    """Std of the scaled init for the parameter at `path`; None keeps the constructor's value. A parameter that
+    the generic names below do not cover is the family's to answer (`FamilyModel.init_std`)."""
     leaf = str(path[-1])
     if leaf in ("scale", "bias") or "_bias_" in leaf:
         return None  # norm scales (ones), norm and linear biases (zeros)
@@ -67,6 +89,9 @@ def _init_std(path: tuple[str | int, ...], shape: tuple[int, ...], cfg: ModelCon
     if leaf == "pos_embed_sd":
         return cfg.vision.hidden_size**-0.5
     if "_kernel_" not in leaf:
+        own = family_model(cfg).init_std
+        if own is not None:
+            return own(path, shape, cfg)
         raise ValueError(f"no init rule for parameter {'.'.join(map(str, path))} {shape}")
     # Einsum-named kernels: o_kernel_nhd contracts (n, h); every other kernel its first axis.
     fan_in = math.prod(shape[:2]) if leaf.startswith("o_kernel") else shape[0]
@@ -80,7 +105,7 @@ def _init_std(path: tuple[str | int, ...], shape: tuple[int, ...], cfg: ModelCon
 
 def init_tiny_model(
     cfg: ModelConfig, seed: int = 0, *, init: str = "scaled", param_dtype: Any = jnp.float32, **model_kwargs: Any
-) -> VisionLanguageDecoder:
+) -> PolicyModel:
     """The model of `cfg`'s family with our init (see the module docstring); deterministic in `seed`.
 
     `model_kwargs` (compute_dtype, remat, attention_impl) go to the model class.
@@ -113,6 +138,7 @@ def make_tiny(
     min_pixels: int = 64 * 64,
     max_pixels: int = 128 * 128,
     arch: str = "qwen3_vl",
+    head_dim: int | None = None,
 ) -> Path:
     """Write a tiny random checkpoint directory of `arch` (`TINY_ARCHS`: weights, config, generation config,
     processing files).
@@ -120,6 +146,8 @@ def make_tiny(
     vocab_size: tokenizer and embedding size (>= 270: 256 bytes + merges + 13 added tokens).
     dtype: of the safetensors (float32 keeps exact parity with transformers; bfloat16 like releases).
     min/max_pixels: the image processor's pixel range (64x64..128x128 -> 4..16 image tokens).
+    head_dim: the text attention's head size (None: the tiny config's 16). vLLM's CPU attention kernels need one of
+    32, 64, 80, ...: a tiny checkpoint that a real vLLM server serves is made with `head_dim=32`.
     """
     from jaxrl_vlm.tiny_assets import EOS_TOKEN, PAD_TOKEN, save_tiny_processing  # transformers: ~8 s, only here
 
@@ -129,6 +157,8 @@ def make_tiny(
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"make-tiny: {out} exists and is not a directory")
     hf_config, tokenizer = tiny_hf_config(vocab_size, tokenizer_seed, arch)
+    if head_dim is not None:
+        hf_config = with_head_dim(hf_config, head_dim)
     cfg = from_hf_dict(hf_config)
     model = init_tiny_model(cfg, seed, init=init)
     to_hf(model, out, dtype=DTYPES[dtype])

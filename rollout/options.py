@@ -24,13 +24,34 @@ _T = TypeVar("_T", bound="ArgsOptions")
 
 
 def opt(default: Any, help: str, *, choices: Collection[Any] | None = None, gt: float | None = None,
-        ge: float | None = None, le: float | None = None) -> Any:
-    """Declare an option with its help text (and optional allowed values, or bounds of a number: `gt` (>), `ge` (>=),
-    `le` (<=), checked by the config's validation); lists/dicts get a fresh copy each time."""
-    meta = {"help": help, "choices": choices, "gt": gt, "ge": ge, "le": le}
+        ge: float | None = None, lt: float | None = None, le: float | None = None, key: str | None = None,
+        flags: tuple[str, ...] = ()) -> Any:
+    """Declare an option once: its default, help text, allowed values (`choices`: a tuple, or a registry whose names
+    are read when a value is checked) and bounds of a number (`gt` >, `ge` >=, `lt` <, `le` <=; `bound_error`).
+
+    A component's options that the run config also holds (engine, loss) name their run-config key (`key`) when it
+    is not the field's name; `flags` are extra command-line spellings (SGLang's, for `serve`; for a switch, they
+    flip its default, as `--disable-radix-cache` does). Lists and dicts get a fresh copy each time.
+    """
+    meta = {"help": help, "choices": choices, "gt": gt, "ge": ge, "lt": lt, "le": le, "key": key, "flags": flags}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: copy.deepcopy(d), metadata=meta)
     return field(default=default, metadata=meta)
+
+
+BOUNDS = (("gt", ">", float.__gt__), ("ge", ">=", float.__ge__), ("lt", "<", float.__lt__), ("le", "<=", float.__le__))
+
+
+def bound_error(name: str, value: Any, metadata: Any) -> str | None:
+    """Why `value` of the option `name` breaks a bound declared on its field (`opt(gt=, ge=, lt=, le=)`): e.g.
+    "max_batch must be >= 1, got 0"; None when it keeps them all (or is not a number: None means unset)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    for bound, sign, holds in BOUNDS:
+        limit = metadata.get(bound)
+        if limit is not None and not holds(float(value), float(limit)):
+            return f"{name} must be {sign} {limit:g}, got {value}"
+    return None
 
 
 _SCALARS: tuple[type, ...] = (bool, int, float, str)
@@ -80,22 +101,23 @@ class RolloutOptions(ArgsOptions):
     custom_generate_function_path: str = opt("rollout.multiturn.generate", "Dotted path of the per-sample episode function.")
     rollout_interaction_env_path: str | None = opt("envs.geo3k", "Module (dotted or .py path) exposing build_env(sample, args).")
     custom_config_path: str | None = opt(None, "YAML whose keys become attributes of args (max_turns, ...).")
-    num_rollout: int = opt(10, "Number of rollout -> train iterations.")
-    rollout_batch_size: int = opt(4, "Prompts per rollout step.")
+    num_rollout: int = opt(10, "Number of rollout -> train iterations.", ge=1)
+    rollout_batch_size: int = opt(4, "Prompts per rollout step.", ge=1)
     n_samples_per_prompt: int = opt(
         1, "Samples per prompt (a group). slime's default 1; GRPO-style advantages need >= 2 (a group of 1 has "
-        "advantage 0).")
+        "advantage 0).", ge=1)
     over_sampling_batch_size: int | None = opt(None, "Prompts submitted at a time when dynamic filtering drops groups.")
-    rollout_max_response_len: int = opt(512, "Token budget of the whole response, observation tokens included.")
-    rollout_max_context_len: int | None = opt(None, "Maximum prompt+response length (None: no extra limit).")
+    rollout_max_response_len: int = opt(512, "Token budget of the whole response, observation tokens included.", ge=1)
+    rollout_max_context_len: int | None = opt(None, "Maximum prompt+response length (None: no extra limit).", gt=0)
     rollout_max_prompt_len: int | None = opt(
         None,
         "Skip prompts longer than this many tokens, counted as trained (chat template applied, image pads "
         "expanded), before their group is generated; the step is filled with other prompts and the skips are "
         "counted in rollout/filtered_long_prompts (None: no limit). slime filters them at dataset load.",
+        gt=0,
     )
-    rollout_temperature: float = opt(1.0, "Sampling temperature.")
-    rollout_top_p: float = opt(1.0, "Nucleus sampling threshold in (0, 1].")
+    rollout_temperature: float = opt(1.0, "Sampling temperature.", ge=0)
+    rollout_top_p: float = opt(1.0, "Nucleus sampling threshold in (0, 1].", gt=0, le=1)
     rollout_top_k: int = opt(-1, "Top-k sampling (-1: whole vocabulary).")
     rollout_seed: int = opt(42, "Seed of the rollout sampler.")
     rollout_stop: list[str] = opt([], "Stop strings (slime's --rollout-stop); the matched text stays in the turn.")
@@ -104,6 +126,7 @@ class RolloutOptions(ArgsOptions):
         512,
         "Maximum in-flight /generate requests per engine, as slime's: the rollout allows this times the number of "
         "engines in total (the --engine-worker-urls behind a router, else 1).",
+        ge=1,
     )
     dynamic_filter: str | None = opt(None, "Group filter: drop groups whose rewards are all equal.", choices=(None, "zero_std"))
     partial_rollout: bool = opt(False, "Resume unfinished episodes in the next step instead of discarding them.")
@@ -128,12 +151,13 @@ class RolloutOptions(ArgsOptions):
     mask_offpolicy_in_partial_rollout: bool = opt(False, "Mask tokens of resumed episodes sampled by older weights.")
     episode_timeout: float = opt(
         600.0, "Wall-clock limit of one episode in seconds: env reset, turns and finalize (reward) included; an "
-        "episode past it FAILs with cause episode_timeout. env.close() then still runs, under --env-hook-timeout.")
+        "episode past it FAILs with cause episode_timeout. env.close() then still runs, under --env-hook-timeout.",
+        gt=0)
     failed_share_warning: float = opt(
-        0.5, "Warn with the top causes when more than this share of a step's finished episodes FAILED.")
+        0.5, "Warn with the top causes when more than this share of a step's finished episodes FAILED.", ge=0)
     max_all_failed_steps: int = opt(
         3, "Stop the run, naming the top causes, after this many consecutive steps in which every finished "
-        "episode FAILED (0: never stop).")
+        "episode FAILED (0: never stop).", ge=0)
     # slime's rollout hooks (rollout/hooks.py loads them; docs/hooks.md has each signature). The default
     # --rollout-function-path (rollout.driver) calls them; a custom rollout function calls what it wants.
     custom_rm_path: str | None = opt(
@@ -173,14 +197,15 @@ class RolloutOptions(ArgsOptions):
 class MultiTurnOptions(ArgsOptions):
     """One episode of the default multi-turn loop: turn limit, env retries and timeout, the delta check."""
 
-    max_turns: int = opt(3, "Maximum model turns per episode.")
-    max_env_retries_per_turn: int = opt(2, "Retries of an env step that raises or times out before the episode FAILs.")
-    env_step_timeout: float = opt(30.0, "Seconds an env step may take (an overrun is retried like an error).")
+    max_turns: int = opt(3, "Maximum model turns per episode.", ge=1)
+    max_env_retries_per_turn: int = opt(2, "Retries of an env step that raises or times out before the episode FAILs.",
+                                        ge=0)
+    env_step_timeout: float = opt(30.0, "Seconds an env step may take (an overrun is retried like an error).", gt=0)
     env_hook_timeout: float = opt(
         30.0,
         "Seconds each other env hook may take: env.reset(), env.verdict(), env.close() and the env module's "
         "reward_fn. An overrun FAILs the episode with cause env_timeout naming the hook; a sync hook runs in its own "
-        "daemon thread, which is abandoned (it cannot be killed) while the rollout goes on.")
+        "daemon thread, which is abandoned (it cannot be killed) while the rollout goes on.", gt=0)
     delta_check: str = opt("strict", "Prefix-stability check of observation deltas at finalize.", choices=("strict", "warn", "off"))
     apply_chat_template_kwargs: dict[str, Any] = opt(
         {},

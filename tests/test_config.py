@@ -175,7 +175,7 @@ def test_unimportable_env_module_error_says_what_failed(tmp_path):
 def test_cross_field_validation():
     with pytest.raises(ConfigError, match="rollout_top_p"):
         load_config(None, ["--rollout-top-p", "0"])
-    with pytest.raises(ConfigError, match="eps_clip_c must be > 1"):
+    with pytest.raises(ConfigError, match=r"eps_clip_c \(--eps-clip-c\) must be > 1"):
         load_config(None, ["--eps-clip-c", "0.5"])
     with pytest.raises(ConfigError, match="seq_buckets"):
         load_config(None, ["--seq-buckets", "1024,512"])

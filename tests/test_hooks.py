@@ -23,6 +23,7 @@ from jaxrl_vlm.config import ConfigError, load_config
 from jaxrl_vlm.job.trainer import Trainer, post_process_rewards, sample_advantages
 from jaxrl_vlm.rl.advantages import compute_advantages
 from jaxrl_vlm.rl.losses import LossConfig, LossInputs, custom_loss, get_loss
+from jaxrl_vlm.rl.metrics import finalize_metrics
 from rollout.driver import CarriedGroup, driver_state
 from rollout.encoding import ChatEncoder
 from rollout.hooks import HOOK_OPTIONS, HookError, load_hook, option_flag
@@ -456,7 +457,8 @@ def test_custom_loss_matches_the_closed_form_inside_jit():
     x = {k: np.asarray(getattr(inputs, k)) for k in ("logprobs", "advantages", "loss_mask", "token_weights")}
     expected = np.sum(x["token_weights"] * x["loss_mask"] * -x["advantages"] * x["logprobs"])
     assert float(loss) == pytest.approx(expected, rel=1e-6)
-    assert float(metrics["weight_sum"]) == pytest.approx(0.9) and float(metrics["loss"]) == pytest.approx(expected)
+    assert float(metrics["weight_sum"].value) == pytest.approx(0.9)
+    assert float(metrics["loss"].value) == pytest.approx(expected)
     grad = jax.grad(lambda lp: fn(loss_inputs(logprobs=lp), cfg)[0])(inputs.logprobs)
     np.testing.assert_allclose(grad, x["token_weights"] * x["loss_mask"] * -x["advantages"], rtol=1e-6)
 
@@ -473,8 +475,10 @@ def test_custom_loss_reimplementing_ppo_clip_equals_the_builtin():
     (l_ours, g_ours), (l_builtin, g_builtin) = value_and_grad(ours), value_and_grad(get_loss("ppo_clip"))
     assert float(l_ours) == pytest.approx(float(l_builtin), rel=1e-6) and float(l_ours) != 0.0
     np.testing.assert_allclose(g_ours, g_builtin, rtol=1e-6, atol=1e-7)
-    clipfrac = ours(inputs, cfg)[1]["pg_clipfrac"]
-    assert float(clipfrac) == pytest.approx(float(get_loss("ppo_clip")(inputs, cfg)[1]["pg_clipfrac"]))
+    # The example tags its clip fraction as a token-weighted mean: it reduces to the builtin's.
+    clipfrac = finalize_metrics(ours(inputs, cfg)[1])["pg_clipfrac"]
+    builtin = finalize_metrics(get_loss("ppo_clip")(inputs, cfg)[1])["pg_clipfrac"]
+    assert float(clipfrac) == pytest.approx(float(builtin)) and float(builtin) > 0.0
 
 
 @pytest.mark.parametrize(("body", "needle"), [
@@ -483,7 +487,14 @@ def test_custom_loss_reimplementing_ppo_clip_equals_the_builtin():
     ("def f(inputs, cfg):\n    return inputs.logprobs * inputs.token_weights, {}\n",
      r"loss: expected a float array of shape \(\), got .* and shape \(2, 4\)"),
     ("def f(inputs, cfg):\n    return (inputs.logprobs * inputs.token_weights).sum(), {'n': 3}\n",
-     r"metrics\['n'\]: expected a float array of shape \(\), got int 3"),
+     r"metrics\['n'\]: expected a Metric tagged with its reduction over micro-batches: Metric.sum\(x\), .*got int 3"),
+    # A plain array says nothing about how it combines over micro-batches: it must be tagged.
+    ("def f(inputs, cfg):\n    x = (inputs.logprobs * inputs.token_weights).sum()\n    return x, {'pg_loss': x}\n",
+     r"metrics\['pg_loss'\]: expected a Metric tagged with its reduction .*got .*Tracer"),
+    ("from jaxrl_vlm.rl.metrics import Metric\n"
+     "def f(inputs, cfg):\n    x = (inputs.logprobs * inputs.token_weights).sum()\n"
+     "    return x, {'n': Metric.mean(x, inputs.loss_mask)}\n",
+     r"metrics\['n'\].weight: expected a float array of shape \(\), got .* and shape \(2, 4\)"),
 ])
 def test_custom_loss_wrong_return_type_is_named(tmp_path, body, needle):
     f = user_file(tmp_path, "bad_loss.py", body)
@@ -505,7 +516,8 @@ def test_custom_tis_masks_rejected_tokens_in_closed_form():
     w = x["token_weights"] * x["loss_mask"]
     assert float(loss) == pytest.approx(np.sum(w * keep * -x["advantages"] * is_ratio), rel=1e-6)
     # Its per-token metrics are token-weighted partial sums over the trainable tokens (finalize divides).
-    assert float(metrics["tis/rejected"]) == pytest.approx(np.sum(w * ~keep), rel=1e-6)
+    assert float(metrics["tis/rejected"].value) == pytest.approx(np.sum(w * ~keep), rel=1e-6)
+    assert float(metrics["tis/rejected"].weight) == pytest.approx(np.sum(w), rel=1e-6)
 
 
 def test_custom_tis_reimplementing_the_builtin_equals_it(tmp_path):
@@ -524,8 +536,8 @@ def test_custom_tis_reimplementing_the_builtin_equals_it(tmp_path):
     fn = jax.jit(get_loss("cispo"), static_argnums=1)
     (l_builtin, m_builtin), (l_custom, m_custom) = fn(inputs, base), fn(inputs, custom)
     assert float(l_custom) == pytest.approx(float(l_builtin), rel=1e-6)
-    assert {k: pytest.approx(float(v), rel=1e-6) for k, v in m_builtin.items()} == {
-        k: float(v) for k, v in m_custom.items()}
+    assert {k: pytest.approx(float(v), rel=1e-6) for k, v in finalize_metrics(m_builtin).items()} == {
+        k: float(v) for k, v in finalize_metrics(m_custom).items()}
 
 
 @pytest.mark.parametrize(("body", "needle"), [

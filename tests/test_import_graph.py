@@ -1,5 +1,6 @@
 """DESIGN.md §3's layering, enforced on the source: rollout/ and envs/ without jax, rl/ without engine or job,
-models/ without config or rollout, no cycles between packages or modules (function-local imports included).
+models/ without config, rollout or sharding, no cycles between packages (any two direct children of jaxrl_vlm/,
+no module exempt) or modules (function-local imports included).
 Each rule is also shown to fire when one forbidden import is added to a copy of the tree."""
 
 from __future__ import annotations
@@ -56,7 +57,11 @@ def _append(root: Path, rel: str, line: str) -> None:
         ("jaxrl_vlm/rl/losses.py", "from jaxrl_vlm.engine import sampling", "rl/ is RL math"),
         ("jaxrl_vlm/rl/advantages.py", "from rollout.client import SGLangClient", "rl/ is RL math"),
         ("jaxrl_vlm/models/rope.py", "from jaxrl_vlm.config import Config", "models/ never import"),
-        ("jaxrl_vlm/models/rope.py", "from jaxrl_vlm.sharding import layout", "models/ import only the sharding rules"),
+        ("jaxrl_vlm/models/rope.py", "from jaxrl_vlm.sharding import layout", "models/ never import sharding/"),
+        # The cycle the sharding rules once closed: sharding/ places models, so models/ importing even the rules
+        # module of sharding/ makes the two packages import each other.
+        ("jaxrl_vlm/models/activation_sharding.py", "from jaxrl_vlm.sharding.rules import spec_with_notes",
+         "package cycle jaxrl_vlm.models <-> jaxrl_vlm.sharding"),
         ("jaxrl_vlm/batching.py", "from jaxrl_vlm.job import run", "only the CLI and benches use the job"),
         # A function-local import closing a cycle is still a cycle.
         ("jaxrl_vlm/models/rope.py", "def _late():\n    from jaxrl_vlm import batching", "package cycle"),

@@ -12,7 +12,8 @@ from flax import nnx
 
 from jaxrl_vlm.job.trainer import check_frame_patches, frame_patch_cap
 from jaxrl_vlm.models import build_vision_inputs, get_rope_index
-from jaxrl_vlm.models.qwen3_vl import Qwen3VL, attention, local_segment_attention, patch_mask
+from jaxrl_vlm.models.layers import attention, local_segment_attention, patch_mask
+from jaxrl_vlm.models.qwen3_vl import Qwen3VL
 from jaxrl_vlm.tiny import tiny_model_config
 from rollout.processing import max_frame_patches
 from rollout.sample import Sample

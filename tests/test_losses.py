@@ -24,6 +24,7 @@ from jaxrl_vlm.rl.losses import (
     AGGREGATION_MODES,
     LossConfig,
     LossInputs,
+    Metric,
     accumulate_metrics,
     aggregation_weights,
     check_loss_inputs,
@@ -251,7 +252,7 @@ def test_kl_estimators_match_slime(kl_type: str) -> None:
     loss, metrics = get_loss("ppo_clip")(to_inputs(b, weights_for(b, cfg)), cfg)
     want_loss, want = ref_loss_and_metrics("ppo_clip", b, cfg, "token_mean")
     np.testing.assert_allclose(float(loss), want_loss, rtol=1e-10)
-    np.testing.assert_allclose(float(metrics["kl_loss"]), want["kl_loss"], rtol=1e-10)
+    np.testing.assert_allclose(float(finalize_metrics(metrics)["kl_loss"]), want["kl_loss"], rtol=1e-10)
 
 
 def test_low_var_kl_clamps_only_low_var_kl() -> None:
@@ -264,8 +265,8 @@ def test_low_var_kl_clamps_only_low_var_kl() -> None:
     w = weights_for(b, cfg_low)
     _, m_low = get_loss("ppo_clip")(to_inputs(b, w), cfg_low)
     _, m_k3 = get_loss("ppo_clip")(to_inputs(b, w), cfg_k3)
-    np.testing.assert_allclose(float(m_low["kl_loss"]), 10.0, rtol=1e-12)
-    np.testing.assert_allclose(float(m_k3["kl_loss"]), np.exp(5.0) - 6.0, rtol=1e-12)
+    np.testing.assert_allclose(float(m_low["kl_loss"].value), 10.0, rtol=1e-12)
+    np.testing.assert_allclose(float(m_k3["kl_loss"].value), np.exp(5.0) - 6.0, rtol=1e-12)
 
 
 def test_plain_ppo_without_optional_inputs() -> None:
@@ -341,7 +342,7 @@ def test_dual_clip_caps_loss_for_negative_advantage() -> None:
     # Token 1 (A>0, r above the clip): -clip(r)*A = -1.2*0.7 either way.
     np.testing.assert_allclose(float(loss_plain), 0.5 * (r * 1.5 - 1.2 * 0.7), rtol=1e-12)
     np.testing.assert_allclose(float(loss_dual), 0.5 * (3.0 * 1.5 - 1.2 * 0.7), rtol=1e-12)
-    np.testing.assert_allclose(float(metrics["pg_dualclip_frac"]), 0.5)
+    np.testing.assert_allclose(float(finalize_metrics(metrics)["pg_dualclip_frac"]), 0.5)
     g = _grad_logp("ppo_clip", x, dual)
     np.testing.assert_array_equal(g, 0.0)
 
@@ -357,6 +358,7 @@ def test_tis_weights_clip_as_configured() -> None:
     loss, metrics = get_loss("ppo_clip")(x, cfg)
     tis_w = np.array([0.5, 1.5, 2.0])
     np.testing.assert_allclose(float(loss), np.mean(-b.adv[0] * tis_w), rtol=1e-12)
+    metrics = finalize_metrics(metrics)
     np.testing.assert_allclose(float(metrics["tis_clipfrac"]), 2 / 3, rtol=1e-12)
     np.testing.assert_allclose(float(metrics["tis"]), (0.1 + 1.5 + 5) / 3, rtol=1e-12)
     np.testing.assert_allclose(_grad_logp("ppo_clip", x, cfg)[0], -b.adv[0] * tis_w / 3, rtol=1e-12)
@@ -371,8 +373,8 @@ def test_entropy_bonus_lowers_the_loss() -> None:
     x = to_inputs(b, weights_for(b, cfg0))
     l0, m0 = get_loss("ppo_clip")(x, cfg0)
     l1, _ = get_loss("ppo_clip")(x, cfg1)
-    np.testing.assert_allclose(float(l0 - l1), 0.3 * float(m0["entropy_loss"]), rtol=1e-10)
-    assert float(m0["entropy_loss"]) > 0
+    np.testing.assert_allclose(float(l0 - l1), 0.3 * float(m0["entropy_loss"].value), rtol=1e-10)
+    assert float(m0["entropy_loss"].value) > 0
 
 
 # ----------------------------------------------------------------------------- analytic gradients
@@ -551,7 +553,7 @@ def test_registry_lists_names_and_accepts_a_new_variant() -> None:
     @register_loss("test_only_reinforce")
     def reinforce(inputs: LossInputs, cfg: LossConfig):  # noqa: ANN202
         loss = jnp.sum(inputs.token_weights * inputs.loss_mask * -inputs.advantages * inputs.logprobs)
-        return loss, {"loss": loss}
+        return loss, {"loss": Metric.sum(loss)}
 
     b = packed_batch(seed=60, nan_padding=False)
     b.old = b.logp.copy()

@@ -137,7 +137,7 @@ def test_device_mrope_tables_match_transformers_rotary(hf_model, cfg):
     """cos/sin from our interleaved frequency selection == Qwen3VLTextRotaryEmbedding."""
     import jax.numpy as jnp
 
-    from jaxrl_vlm.models.qwen3_vl import mrope_cos_sin
+    from jaxrl_vlm.models.layers import mrope_cos_sin
 
     rng = np.random.RandomState(0)
     positions = rng.randint(0, 500, size=(3, 2, 7))

@@ -327,7 +327,8 @@ def test_batch_tree_shardings_split_rows_only():
 
 
 def test_activation_constraints_apply_only_inside_their_context():
-    from jaxrl_vlm.models.activation_sharding import ROWS_MLP, ActivationSharding, activation_sharding, constrain
+    from jaxrl_vlm.models.activation_sharding import ROWS_MLP, activation_sharding, constrain
+    from jaxrl_vlm.sharding.activations import ActivationSharding
 
     mesh = SL.build_mesh(_sizes(data=2, fsdp=2, tensor=2))
     spec = ActivationSharding.create(mesh, SR.resolve_rules())

@@ -46,10 +46,10 @@ from jaxrl_vlm.bench.synthetic import episode_shape_for, synthetic_samples
 from jaxrl_vlm.config import Config, load_config
 from jaxrl_vlm.job.trainer import aggregation_constant, sample_advantages, sequences_bucket
 from jaxrl_vlm.job.trainer import step_config as learner_step_config
-from jaxrl_vlm.models.activation_sharding import ActivationSharding
 from jaxrl_vlm.models.config import ModelConfig, preset_config
 from jaxrl_vlm.models.hf_io import model_class, param_count
 from jaxrl_vlm.rl.train_step import TrainState, make_optimizer, train_step
+from jaxrl_vlm.sharding.activations import ActivationSharding
 from jaxrl_vlm.sharding.layout import (
     batch_shardings,
     build_mesh,

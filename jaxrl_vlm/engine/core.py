@@ -43,8 +43,8 @@ def read_eos_ids(model_dir: str | os.PathLike, tokenizer: Any, config_eos: int |
 
 
 class Engine:
-    """Everything `/generate` needs, loaded from an HF Qwen3-VL directory (weights, config.json,
-    tokenizer files, optional preprocessor_config.json for images), on `dp_size` replicas of `tp_size`
+    """Everything `/generate` needs, loaded from an HF directory of a registered model family (weights,
+    config.json, tokenizer files, optional preprocessor_config.json for images), on `dp_size` replicas of `tp_size`
     devices each (`config`). `scheduler` is the one scheduler, or all of them behind a router; `runners`
     are the replicas' runners (`runner` the first)."""
 

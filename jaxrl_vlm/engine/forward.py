@@ -1,184 +1,62 @@
-"""Prefill and decode of the Flax Qwen3-VL against a paged KV cache (pure functions, jit-able).
+"""The engine's device functions, found through the model's family (pure, jit-able): decode cache, prefill,
+decode, page copy.
 
-The cache is one fixed-shape array pair of *pages* of `page_size` tokens. A request's K/V lives in
-the pages its *page table* lists: sequence position p is row p % page_size of page table[p //
-page_size]. Page tables are padded with `num_pages` (one past the last page): a write there is
-dropped and a read there is masked, so tables of any length fit a fixed-width bucket. Pages may be
-shared by several requests (a common prompt prefix), which is safe because a request only ever
-writes positions past its shared pages. The functions compose the model's public pieces
-(`embed_inputs`, `embed`, each layer's `input_norm`, `attn.project` / `attn.output`,
-`post_attn_norm`, `mlp`, `final_norm`, `lm_head_kernel`) so that the math is the training forward's,
-with the attention split into "write K/V, then attend to the cache". Prefill can start after a
-prefix already in the cache (prefix sharing): it then computes only the suffix, attending to the
-cached keys.
-
-Positions are M-RoPE ids computed on the host (`rope.get_rope_index`). A decoded token at sequence
-index i has position i + rope_delta on all three axes (text tokens after the prompt).
+The engine knows no family. Each family registers (`models/families.py`, `FamilyModel`) how it allocates its
+`DecodeCache` and how it prefills a prompt into it and decodes one token per running request; the full-attention
+families share the paged K/V implementation of `models/paged_kv.py`. What the engine relies on is the cache
+protocol (`families.DecodeCache`): positions live in pages of `page_size` tokens named by a request's page table
+(padded with `num_pages`: writes there are dropped, reads masked), pages may be shared by requests with a common
+prompt prefix and copied on write (`copy_page`), and a running request has a slot that a family with
+per-request state (a recurrent linear-attention layer) indexes it by.
 """
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from jaxrl_vlm.models.config import Qwen3VLConfig
-from jaxrl_vlm.models.qwen3_vl import Qwen3VL, add_at_slots, attention, mrope_cos_sin
-from jaxrl_vlm.models.vision import VisionInputs
+from jaxrl_vlm.models.families import DecodeCache, PolicyModel, family_model
 
 
-class KVCache(NamedTuple):
-    """Keys and values of every page: k, v [layers, num_pages, page_size, kv_heads, head_dim]."""
-
-    k: jax.Array
-    v: jax.Array
-
-
-def cache_shape(cfg: Qwen3VLConfig, num_pages: int, page_size: int) -> tuple[int, ...]:
-    """Shape of k (and v): [layers, num_pages, page_size, kv_heads, head_dim]."""
-    t = cfg.text
-    return (t.num_hidden_layers, num_pages, page_size, t.num_key_value_heads, t.head_dim)
+def init_cache(cfg: Any, num_pages: int, page_size: int, max_slots: int, dtype: jnp.dtype) -> DecodeCache:
+    """The engine's whole decode memory for `cfg`'s family, zeroed (the one device allocation): `num_pages` pages
+    of `page_size` tokens, and per-slot state for `max_slots` running requests where the family keeps any."""
+    return family_model(cfg).init_cache(cfg, num_pages, page_size, max_slots, dtype)
 
 
-def init_cache(cfg: Qwen3VLConfig, num_pages: int, page_size: int, dtype: jnp.dtype) -> KVCache:
-    """The engine's whole KV memory: `num_pages` pages of `page_size` tokens (the one device allocation)."""
-    shape = cache_shape(cfg, num_pages, page_size)
-    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
-
-
-def copy_page(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
-    """Page `src` copied into page `dst` in every layer: a partly shared page that the copy's owner
-    goes on to write (copy-on-write)."""
-    return KVCache(cache.k.at[:, dst].set(cache.k[:, src]), cache.v.at[:, dst].set(cache.v[:, src]))
-
-
-def _page_slots(table: jax.Array, positions: jax.Array, page_size: int, num_pages: int) -> tuple[jax.Array, jax.Array]:
-    """(page, row) of each sequence position under `table` [..., P]; positions past the table map to
-    page `num_pages`, whose writes are dropped."""
-    index = positions // page_size
-    page = jnp.take_along_axis(table, jnp.minimum(index, table.shape[-1] - 1), axis=-1)
-    page = jnp.where(index < table.shape[-1], page, num_pages)
-    return page, positions % page_size
-
-
-def _gather(part: jax.Array, i: int, table: jax.Array) -> jax.Array:
-    """Layer i's K or V of the pages in `table` [B, P], laid end to end: [B, P * page_size, kv_heads, head_dim]."""
-    pages = part[i, table]  # padding entries (num_pages) are clamped to the last page, then masked
-    b, p, s = pages.shape[:3]
-    return pages.reshape(b, p * s, *pages.shape[3:])
-
-
-def _logits(model: Qwen3VL, hidden_nd: jax.Array) -> jax.Array:
-    kernel = model.lm_head_kernel().astype(model.compute_dtype)
-    return jnp.einsum("nd,dv->nv", hidden_nd.astype(model.compute_dtype), kernel, preferred_element_type=jnp.float32)
-
-
-def _decoder(
-    model: Qwen3VL,
-    cache: KVCache,
-    x: jax.Array,
-    cos: jax.Array,
-    sin: jax.Array,
-    mask: jax.Array,
-    write: Callable[[jax.Array, int, jax.Array], jax.Array],
-    read: Callable[[jax.Array, int], jax.Array],
-    deepstack: Sequence[jax.Array] = (),
-    image_slots: jax.Array | None = None,
-) -> tuple[KVCache, jax.Array]:
-    """The decoder layers against the cache, shared by prefill and decode: per layer, project,
-    `write(cache_part, layer, new)` the new K (and V), attend to `read(cache_part, layer)` under
-    `mask`, MLP, and add deepstack features after the first layers. Returns the cache and the
-    final-normed hidden states."""
-    k_all, v_all = cache.k, cache.v
-    for i, layer in enumerate(model.layers):
-        q, k, v = layer.attn.project(layer.input_norm(x), cos, sin)
-        k_all, v_all = write(k_all, i, k.astype(k_all.dtype)), write(v_all, i, v.astype(v_all.dtype))
-        keys, values = read(k_all, i).astype(q.dtype), read(v_all, i).astype(q.dtype)
-        x = x + layer.attn.output(attention(q, keys, values, mask, layer.attn.scale))
-        x = x + layer.mlp(layer.post_attn_norm(x))
-        if i < len(deepstack):
-            x = add_at_slots(x, image_slots, deepstack[i])
-    return KVCache(k_all, v_all), model.final_norm(x)
+def copy_page(cache: DecodeCache, src: jax.Array, dst: jax.Array) -> DecodeCache:
+    """Page `src` copied into page `dst` (a reused, partly shared page that its new owner goes on to write)."""
+    return cache.copy_page(src, dst)
 
 
 def prefill(
-    model: Qwen3VL,
-    cache: KVCache,
+    model: PolicyModel,
+    cache: DecodeCache,
+    slot: jax.Array,
     table_p: jax.Array,
     start: jax.Array,
     tokens_1t: jax.Array,
     positions_31t: jax.Array,
     length: jax.Array,
-    vision: VisionInputs | None,
-) -> tuple[KVCache, jax.Array]:
-    """Run prompt tokens [start, start + T) (padded to a bucket of T) and store their K/V at those
-    positions of the request whose page table is `table_p` int32 [P] (padded with num_pages; its
-    width bounds the attended cache: start + length <= P * page_size); they attend to its cached
-    K/V [0, start) and causally to each other.
-
-    start = 0 is a plain prefill; start > 0 extends a reused prefix (the prefix cache), so only the
-    new suffix is computed. tokens_1t int32 [1, T] (image pads expanded; padding after `length`),
-    positions_31t int32 [3, 1, T] (the full prompt's M-RoPE ids, sliced), length int32 scalar (real
-    tokens in tokens_1t), vision: the images inside these T tokens only (its `image_token_index`
-    indexes the flattened [1 * T] tokens) or None.
-    Returns the updated cache and the fp32 logits [V] at the last real token.
-
-    Padding tokens write K/V beyond start + length, into the request's own last page or nowhere (a
-    table entry of num_pages); decode overwrites position start + length before it is ever attended
-    to and masks everything after it, so that garbage is never read.
-    """
-    _, t = tokens_1t.shape
-    num_pages, page_size = cache.k.shape[1], cache.k.shape[2]
-    x, deepstack, image_slots = model.embed_inputs(tokens_1t, vision)
-    cos, sin = mrope_cos_sin(positions_31t, model.cfg, model.compute_dtype)
-    span = table_p.shape[0] * page_size
-    mask = (jnp.arange(span)[None, :] <= (start + jnp.arange(t))[:, None])[None]  # [1, T, P * page_size]
-    page_t, row_t = _page_slots(table_p, start + jnp.arange(t), page_size, num_pages)
-
-    def write(part: jax.Array, i: int, new: jax.Array) -> jax.Array:
-        return part.at[i, page_t, row_t].set(new[0], mode="drop")
-
-    def read(part: jax.Array, i: int) -> jax.Array:
-        return _gather(part, i, table_p[None])
-
-    cache, hidden = _decoder(model, cache, x, cos, sin, mask, write, read, deepstack, image_slots)
-    last = jax.lax.dynamic_slice_in_dim(hidden[0], length - 1, 1, axis=0)
-    return cache, _logits(model, last)[0]
+    vision: Any,
+) -> tuple[DecodeCache, jax.Array]:
+    """Prompt tokens [start, start + T) of the request in `slot` (page table `table_p` int32 [P]) into the cache
+    (start > 0: after a reused prefix); returns the cache and the fp32 logits [V] at the last real token.
+    Shapes and padding: `paged_kv.prefill`."""
+    return family_model(model.cfg).prefill(model, cache, slot, table_p, start, tokens_1t, positions_31t, length, vision)
 
 
 def decode(
-    model: Qwen3VL,
-    cache: KVCache,
+    model: PolicyModel,
+    cache: DecodeCache,
+    slots_b: jax.Array,
     tables_bp: jax.Array,
     tokens_b: jax.Array,
     lengths_b: jax.Array,
     rope_deltas_b: jax.Array,
-) -> tuple[KVCache, jax.Array]:
-    """One decode step: feed each row its last token, append its K/V, return logits.
-
-    tables_bp int32 [B, P]: each row's page table (padded with num_pages; P * page_size bounds the
-    attended cache and must exceed every real length); tokens_b int32 [B]: the token at sequence
-    index lengths_b (not yet in the cache); lengths_b int32 [B]: tokens already cached per row;
-    rope_deltas_b int32 [B]. Padding rows carry a table of num_pages only: their K/V writes are
-    dropped, so no page but the rows' own is ever written (shared and cached pages stay intact),
-    and their logits are discarded.
-    Returns the updated cache and fp32 logits [B, V].
-    """
-    b = tokens_b.shape[0]
-    num_pages, page_size = cache.k.shape[1], cache.k.shape[2]
-    x = model.embed(tokens_b[:, None])  # [B, 1, D]
-    pos = (lengths_b + rope_deltas_b)[None, :, None]
-    cos, sin = mrope_cos_sin(jnp.broadcast_to(pos, (3, b, 1)), model.cfg, model.compute_dtype)
-    span = tables_bp.shape[1] * page_size
-    mask = (jnp.arange(span)[None, :] <= lengths_b[:, None])[:, None, :]  # [B, 1, P * page_size]
-    page_b, row_b = _page_slots(tables_bp, lengths_b[:, None], page_size, num_pages)
-
-    def write(part: jax.Array, i: int, new: jax.Array) -> jax.Array:
-        return part.at[i, page_b[:, 0], row_b[:, 0]].set(new[:, 0], mode="drop")
-
-    def read(part: jax.Array, i: int) -> jax.Array:
-        return _gather(part, i, tables_bp)
-
-    cache, hidden = _decoder(model, cache, x, cos, sin, mask, write, read)
-    return cache, _logits(model, hidden[:, 0])
+) -> tuple[DecodeCache, jax.Array]:
+    """One decode step of the running requests in `slots_b` [B]: each row's last token in, fp32 logits [B, V] out.
+    Shapes and padding: `paged_kv.decode`."""
+    return family_model(model.cfg).decode(model, cache, slots_b, tables_bp, tokens_b, lengths_b, rope_deltas_b)

@@ -1,5 +1,10 @@
 """Embedded-engine options: running requests, KV pages, context length, shape buckets, dtypes; shared by `train` and `serve`.
 
+Each option is declared once, here (`opt`: default, help, bounds, choices). `jaxrl-vlm serve` makes a flag of
+every field; the run config holds each field that names a `key` under that name (its engine section, or an option
+of another section such as `rollout_seed`), and `from_run_config` reads them back. This module imports no jax, so
+the run config can compose it.
+
 Every device program is compiled for a bucket, so the number of programs is bounded by the bucket
 lists here: prefill per (prompt bucket, patch bucket or none), extend (a prefill after a cached
 prefix) per (suffix bucket, kv-length bucket, patch bucket or none), decode per (batch bucket,
@@ -8,15 +13,17 @@ kv-length bucket, filtered), "filtered" being whether any row of the batch uses 
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
+from typing import Any
 
-import jax.numpy as jnp
-
-from jaxrl_vlm.config import Config
+from jaxrl_vlm.devices import parse_device_ids
+from rollout.options import bound_error, opt
 from rollout.processing import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS, ImageReadPolicy
 from rollout.sglang_wire import DEFAULT_MAX_N
 
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 def powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
@@ -46,124 +53,98 @@ def bucket_for(n: int, buckets: tuple[int, ...], what: str) -> int:
 
 @dataclass(frozen=True)
 class EngineOptions:
-    """max_batch: most requests decoding at once (SGLang's max_running_requests): the width of the
-    per-request sampling arrays and the largest decode batch. max_seq_len: most tokens of one request,
-    prompt (pads expanded) plus output (SGLang's context_length).
-    page_size: tokens per KV page (SGLang's page_size); a request holds ceil(tokens / page_size)
-    pages; a shared prefix shares its whole pages and copies its partly shared last page.
-    max_total_tokens: the KV memory, in tokens, of all requests and the prefix cache together
-    (SGLang's max_total_tokens; None: max_batch x max_seq_len rounded up to whole pages per request,
-    the memory of one max_seq_len row per running request); it is split into max_total_tokens //
-    page_size pages. How many requests run at once is bounded by these pages (requests wait for free
-    pages; a request that cannot grow is retracted) and by max_batch.
-    min_prefill_bucket / min_kv_bucket / min_patch_bucket: smallest prompt, attended-cache and
-    image-patch buckets (then doubling up to the maximum). decode_batch_sizes: batch buckets for
-    decode (default: powers of two up to max_batch). param_dtype / compute_dtype: "float32" or
-    "bfloat16"; the cache uses compute_dtype. seed: draws the seed of requests without
-    `sampling_seed`. max_prefills_per_step: admissions between two decode steps.
-    prefix_cache: keep the K/V pages of prefilled and finished requests in a radix tree and let a
-    new request whose prompt starts with the same tokens and images reuse them, prefilling only the
-    rest (the next turn of a multi-turn episode re-sends the whole conversation; the n samples of a
-    group share their prompt). SGLang's radix cache (`--disable-radix-cache` turns it off).
+    """The embedded engine's options. KV memory: a request holds ceil(tokens / page_size) pages of the
+    max_total_tokens // page_size pages; how many requests run at once is bounded by these pages (requests wait
+    for free pages; a request that cannot grow is retracted) and by max_batch. Bucket lists start at the
+    `min_*_bucket` options and double up to the maximum."""
 
-    What the server accepts (`rollout.sglang_wire`, `rollout.processing`):
-    allowed_local_media_path: `image_data` may name local image files only under this directory (None: data
-    URLs and base64 only). max_image_bytes / max_image_pixels: caps of one image, checked before it is read
-    or decoded. max_n: the most generations one `/generate` body may start (n x prompts). max_request_bytes:
-    the largest request body (None: REQUEST_BYTES_BASE + REQUEST_BYTES_PER_TOKEN x max_seq_len, see
-    `request_bytes_cap`). control_timeout_s: how long a control call (pause, continue, flush, loads, server
-    info) waits for the scheduler before answering 503. weight_update_timeout_s: the same for
-    `/update_weights_from_disk` (which waits for in-flight generations unless paused); an update that has
-    not started by then is dropped.
-
-    Placement (`placement.py`): tp_size devices per replica (tensor parallel, SGLang's --tp-size), dp_size
-    replicas (SGLang's --dp-size), on the local devices `device_ids` (exactly tp_size x dp_size of them; None:
-    the first tp_size x dp_size).
-    """
-
-    max_batch: int = 32
-    max_seq_len: int = 4096
-    min_prefill_bucket: int = 64
-    min_kv_bucket: int = 256
-    min_patch_bucket: int = 64
-    decode_batch_sizes: tuple[int, ...] | None = None
-    param_dtype: str = "float32"
-    compute_dtype: str = "float32"
-    seed: int = 0
-    max_prefills_per_step: int = 64
-    page_size: int = 16
-    max_total_tokens: int | None = None
-    prefix_cache: bool = True
-    allowed_local_media_path: str | None = None
-    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
-    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
-    max_n: int = DEFAULT_MAX_N
-    max_request_bytes: int | None = None
-    control_timeout_s: float = 60.0
-    weight_update_timeout_s: float = 600.0
-    tp_size: int = 1
-    dp_size: int = 1
-    device_ids: tuple[int, ...] | None = None
+    max_batch: int = opt(
+        32, "Most requests decoding at once (SGLang's max_running_requests): the width of the per-request sampling "
+        "arrays and the largest decode batch.", ge=1, key="engine_max_batch")
+    max_seq_len: int = opt(
+        4096, "Most tokens of one request: prompt (image pads expanded) + output (SGLang's context_length).", ge=2,
+        key="engine_max_seq_len")
+    min_prefill_bucket: int = opt(64, "Smallest prompt bucket (then doubling up to max_seq_len).", ge=1)
+    min_kv_bucket: int = opt(256, "Smallest attended-cache bucket (then doubling up to max_seq_len).", ge=1)
+    min_patch_bucket: int = opt(64, "Smallest image-patch bucket, a multiple of 4 (2x2 patch merge).", ge=4)
+    decode_batch_sizes: tuple[int, ...] | None = opt(
+        None, "Batch buckets of decode, ending at max_batch (None: powers of two up to max_batch).")
+    param_dtype: str = opt("float32", "Dtype of the engine's parameters.", choices=DTYPES, key="param_dtype")
+    compute_dtype: str = opt("float32", "Dtype of activations and of the KV cache.", choices=DTYPES,
+                             key="compute_dtype")
+    seed: int = opt(0, "Draws the seed of requests that carry no sampling_seed.", key="rollout_seed")
+    max_prefills_per_step: int = opt(64, "Admissions between two decode steps.", ge=1)
+    page_size: int = opt(16, "Tokens per KV-cache page (SGLang's page_size); a shared prefix shares its whole pages "
+                         "and copies its partly shared last page.", ge=1, key="engine_page_size")
+    max_total_tokens: int | None = opt(
+        None, "KV-cache memory in tokens, shared by all requests and the prefix cache (SGLang's max_total_tokens; "
+        "None: max_batch x max_seq_len, rounded up to whole pages per request).", ge=1, key="engine_max_total_tokens")
+    prefix_cache: bool = opt(
+        True, "Keep prefilled and finished requests' KV pages in a radix tree, so a group's samples share their prompt "
+        "and a later turn of the same conversation prefills only its new tokens (and new images); SGLang's radix "
+        "cache.", key="engine_prefix_cache", flags=("--disable-radix-cache",))
+    allowed_local_media_path: str | None = opt(
+        None, "image_data may name local image files only under this directory (None: data URLs and base64 only).",
+        key="engine_allowed_local_media_path")
+    max_image_bytes: int = opt(DEFAULT_MAX_IMAGE_BYTES, "Most bytes of one image the engine reads or decodes from "
+                               "base64.", ge=1, key="engine_max_image_bytes")
+    max_image_pixels: int = opt(DEFAULT_MAX_IMAGE_PIXELS, "Most pixels of one image (checked from its header, before "
+                                "decoding).", ge=1, key="engine_max_image_pixels")
+    max_n: int = opt(DEFAULT_MAX_N, "Most generations one /generate request may start (sampling_params.n x prompts).",
+                     ge=1, key="engine_max_n")
+    max_request_bytes: int | None = opt(
+        None, "The largest request body (None: REQUEST_BYTES_BASE 8 MiB + REQUEST_BYTES_PER_TOKEN 4 KiB per token of "
+        "max_seq_len).", ge=1, key="engine_max_request_bytes")
+    control_timeout_s: float = opt(
+        60.0, "Seconds a control call (pause, continue, flush, loads, server info) waits for the scheduler before "
+        "answering 503.", gt=0.0, key="engine_control_timeout", flags=("--control-timeout",))
+    weight_update_timeout_s: float = opt(
+        600.0, "Seconds /update_weights_from_disk waits for the scheduler (which waits for in-flight generations "
+        "unless paused) before answering 503; an update that has not started by then is dropped.", gt=0.0,
+        key="engine_weight_update_timeout", flags=("--weight-update-timeout",))
+    tp_size: int = opt(1, "Tensor-parallel devices per engine replica (SGLang's --tp-size; a run also passes it to a "
+                       "launched SGLang).", ge=1, key="tp_size")
+    dp_size: int = opt(1, "Engine replicas behind one server (SGLang's --dp-size; a run also passes it to a launched "
+                       "SGLang).", ge=1, key="dp_size")
+    device_ids: tuple[int, ...] | str | None = opt(
+        None, "Local devices of the engine, as ids or a list like '0-3' / '0,1,2,3' (exactly tp_size x dp_size of "
+        "them; None: the first tp_size x dp_size).", key="rollout_devices", flags=("--devices",))
 
     def __post_init__(self) -> None:
-        if self.max_batch < 1:
-            raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
-        if self.max_seq_len < 2:
-            raise ValueError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
-        for name in ("param_dtype", "compute_dtype"):
-            if getattr(self, name) not in _DTYPES:
-                raise ValueError(f"{name}={getattr(self, name)!r}; choose one of {sorted(_DTYPES)}")
+        if isinstance(self.device_ids, str):  # a device list as written in a config or on the command line
+            object.__setattr__(self, "device_ids", parse_device_ids(self.device_ids, "device_ids"))
+        if isinstance(self.decode_batch_sizes, list):  # from a command line; options stay hashable
+            object.__setattr__(self, "decode_batch_sizes", tuple(self.decode_batch_sizes))
+        for f in dataclasses.fields(self):
+            value, meta = getattr(self, f.name), f.metadata
+            if meta["choices"] is not None and value not in meta["choices"]:
+                raise ValueError(f"{f.name}={value!r}; choose one of {list(meta['choices'])}")
+            if value is None or not any(meta[b] is not None for b in ("gt", "ge", "lt", "le")):
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{f.name} must be a finite number, got {value!r}")
+            problem = bound_error(f.name, value, meta)
+            if problem:
+                raise ValueError(problem)
         if self.min_patch_bucket % 4:
             raise ValueError(f"min_patch_bucket={self.min_patch_bucket} must be a multiple of 4 (2x2 patch merge)")
         if self.decode_batch_sizes is not None:
             sizes = tuple(sorted(set(self.decode_batch_sizes)))
             if not sizes or sizes[0] < 1 or sizes[-1] != self.max_batch:
                 raise ValueError(f"decode_batch_sizes={self.decode_batch_sizes} must be positive and end at max_batch={self.max_batch}")
-        if self.max_prefills_per_step < 1:
-            raise ValueError(f"max_prefills_per_step must be >= 1, got {self.max_prefills_per_step}")
-        if self.page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.num_pages < self.pages_per_request:
             raise ValueError(f"max_total_tokens={self.max_total_tokens} holds {self.num_pages} pages of {self.page_size} "
                              f"tokens; one request of max_seq_len={self.max_seq_len} tokens needs {self.pages_per_request}")
-        for name in ("max_image_bytes", "max_image_pixels", "max_n", "max_request_bytes"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.tp_size < 1 or self.dp_size < 1:
-            raise ValueError(f"tp_size and dp_size must be >= 1, got tp_size={self.tp_size}, dp_size={self.dp_size}")
         if self.device_ids is not None and len(self.device_ids) != self.tp_size * self.dp_size:
             raise ValueError(f"device_ids {list(self.device_ids)} must name tp_size {self.tp_size} x dp_size "
                              f"{self.dp_size} = {self.tp_size * self.dp_size} devices")
-        for name in ("control_timeout_s", "weight_update_timeout_s"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-                raise ValueError(f"{name} must be a positive finite number of seconds, got {value!r}")
 
     @classmethod
-    def from_run_config(cls, cfg: Config) -> EngineOptions:
-        """The embedded engine of a run: its `engine` section (slots, context, prefix cache), the model's
-        dtypes and the rollout seed. `serve` builds the same run config from its flags."""
-        return cls(
-            max_batch=cfg.engine.engine_max_batch,
-            max_seq_len=cfg.engine.engine_max_seq_len,
-            param_dtype=cfg.model.param_dtype,
-            compute_dtype=cfg.model.compute_dtype,
-            seed=cfg.rollout.rollout_seed,
-            page_size=cfg.engine.engine_page_size,
-            max_total_tokens=cfg.engine.engine_max_total_tokens,
-            prefix_cache=cfg.engine.engine_prefix_cache,
-            allowed_local_media_path=cfg.engine.engine_allowed_local_media_path,
-            max_image_bytes=cfg.engine.engine_max_image_bytes,
-            max_image_pixels=cfg.engine.engine_max_image_pixels,
-            max_n=cfg.engine.engine_max_n,
-            max_request_bytes=cfg.engine.engine_max_request_bytes,
-            control_timeout_s=cfg.engine.engine_control_timeout,
-            weight_update_timeout_s=cfg.engine.engine_weight_update_timeout,
-            tp_size=cfg.engine.tp_size,
-            dp_size=cfg.engine.dp_size,
-            device_ids=cfg.engine.rollout_device_ids,
-        )
+    def from_run_config(cls, cfg: Any) -> EngineOptions:
+        """The embedded engine of a run: every field with a run-config `key` takes that option of `cfg` (a
+        `jaxrl_vlm.config.Config`, read through `cfg.option(key)`; this module cannot import it, the config
+        composes these fields); the others keep their defaults."""
+        return cls(**{f.name: cfg.option(f.metadata["key"]) for f in dataclasses.fields(cls) if f.metadata["key"]})
 
     @property
     def num_pages(self) -> int:
@@ -191,12 +172,16 @@ class EngineOptions:
                                           max_pixels=self.max_image_pixels)
 
     @property
-    def jnp_param_dtype(self) -> jnp.dtype:
-        return _DTYPES[self.param_dtype]
+    def jnp_param_dtype(self) -> Any:
+        import jax.numpy as jnp  # here: the run config imports this module without jax
+
+        return getattr(jnp, self.param_dtype)  # jnp.float32, jnp.bfloat16, jnp.float16
 
     @property
-    def jnp_compute_dtype(self) -> jnp.dtype:
-        return _DTYPES[self.compute_dtype]
+    def jnp_compute_dtype(self) -> Any:
+        import jax.numpy as jnp
+
+        return getattr(jnp, self.compute_dtype)
 
     @property
     def prefill_buckets(self) -> tuple[int, ...]:

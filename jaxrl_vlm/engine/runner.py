@@ -1,4 +1,4 @@
-"""Device side of the engine: parameters, paged KV cache, logit-bias rows and the compiled programs.
+"""Device side of the engine: parameters, decode cache (paged KV), logit-bias rows and the compiled programs.
 
 `ModelRunner` owns every device array and is driven by one thread (the scheduler's). It pads host
 inputs (tokens, page tables) to the buckets of `EngineOptions`, calls one jitted program per step
@@ -25,8 +25,8 @@ from jaxrl_vlm.engine.options import EngineOptions, bucket_for
 from jaxrl_vlm.engine.placement import ReplicaPlacement
 from jaxrl_vlm.engine.sampling import SamplingRows, sample_tokens
 from jaxrl_vlm.engine.weights import load_params_state
-from jaxrl_vlm.models.config import Qwen3VLConfig
-from jaxrl_vlm.models.qwen3_vl import Qwen3VL
+from jaxrl_vlm.models.config import ModelConfig
+from jaxrl_vlm.models.families import DecodeCache, PolicyModel
 from jaxrl_vlm.models.vision import VisionInputs, build_vision_inputs
 
 class IntRow(enum.IntEnum):
@@ -62,7 +62,7 @@ def _rows(ints: jax.Array, floats: jax.Array) -> SamplingRows:
 
 
 def images_after(
-    input_ids: np.ndarray, start: int, pixel_values: np.ndarray | None, image_grid_thw: np.ndarray | None, cfg: Qwen3VLConfig
+    input_ids: np.ndarray, start: int, pixel_values: np.ndarray | None, image_grid_thw: np.ndarray | None, cfg: ModelConfig
 ) -> tuple[np.ndarray | None, np.ndarray | None]:
     """pixel_values / image_grid_thw of the images whose pad tokens lie in input_ids[start:], or
     (None, None). An image cut by `start` is an error: its merged tokens cannot be split."""
@@ -96,7 +96,7 @@ class ModelRunner:
     ("extend", bucket, kv_len, patch_bucket), ("copy_page",), ("decode", batch, kv_len, filtered).
     """
 
-    def __init__(self, model: Qwen3VL, config: EngineOptions, banned_ids: Sequence[int],
+    def __init__(self, model: PolicyModel, config: EngineOptions, banned_ids: Sequence[int],
                  placement: ReplicaPlacement | None = None):
         self.cfg = model.cfg
         self.config = config
@@ -105,10 +105,13 @@ class ModelRunner:
         self._graphdef, params = nnx.split(model)
         self.params = self.placement.put_params(params)
         self._params_backup: Any = None  # host copy of released weights
-        self.cache: forward.KVCache | None = None
+        self.cache: DecodeCache | None = None
+        new_cache = functools.partial(forward.init_cache, model.cfg, config.num_pages, config.page_size,
+                                      config.max_batch, config.jnp_compute_dtype)
+        # Each array of the family's cache in the sharding of its shape (pages split by kv heads).
+        self._cache_sharding = jax.tree.map(lambda a: self.placement.cache(a.shape), jax.eval_shape(new_cache))
         # Compiled once: a colocated engine re-creates its cache after every train step.
-        self._new_cache = jax.jit(functools.partial(forward.init_cache, model.cfg, config.num_pages, config.page_size,
-                                                    config.jnp_compute_dtype), out_shardings=self._cache_sharding)
+        self._new_cache = jax.jit(new_cache, out_shardings=self._cache_sharding)
         self.allocate_cache()
         replicated = self.placement.replicated
         self.bias = jax.device_put(jnp.zeros((config.max_batch, self.vocab_size), jnp.float32), replicated)
@@ -124,7 +127,7 @@ class ModelRunner:
 
         def prefill_program(params, cache, bias, slot, table, start, tokens, positions, length, vision, bias_row, ints, floats):
             model = nnx.merge(graphdef, params)
-            cache, logits = forward.prefill(model, cache, table, start, tokens, positions, length, vision)
+            cache, logits = forward.prefill(model, cache, slot, table, start, tokens, positions, length, vision)
             bias = bias.at[slot].set(bias_row)
             # Always the filtered sampler: sorting one row is cheap next to a prefill, and it halves the programs.
             ids, lps = sample_tokens(logits[None], bias_row[None], banned_v, _rows(ints, floats), filtered=True)
@@ -132,7 +135,8 @@ class ModelRunner:
 
         def decode_program(params, cache, bias, slots, tables, ints, floats, *, filtered):
             model = nnx.merge(graphdef, params)
-            cache, logits = forward.decode(model, cache, tables, ints[IntRow.TOKEN], ints[IntRow.LENGTH], ints[IntRow.ROPE_DELTA])
+            cache, logits = forward.decode(model, cache, slots, tables, ints[IntRow.TOKEN], ints[IntRow.LENGTH],
+                                           ints[IntRow.ROPE_DELTA])
             ids, lps = sample_tokens(logits, bias[slots], banned_v, _rows(ints, floats), filtered=filtered)
             return cache, ids, lps
 
@@ -146,12 +150,6 @@ class ModelRunner:
         self.encoded_images = 0  # images run through the vision tower (a reused prefix skips its images)
 
     # ------------------------------------------------------------------ memory
-
-    @property
-    def _cache_sharding(self) -> forward.KVCache:
-        shape = forward.cache_shape(self.cfg, self.config.num_pages, self.config.page_size)
-        sharding = self.placement.cache(shape)
-        return forward.KVCache(sharding, sharding)
 
     def allocate_cache(self) -> None:
         """(Re)create the KV cache, zeroed, in its shardings (created on the devices, never on the host)."""
@@ -332,6 +330,6 @@ class ModelRunner:
         self.params = staged
         self._params_backup = None
 
-    def model(self) -> Qwen3VL:
+    def model(self) -> PolicyModel:
         """The serving model (a view over the current parameters), for tests and tools."""
         return nnx.merge(self._graphdef, self.params)

@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 
 from jaxrl_vlm.models import hf_io
-from jaxrl_vlm.models.config import Qwen3VLConfig
+from jaxrl_vlm.models.config import ModelConfig
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -122,7 +122,7 @@ def check_checkpoint_files(path: str | os.PathLike) -> None:
         check_safetensors_file(file)
 
 
-def load_params_state(path: str | os.PathLike, cfg: Qwen3VLConfig, like: nnx.State) -> nnx.State:
+def load_params_state(path: str | os.PathLike, cfg: ModelConfig, like: nnx.State) -> nnx.State:
     """Parameters of the checkpoint at `path` as a state with the structure, dtypes and devices of `like`.
 
     Raises `hf_io.CheckpointError` (or FileNotFoundError) naming the directory and the keys at fault.
@@ -130,7 +130,7 @@ def load_params_state(path: str | os.PathLike, cfg: Qwen3VLConfig, like: nnx.Sta
     root = Path(path)
     check_checkpoint_files(root)
     reader = hf_io.SafetensorsReader(root)
-    # hf_io keeps its HF-key mapping private; the engine needs it to load without a config.json.
+    # The family's HF names (the serving config's family): the engine loads without reading config.json again.
     links = hf_io.weight_links(cfg)
     hf_io.check_checkpoint_keys(reader, links, cfg)
     flat = dict(nnx.to_flat_state(like))

@@ -9,6 +9,7 @@ weights.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -22,11 +23,12 @@ from jaxrl_vlm.config import Config, is_sft
 from jaxrl_vlm.devices import pick_devices
 from jaxrl_vlm.errors import ConfigError
 from jaxrl_vlm.distributed import global_batch
-from jaxrl_vlm.models.activation_sharding import ActivationSharding
 from jaxrl_vlm.models.hf_io import from_hf, load_hf_config
 from jaxrl_vlm.rl.advantages import compute_advantages
 from jaxrl_vlm.rl.losses import LossConfig
+from jaxrl_vlm.rl.options import LossOptions
 from jaxrl_vlm.rl.train_step import StepConfig, TrainState, compile_train_step, compute_logprobs, make_optimizer
+from jaxrl_vlm.sharding.activations import ActivationSharding
 from jaxrl_vlm.sharding.layout import batch_shardings, build_mesh, param_shardings, row_multiple, shardings_for
 from jaxrl_vlm.sharding.rules import resolve_rules
 from rollout.hooks import Hook, load_hook
@@ -50,23 +52,11 @@ def aggregation_constant(cfg: Config) -> float | None:
 
 
 def loss_config(cfg: Config, num_sequences: int) -> LossConfig:
-    a = cfg.algo
-    return LossConfig(
-        eps_clip=a.eps_clip,
-        eps_clip_high=a.eps_clip_high,
-        eps_clip_c=a.eps_clip_c,
-        use_tis=a.use_tis,
-        tis_clip=a.tis_clip,
-        tis_clip_low=a.tis_clip_low,
-        custom_tis_function_path=a.custom_tis_function_path,
-        use_kl_loss=a.use_kl_loss,
-        kl_loss_coef=a.kl_loss_coef,
-        kl_loss_type=a.kl_loss_type,
-        entropy_coef=a.entropy_coef,
-        num_sequences=num_sequences,
-        aggregation=aggregation_mode(cfg),
-        aggregation_constant=aggregation_constant(cfg),
-    )
+    """The loss hyper-parameters of the run (every `LossOptions` field, copied by name from the algo section that
+    composes them), with what the trainer derives: the batch's sequence bound and the effective aggregation."""
+    options = {f.name: cfg.option(f.name) for f in dataclasses.fields(LossOptions)}
+    return LossConfig(**options, num_sequences=num_sequences, aggregation=aggregation_mode(cfg),
+                      aggregation_constant=aggregation_constant(cfg))
 
 
 def training_temperature(cfg: Config) -> float:
@@ -83,10 +73,10 @@ def training_temperature(cfg: Config) -> float:
 def step_config(cfg: Config, num_sequences: int, *, old_from_current: bool, activations: ActivationSharding | None) -> StepConfig:
     """The static settings of the compiled train step for batches of up to `num_sequences` per micro-batch."""
     return StepConfig(
-        loss_name=cfg.algo.policy_loss,
         loss=loss_config(cfg, num_sequences),
+        loss_type=cfg.algo.loss_type,
+        policy_loss=cfg.algo.policy_loss,
         custom_loss_path=cfg.algo.custom_loss_function_path if cfg.algo.loss_type == "custom_loss" else None,
-        sft=is_sft(cfg),
         logprob_chunk_size=cfg.model.logprob_chunk_size,
         need_entropy=not is_sft(cfg),  # RL logs train/entropy_loss always, as slime does; the NLL needs none
         temperature=training_temperature(cfg),

@@ -1,5 +1,8 @@
 """Flax NNX Qwen-VL families (Qwen3-VL, Qwen2.5-VL): configs, host-side positions, models, HF import/export.
 
+One file per family (`qwen3_vl.py`, `qwen2_5_vl.py`) on the shared layers (`layers.py`), found by model_type in
+the registry (`families.py`).
+
 Names are resolved lazily (PEP 562) so that the numpy-only submodules (`config`, `rope`, `vision`) can be
 imported by host-side code (batching, rollout hosts) without importing jax.
 """
@@ -16,7 +19,9 @@ _EXPORTS = {
     "ModelConfig": "config", "qwen2_5_vl_3b_instruct": "config",
     "Qwen25VL": "qwen2_5_vl", "model_class": "hf_io", "WindowedVisionInputs": "vision", "vision_window_index": "vision",
     "CheckpointError": "hf_io", "from_hf": "hf_io", "load_hf_config": "hf_io", "param_count": "hf_io", "to_hf": "hf_io",
-    "Qwen3VL": "qwen3_vl", "attention": "qwen3_vl", "token_logprobs": "qwen3_vl",
+    "Qwen3VL": "qwen3_vl", "attention": "layers", "token_logprobs": "layers",
+    "Family": "families", "FamilyModel": "families", "PolicyModel": "families",
+    "DecodeCache": "families", "family": "families", "family_of": "families", "family_model": "families",
     "get_rope_index": "rope", "get_rope_index_packed": "rope", "vision_pos_embed_interp": "rope",
     "vision_rotary_positions": "rope",
     "VisionInputs": "vision", "build_vision_inputs": "vision",

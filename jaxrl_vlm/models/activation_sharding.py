@@ -15,49 +15,36 @@ The model calls `constrain(x, names)` with logical names (`batch` for rows, `hea
 unchanged. The train step enters the context while it is traced, from its static `StepConfig`, so a
 compiled program always matches the layout it was built for; the context is a trace-time setting,
 not state that outlives a call.
+
+The model only names axes: what a name resolves to on a mesh is the sharding rules' business, so the
+context holds any `ActivationLayout` (`jaxrl_vlm.sharding.activations.ActivationSharding` resolves the
+names with the rules table). `models/` thus imports nothing of `sharding/`, which places models.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from typing import Protocol
 
 import jax
 from jax.sharding import Mesh, NamedSharding
 
-from jaxrl_vlm.sharding.rules import MeshAxes, spec_with_notes
 
-
-@dataclass(frozen=True)
-class ActivationSharding:
-    """Mesh + logical rules for activation constraints; hashable, so it can live in a static config."""
+class ActivationLayout(Protocol):
+    """What the model needs of a layout: the mesh, and the sharding of an activation from its logical names."""
 
     mesh: Mesh
-    rules: tuple[tuple[str, MeshAxes], ...]
 
-    @classmethod
-    def create(cls, mesh: Mesh, rules: Mapping[str, MeshAxes]) -> "ActivationSharding":
-        return cls(mesh, tuple(sorted(rules.items())))
-
-    @classmethod
-    def from_config(cls, mesh_cfg: object, mesh: Mesh, rules: Mapping[str, MeshAxes]) -> "ActivationSharding | None":
-        """The constraints a run uses: None when `mesh.activation_constraints` is off."""
-        return cls.create(mesh, rules) if getattr(mesh_cfg, "activation_constraints", True) else None
-
-    def sharding(self, names: Sequence[str | None], shape: Sequence[int]) -> NamedSharding:
-        """The NamedSharding of an activation of `shape` with logical `names` (same resolution as parameters:
-        size-1 axes dropped, non-dividing dimensions replicated)."""
-        spec, _ = spec_with_notes(names, shape, dict(self.rules), self.mesh)
-        return NamedSharding(self.mesh, spec)
+    def sharding(self, names: Sequence[str | None], shape: Sequence[int]) -> NamedSharding: ...
 
 
-_CURRENT: contextvars.ContextVar[ActivationSharding | None] = contextvars.ContextVar("activation_sharding", default=None)
+_CURRENT: contextvars.ContextVar[ActivationLayout | None] = contextvars.ContextVar("activation_sharding", default=None)
 
 
 @contextlib.contextmanager
-def activation_sharding(spec: ActivationSharding | None) -> Iterator[None]:
+def activation_sharding(spec: ActivationLayout | None) -> Iterator[None]:
     """Within the block, `constrain` applies `spec` (None: constraints off)."""
     token = _CURRENT.set(spec)
     try:
@@ -66,7 +53,7 @@ def activation_sharding(spec: ActivationSharding | None) -> Iterator[None]:
         _CURRENT.reset(token)
 
 
-def current() -> ActivationSharding | None:
+def current() -> ActivationLayout | None:
     """The active constraints (None outside an `activation_sharding` context)."""
     return _CURRENT.get()
 

@@ -2,9 +2,10 @@
 
 Two families share the text decoder config (`TextConfig`) and differ in the vision tower:
 `Qwen3VLConfig` (learned position grid, deepstack, interleaved M-RoPE) and `Qwen25VLConfig` (window
-attention, RMSNorm + SwiGLU blocks, contiguous M-RoPE, q/k/v bias, no q/k norm). `from_hf_dict` is the
-one place that reads `config.json`'s `model_type` and picks the family (`FAMILY_PARSERS`); everything
-downstream dispatches on the config's type.
+attention, RMSNorm + SwiGLU blocks, contiguous M-RoPE, q/k/v bias, no q/k norm). Each family is registered
+here (`families.register`: model_type, config class, parser, the file of its model); `from_hf_dict` is the
+one place that reads `config.json`'s `model_type`, and everything downstream finds the family from the
+config's type (`families.family_of`). This module never imports jax.
 
 Released checkpoints store RoPE as `rope_theta` + `rope_scaling` (Qwen2.5-VL also keeps the text fields
 at the top level); transformers 5 writes `rope_parameters` inside `text_config`. The parsers accept
@@ -19,6 +20,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
+
+from jaxrl_vlm.models.families import FAMILIES, Family, register
 
 _SUPPORTED_TEXT_ACTS = ("silu",)
 _SUPPORTED_VISION_ACTS = ("gelu_pytorch_tanh", "gelu", "silu", "quick_gelu")
@@ -476,20 +479,20 @@ def qwen2_5_vl_from_hf_dict(d: dict[str, Any]) -> Qwen25VLConfig:
     return Qwen25VLConfig(text=text, vision=vision, **_top_level_fields(d, t, known=set(_FLAT_TEXT_KEYS) if flat else set()))
 
 
-# The one dispatch on `config.json`'s model_type: which family's parser reads it.
-FAMILY_PARSERS: dict[str, Callable[[dict[str, Any]], Any]] = {
-    Qwen3VLConfig.model_type: qwen3_vl_from_hf_dict,
-    Qwen25VLConfig.model_type: qwen2_5_vl_from_hf_dict,
-}
+# The families, keyed by `config.json`'s model_type: config class, parser and the file of the model (`families.py`).
+register(Family(Qwen3VLConfig.model_type, Qwen3VLConfig, qwen3_vl_from_hf_dict, "jaxrl_vlm.models.qwen3_vl"))
+register(Family(Qwen25VLConfig.model_type, Qwen25VLConfig, qwen2_5_vl_from_hf_dict, "jaxrl_vlm.models.qwen2_5_vl"))
+# model_type -> parser, read from the registry (the config's choices of `--make-tiny-arch`, `make-tiny --arch`).
+FAMILY_PARSERS: dict[str, Callable[[dict[str, Any]], Any]] = {name: f.from_hf_dict for name, f in FAMILIES.items()}
 ModelConfig = Qwen3VLConfig | Qwen25VLConfig
 
 
 def from_hf_dict(d: dict[str, Any]) -> ModelConfig:
-    """Parse an HF `config.json` dict of any supported family (its `model_type`; default qwen3_vl)."""
+    """Parse an HF `config.json` dict of any registered family (its `model_type`; default qwen3_vl)."""
     model_type = d.get("model_type", "qwen3_vl")
-    if model_type not in FAMILY_PARSERS:
-        raise ConfigError(f"config model_type={model_type!r} is not supported; expected one of {tuple(FAMILY_PARSERS)}")
-    return FAMILY_PARSERS[model_type](d)
+    if model_type not in FAMILIES:
+        raise ConfigError(f"config model_type={model_type!r} is not supported; expected one of {tuple(FAMILIES)}")
+    return FAMILIES[model_type].from_hf_dict(d)
 
 
 def qwen3_vl_2b_instruct() -> Qwen3VLConfig:

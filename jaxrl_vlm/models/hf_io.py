@@ -1,10 +1,11 @@
 """Hugging Face checkpoint import/export for the Flax Qwen-VL families (Qwen3-VL, Qwen2.5-VL).
 
-The family comes from `config.json`'s model_type (`config.from_hf_dict`); `MODEL_CLASSES` and the
-per-family weight links below are keyed by the config's type. Tensor names are transformers 5's
-(`model.language_model.*`, `model.visual.*`); checkpoints that use the older names (`model.layers.*`,
-`visual.*`: released Qwen2.5-VL, and what transformers 5 itself saves for Qwen2.5-VL) are read through the
-same renaming transformers applies, and Qwen2.5-VL is exported under the older names.
+The family comes from `config.json`'s model_type (`config.from_hf_dict`); its model class, HF tensor names
+(`hf_links.Link`s) and export names come from the family registry (`families.family_model`), so nothing here
+names a family. Tensor names are transformers 5's (`model.language_model.*`, `model.visual.*`); checkpoints
+that use the older names (`model.layers.*`, `visual.*`: released Qwen2.5-VL, and what transformers 5 itself
+saves for Qwen2.5-VL) are read through the same renaming transformers applies, and a family exports under the
+names its `stored_tensor_name` gives (the older ones for Qwen2.5-VL).
 
 Import reads `model.safetensors` or shards listed in `model.safetensors.index.json` through our own
 memory-mapped safetensors reader (bf16 included, via ml_dtypes), converts torch layouts to ours with
@@ -18,15 +19,16 @@ first, then each tensor is fetched, converted and appended. Peak host memory is 
 (plus its parts, e.g. q/k/v for a fused vision qkv), not one shard.
 """
 
+
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
 import struct
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable
 
 import jax
 import jax.numpy as jnp
@@ -34,11 +36,10 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from jaxrl_vlm.models.config import ModelConfig, Qwen3VLConfig, Qwen25VLConfig, from_hf_dict
-from jaxrl_vlm.models.qwen2_5_vl import Qwen25VL
-from jaxrl_vlm.models.qwen3_vl import Qwen3VL, VisionLanguageDecoder
+from jaxrl_vlm.models.config import ModelConfig, from_hf_dict
+from jaxrl_vlm.models.families import PolicyModel, family_model
+from jaxrl_vlm.models.hf_links import Link, ParamPath, current_tensor_name
 
-Path_ = tuple[str | int, ...]
 ShardingsFor = Callable[[tuple[str | None, ...]], jax.sharding.Sharding]
 
 _ST_DTYPES: dict[str, np.dtype] = {
@@ -116,24 +117,6 @@ class SafetensorsReader:
         return raw.view(_ST_DTYPES[entry["dtype"]]).reshape(entry["shape"])
 
 
-def current_tensor_name(key: str) -> str:
-    """transformers-5 name of a tensor stored under the older Qwen-VL layout (released Qwen2.5-VL):
-    `model.X` -> `model.language_model.X`, `visual.X` -> `model.visual.X`; other names unchanged."""
-    if key.startswith("visual."):
-        return "model." + key
-    if key.startswith("model.") and not key.startswith(("model.language_model.", "model.visual.")):
-        return "model.language_model." + key[len("model."):]
-    return key
-
-
-def stored_tensor_name(key: str) -> str:
-    """The older layout's name of a transformers-5 tensor name (inverse of `current_tensor_name`). transformers
-    still saves Qwen2.5-VL this way, as released checkpoints are, so our Qwen2.5-VL exports do too."""
-    if key.startswith("model.visual."):
-        return key[len("model."):]
-    if key.startswith("model.language_model."):
-        return "model." + key[len("model.language_model."):]
-    return key
 
 
 def read_safetensors_header(file: Path) -> tuple[dict[str, Any], int]:
@@ -150,226 +133,17 @@ def read_safetensors_header(file: Path) -> tuple[dict[str, Any], int]:
     return header, 8 + n
 
 
-# ----------------------------------------------------------------------------- key mapping
+# ----------------------------------------------------------------------------- the family's names
 
 
-@dataclass(frozen=True)
-class _Link:
-    """One HF tensor <-> one or more of our parameters.
-
-    to_ours maps the torch-layout array to our arrays (numpy views when possible);
-    to_hf maps our arrays back to the torch layout.
-    """
-
-    hf_key: str
-    hf_shape: tuple[int, ...]
-    ours: tuple[Path_, ...]
-    to_ours: Callable[[np.ndarray], Sequence[np.ndarray]]
-    to_hf: Callable[[Sequence[np.ndarray]], np.ndarray]
-
-
-def _copy(key: str, shape: tuple[int, ...], path: Path_) -> _Link:
-    return _Link(key, shape, (path,), lambda w: (w,), lambda xs: xs[0])
-
-
-def _dense(key: str, out_dim: int, in_dim: int, path: Path_) -> _Link:
-    """torch Linear weight [out, in] <-> our kernel [in, out]."""
-    return _Link(key, (out_dim, in_dim), (path,), lambda w: (w.T,), lambda xs: xs[0].T)
-
-
-def _heads_in(key: str, n: int, h: int, d: int, path: Path_) -> _Link:
-    """torch [n*h, d] <-> ours [d, n, h] (q/k/v projections)."""
-    return _Link(
-        key,
-        (n * h, d),
-        (path,),
-        lambda w: (w.reshape(n, h, d).transpose(2, 0, 1),),
-        lambda xs: xs[0].transpose(1, 2, 0).reshape(n * h, d),
-    )
-
-
-def _heads_out(key: str, n: int, h: int, d: int, path: Path_) -> _Link:
-    """torch [d, n*h] <-> ours [n, h, d] (attention output projection)."""
-    return _Link(
-        key,
-        (d, n * h),
-        (path,),
-        lambda w: (w.reshape(d, n, h).transpose(1, 2, 0),),
-        lambda xs: xs[0].transpose(2, 0, 1).reshape(d, n * h),
-    )
-
-
-def _text_links(cfg: ModelConfig) -> list[_Link]:
-    """The text decoder's tensors (shared by the families; q/k/v biases and q/k norms as the config says)."""
-    t = cfg.text
-    d, n, kv, h, f = t.hidden_size, t.num_attention_heads, t.num_key_value_heads, t.head_dim, t.intermediate_size
-    out: list[_Link] = [_copy("model.language_model.embed_tokens.weight", (t.vocab_size, d), ("embed_vd",))]
-    for i in range(t.num_hidden_layers):
-        hf = f"model.language_model.layers.{i}."
-        me: Path_ = ("layers", i)
-        out += [
-            _heads_in(hf + "self_attn.q_proj.weight", n, h, d, me + ("attn", "q_kernel_dnh")),
-            _heads_in(hf + "self_attn.k_proj.weight", kv, h, d, me + ("attn", "k_kernel_dkh")),
-            _heads_in(hf + "self_attn.v_proj.weight", kv, h, d, me + ("attn", "v_kernel_dkh")),
-            _heads_out(hf + "self_attn.o_proj.weight", n, h, d, me + ("attn", "o_kernel_nhd")),
-        ]
-        if t.attention_bias:
-            out += [
-                _split_heads(hf + "self_attn.q_proj.bias", n, h, me + ("attn", "q_bias_nh")),
-                _split_heads(hf + "self_attn.k_proj.bias", kv, h, me + ("attn", "k_bias_kh")),
-                _split_heads(hf + "self_attn.v_proj.bias", kv, h, me + ("attn", "v_bias_kh")),
-            ]
-        if t.qk_norm:
-            out += [
-                _copy(hf + "self_attn.q_norm.weight", (h,), me + ("attn", "q_norm", "scale")),
-                _copy(hf + "self_attn.k_norm.weight", (h,), me + ("attn", "k_norm", "scale")),
-            ]
-        out += [
-            _dense(hf + "mlp.gate_proj.weight", f, d, me + ("mlp", "gate_kernel_df")),
-            _dense(hf + "mlp.up_proj.weight", f, d, me + ("mlp", "up_kernel_df")),
-            _dense(hf + "mlp.down_proj.weight", d, f, me + ("mlp", "down_kernel_fd")),
-            _copy(hf + "input_layernorm.weight", (d,), me + ("input_norm", "scale")),
-            _copy(hf + "post_attention_layernorm.weight", (d,), me + ("post_attn_norm", "scale")),
-        ]
-    out.append(_copy("model.language_model.norm.weight", (d,), ("final_norm", "scale")))
-    if not cfg.tie_word_embeddings:
-        out.append(_dense("lm_head.weight", t.vocab_size, d, ("lm_head_dv",)))
-    return out
-
-
-def _split_heads(key: str, n: int, h: int, path: Path_) -> _Link:
-    """torch bias [n*h] <-> ours [n, h]."""
-    return _Link(key, (n * h,), (path,), lambda b: (b.reshape(n, h),), lambda xs: xs[0].reshape(n * h))
-
-
-def _patch_embed_link(v: Any, *, bias: bool) -> list[_Link]:
-    vd, p = v.hidden_size, v.patch_size
-    conv_shape = (vd, v.in_channels, v.temporal_patch_size, p, p)
-    out = [
-        _Link(
-            "model.visual.patch_embed.proj.weight",
-            conv_shape,
-            (("visual", "patch_kernel_cd"),),
-            lambda w: (w.reshape(vd, -1).T,),
-            lambda xs: xs[0].T.reshape(conv_shape),
-        )
-    ]
-    if bias:
-        out.append(_copy("model.visual.patch_embed.proj.bias", (vd,), ("visual", "patch_bias_d")))
-    return out
-
-
-def _vision_attention_links(hf: str, me: Path_, v: Any) -> list[_Link]:
-    """A ViT block's fused qkv and output projection (`VisionAttentionParams`), shared by the families."""
-    vd, vn, vh = v.hidden_size, v.num_heads, v.head_dim
-    return [
-        _Link(
-            hf + "attn.qkv.weight",
-            (3 * vd, vd),
-            (me + ("q_kernel_dnh",), me + ("k_kernel_dnh",), me + ("v_kernel_dnh",)),
-            lambda w: tuple(w.reshape(3, vn, vh, vd)[j].transpose(2, 0, 1) for j in range(3)),
-            lambda xs: np.stack([x.transpose(1, 2, 0) for x in xs]).reshape(3 * vd, vd),
-        ),
-        _Link(
-            hf + "attn.qkv.bias",
-            (3 * vd,),
-            (me + ("q_bias_nh",), me + ("k_bias_nh",), me + ("v_bias_nh",)),
-            lambda b: tuple(b.reshape(3, vn, vh)[j] for j in range(3)),
-            lambda xs: np.stack(list(xs)).reshape(3 * vd),
-        ),
-        _heads_out(hf + "attn.proj.weight", vn, vh, vd, me + ("o_kernel_nhd",)),
-        _copy(hf + "attn.proj.bias", (vd,), me + ("o_bias_d",)),
-    ]
-
-
-def _merger_links(hf: str, me: Path_, v: Any, norm_dim: int, *, norm: str, norm_bias: bool, fc1: str, fc2: str) -> list[_Link]:
-    m = v.hidden_size * v.merge_unit
-    out = [_copy(hf + norm + ".weight", (norm_dim,), me + ("norm", "scale"))]
-    if norm_bias:
-        out.append(_copy(hf + norm + ".bias", (norm_dim,), me + ("norm", "bias")))
-    return out + [
-        _dense(hf + fc1 + ".weight", m, m, me + ("fc1_kernel_mf",)),
-        _copy(hf + fc1 + ".bias", (m,), me + ("fc1_bias_f",)),
-        _dense(hf + fc2 + ".weight", v.out_hidden_size, m, me + ("fc2_kernel_fd",)),
-        _copy(hf + fc2 + ".bias", (v.out_hidden_size,), me + ("fc2_bias_d",)),
-    ]
-
-
-def _qwen3_vl_vision_links(cfg: Qwen3VLConfig) -> list[_Link]:
-    v = cfg.vision
-    vd, vf = v.hidden_size, v.intermediate_size
-    out = _patch_embed_link(v, bias=True)
-    out.append(_copy("model.visual.pos_embed.weight", (v.num_position_embeddings, vd), ("visual", "pos_embed_sd")))
-    for i in range(v.depth):
-        hf = f"model.visual.blocks.{i}."
-        me: Path_ = ("visual", "blocks", i)
-        out += [
-            _copy(hf + "norm1.weight", (vd,), me + ("norm1", "scale")),
-            _copy(hf + "norm1.bias", (vd,), me + ("norm1", "bias")),
-            _copy(hf + "norm2.weight", (vd,), me + ("norm2", "scale")),
-            _copy(hf + "norm2.bias", (vd,), me + ("norm2", "bias")),
-            *_vision_attention_links(hf, me, v),
-            _dense(hf + "mlp.linear_fc1.weight", vf, vd, me + ("fc1_kernel_df",)),
-            _copy(hf + "mlp.linear_fc1.bias", (vf,), me + ("fc1_bias_f",)),
-            _dense(hf + "mlp.linear_fc2.weight", vd, vf, me + ("fc2_kernel_fd",)),
-            _copy(hf + "mlp.linear_fc2.bias", (vd,), me + ("fc2_bias_d",)),
-        ]
-    m = vd * v.merge_unit
-    mergers: list[tuple[str, Path_, int]] = [("model.visual.merger.", ("visual", "merger"), vd)]
-    mergers += [
-        (f"model.visual.deepstack_merger_list.{j}.", ("visual", "deepstack_mergers", j), m)
-        for j in range(len(v.deepstack_visual_indexes))
-    ]
-    for hf, me, norm_dim in mergers:
-        out += _merger_links(hf, me, v, norm_dim, norm="norm", norm_bias=True, fc1="linear_fc1", fc2="linear_fc2")
-    return out
-
-
-def _qwen2_5_vl_vision_links(cfg: Qwen25VLConfig) -> list[_Link]:
-    v = cfg.vision
-    vd, vf = v.hidden_size, v.intermediate_size
-    out = _patch_embed_link(v, bias=False)
-    for i in range(v.depth):
-        hf = f"model.visual.blocks.{i}."
-        me: Path_ = ("visual", "blocks", i)
-        out += [
-            _copy(hf + "norm1.weight", (vd,), me + ("norm1", "scale")),
-            _copy(hf + "norm2.weight", (vd,), me + ("norm2", "scale")),
-            *_vision_attention_links(hf, me, v),
-        ]
-        for name, ours in (("gate_proj", "gate"), ("up_proj", "up")):
-            out += [
-                _dense(hf + f"mlp.{name}.weight", vf, vd, me + (f"{ours}_kernel_df",)),
-                _copy(hf + f"mlp.{name}.bias", (vf,), me + (f"{ours}_bias_f",)),
-            ]
-        out += [
-            _dense(hf + "mlp.down_proj.weight", vd, vf, me + ("down_kernel_fd",)),
-            _copy(hf + "mlp.down_proj.bias", (vd,), me + ("down_bias_d",)),
-        ]
-    out += _merger_links("model.visual.merger.", ("visual", "merger"), v, vd, norm="ln_q", norm_bias=False,
-                         fc1="mlp.0", fc2="mlp.2")
-    return out
-
-
-# Per family (by config type): the model class and the HF tensors of its vision tower.
-MODEL_CLASSES: dict[type, type[VisionLanguageDecoder]] = {Qwen3VLConfig: Qwen3VL, Qwen25VLConfig: Qwen25VL}
-_VISION_LINKS: dict[type, Callable[[Any], list[_Link]]] = {
-    Qwen3VLConfig: _qwen3_vl_vision_links,
-    Qwen25VLConfig: _qwen2_5_vl_vision_links,
-}
-
-
-def model_class(cfg: ModelConfig) -> type[VisionLanguageDecoder]:
+def model_class(cfg: ModelConfig) -> Callable[..., PolicyModel]:
     """The Flax model class of `cfg`'s family."""
-    if type(cfg) not in MODEL_CLASSES:
-        raise TypeError(f"no model for config type {type(cfg).__name__}; supported: {[c.__name__ for c in MODEL_CLASSES]}")
-    return MODEL_CLASSES[type(cfg)]
+    return family_model(cfg).model_class
 
 
-def weight_links(cfg: ModelConfig) -> list[_Link]:
+def weight_links(cfg: ModelConfig) -> list[Link]:
     """Every HF tensor of the family's `...ForConditionalGeneration` and where it lives in our model."""
-    model_class(cfg)  # a clear error for an unknown family
-    return _text_links(cfg) + _VISION_LINKS[type(cfg)](cfg)
+    return family_model(cfg).weight_links(cfg)
 
 
 # ----------------------------------------------------------------------------- import
@@ -390,7 +164,7 @@ def load_hf_config(path: str | os.PathLike) -> ModelConfig:
         raise CheckpointError(f"{file}: {e}") from e
 
 
-def abstract_model(cfg: ModelConfig, **model_kwargs: Any) -> VisionLanguageDecoder:
+def abstract_model(cfg: ModelConfig, **model_kwargs: Any) -> PolicyModel:
     """The model of `cfg`'s family with `ShapeDtypeStruct` leaves: shapes, dtypes and axis names, no memory."""
     cls = model_class(cfg)
     return nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0), **model_kwargs))
@@ -402,7 +176,7 @@ def param_count(cfg: ModelConfig) -> int:
     return int(sum(int(np.prod(var.get_value().shape)) for _, var in nnx.to_flat_state(state)))
 
 
-def check_checkpoint_keys(reader: SafetensorsReader, links: list[_Link], cfg: ModelConfig) -> None:
+def check_checkpoint_keys(reader: SafetensorsReader, links: list[Link], cfg: ModelConfig) -> None:
     present = set(reader.keys())
     expected = {link.hf_key: link.hf_shape for link in links}
     tolerated = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
@@ -436,8 +210,8 @@ def from_hf(
     param_dtype: jnp.dtype = jnp.float32,
     shardings_for: ShardingsFor | None = None,
     **model_kwargs: Any,
-) -> VisionLanguageDecoder:
-    """Load an HF checkpoint directory into the model of its family (`Qwen3VL` or `Qwen25VL`).
+) -> PolicyModel:
+    """Load an HF checkpoint directory into the model of its family (`families.py`: `Qwen3VL`, `Qwen25VL`, ...).
 
     shardings_for(logical_axis_names) -> Sharding places each parameter directly into its shards;
     without it parameters go to the default device. `model_kwargs` (compute_dtype, remat,
@@ -451,7 +225,7 @@ def from_hf(
     graphdef, state = nnx.split(abstract)
     variables = dict(nnx.to_flat_state(state))
     np_dtype = np.dtype(jnp.dtype(param_dtype))
-    filled: set[Path_] = set()
+    filled: set[ParamPath] = set()
     for link in links:
         parts = link.to_ours(reader.get(link.hf_key))
         for our_path, part in zip(link.ours, parts):
@@ -488,8 +262,8 @@ def _tensor_nbytes(shape: Iterable[int], dtype: np.dtype) -> int:
     return int(np.prod(tuple(shape), dtype=np.int64)) * dtype.itemsize
 
 
-def _plan_shards(links: list[_Link], dtype: np.dtype, max_shard_bytes: int) -> list[list[_Link]]:
-    shards: list[list[_Link]] = [[]]
+def _plan_shards(links: list[Link], dtype: np.dtype, max_shard_bytes: int) -> list[list[Link]]:
+    shards: list[list[Link]] = [[]]
     size = 0
     for link in links:
         nbytes = _tensor_nbytes(link.hf_shape, dtype)
@@ -502,7 +276,7 @@ def _plan_shards(links: list[_Link], dtype: np.dtype, max_shard_bytes: int) -> l
 
 
 def _write_shard(
-    file: Path, links: list[_Link], dtype: np.dtype, fetch: Callable[[_Link], np.ndarray], stored: Callable[[str], str]
+    file: Path, links: list[Link], dtype: np.dtype, fetch: Callable[[Link], np.ndarray], stored: Callable[[str], str]
 ) -> None:
     """Header from shapes first, then each tensor appended in order (peak memory ~ one tensor); `stored` gives
     the name a tensor has on disk."""
@@ -527,14 +301,19 @@ def _write_shard(
 
 
 def to_hf(
-    model: VisionLanguageDecoder,
+    model: PolicyModel,
     out_dir: str | os.PathLike,
     *,
     dtype: jnp.dtype = jnp.bfloat16,
     max_shard_bytes: int = 5 * 1024**3,
     copy_from: str | os.PathLike | None = None,
+    untie_embeddings: bool = False,
 ) -> Path:
     """Write `model` as an HF checkpoint directory of its family (HF names, torch layouts).
+
+    `untie_embeddings`: a model with tied word embeddings is written with an explicit `lm_head.weight` (a copy of
+    the embedding) and `tie_word_embeddings: false`; the same function, for an engine that cannot reload a tied
+    head in place (vLLM 0.32, `rollout/vllm_client.py`).
 
     Shards above `max_shard_bytes` get `model-0000i-of-0000n.safetensors` + index. config.json is
     copied unchanged from `copy_from` (with its tokenizer / processor / chat-template files and
@@ -549,12 +328,16 @@ def to_hf(
         raise ValueError(f"cannot export dtype {np_dtype}; use one of {sorted(_ST_NAMES.values(), key=str)}")
     params = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     links = weight_links(cfg)
+    untie = untie_embeddings and cfg.tie_word_embeddings
+    if untie:
+        (embed,) = [link for link in links if link.hf_key.endswith("language_model.embed_tokens.weight")]
+        links = [*links, dataclasses.replace(embed, hf_key="lm_head.weight")]
 
-    def fetch(link: _Link) -> np.ndarray:
+    def fetch(link: Link) -> np.ndarray:
         parts = [np.asarray(jax.device_get(params[p].get_value())) for p in link.ours]
         return link.to_hf(parts)
 
-    stored = stored_tensor_name if isinstance(cfg, Qwen25VLConfig) else (lambda key: key)
+    stored = family_model(cfg).stored_tensor_name
     shards = _plan_shards(links, np_dtype, max_shard_bytes)
     if len(shards) == 1:
         _write_shard(out / "model.safetensors", shards[0], np_dtype, fetch, stored)
@@ -580,10 +363,20 @@ def to_hf(
         for item in sorted(src.iterdir()):
             if item.is_file() and not item.name.endswith(_WEIGHT_SUFFIXES) and item.name != "model.safetensors.index.json":
                 shutil.copyfile(item, out / item.name)
+        if untie:
+            (out / "config.json").write_text(json.dumps(_untied(json.loads((src / "config.json").read_text())), indent=2))
     else:
         conf = cfg.to_hf_dict()
         conf["dtype"] = {np.dtype(np.float32): "float32", np.dtype(ml_dtypes.bfloat16): "bfloat16", np.dtype(np.float16): "float16"}.get(np_dtype, "float32")
-        (out / "config.json").write_text(json.dumps(conf, indent=2))
+        (out / "config.json").write_text(json.dumps(_untied(conf) if untie else conf, indent=2))
         gen = {k: v for k, v in (("bos_token_id", cfg.bos_token_id), ("eos_token_id", cfg.eos_token_id)) if v is not None}
         (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
+    return out
+
+
+def _untied(config: dict[str, Any]) -> dict[str, Any]:
+    """`config` (an HF config dict) with `tie_word_embeddings: false` at the top and in its text config."""
+    out = dict(config, tie_word_embeddings=False)
+    if isinstance(out.get("text_config"), dict):
+        out["text_config"] = dict(out["text_config"], tie_word_embeddings=False)
     return out

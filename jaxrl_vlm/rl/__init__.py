@@ -1,4 +1,5 @@
-"""RL math of the trainer: advantage estimators and aggregation (host, numpy) and the loss registry (jnp).
+"""RL math of the trainer: advantage estimators and aggregation (host, numpy), the loss registries (jnp) and the
+metrics that carry their reduction.
 
 Names are resolved lazily (PEP 562): importing a numpy-only submodule (`advantages`, `aggregation`) never
 imports jax.
@@ -13,10 +14,13 @@ _EXPORTS = {
     **dict.fromkeys(
         ["ADVANTAGE_ESTIMATORS", "compute_advantages", "get_advantage_estimator", "kl_reward_penalty", "register_advantage",
          "registered_advantage_estimators"], "advantages"),
-    **dict.fromkeys(["AGGREGATION_MODES", "aggregation_weights"], "aggregation"),
+    **dict.fromkeys(["AGGREGATION_MODES", "AggregationMode", "aggregation_weights", "register_aggregation"],
+                    "aggregation"),
     **dict.fromkeys(
-        ["KL_TYPES", "METRIC_KINDS", "POLICY_LOSSES", "LossConfig", "LossInputs", "accumulate_metrics", "check_loss_inputs",
-         "finalize_metrics", "get_loss", "kl_estimate", "register_loss", "registered_losses"], "losses"),
+        ["KL_ESTIMATORS", "KL_TYPES", "LOSS_TYPES", "POLICY_LOSSES", "LossConfig", "LossInputs", "check_loss_inputs",
+         "get_loss", "kl_estimate", "register_kl_estimator", "register_loss", "register_loss_type", "registered_losses",
+         "select_loss"], "losses"),
+    **dict.fromkeys(["Metric", "Reduction", "accumulate_metrics", "finalize_metrics", "init_metrics"], "metrics"),
 }
 __all__ = sorted(_EXPORTS)
 

@@ -6,20 +6,67 @@ split into micro-batches gives exactly the unsplit loss and gradient.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import numpy as np
 import numpy.typing as npt
 
-AGGREGATION_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+from jaxrl_vlm.rl.registries import AGGREGATION_MODES
 
 
-def _check_aggregation(mode: str, constant: float | None) -> None:
+@dataclass(frozen=True)
+class AggregationMode:
+    """One reduction of token losses (an `AGGREGATION_MODES` entry).
+
+    weights: `fn(seq_of_token, constant)` -> the weight of each trainable token (a float64 array in batch order, or
+        one float for all), given their sequence ids `seq_of_token` [n] (non-empty) and the mode's constant.
+    needs_constant: the mode divides by `constant`, which must then be > 0.
+    """
+
+    weights: Callable[[np.ndarray, float | None], np.ndarray | float]
+    needs_constant: bool = False
+
+
+def register_aggregation(name: str, *, needs_constant: bool = False) -> Callable[[Callable], Callable]:
+    """Decorator: `fn(seq_of_token, constant) -> weights` becomes the aggregation mode `name`."""
+
+    def deco(fn: Callable) -> Callable:
+        AGGREGATION_MODES.register(name)(AggregationMode(fn, needs_constant))
+        return fn
+
+    return deco
+
+
+@register_aggregation("token_mean")
+def token_mean(seq_of_token: np.ndarray, constant: float | None) -> float:
+    """1 / (trainable tokens in the batch)."""
+    return 1.0 / len(seq_of_token)
+
+
+@register_aggregation("seq_mean_token_mean")
+def seq_mean_token_mean(seq_of_token: np.ndarray, constant: float | None) -> np.ndarray:
+    """slime's default: 1 / (N * trainable tokens of the token's sequence)."""
+    uniq, inverse, counts = np.unique(seq_of_token, return_inverse=True, return_counts=True)
+    return 1.0 / (len(uniq) * counts[inverse])
+
+
+@register_aggregation("seq_mean_token_sum_norm", needs_constant=True)
+def seq_mean_token_sum_norm(seq_of_token: np.ndarray, constant: float | None) -> float:
+    """Dr.GRPO: 1 / (N * constant)."""
+    return 1.0 / (len(np.unique(seq_of_token)) * float(constant))
+
+
+def check_aggregation(mode: str, constant: float | None) -> AggregationMode:
+    """The registered mode `mode`, checked against `constant`."""
     if mode not in AGGREGATION_MODES:
-        raise ValueError(f"unknown aggregation mode {mode!r}; expected one of {AGGREGATION_MODES}")
-    if mode == "seq_mean_token_sum_norm" and (constant is None or not constant > 0):
+        raise ValueError(f"unknown aggregation mode {mode!r}; expected one of {AGGREGATION_MODES.names()}")
+    entry = AGGREGATION_MODES.get(mode)
+    if entry.needs_constant and (constant is None or not constant > 0):
         raise ValueError(
-            f"aggregation 'seq_mean_token_sum_norm' (Dr.GRPO) needs a constant > 0 "
-            f"(e.g. the max response length), got {constant!r}"
+            f"aggregation {mode!r} needs a constant > 0 (e.g. the max response length), got {constant!r}"
         )
+    return entry
 
 
 def aggregation_weights(
@@ -36,12 +83,11 @@ def aggregation_weights(
     N counts only sequences with at least one masked token (a fully masked sample
     contributes nothing and never divides by zero; slime's sample-mean still
     counts it in the denominator).
-    - token_mean: 1 / (masked tokens in the batch).
-    - seq_mean_token_mean (slime default): 1 / (N * masked tokens of the sequence).
-    - seq_mean_token_sum_norm (Dr.GRPO): 1 / (N * constant).
+    `mode` is an `AGGREGATION_MODES` name (token_mean, seq_mean_token_mean, seq_mean_token_sum_norm, or one
+    registered with `register_aggregation`).
     Computed in float64, returned as `dtype`.
     """
-    _check_aggregation(mode, constant)
+    entry = check_aggregation(mode, constant)
     mask = np.asarray(loss_mask)
     ids = np.asarray(sequence_ids)
     if mask.shape != ids.shape:
@@ -61,14 +107,5 @@ def aggregation_weights(
     weights = np.zeros(mask.shape, dtype=np.float64)
     if not masked.any():
         return weights.astype(dtype)
-    if mode == "token_mean":
-        weights[masked] = 1.0 / masked.sum()
-        return weights.astype(dtype)
-    seq_of_token = ids[masked]
-    uniq, inverse, counts = np.unique(seq_of_token, return_inverse=True, return_counts=True)
-    n_seq = len(uniq)
-    if mode == "seq_mean_token_mean":
-        weights[masked] = 1.0 / (n_seq * counts[inverse])
-    else:
-        weights[masked] = 1.0 / (n_seq * float(constant))
+    weights[masked] = entry.weights(ids[masked], constant)
     return weights.astype(dtype)

@@ -34,28 +34,25 @@ Semantics follow slime (`utils/ppo_utils.py`, `megatron_utils/loss.py`):
   out leave the pg, KL and entropy terms (diagnostics keep them, as slime's mismatch
   metrics do), while the token weights (the aggregation denominators, computed on the host)
   stay as they were (slime rebuilds its denominators).
-- `--loss-type custom_loss`: a user function on this module's contract replaces the
-  registry's (`custom_loss`), checked at trace time.
-- `--loss-type sft_loss`: the NLL of the masked tokens (`sft_loss`), not a policy loss.
-- KL(ref) loss with lr = logp - ref: k1 = lr, k2 = lr^2/2, k3 = low_var_kl =
-  exp(-lr) - 1 + lr; slime negates lr before exp(lr) - 1 - lr, which is the same
-  expression. Only low_var_kl is clamped to [-10, 10].
+- `--loss-type` picks what the step trains from `LOSS_TYPES`: `policy_loss` (the `POLICY_LOSSES` entry of
+  `--policy-loss`), `custom_loss` (a user function on this module's contract, `custom_loss`, checked at trace
+  time) or `sft_loss` (the NLL of the masked tokens, `sft_loss`, not a policy loss).
+- KL(ref) loss with lr = logp - ref, from `KL_ESTIMATORS`: k1 = lr, k2 = lr^2/2, k3 =
+  low_var_kl = exp(-lr) - 1 + lr; slime negates lr before exp(lr) - 1 - lr, which is the
+  same expression. Only low_var_kl is clamped to [-10, 10].
 - total = pg_loss + kl_loss_coef * kl_loss (if use_kl_loss) - entropy_coef * entropy.
   All three terms use the same token weights (slime uses the default reducer for
   the KL and entropy terms even under a custom pg reducer; with Dr.GRPO weights we
   normalise them the same way as the policy term).
 
-Metrics are ADDITIVE partial sums so that a train step can add them over
-micro-batches (`accumulate_metrics`) and normalise once (`finalize_metrics`);
-`METRIC_KINDS` says how each combines:
-- "sum": exact loss components (`loss`, `pg_loss`, `kl_loss`, `entropy_loss`) and
+Metrics are `Metric`s (`rl/metrics.py`): each carries its reduction over micro-batches, so
+a train step combines them (`accumulate_metrics`) and reduces once (`finalize_metrics`):
+- sum: exact loss components (`loss`, `pg_loss`, `kl_loss`, `entropy_loss`) and
   `weight_sum` = sum of the weights of the masked tokens.
-- "mean": diagnostics, partial sums of w_t * x_t, divided by the total
-  `weight_sum` in `finalize_metrics`. Under token_mean and seq_mean_token_mean the
-  global weights sum to 1, so these equal slime's `sum_of_sample_mean` values.
-- "max": `ratio_max` over masked tokens (0 where there are none).
-A name not in the table is a "sum" (a custom loss's own metrics), except a custom TIS
-function's `tis/<name>`, which are "mean" (`metric_kind`).
+- mean: diagnostics, partial sums of w_t * x_t over the weight of the masked tokens
+  (a custom TIS function's `tis/<name>` too). Under token_mean and seq_mean_token_mean
+  the global weights sum to 1, so these equal slime's `sum_of_sample_mean` values.
+- max: `ratio_max` over masked tokens (0 where there are none).
 """
 
 from __future__ import annotations
@@ -70,11 +67,13 @@ import numpy as np
 from flax import struct
 
 # Host-side aggregation lives in a numpy-only module (batching imports it without jax); re-exported here.
-from jaxrl_vlm.rl.aggregation import AGGREGATION_MODES, _check_aggregation, aggregation_weights  # noqa: F401
-from jaxrl_vlm.rl.registries import POLICY_LOSSES
+from jaxrl_vlm.rl.aggregation import AGGREGATION_MODES, aggregation_weights, check_aggregation  # noqa: F401
+from jaxrl_vlm.rl.metrics import Metric, Reduction, accumulate_metrics, finalize_metrics  # noqa: F401
+from jaxrl_vlm.rl.options import LossOptions
+from jaxrl_vlm.rl.registries import KL_ESTIMATORS, LOSS_TYPES, POLICY_LOSSES
 from rollout.hooks import load_hook
 
-KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
+KL_TYPES = KL_ESTIMATORS  # the --kl-loss-type names (a registry: `in`, iteration, `names()`)
 LOW_VAR_KL_CLAMP = 10.0
 
 
@@ -105,35 +104,17 @@ class LossInputs:
 
 
 @dataclasses.dataclass(frozen=True)
-class LossConfig:
+class LossConfig(LossOptions):
     """Static loss hyperparameters (hashable; pass as a static jit argument).
 
-    eps_clip / eps_clip_high: PPO clip range [1 - eps_clip, 1 + eps_clip_high];
-        eps_clip_high None means eps_clip (slime's default).
-    eps_clip_c: dual-clip constant (> 1) for A < 0; None disables it.
-    use_tis / tis_clip / tis_clip_low: truncated importance sampling against the
-        rollout log-probs, weights clipped to [tis_clip_low, tis_clip].
-    custom_tis_function_path: with use_tis, the user's TIS/RS function in place of the
-        clipped weight (`custom_tis_function`).
-    use_kl_loss / kl_loss_coef / kl_loss_type: KL(ref) as a loss term.
-    entropy_coef: weight of the entropy bonus (subtracted from the loss).
+    The user's hyper-parameters (clip ranges, TIS, KL loss, entropy bonus) are the fields of `LossOptions`
+    (rl/options.py), declared there once with their help and bounds; the trainer adds:
     num_sequences: static upper bound on sequences per micro-batch (gspo's
         segment sums); ids must lie in [0, num_sequences).
     aggregation / aggregation_constant: the mode `aggregation_weights` should use
         on the host (the loss reads only the resulting `token_weights`).
     """
 
-    eps_clip: float = 0.2
-    eps_clip_high: float | None = None
-    eps_clip_c: float | None = None
-    use_tis: bool = False
-    tis_clip: float = 2.0
-    tis_clip_low: float = 0.0
-    custom_tis_function_path: str | None = None
-    use_kl_loss: bool = False
-    kl_loss_coef: float = 0.0
-    kl_loss_type: str = "k1"
-    entropy_coef: float = 0.0
     num_sequences: int | None = None
     aggregation: str = "seq_mean_token_mean"
     aggregation_constant: float | None = None
@@ -150,18 +131,20 @@ class LossConfig:
             raise ValueError(
                 f"LossConfig needs 0 <= tis_clip_low <= tis_clip, got {self.tis_clip_low}, {self.tis_clip}"
             )
-        if self.kl_loss_type not in KL_TYPES:
-            raise ValueError(f"LossConfig.kl_loss_type must be one of {KL_TYPES}, got {self.kl_loss_type!r}")
+        if self.kl_loss_type not in KL_ESTIMATORS:
+            raise ValueError(
+                f"LossConfig.kl_loss_type must be one of {KL_ESTIMATORS.names()}, got {self.kl_loss_type!r}"
+            )
         if self.num_sequences is not None and self.num_sequences < 1:
             raise ValueError(f"LossConfig.num_sequences must be >= 1, got {self.num_sequences}")
-        _check_aggregation(self.aggregation, self.aggregation_constant)
+        check_aggregation(self.aggregation, self.aggregation_constant)
 
     @property
     def clip_high(self) -> float:
         return self.eps_clip if self.eps_clip_high is None else self.eps_clip_high
 
 
-LossFn = Callable[[LossInputs, LossConfig], tuple[jax.Array, dict[str, jax.Array]]]
+LossFn = Callable[[LossInputs, LossConfig], tuple[jax.Array, dict[str, Metric]]]
 register_loss = POLICY_LOSSES.register
 get_loss = POLICY_LOSSES.get
 registered_losses = POLICY_LOSSES.names
@@ -218,19 +201,37 @@ def masked(x: jax.Array, mask: jax.Array) -> jax.Array:
     return jnp.where(mask > 0, x, jnp.zeros_like(x))
 
 
+register_kl_estimator = KL_ESTIMATORS.register
+
+
+@register_kl_estimator("k1")
+def kl_k1(log_ratio: jax.Array) -> jax.Array:
+    """k1 = lr (unbiased, high variance)."""
+    return log_ratio
+
+
+@register_kl_estimator("k2")
+def kl_k2(log_ratio: jax.Array) -> jax.Array:
+    """k2 = lr^2 / 2."""
+    return 0.5 * log_ratio**2
+
+
+@register_kl_estimator("k3")
+def kl_k3(log_ratio: jax.Array) -> jax.Array:
+    """k3 = exp(-lr) - 1 + lr (unbiased, >= 0)."""
+    return jnp.exp(-log_ratio) - 1.0 + log_ratio
+
+
+@register_kl_estimator("low_var_kl")
+def kl_low_var(log_ratio: jax.Array) -> jax.Array:
+    """k3 clamped to [-10, 10], as slime's low_var_kl."""
+    return jnp.clip(kl_k3(log_ratio), -LOW_VAR_KL_CLAMP, LOW_VAR_KL_CLAMP)
+
+
 def kl_estimate(logprobs: jax.Array, ref_logprobs: jax.Array, kl_type: str) -> jax.Array:
-    """Per-token KL(pi || ref) estimator on samples of pi (Schulman's k1/k2/k3), lr = logp - ref."""
-    lr = logprobs - ref_logprobs
-    if kl_type == "k1":
-        return lr
-    if kl_type == "k2":
-        return 0.5 * lr**2
-    if kl_type in ("k3", "low_var_kl"):
-        kl = jnp.exp(-lr) - 1.0 + lr
-        if kl_type == "low_var_kl":
-            kl = jnp.clip(kl, -LOW_VAR_KL_CLAMP, LOW_VAR_KL_CLAMP)
-        return kl
-    raise ValueError(f"unknown kl type {kl_type!r}; expected one of {KL_TYPES}")
+    """Per-token KL(pi || ref) estimator on samples of pi (Schulman's k1/k2/k3), lr = logp - ref; `kl_type` is a
+    `KL_ESTIMATORS` name."""
+    return KL_ESTIMATORS.get(kl_type)(logprobs - ref_logprobs)
 
 
 def clipped_surrogate(
@@ -277,18 +278,23 @@ def _assemble(
     extra: Mapping[str, jax.Array],
     inputs: LossInputs,
     cfg: LossConfig,
-) -> tuple[jax.Array, dict[str, jax.Array]]:
+) -> tuple[jax.Array, dict[str, Metric]]:
     """Apply TIS, add KL and entropy terms, aggregate with the token weights, build metrics.
 
-    pg_per_token, ratio, ppo_kl, clipped: [B, T]; extra: more per-token "mean" metrics.
+    pg_per_token, ratio, ppo_kl, clipped: [B, T]; extra: more per-token diagnostics (token-weighted means).
     """
     _check_optional_inputs(inputs, cfg)
     mask = inputs.loss_mask
     w = masked(inputs.token_weights, mask).astype(pg_per_token.dtype)
+    weight_sum = jnp.sum(w)
     sg = jax.lax.stop_gradient
 
     def wsum(x: jax.Array) -> jax.Array:
         return jnp.sum(w * masked(x, mask))
+
+    def wmean(x: jax.Array) -> Metric:
+        """The token-weighted mean of a per-token diagnostic over the trainable tokens."""
+        return Metric.mean(wsum(x), weight_sum)
 
     # The loss terms' reduction: `wsum`, unless a custom TIS function removes tokens. Its mask applies to the
     # pg, KL and entropy terms only; diagnostics (and weight_sum, their denominator) keep the trainable tokens,
@@ -303,18 +309,18 @@ def _assemble(
         def lsum(x: jax.Array) -> jax.Array:
             return jnp.sum(kept_w * masked(x, kept))
 
-    metrics: dict[str, jax.Array] = {}
+    metrics: dict[str, Metric] = {}
     if inputs.rollout_logprobs is not None:
         old, rollout = sg(inputs.old_logprobs), sg(inputs.rollout_logprobs)
         tis = jnp.exp(masked(old - rollout, mask))
         tis_w = jnp.clip(tis, cfg.tis_clip_low, cfg.tis_clip)
         if cfg.use_tis and not custom_tis:
             pg_per_token = pg_per_token * tis_w
-        metrics["tis"] = wsum(tis)
-        metrics["tis_clipfrac"] = wsum((tis_w != tis).astype(w.dtype))
-        metrics["train_rollout_logprob_abs_diff"] = wsum(jnp.abs(old - rollout))
+        metrics["tis"] = wmean(tis)
+        metrics["tis_clipfrac"] = wmean((tis_w != tis).astype(w.dtype))
+        metrics["train_rollout_logprob_abs_diff"] = wmean(jnp.abs(old - rollout))
     for k, v in tis_metrics.items():
-        metrics[f"tis/{k}"] = wsum(sg(v))
+        metrics[f"tis/{k}"] = wmean(sg(v))
 
     pg_loss = lsum(pg_per_token)
     loss = pg_loss
@@ -323,28 +329,28 @@ def _assemble(
         kl_loss = lsum(kl)
         if cfg.use_kl_loss and cfg.kl_loss_coef != 0.0:
             loss = loss + cfg.kl_loss_coef * kl_loss
-        metrics["kl_loss"] = sg(kl_loss)
+        metrics["kl_loss"] = Metric.sum(sg(kl_loss))
     if inputs.entropy is not None:
         entropy = lsum(inputs.entropy)
         if cfg.entropy_coef != 0.0:
             loss = loss - cfg.entropy_coef * entropy
-        metrics["entropy_loss"] = sg(entropy)
+        metrics["entropy_loss"] = Metric.sum(sg(entropy))
 
     r = sg(ratio)
     lr_old = sg(masked(inputs.logprobs - inputs.old_logprobs, mask))
     metrics.update(
-        loss=sg(loss),
-        pg_loss=sg(pg_loss),
-        weight_sum=jnp.sum(w),
-        pg_clipfrac=wsum(sg(clipped)),
-        ppo_kl=wsum(sg(ppo_kl)),
+        loss=Metric.sum(sg(loss)),
+        pg_loss=Metric.sum(sg(pg_loss)),
+        weight_sum=Metric.sum(weight_sum),
+        pg_clipfrac=wmean(sg(clipped)),
+        ppo_kl=wmean(sg(ppo_kl)),
         # k3 estimate of KL(old || current) on samples of the old policy.
-        approx_kl=wsum(jnp.exp(lr_old) - 1.0 - lr_old),
-        ratio_mean=wsum(r),
-        ratio_max=jnp.max(masked(r, mask)),
+        approx_kl=wmean(jnp.exp(lr_old) - 1.0 - lr_old),
+        ratio_mean=wmean(r),
+        ratio_max=Metric.max(jnp.max(masked(r, mask))),
     )
     for k, v in extra.items():
-        metrics[k] = wsum(sg(v))
+        metrics[k] = wmean(sg(v))
     return loss, metrics
 
 
@@ -352,7 +358,7 @@ def _assemble(
 
 
 @register_loss("ppo_clip")
-def ppo_clip_loss(inputs: LossInputs, cfg: LossConfig) -> tuple[jax.Array, dict[str, jax.Array]]:
+def ppo_clip_loss(inputs: LossInputs, cfg: LossConfig) -> tuple[jax.Array, dict[str, Metric]]:
     """PPO clipped surrogate with asymmetric clip (DAPO) and optional dual clip, per token."""
     mask = inputs.loss_mask
     adv = jax.lax.stop_gradient(inputs.advantages)
@@ -364,7 +370,7 @@ def ppo_clip_loss(inputs: LossInputs, cfg: LossConfig) -> tuple[jax.Array, dict[
 
 
 @register_loss("gspo")
-def gspo_loss(inputs: LossInputs, cfg: LossConfig) -> tuple[jax.Array, dict[str, jax.Array]]:
+def gspo_loss(inputs: LossInputs, cfg: LossConfig) -> tuple[jax.Array, dict[str, Metric]]:
     """GSPO: the clipped objective on the sequence-level ratio, gradient as GSPO-token."""
     if cfg.num_sequences is None:
         raise ValueError("the gspo loss needs LossConfig.num_sequences (max sequences per micro-batch)")
@@ -382,7 +388,7 @@ def gspo_loss(inputs: LossInputs, cfg: LossConfig) -> tuple[jax.Array, dict[str,
 
 
 @register_loss("cispo")
-def cispo_loss(inputs: LossInputs, cfg: LossConfig) -> tuple[jax.Array, dict[str, jax.Array]]:
+def cispo_loss(inputs: LossInputs, cfg: LossConfig) -> tuple[jax.Array, dict[str, Metric]]:
     """CISPO: REINFORCE weighted by the stop-gradient clipped ratio; clipped tokens keep a gradient."""
     sg = jax.lax.stop_gradient
     mask = inputs.loss_mask
@@ -398,7 +404,7 @@ def cispo_loss(inputs: LossInputs, cfg: LossConfig) -> tuple[jax.Array, dict[str
 # ----------------------------------------------------------------------------- supervised fine-tuning
 
 
-def sft_loss(inputs: LossInputs, cfg: LossConfig) -> tuple[jax.Array, dict[str, jax.Array]]:
+def sft_loss(inputs: LossInputs, cfg: LossConfig) -> tuple[jax.Array, dict[str, Metric]]:
     """slime's `--loss-type sft_loss`: the negative log-likelihood of the masked (assistant) target tokens,
     `sum_t w_t * -logprobs_t` with the host's token weights (token_mean for SFT: the mean NLL over the global
     batch's assistant tokens, as slime's SFT runs get with `--calculate-per-token-loss`). Old, reference and
@@ -408,8 +414,8 @@ def sft_loss(inputs: LossInputs, cfg: LossConfig) -> tuple[jax.Array, dict[str, 
     w = masked(inputs.token_weights, mask).astype(inputs.logprobs.dtype)
     nll = jnp.sum(w * -masked(inputs.logprobs, mask))
     sg = jax.lax.stop_gradient
-    return nll, {"loss": sg(nll), "sft_loss": sg(nll), "weight_sum": jnp.sum(w),
-                 "sft_tokens": jnp.sum((mask > 0).astype(w.dtype))}
+    return nll, {"loss": Metric.sum(sg(nll)), "sft_loss": Metric.sum(sg(nll)), "weight_sum": Metric.sum(jnp.sum(w)),
+                 "sft_tokens": Metric.sum(jnp.sum((mask > 0).astype(w.dtype)))}
 
 
 # ----------------------------------------------------------------------------- user functions (slime's hooks)
@@ -420,30 +426,41 @@ def custom_loss(path: str) -> LossFn:
 
     The user's `fn(inputs: LossInputs, cfg: LossConfig) -> (loss, metrics)` is traced inside the compiled
     train step like a registered loss: `loss` a float scalar array (the micro-batch's `sum_t w_t * loss_t`, so
-    micro-batching stays exact), `metrics` a dict of float scalars, added over micro-batches (`metric_kind`).
+    micro-batching stays exact), `metrics` a dict of `Metric`s of float scalars, each tagged with its reduction
+    over micro-batches (`Metric.sum`, `Metric.mean`, `Metric.max`, `Metric.min`; `rl/metrics.py`).
     `loss` and `weight_sum` are filled in when it leaves them out, and so are the diagnostics that do not depend
     on the loss, as every registered loss logs them: `entropy_loss` (train/entropy_loss is always logged) and
     `train_rollout_logprob_abs_diff` (the drift from the behaviour policy, which `jaxrl-vlm compare-losses`
-    plots for every variant). A wrong return type raises HookError naming the flag and the path, at trace time.
+    plots for every variant). A wrong return (a metric that is a plain array included) raises HookError naming
+    the flag, the path and the metric, at trace time.
     """
     hook = load_hook(path, "custom_loss_function_path")
 
-    def loss_fn(inputs: LossInputs, cfg: LossConfig) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def loss_fn(inputs: LossInputs, cfg: LossConfig) -> tuple[jax.Array, dict[str, Metric]]:
         out = hook(inputs, cfg)
         hook.expect(isinstance(out, tuple) and len(out) == 2, "a (loss, metrics) tuple", out)
         loss, metrics = out
         hook.expect_array(loss, (), "loss")
-        _expect_metrics(hook, metrics, ())
-        metrics = {k: jax.lax.stop_gradient(v) for k, v in metrics.items()}
-        metrics.setdefault("loss", jax.lax.stop_gradient(loss))
-        w = masked(inputs.token_weights, inputs.loss_mask)
-        metrics.setdefault("weight_sum", jnp.sum(w))
+        hook.expect(isinstance(metrics, Mapping), "metrics: a dict of str -> Metric", metrics, "metrics")
+        for k, v in metrics.items():
+            hook.expect(isinstance(k, str), "metric names that are str", k, "metrics")
+            hook.expect(isinstance(v, Metric), "a Metric tagged with its reduction over micro-batches: "
+                        "Metric.sum(x), Metric.mean(sum_t w_t*x_t, sum_t w_t), Metric.max(x) or Metric.min(x) "
+                        "(from jaxrl_vlm.rl.metrics import Metric)", v, f"metrics[{k!r}]")
+            hook.expect_array(v.value, (), f"metrics[{k!r}].value")
+            if v.weight is not None:
+                hook.expect_array(v.weight, (), f"metrics[{k!r}].weight")
         sg = jax.lax.stop_gradient
+        metrics = {k: jax.tree.map(sg, v) for k, v in metrics.items()}
+        metrics.setdefault("loss", Metric.sum(sg(loss)))
+        w = masked(inputs.token_weights, inputs.loss_mask)
+        metrics.setdefault("weight_sum", Metric.sum(jnp.sum(w)))
         if inputs.entropy is not None:
-            metrics.setdefault("entropy_loss", jnp.sum(w * masked(sg(inputs.entropy), inputs.loss_mask)))
+            metrics.setdefault("entropy_loss", Metric.sum(jnp.sum(w * masked(sg(inputs.entropy), inputs.loss_mask))))
         if inputs.rollout_logprobs is not None:
             diff = jnp.abs(sg(inputs.old_logprobs) - sg(inputs.rollout_logprobs))
-            metrics.setdefault("train_rollout_logprob_abs_diff", jnp.sum(w * masked(diff, inputs.loss_mask)))
+            metrics.setdefault("train_rollout_logprob_abs_diff",
+                               Metric.mean(jnp.sum(w * masked(diff, inputs.loss_mask)), jnp.sum(w)))
         return loss, metrics
 
     return loss_fn
@@ -481,45 +498,32 @@ def _expect_metrics(hook: Any, metrics: Any, shape: tuple[int, ...]) -> None:
         hook.expect_array(v, shape, f"metrics[{k!r}]")
 
 
-# ----------------------------------------------------------------------------- metrics over micro-batches
+# ----------------------------------------------------------------------------- what the step trains (--loss-type)
 
-METRIC_KINDS: dict[str, str] = {
-    "loss": "sum",
-    "sft_loss": "sum",
-    "sft_tokens": "sum",
-    "pg_loss": "sum",
-    "kl_loss": "sum",
-    "entropy_loss": "sum",
-    "weight_sum": "sum",
-    "pg_clipfrac": "mean",
-    "pg_dualclip_frac": "mean",
-    "ppo_kl": "mean",
-    "approx_kl": "mean",
-    "ratio_mean": "mean",
-    "tis": "mean",
-    "tis_clipfrac": "mean",
-    "train_rollout_logprob_abs_diff": "mean",
-    "ratio_max": "max",
-}
+register_loss_type = LOSS_TYPES.register
 
 
-def metric_kind(name: str) -> str:
-    """How a metric combines over micro-batches: its `METRIC_KINDS` entry; else "mean" for a custom TIS
-    function's `tis/<name>` and "sum" for anything else (a custom loss's own metrics)."""
-    return METRIC_KINDS.get(name) or ("mean" if name.startswith("tis/") else "sum")
+@register_loss_type("policy_loss")
+def _policy_loss(policy_loss: str, custom_loss_path: str | None) -> LossFn:
+    """The `POLICY_LOSSES` entry named by `--policy-loss`."""
+    return get_loss(policy_loss)
 
 
-def accumulate_metrics(acc: Mapping[str, jax.Array] | None, new: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
-    """Combine the metrics of one more micro-batch (jittable): add, or max for "max" kinds."""
-    if acc is None:
-        return dict(new)
-    if set(acc) != set(new):
-        raise ValueError(f"metric keys differ between micro-batches: {sorted(acc)} vs {sorted(new)}")
-    return {k: jnp.maximum(acc[k], v) if metric_kind(k) == "max" else acc[k] + v for k, v in new.items()}
+@register_loss_type("custom_loss")
+def _custom_loss(policy_loss: str, custom_loss_path: str | None) -> LossFn:
+    """The user's `--custom-loss-function-path` function."""
+    if custom_loss_path is None:
+        raise ValueError("--loss-type custom_loss needs --custom-loss-function-path")
+    return custom_loss(custom_loss_path)
 
 
-def finalize_metrics(acc: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
-    """Divide the "mean" metrics by the total weight of masked tokens (0 if there were none)."""
-    total = acc["weight_sum"]
-    safe = jnp.where(total > 0, total, 1.0)
-    return {k: (v / safe if metric_kind(k) == "mean" else v) for k, v in acc.items()}
+@register_loss_type("sft_loss")
+def _sft_loss(policy_loss: str, custom_loss_path: str | None) -> LossFn:
+    """Supervised fine-tuning: the NLL of the masked tokens."""
+    return sft_loss
+
+
+def select_loss(loss_type: str, policy_loss: str, custom_loss_path: str | None = None) -> LossFn:
+    """The loss a `--loss-type` trains: a `LOSS_TYPES` entry, given `--policy-loss` and
+    `--custom-loss-function-path` (each type reads the one it needs)."""
+    return LOSS_TYPES.get(loss_type)(policy_loss, custom_loss_path)

@@ -1,12 +1,13 @@
 """The compiled GRPO-family train step: micro-batch scan, loss registry, clipping, AdamW, NaN guard. The same step
-trains SFT's NLL (`--loss-type sft_loss`, `select_loss`).
+trains SFT's NLL and the user's custom loss (`--loss-type`, the `LOSS_TYPES` registry).
 
 One `jax.jit` per batch shape, with explicit in/out shardings on the configured mesh:
 
 * the batch carries a leading micro-batch axis K; gradients and metrics are accumulated over it with
   `lax.scan` inside the program (no host round trip between micro-batches);
 * the loss weights were computed on the host over the global batch (`aggregation_weights`), so the summed
-  micro-batch gradients equal the unsplit batch's gradient exactly;
+  micro-batch gradients equal the unsplit batch's gradient exactly; each metric combines over micro-batches by
+  the reduction it carries (`rl/metrics.py`);
 * old log-probs: with one optimizer step per rollout they are the current policy's own (detached) log-probs,
   as slime does, so the ratio is exactly 1; with several steps they are computed once before the first step
   (`compute_logprobs`) and passed in;
@@ -25,17 +26,11 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxrl_vlm.models.activation_sharding import ActivationSharding, activation_sharding
-from jaxrl_vlm.models.qwen3_vl import Qwen3VL, token_logprobs
-from jaxrl_vlm.rl.losses import (
-    LossConfig,
-    LossInputs,
-    accumulate_metrics,
-    custom_loss,
-    finalize_metrics,
-    get_loss,
-    sft_loss,
-)
+from jaxrl_vlm.models.activation_sharding import ActivationLayout, activation_sharding
+from jaxrl_vlm.models.families import PolicyModel
+from jaxrl_vlm.models.layers import token_logprobs
+from jaxrl_vlm.rl.losses import LossConfig, LossFn, LossInputs, select_loss
+from jaxrl_vlm.rl.metrics import accumulate_metrics, finalize_metrics, init_metrics
 
 
 class TrainState(NamedTuple):
@@ -51,19 +46,19 @@ class TrainState(NamedTuple):
 class StepConfig:
     """Static (hashable) settings of the compiled step."""
 
-    loss_name: str
     loss: LossConfig
-    # --loss-type custom_loss: the user's loss (rl/losses.py `custom_loss`) in place of the registry's `loss_name`.
+    # What the step trains (`select_loss`): --loss-type (a LOSS_TYPES name: policy_loss, custom_loss, sft_loss),
+    # --policy-loss (a POLICY_LOSSES name, for policy_loss) and --custom-loss-function-path (for custom_loss).
+    loss_type: str = "policy_loss"
+    policy_loss: str = "ppo_clip"
     custom_loss_path: str | None = None
-    # --loss-type sft_loss: the NLL of the masked tokens (rl/losses.py `sft_loss`) in place of any policy loss.
-    sft: bool = False
     logprob_chunk_size: int = 512
     need_entropy: bool = False
     # Log-probs and entropy are those of softmax(logits / temperature): the rollout's sampling distribution.
     temperature: float = 1.0
     old_from_current: bool = True  # one optimizer step per rollout: old log-probs = detached current ones
     # Mesh + rules for the model's activation constraints (None: let XLA propagate from the inputs alone).
-    activations: ActivationSharding | None = None
+    activations: ActivationLayout | None = None
 
 
 def make_optimizer(optim: Any, total_steps: int) -> optax.GradientTransformation:
@@ -96,7 +91,7 @@ def policy_logprobs(
     graphdef: nnx.GraphDef, params: Any, mb: Any, *, chunk_size: int, need_entropy: bool, temperature: float = 1.0
 ):
     """Per-token log-probs (and entropy) of `mb.targets` under `params` at `temperature`, one micro-batch [R, T]."""
-    model: Qwen3VL = nnx.merge(graphdef, params)
+    model: PolicyModel = nnx.merge(graphdef, params)
     hidden = model(mb.tokens, mb.positions, mb.segment_ids, mb.vision)
     return token_logprobs(
         model, hidden, mb.targets, chunk_size=chunk_size, return_entropy=need_entropy, temperature=temperature
@@ -131,17 +126,13 @@ def train_step(
         return _train_step(graphdef, tx, cfg, state, batch, old_logprobs, ref_logprobs)
 
 
-def select_loss(cfg: StepConfig) -> Callable[[LossInputs, LossConfig], tuple[jax.Array, dict[str, jax.Array]]]:
-    """The loss the step trains: SFT's NLL, the `--custom-loss-function-path` function, or the registry's."""
-    if cfg.sft:
-        return sft_loss
-    if cfg.custom_loss_path is not None:
-        return custom_loss(cfg.custom_loss_path)
-    return get_loss(cfg.loss_name)
+def step_loss(cfg: StepConfig) -> LossFn:
+    """The loss the step trains: the `LOSS_TYPES` entry of `cfg.loss_type`."""
+    return select_loss(cfg.loss_type, cfg.policy_loss, cfg.custom_loss_path)
 
 
 def _train_step(graphdef, tx, cfg: StepConfig, state: TrainState, batch, old_logprobs, ref_logprobs):
-    loss_fn = select_loss(cfg)
+    loss_fn = step_loss(cfg)
     num_micro = batch.tokens.shape[0]
 
     def micro_loss(params, k):
@@ -164,9 +155,10 @@ def _train_step(graphdef, tx, cfg: StepConfig, state: TrainState, batch, old_log
         return (grads_acc, loss_acc + loss, accumulate_metrics(metrics_acc, metrics)), None
 
     zeros = jax.tree.map(jnp.zeros_like, state.params)
-    # The metrics pytree structure comes from one abstract evaluation, so the scan carry is fixed-shape.
+    # The metrics pytree structure comes from one abstract evaluation, so the scan carry is fixed-shape; it starts
+    # at each reduction's identity.
     (_, metrics_shape), _ = jax.eval_shape(grad_fn, state.params, 0)
-    metrics0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metrics_shape)
+    metrics0 = init_metrics(metrics_shape)
     (grads, loss, metrics_acc), _ = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32), metrics0), jnp.arange(num_micro))
 
     grad_norm = optax.tree.norm(grads)
@@ -198,7 +190,7 @@ def compute_logprobs(
     *,
     chunk_size: int,
     temperature: float = 1.0,
-    activations: ActivationSharding | None = None,
+    activations: ActivationLayout | None = None,
 ) -> jax.Array:
     """Log-probs [K, R, T] of the batch targets under `params` (old or reference policy) at the rollout
     temperature, no gradient."""

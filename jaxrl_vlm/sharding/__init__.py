@@ -1,8 +1,9 @@
-"""Sharding: `rules` (logical axis names -> mesh axes), `layout` (mesh, parameter and batch shardings)
-and `goldens` (the layout dumps checked in under tests/goldens/sharding/).
+"""Sharding: `rules` (logical axis names -> mesh axes), `layout` (mesh, parameter and batch shardings),
+`activations` (the layout of the model's activation constraints) and `goldens` (the layout dumps checked in
+under tests/goldens/sharding/).
 
-Names are resolved lazily (PEP 562) so that importing `jaxrl_vlm.sharding.rules`, which the model
-does, never imports `layout` (which imports the model): the package stays free of an import cycle.
+The package places models and is never imported by them (the model only names its axes). Names are resolved
+lazily (PEP 562), so importing `rules` alone does not build the model-side modules.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ _EXPORTS = {
          "build_mesh", "default_row_axis", "mesh_shape", "param_bytes_per_device", "param_layouts",
          "param_shardings", "put_batch", "row_multiple", "shard_model", "shard_shape", "shardings_for",
          "state_shardings"], "layout"),
+    **dict.fromkeys(["ActivationSharding"], "activations"),
     **dict.fromkeys(
         ["GOLDEN_BATCH_LEAVES", "MeshLayout", "diff_shardings", "dump_shardings", "format_dump", "spec_to_json"],
         "goldens"),

@@ -19,10 +19,9 @@ How a tensor's PartitionSpec is resolved from its logical names, dimension by di
      pure tensor parallelism over 8 devices cannot split the tiny test model's 4 heads, but it
      still splits its MLP and vocabulary. `spec_with_notes` returns the notes; goldens record them.
 
-Why a module of its own: the model resolves its activation constraints with these rules, so this is
-the only part of `jaxrl_vlm.sharding` that `jaxrl_vlm.models` imports. It imports neither
-`jaxrl_vlm.config` nor `jaxrl_vlm.models` (the layout of a model's parameters is `sharding.layout`).
-Pure bookkeeping over names and shapes: nothing here touches devices.
+A leaf: it imports neither `jaxrl_vlm.config` nor `jaxrl_vlm.models` (the layout of a model's
+parameters is `sharding.layout`, of its activations `sharding.activations`). Pure bookkeeping over
+names and shapes: nothing here touches devices.
 """
 
 from __future__ import annotations
