@@ -990,11 +990,10 @@ def _validate_placement(cfg: Config) -> None:
                           f"tp_size {e.tp_size} x dp_size {e.dp_size} = {e.tp_size * e.dp_size}")
     if rollout is not None and train is not None:
         check_disjoint(rollout, train)
-    launchers = [flag for flag, on in (("--engine-url", bool(e.engine_url)), ("--launch-sglang", e.launch_sglang),
-                                       ("--launch-vllm", e.launch_vllm)) if on]
+    launchers = _external_engine_flags(e)
     if len(launchers) > 1:
         raise ConfigError(f"{' and '.join(launchers)} each name the engine: choose one")
-    external = launchers[0] if launchers else None
+    external = external_engine(cfg)
     if e.launch_vllm and not e.vllm_python:
         raise ConfigError("--launch-vllm needs --vllm-python (the interpreter of vLLM's own venv)")
     if e.launch_sglang and e.engine_api == "vllm" or e.launch_vllm and e.engine_api == "sglang":
@@ -1104,6 +1103,18 @@ def _validate_async(cfg: Config) -> None:
         if getattr(cfg.debug, name) is not None:
             raise ConfigError(f"--{name.replace('_', '-')} works on whole synchronous steps; it does not apply with "
                               f"--max-staleness {r.max_staleness} (use --max-staleness 0)")
+
+
+def _external_engine_flags(engine: Any) -> list[str]:
+    return [flag for flag, on in (("--engine-url", bool(engine.engine_url)), ("--launch-sglang", engine.launch_sglang),
+                                  ("--launch-vllm", engine.launch_vllm)) if on]
+
+
+def external_engine(cfg: Config) -> str | None:
+    """The flag that names an engine in another process (`--engine-url`, `--launch-sglang`, `--launch-vllm`), or
+    None for the embedded engine of this process."""
+    flags = _external_engine_flags(cfg.engine)
+    return flags[0] if flags else None
 
 
 # RL options that mean nothing to an SFT run (no rollout, no reward, no engine, no reference policy): set, they are

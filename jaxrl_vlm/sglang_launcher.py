@@ -118,12 +118,16 @@ class SGLangProcess:
         return [self.python, "-m", "sglang.launch_server", "--model-path", self.model_path,
                 "--host", self.host, "--port", str(self.port), *self.extra_args]
 
+    # The engine's name in messages, and environment variables its server needs (on top of this process's).
+    engine_name = "SGLang"
+    extra_env: dict[str, str] = {}
+
     def start(self) -> str:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("ab")
         try:
             self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                            start_new_session=True)
+                                            start_new_session=True, env={**os.environ, **self.extra_env})
         except OSError as e:
             raise SGLangLaunchError(f"cannot run {self.command[0]!r}: {e}") from e
         finally:
@@ -143,13 +147,13 @@ class SGLangProcess:
         while loop.time() < deadline:
             if self.process is not None and self.process.poll() is not None:
                 raise SGLangLaunchError(
-                    f"SGLang exited with code {self.process.returncode} during start-up: {' '.join(self.command)}\n"
+                    f"{self.engine_name} exited with code {self.process.returncode} during start-up: {' '.join(self.command)}\n"
                     f"--- {self.log_path} ---\n{self.log_tail()}"
                 )
             if await client.health():
                 return
             await asyncio.sleep(1.0)
-        raise SGLangLaunchError(f"SGLang did not become healthy within {timeout_s:g} s at {self.url}\n{self.log_tail()}")
+        raise SGLangLaunchError(f"{self.engine_name} did not become healthy within {timeout_s:g} s at {self.url}\n{self.log_tail()}")
 
     def stop(self, timeout_s: float = 30.0) -> None:
         if self.process is None or self.process.poll() is not None:

@@ -68,7 +68,7 @@ def version_dir(root: Path, version: int) -> Path:
 
 
 def export_version(model: Any, root: Path, version: int, *, dtype: Any = jnp.bfloat16, copy_from: str | None = None,
-                   max_shard_bytes: int = 5 * 1024**3) -> Path:
+                   max_shard_bytes: int = 5 * 1024**3, untie_embeddings: bool = False) -> Path:
     """Export `model` (a `Qwen3VL`) to `root/weights_vNNNNNN/` atomically (temp dir + rename).
 
     A collective with several processes: every process gathers each tensor, process 0 writes.
@@ -80,7 +80,8 @@ def export_version(model: Any, root: Path, version: int, *, dtype: Any = jnp.bfl
         if tmp.exists():
             shutil.rmtree(tmp)
         root.mkdir(parents=True, exist_ok=True)
-    export_hf(model, tmp, dtype=dtype, copy_from=copy_from, max_shard_bytes=max_shard_bytes)
+    export_hf(model, tmp, dtype=dtype, copy_from=copy_from, max_shard_bytes=max_shard_bytes,
+              untie_embeddings=untie_embeddings)
     if main:
         if final.exists():
             shutil.rmtree(final)
@@ -113,11 +114,15 @@ class WeightSyncer:
         flush_timeout_s: float = 60.0,
         flush_poll_s: float = 1.0,
         mode: str = "disk",
+        untie_embeddings: bool = False,
     ):
         if mode not in ("auto", "disk", "memory"):
             raise ValueError(f"weight sync mode must be auto, disk or memory, got {mode!r}")
         self.mode = mode
         self.client = client
+        # Versions carry an explicit LM head (models.hf_io.to_hf): set for a launched vLLM, and whenever the attached
+        # client's engine needs it (`needs_untied_export`).
+        self.untie_embeddings = untie_embeddings
         self.root = Path(root)
         self.copy_from = copy_from
         self.dtype = dtype
@@ -159,7 +164,9 @@ class WeightSyncer:
             engine.stage_weights(name, nnx.state(model, nnx.Param), via_dtype=self.dtype)
             return SyncReport(version=version, path=Path(name), export_s=time.perf_counter() - t0, sync_s=0.0,
                               bytes_written=0, attempts=0, in_memory=True)
-        path = export_version(model, self.root, version, dtype=self.dtype, copy_from=self.copy_from)
+        untie = self.untie_embeddings or bool(getattr(self.client, "needs_untied_export", False))
+        path = export_version(model, self.root, version, dtype=self.dtype, copy_from=self.copy_from,
+                              untie_embeddings=untie)
         export_s = time.perf_counter() - t0
         main = jax.process_index() == 0
         return SyncReport(version=version, path=path, export_s=export_s, sync_s=0.0,

@@ -46,7 +46,15 @@ import numpy as np
 from PIL import Image
 
 from rollout.image_cache import ProcessedImageCache
-from rollout.processing import VisionTokens, image_to_data_url, load_image, num_image_pads
+from rollout.processing import (
+    VisionTokens,
+    image_to_data_url,
+    load_image,
+    num_image_pads,
+    png_data_url_size,
+    processor_size,
+    resize_as_processor,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -263,14 +271,15 @@ class ChatEncoder:
     def _encode_images(self, items: list[Any]) -> tuple[list[str], dict[str, np.ndarray] | None]:
         if not items:
             return [], None
-        # PNG data URLs are lossless, so the engine decodes exactly the pixels the trainer processes here.
+        # PNG data URLs are lossless, and every picture is sent at the size the image processor resizes it to: the
+        # engine (whatever its own resize) decodes exactly the pixels the trainer processes here.
         pil: dict[int, Image.Image] = {}
         urls = []
         for i, item in enumerate(items):
-            if isinstance(item, str) and item.startswith("data:image/png"):
+            if isinstance(item, str) and self._sent_as_is(item):
                 urls.append(item)
             else:
-                pil[i] = load_image(item)
+                pil[i] = resize_as_processor(load_image(item), self.image_processor)
                 urls.append(image_to_data_url(pil[i]))
 
         def load(i: int) -> Image.Image:
@@ -278,6 +287,11 @@ class ChatEncoder:
 
         # Keyed by the URL: an image every sample of a group (or every turn) shows is processed once.
         return urls, self.images.process(urls, load)
+
+    def _sent_as_is(self, url: str) -> bool:
+        """A PNG data URL already at the processor's size (read from its header: no decode)."""
+        size = png_data_url_size(url)
+        return size is not None and processor_size(self.image_processor, *size) == size
 
     def _segment(self, text: str, image_items: list[Any]) -> EncodedSegment:
         wire = self.tokenize(text)

@@ -21,6 +21,12 @@ request owns one contiguous max_seq_len row; both attend to the same kv-length b
 both alive at once and timed in alternation (best of `--repeats` rounds each); their ratio is the
 cost of reading K/V through page tables (issue 18 (d)).
 
+Peer case (`--cases peer --peer-url URL --checkpoint DIR`, issue 27): the embedded engine on DIR against a real
+engine serving DIR (vLLM or SGLang, detected), in one run: decode tok/s at each `--concurrency` (alternating, best
+of `--repeats`, warm-up rounds untimed) and the prompt tokens prefilled (prompt - cached) for one GRPO group of
+`--group-size` on one image prompt. vLLM on CPU needs a head_dim >= 32 checkpoint (`make-tiny --head-dim 32`) and
+`--enable-prompt-tokens-details` to report cached tokens.
+
 Group case (issue 18 (a)): one GRPO group of n samples (seeded, temperature 1) of a ~1,000-token
 prompt with an image, arriving together, on an engine with the radix cache and one without: prompt
 tokens prefilled and their ratio.
@@ -110,11 +116,11 @@ def bench_transformers(model_dir: Path, prompt: list[int], new_tokens: int, repe
     return {"tokens": produced, "seconds": best, "tokens_per_s": produced / best}
 
 
-async def _round(url: str, prompt: list[int], concurrency: int, new_tokens: int) -> tuple[int, float]:
-    from rollout.client import SGLangClient
+async def _round(url: str, prompt: list[int], concurrency: int, new_tokens: int, api: str = "sglang") -> tuple[int, float]:
+    from rollout.vllm_client import client_class
 
     params = {"temperature": 0.0, "max_new_tokens": new_tokens, "ignore_eos": True}
-    async with SGLangClient(url, timeout_s=600) as client:
+    async with client_class(api)(url, timeout_s=600) as client:
         start = time.perf_counter()
         results = await asyncio.gather(*(client.generate(prompt, sampling_params=params) for _ in range(concurrency)))
         elapsed = time.perf_counter() - start
@@ -339,10 +345,10 @@ def _group_prompt(encoder: Any, target_tokens: int, seed: int) -> tuple[list[int
         words = max(words + 1, int(words * target_tokens / len(seg.train_ids)))
 
 
-async def _group(url: str, ids: list[int], images: list[str], n: int, new_tokens: int) -> list[Any]:
-    from rollout.client import SGLangClient
+async def _group(url: str, ids: list[int], images: list[str], n: int, new_tokens: int, api: str = "sglang") -> list[Any]:
+    from rollout.vllm_client import client_class
 
-    async with SGLangClient(url, timeout_s=600) as client:
+    async with client_class(api)(url, timeout_s=600) as client:
         return await asyncio.gather(*(client.generate(ids, image_data=images, sampling_params={
             "temperature": 1.0, "max_new_tokens": new_tokens, "ignore_eos": True, "sampling_seed": i}) for i in range(n)))
 
@@ -365,6 +371,40 @@ def bench_group(model_dir: Path, encoder: Any, n: int, prompt_tokens: int, new_t
                           "cached_tokens": sum(r.cached_tokens for r in results), "prompt_tokens": results[0].prompt_tokens}
     rows["ratio"] = rows["off"]["prefilled_tokens"] / rows["on"]["prefilled_tokens"]
     return rows
+
+
+def bench_peer(model_dir: Path, encoder: Any, peer_url: str, prompt: list[int], new_tokens: int, concurrencies: list[int],
+               repeats: int, group_size: int, group_prompt_tokens: int) -> dict[str, Any]:
+    """The embedded engine against a real server (`peer_url`, serving `model_dir`; its API detected), in one run:
+    decode tok/s at each concurrency (best of `repeats`, in alternation, after an untimed warm-up round each), and
+    the prompt tokens prefilled for a GRPO group of `group_size` on one image prompt (prompt - cached tokens)."""
+    from jaxrl_vlm.engine import EmbeddedEngine, EngineOptions
+    from rollout.vllm_client import detect_engine_api
+
+    api = asyncio.run(detect_engine_api(peer_url))
+    config = EngineOptions(max_batch=max(max(concurrencies), group_size), max_seq_len=2048, min_kv_bucket=256)
+    out: dict[str, Any] = {"peer_api": api, "decode": [], "group": {}}
+    ids, images = _group_prompt(encoder, group_prompt_tokens, seed=7)
+    with EmbeddedEngine(str(model_dir), config=config) as engine:
+        urls = {"embedded": (engine.url, "sglang"), "peer": (peer_url, api)}
+        for c in concurrencies:
+            best = {}
+            for name, (url, kind) in urls.items():
+                asyncio.run(_round(url, prompt, c, new_tokens, kind))  # warm-up (compiles the embedded engine's programs)
+                best[name] = (0, float("inf"))
+            for _ in range(repeats):
+                for name, (url, kind) in urls.items():
+                    tokens, seconds = asyncio.run(_round(url, prompt, c, new_tokens, kind))
+                    best[name] = min(best[name], (tokens, seconds), key=lambda t: t[1])
+            row = {"concurrency": c, **{f"{n}_tokens_per_s": t / s for n, (t, s) in best.items()}}
+            row["ratio"] = row["embedded_tokens_per_s"] / row["peer_tokens_per_s"]
+            out["decode"].append(row)
+        for name, (url, kind) in urls.items():
+            results = asyncio.run(_group(url, ids, images, group_size, 8, kind))
+            out["group"][name] = {"prompt_tokens": results[0].prompt_tokens,
+                                  "prefilled": sum(r.prompt_tokens - r.cached_tokens for r in results)}
+    out["group"]["ratio"] = out["group"]["peer"]["prefilled"] / out["group"]["embedded"]["prefilled"]
+    return out
 
 
 def bench_capacity(model_dir: Path, encoder: Any, episodes: int, turns: int, new_tokens: int, memory_tokens: int,
@@ -402,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--torch-threads", type=int, default=max(1, os.cpu_count() or 1))
-    p.add_argument("--cases", nargs="+", choices=("decode", "multiturn", "group", "capacity", "weights"),
+    p.add_argument("--cases", nargs="+", choices=("decode", "multiturn", "group", "capacity", "weights", "peer"),
                    default=["decode", "multiturn", "group", "capacity"])
     p.add_argument("--page-size", type=int, default=16, help="Tokens per KV page of the paged engine.")
     p.add_argument("--baseline-checkout", default=None, metavar="DIR",
@@ -417,11 +457,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--turns", type=int, default=4, help="Turns per episode of the multi-turn case.")
     p.add_argument("--turn-tokens", type=int, default=32, help="New tokens per turn of the multi-turn case.")
     p.add_argument("--json", default=None, help="Also write the results to this file.")
+    p.add_argument("--peer-url", default=None, help="A real engine (vLLM or SGLang) serving --checkpoint: `--cases peer` "
+                   "compares the embedded engine with it (decode tok/s at --concurrency, GRPO group prefill).")
+    p.add_argument("--checkpoint", default=None, help="Use this checkpoint instead of building one of --size (the one "
+                   "--peer-url serves; e.g. `jaxrl-vlm make-tiny DIR --head-dim 32` for vLLM on CPU).")
     ns = p.parse_args(argv)
+    if ("peer" in ns.cases) != bool(ns.peer_url):
+        p.error("the peer case and --peer-url go together (and --checkpoint: the checkpoint the peer serves)")
 
     out: dict[str, Any] = {"size": ns.size}
     with tempfile.TemporaryDirectory(prefix="bench_engine_") as tmp:
-        model_dir = build_checkpoint(ns.size, Path(tmp))
+        model_dir = Path(ns.checkpoint) if ns.checkpoint else build_checkpoint(ns.size, Path(tmp))
         from rollout.encoding import ChatEncoder
         from rollout.processing import load_image_processor, load_tokenizer
 
@@ -442,6 +488,10 @@ def main(argv: list[str] | None = None) -> int:
                                              2048, ns.page_size)
         if "weights" in ns.cases:
             out["weights"] = bench_weight_update(model_dir, max(ns.repeats, 3), Path(tmp))
+        if "peer" in ns.cases:
+            peer_prompt = encoder.encode_prompt([{"role": "user", "content": "Find the area of the triangle with base 6."}]).wire_ids
+            out["peer"] = bench_peer(model_dir, encoder, ns.peer_url, peer_prompt, ns.new_tokens, ns.concurrency,
+                                     ns.repeats, ns.group_size, ns.group_prompt_tokens)
 
     if "decode" in ns.cases:
         print(f"\nsize={ns.size} prompt={len(prompt)} tokens, {ns.new_tokens} new tokens per request, greedy, EOS ignored")
@@ -504,6 +554,17 @@ def main(argv: list[str] | None = None) -> int:
               f"{w['move']['memory']:.4f} s, ratio {w['move_ratio']:.2f}")
         print("  (a push also runs pause/flush/update/continue and a version check over HTTP in both modes)")
         print(f"RATIO disk/memory weight update: {w['ratio']:.2f}")
+    if "peer" in ns.cases:
+        peer = out["peer"]
+        print(f"\npeer: the embedded engine against {peer['peer_api']} at {ns.peer_url}, same checkpoint, {ns.new_tokens} "
+              f"new tokens per request, greedy, EOS ignored, best of {ns.repeats}")
+        print(f"{'concurrent':>10} {'embedded tok/s':>15} {'peer tok/s':>11} {'embedded/peer':>14}")
+        for r in peer["decode"]:
+            print(f"{r['concurrency']:>10} {r['embedded_tokens_per_s']:>15.1f} {r['peer_tokens_per_s']:>11.1f} {r['ratio']:>13.2f}x")
+        g = peer["group"]
+        print(f"GRPO group of {ns.group_size} on one image prompt ({g['embedded']['prompt_tokens']} tokens): prompt tokens "
+              f"prefilled, embedded {g['embedded']['prefilled']}, peer {g['peer']['prefilled']} (peer / embedded "
+              f"{g['ratio']:.2f}x)")
     if ns.json:
         Path(ns.json).write_text(json.dumps(out, indent=2))
     return 0

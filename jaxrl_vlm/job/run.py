@@ -51,7 +51,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxrl_vlm.config import Config, is_sft
+from jaxrl_vlm.config import Config, external_engine, is_sft
 from jaxrl_vlm.errors import ConfigError
 from jaxrl_vlm.data.geo3k import PromptIterator
 from jaxrl_vlm.distributed import barrier, broadcast_samples, broadcast_stop, export_hf, is_main_process
@@ -194,7 +194,8 @@ class MainJob:
                     self.prompts.load_state_dict(self.resume.prompt_iterator)
         sync_dtype = cfg.engine.weight_sync_dtype or ("bfloat16" if cfg.engine.engine_url else cfg.model.param_dtype)
         self.syncer = WeightSyncer(None, weight_sync_root(cfg, self.out_dir), copy_from=str(self.model_dir),
-                                   dtype=jnp.dtype(sync_dtype), mode=cfg.engine.weight_sync_mode)
+                                   dtype=jnp.dtype(sync_dtype), mode=cfg.engine.weight_sync_mode,
+                                   untie_embeddings=cfg.engine.launch_vllm)
         self.evaluator = None
         if self.replay is not None:
             self.rollout_fn = None
@@ -221,15 +222,17 @@ class MainJob:
             logger.warning("evaluation needs an engine and a replay has none: --eval-prompt-data is skipped (evaluate "
                            "the replay's checkpoints afterwards with `jaxrl-vlm eval CONFIG --load DIR`, or use "
                            "`jaxrl-vlm compare-losses`, which does)")
-        if cfg.engine.engine_url or cfg.engine.launch_sglang:
-            logger.info("--engine-url / --launch-sglang are not used by a replay")
+        if external_engine(cfg):
+            logger.info("%s is not used by a replay", external_engine(cfg))
 
     async def serve_dir(self) -> Path:
         """The weights an engine this job starts (embedded or launched) starts from: a resumed or warm-started
         run's own weights, exported here (not yet loaded anywhere), or the original checkpoint on a fresh start."""
         if self.replay is not None:  # no engine to serve
             return self.model_dir
-        if (self.start_step > 0 or self.warm_started) and not self.cfg.engine.engine_url:
+        # A launched vLLM always starts from our export: its in-place reload needs the untied head (WeightSyncer).
+        exported_start = self.start_step > 0 or self.warm_started or self.cfg.engine.launch_vllm
+        if exported_start and not self.cfg.engine.engine_url:
             self.resumed_export = await self.syncer.push(self.trainer.policy_model(), self.version)
             return self.resumed_export.path
         return self.model_dir
@@ -250,8 +253,10 @@ class MainJob:
             self.engine_version = self.version
             return
         self.syncer.client = client
+        if self.main and hasattr(client, "check_reloadable_head"):
+            await client.check_reloadable_head()
         if self.main:
-            if self.cfg.engine.engine_url or self.cfg.engine.launch_sglang:
+            if external_engine(self.cfg):
                 if self.resumed_export is not None:
                     await self.syncer.load(self.resumed_export)
                 else:

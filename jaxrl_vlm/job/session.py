@@ -1,4 +1,4 @@
-"""The engine session of a run: the embedded JAX engine, a launched SGLang, or an external SGLang/router.
+"""The engine session of a run: the embedded JAX engine, a launched SGLang or vLLM, or an external SGLang/vLLM/router.
 
 Whichever it is, the rollout code sees one `SGLangClient` and the `RolloutContext` on `args`; everything the
 session started is stopped on exit, also when the run fails.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from jaxrl_vlm.config import Config
 from jaxrl_vlm.engine import EmbeddedEngine
 from jaxrl_vlm.engine.options import EngineOptions
 from jaxrl_vlm.sglang_launcher import SGLangProcess
+from jaxrl_vlm.vllm_launcher import VLLMProcess
 from rollout.client import RetryPolicy, SGLangClient
 from rollout.driver import close_suspended
 from rollout.encoding import ChatEncoder
@@ -23,6 +25,9 @@ from rollout.loading import load_module
 from rollout.multiturn import RolloutContext
 from rollout.options import total_generate_concurrency
 from rollout.processing import load_image_processor, load_tokenizer
+from rollout.vllm_client import VLLMClient, client_class, detect_engine_api
+
+logger = logging.getLogger(__name__)
 
 
 @contextlib.asynccontextmanager
@@ -35,17 +40,29 @@ async def rollout_session(
     weights the embedded engine starts from (the resumed version after `--load`, labelled `weight_version`).
     """
     engine: EmbeddedEngine | None = None
-    launched: SGLangProcess | None = None
+    launched: SGLangProcess | VLLMProcess | None = None
     client: SGLangClient | None = None
     key = cfg.engine.engine_api_key
     client_options = dict(timeout_s=cfg.engine.engine_request_timeout, retry=RetryPolicy(max_retries=cfg.engine.engine_max_retries),
                           api_key=key)
     try:
         if cfg.engine.engine_url:
+            api = cfg.engine.engine_api
+            if api == "auto":
+                api = await detect_engine_api(cfg.engine.engine_url, api_key=key)
+                logger.info("engine at %s speaks %s's API (--engine-api auto)", cfg.engine.engine_url, api)
             # Only an external engine can die and come back on its own; the job arms the link once attached.
-            client = SGLangClient(cfg.engine.engine_url, worker_urls=cfg.engine.engine_worker_urls or None,
-                                  reconnect_timeout_s=cfg.engine.engine_reconnect_timeout,
-                                  allow_worker_loss=cfg.engine.allow_worker_loss, **client_options)
+            client = client_class(api)(cfg.engine.engine_url, worker_urls=cfg.engine.engine_worker_urls or None,
+                                       reconnect_timeout_s=cfg.engine.engine_reconnect_timeout,
+                                       allow_worker_loss=cfg.engine.allow_worker_loss, **client_options)
+        elif cfg.engine.launch_vllm:
+            launched = VLLMProcess(
+                cfg.engine.vllm_python or "", str(serve_dir), host=cfg.engine.engine_host, port=cfg.engine.engine_port,
+                extra_args=[*cfg.engine.vllm_args, *_vllm_dtype_args(cfg), *(["--api-key", key] if key else [])],
+                log_path=Path(cfg.train.output_dir) / "vllm.log",
+            )
+            client = VLLMClient(launched.start(), **client_options)
+            await launched.wait_ready(client, timeout_s=cfg.engine.engine_start_timeout)
         elif cfg.engine.launch_sglang:
             launched = SGLangProcess(
                 cfg.engine.sglang_python or "", str(serve_dir), host=cfg.engine.engine_host, port=cfg.engine.engine_port,
@@ -95,3 +112,11 @@ def _parallel_args(cfg: Config) -> list[str]:
         if value > 1 and not given:
             out += [flag, str(value)]
     return out
+
+
+def _vllm_dtype_args(cfg: Config) -> list[str]:
+    """`--dtype` of the weights the run exports (vLLM's own default `auto` would serve bf16 and silently round fp32
+    weights), unless vLLM's arguments already say."""
+    if any(a == "--dtype" or a.startswith("--dtype=") for a in cfg.engine.vllm_args):
+        return []
+    return ["--dtype", cfg.engine.weight_sync_dtype or cfg.model.param_dtype]

