@@ -191,3 +191,20 @@ def test_the_main_job_trains_two_steps_against_a_launched_vllm(tiny32, tmp_path)
     assert exported == ["weights_v000002"]
     config = json.loads((out / "weights" / "weights_v000002" / "config.json").read_text())
     assert config["tie_word_embeddings"] is False  # the untied export a vLLM reload needs
+
+
+def test_asynchronous_training_against_a_launched_vllm_keeps_the_staleness_bound(tiny32, tmp_path):
+    """--max-staleness 1: generation goes on while the trainer trains, weight updates pause vLLM mid-episode."""
+    out = tmp_path / "run"
+    done = _cli("train", "configs/color_reveal_tiny.yaml", "--hf-checkpoint", str(tiny32), "--launch-vllm",
+                "--vllm-python", str(vllm_python()), "--vllm-args=" + ",".join(CPU_ARGS), "--max-staleness", "1",
+                "--num-rollout", "3", "--rollout-batch-size", "2", "--n-samples-per-prompt", "4",
+                "--eval-interval", "100", "--output-dir", str(out))
+    assert done.returncode == 0, done.stderr[-4000:]
+    records = [r for r in read_metrics(out / "metrics.jsonl") if "train/train_rollout_logprob_abs_diff" in r]
+    assert [r["step"] for r in records] == [0, 1, 2]
+    for r in records:
+        assert r["weight_version"] == r["step"] + 1
+        # Every trained sample was sampled by the trainer's version or the one before (a staler one stops the run).
+        assert r["async/staleness_0"] + r["async/staleness_1"] > 0 and "async/staleness_2" not in r, r
+        assert r["async/staleness_mean"] <= 1.0
