@@ -683,17 +683,10 @@ class SGLangClient:
         client went away, but may still hold the old rid for a moment.
         """
         base_rid = rid if rid is not None else uuid.uuid4().hex
-        body: dict[str, Any] = {
-            "rid": base_rid,
-            "input_ids": [int(t) for t in input_ids],
-            "sampling_params": dict(sampling_params),
-            "return_logprob": bool(return_logprob),
-        }
-        if image_data:
-            body["image_data"] = list(image_data)
+        body = self._generate_body(input_ids, image_data, sampling_params, return_logprob, base_rid)
 
         def body_for_attempt(attempt: int) -> dict[str, Any]:
-            return body if attempt == 1 else {**body, "rid": f"{base_rid}.retry{attempt - 1}"}
+            return body if attempt == 1 else self._with_rid(body, f"{base_rid}.retry{attempt - 1}")
 
         headers = {ROUTING_KEY_HEADER: routing_key} if routing_key is not None else None
         sent_in_epoch = self.update_gate.epoch
@@ -703,19 +696,41 @@ class SGLangClient:
             sent_in_epoch = await self.update_gate.wait_open()
 
         reply = await self._request(
-            "POST", self.url, "/generate", body_for_attempt=body_for_attempt, headers=headers,
+            "POST", self.url, self.generate_path, body_for_attempt=body_for_attempt, headers=headers,
             timeout_s=timeout_s if timeout_s is not None else self.timeout_s, before_attempt=wait_for_gate,
             wait_for_engine=True,
         )
-        result = parse_generate_response(
-            reply.data, endpoint=self.url + "/generate", return_logprob=return_logprob,
-            attempts=reply.attempts, raw_text=reply.text, vocab_size=self.vocab_size,
-        )
+        result = self._parse_generate(reply, return_logprob)
         result.retries = reply.attempts - 1
         result.retry_errors = reply.errors
         result.aborted_by_weight_update = (result.finish_reason is FinishType.ABORT
                                            and sent_in_epoch != self.update_gate.epoch)
         return result
+
+    # The engine protocol's generate route, body and answer (`VLLMClient` says them in vLLM's protocol).
+    generate_path = "/generate"
+
+    def _generate_body(self, input_ids: Sequence[int], image_data: Sequence[str] | None,
+                       sampling_params: Mapping[str, Any], return_logprob: bool, rid: str) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "rid": rid,
+            "input_ids": [int(t) for t in input_ids],
+            "sampling_params": dict(sampling_params),
+            "return_logprob": bool(return_logprob),
+        }
+        if image_data:
+            body["image_data"] = list(image_data)
+        return body
+
+    @staticmethod
+    def _with_rid(body: dict[str, Any], rid: str) -> dict[str, Any]:
+        return {**body, "rid": rid}
+
+    def _parse_generate(self, reply: _Reply, return_logprob: bool) -> GenerateResult:
+        return parse_generate_response(
+            reply.data, endpoint=self.url + self.generate_path, return_logprob=return_logprob,
+            attempts=reply.attempts, raw_text=reply.text, vocab_size=self.vocab_size,
+        )
 
     # ---- health ----------------------------------------------------------------------------
 

@@ -16,7 +16,6 @@ This module never imports jax.
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -24,13 +23,12 @@ from rollout import vllm_wire
 from rollout.client import (
     EngineRequestError,
     EngineResponseError,
-    ROUTING_KEY_HEADER,
     EngineUnavailable,
     GenerateResult,
     SGLangClient,
     parse_generate_response,
 )
-from rollout.sglang_wire import FinishType, as_pause_mode
+from rollout.sglang_wire import as_pause_mode
 
 ENGINE_APIS = ("sglang", "vllm")
 
@@ -45,53 +43,30 @@ class VLLMClient(SGLangClient):
     # have been started from an untied checkpoint (`check_reloadable_head`).
     needs_untied_export = True
 
-    async def generate(
-        self,
-        input_ids: Sequence[int],
-        *,
-        image_data: Sequence[str] | None = None,
-        sampling_params: Mapping[str, Any],
-        return_logprob: bool = True,
-        rid: str | None = None,
-        routing_key: str | None = None,
-        timeout_s: float | None = None,
-    ) -> GenerateResult:
-        """POST `/inference/v1/generate` (see `SGLangClient.generate` for the arguments and the retry rules)."""
-        base_rid = rid if rid is not None else uuid.uuid4().hex
+    generate_path = vllm_wire.GENERATE_PATH
+
+    def _generate_body(self, input_ids: Sequence[int], image_data: Sequence[str] | None,
+                       sampling_params: Mapping[str, Any], return_logprob: bool, rid: str) -> dict[str, Any]:
         try:
-            body = vllm_wire.generate_body(input_ids, image_data=image_data, params=sampling_params,
-                                           return_logprob=return_logprob, rid=base_rid)
+            return vllm_wire.generate_body(input_ids, image_data=image_data, params=sampling_params,
+                                           return_logprob=return_logprob, rid=rid)
         except vllm_wire.VLLMRequestError as exc:
-            raise EngineRequestError(self.url + vllm_wire.GENERATE_PATH, None, str(exc), 0,
+            raise EngineRequestError(self.url + self.generate_path, None, str(exc), 0,
                                      reason="request cannot be sent to vLLM") from None
 
-        def body_for_attempt(attempt: int) -> dict[str, Any]:
-            return body if attempt == 1 else {**body, "request_id": f"{base_rid}.retry{attempt - 1}"}
+    @staticmethod
+    def _with_rid(body: dict[str, Any], rid: str) -> dict[str, Any]:
+        return {**body, "request_id": rid}
 
-        headers = {ROUTING_KEY_HEADER: routing_key} if routing_key is not None else None
-        sent_in_epoch = self.update_gate.epoch
-
-        async def wait_for_gate() -> None:
-            nonlocal sent_in_epoch
-            sent_in_epoch = await self.update_gate.wait_open()
-
-        endpoint = self.url + vllm_wire.GENERATE_PATH
-        reply = await self._request(
-            "POST", self.url, vllm_wire.GENERATE_PATH, body_for_attempt=body_for_attempt, headers=headers,
-            timeout_s=timeout_s if timeout_s is not None else self.timeout_s, before_attempt=wait_for_gate,
-            wait_for_engine=True,
-        )
+    def _parse_generate(self, reply: Any, return_logprob: bool) -> GenerateResult:
+        """The answer mapped onto SGLang's `/generate` answer, then checked by the same parser."""
+        endpoint = self.url + self.generate_path
         try:
             answer = vllm_wire.to_sglang_answer(reply.data, return_logprob=return_logprob)
         except vllm_wire.VLLMAnswerError as exc:
             raise EngineResponseError(endpoint, reply.status, reply.text, reply.attempts, reason=str(exc)) from None
-        result = parse_generate_response(answer, endpoint=endpoint, return_logprob=return_logprob,
-                                         attempts=reply.attempts, raw_text=reply.text, vocab_size=self.vocab_size)
-        result.retries = reply.attempts - 1
-        result.retry_errors = reply.errors
-        result.aborted_by_weight_update = (result.finish_reason is FinishType.ABORT
-                                           and sent_in_epoch != self.update_gate.epoch)
-        return result
+        return parse_generate_response(answer, endpoint=endpoint, return_logprob=return_logprob,
+                                       attempts=reply.attempts, raw_text=reply.text, vocab_size=self.vocab_size)
 
     # ---- health and info --------------------------------------------------------------------
 
