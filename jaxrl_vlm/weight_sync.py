@@ -53,6 +53,8 @@ class WeightSyncFailed(RuntimeError):
 
 @dataclass
 class SyncReport:
+    """One weight version's export and load: where it went, how long each took, what it cost and retried."""
+
     version: int
     path: Path
     export_s: float
@@ -61,6 +63,11 @@ class SyncReport:
     attempts: int
     errors: list[str] = field(default_factory=list)
     in_memory: bool = False  # staged in the in-process engine under `path.name`, not written to disk
+
+    def metrics(self) -> dict[str, float]:
+        """The step metrics of this version's publication: export seconds, gigabytes written, in memory (0/1)."""
+        return {"sync/export_s": self.export_s, "sync/gbytes": self.bytes_written / 1e9,
+                "sync/in_memory": float(self.in_memory)}
 
 
 def version_dir(root: Path, version: int) -> Path:

@@ -362,17 +362,17 @@ async def test_an_engine_that_restarted_unseen_between_steps_gets_the_weights_be
     async with FakeSGLangServer() as server:
         job = MainJob(_job_config(tiny, tmp_path, server.url))
         job.prepare()
-        session = job.session(await job.serve_dir())
+        session = await job.open_engine()
         client = await session.__aenter__()
         try:
-            await job.attach(client)
+            await job.source.attach(client, job.version, job.resume)
             assert server.weight_version == "0" and client.link.armed
-            await job.ensure_engine()  # the engine holds the confirmed version: nothing to do
+            await job.source.ensure_engine()  # the engine holds the confirmed version: nothing to do
             assert len(server.requests_to("/update_weights_from_disk")) == 1
             server.bring_back(weight_version="default")  # it restarted between two calls, no request saw it down
-            await job.ensure_engine()
+            await job.source.ensure_engine()
             assert server.weight_version == "0" and len(server.requests_to("/update_weights_from_disk")) == 2
-            assert job.engine_metrics()["engine/weight_restores"] == 1
+            assert job.source.engine_metrics()["engine/weight_restores"] == 1
         finally:
             await session.__aexit__(None, None, None)
             job.checkpoints.close()

@@ -57,7 +57,7 @@ def _first(paths: list[str], name: str) -> int:
 
 async def _attached(job: MainJob):
     job.prepare()
-    session = job.session(await job.serve_dir())
+    session = await job.open_engine()
     client = await session.__aenter__()
     return session, client
 
@@ -69,7 +69,7 @@ async def test_fresh_start_pushes_and_confirms_before_the_first_rollout(tiny, tm
         job = MainJob(cfg)
         session, client = await _attached(job)
         try:
-            await job.attach(client)
+            await job.source.attach(client, job.version, job.resume)
             assert server.weight_version == "0"
             loaded = [r.body["model_path"] for r in server.requests_to("/update_weights_from_disk")]
             assert len(loaded) == 1 and Path(loaded[0]).name == "weights_v000000"
@@ -77,7 +77,7 @@ async def test_fresh_start_pushes_and_confirms_before_the_first_rollout(tiny, tm
             # Another trainer (or a stale worker) changes the engine's weights behind this run's back.
             server.weight_version = "7"
             with pytest.raises(OffPolicySampleError, match="weight version 7|\\['7'\\]"):
-                await job.rollout(0)
+                await job.source.rollout(0)
         finally:
             await session.__aexit__(None, None, None)
             job.checkpoints.close()

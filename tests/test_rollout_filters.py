@@ -14,7 +14,7 @@ import pytest
 from test_driver import EnvSpec, check_accounting, harness, run
 
 from jaxrl_vlm.config import Config
-from jaxrl_vlm.job.run import MainJob
+from jaxrl_vlm.job.sources import LiveRollout
 from jaxrl_vlm.weight_sync import WeightSyncer
 from rollout import driver as driver_module
 from rollout.driver import DriverState, driver_checkpoint_state, restore_driver_state
@@ -291,12 +291,12 @@ async def test_the_main_job_stops_after_consecutive_all_failed_steps(tmp_path):
     async def rollout_fn(args, step, prompts):
         return next(results)
 
-    job = MainJob.__new__(MainJob)  # only the rollout phase: no trainer, no engine
-    job.cfg, job.main, job.args, job.prompts, job.rollout_fn = Config(), True, None, None, rollout_fn
-    job.cfg.rollout.max_all_failed_steps = 2
-    job.all_failed_steps, job.engine_version, job.replay, job.saver = 0, 0, None, None
-    job.syncer = WeightSyncer(None, tmp_path / "weights")  # no engine client: no engine link to check
-    _, samples, metrics = await job.rollout(0)
-    assert samples == [] and job.all_failed_steps == 1 and metrics["rollout/failed_share"] == 1.0
+    cfg = Config()
+    cfg.rollout.max_all_failed_steps = 2
+    # Only the rollout phase: no trainer; no engine client, so no engine link to check.
+    source = LiveRollout(cfg, rollout_fn=rollout_fn, args=None, main=True, model_dir=None, prompts=None,
+                         syncer=WeightSyncer(None, tmp_path / "weights"), trainer=None)
+    _, samples, metrics = await source.rollout(0)
+    assert samples == [] and source.all_failed_steps == 1 and metrics["rollout/failed_share"] == 1.0
     with pytest.raises(AllFailedStepsError, match=r"engine_error x 2 \(e.g. 'engine: refused'\)"):
-        await job.rollout(1)
+        await source.rollout(1)

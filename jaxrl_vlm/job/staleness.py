@@ -9,6 +9,9 @@ Asynchronous training (`--max-staleness K`, below) trains at trainer version v o
 versions v - K .. v: `too_stale` is the admission verdict the rollout stream applies to each group, and
 `check_bounded_staleness` checks (and accounts, as a staleness histogram and off-policy token counts) every batch
 before it trains.
+
+These are the checks only; the sample sources apply them (`job/sources.py`: `LiveRollout` for the synchronous
+check, `StreamingSource` for the admission verdict, the per-batch check and the version the next batch trains at).
 """
 
 from __future__ import annotations
