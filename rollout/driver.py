@@ -26,7 +26,11 @@
 
 Prompts fetched from the source but not used in a step stay buffered for the next step, so over-sampling never
 silently skips data. That cross-step state (the global group counter, buffered prompts, carried partial groups)
-is one typed `DriverState` held in `args.driver_state`.
+is one typed `DriverState`, `RolloutRun.state` (rollout/run.py; a slime namespace holds it as `args.driver_state`).
+
+The default path is typed: `generate_rollout(args, ...)` (slime's signature) reads `args` once into a `RolloutRun`
+and runs `rollout_step(run, ...)`, which hands the run to the episode loop (`multiturn.play_episode`). `args`
+(`run.args`) reaches user code only: slime's hooks and a custom generate function, under slime's names.
 
 Checkpoint and resume: the driver state is not in the data cursor, so `driver_checkpoint_state(args)` turns it
 into a JSON dict for the checkpoint and `restore_driver_state(args, state)` puts it back into the fresh args of
@@ -46,7 +50,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import json
 import logging
 import time
 from collections import Counter
@@ -57,9 +60,23 @@ from rollout.client import SGLangClient
 from rollout.failures import failure_report
 from rollout.hooks import Hook, dynamic_filter_verdict, finite_metric, is_reward, load_hook
 from rollout.loading import load_function
-from rollout.multiturn import RolloutContext, close_env, default_sampling_params, get_context
+from rollout.multiturn import close_env, default_sampling_params, play_episode
+from rollout.multiturn import generate as default_generate
+from rollout.run import (
+    DRIVER_STATE_VERSION,  # noqa: F401  (re-exported: the driver state's home was here)
+    RUNNABLE,
+    CarriedGroup,
+    DriverState,
+    DriverStateError,
+    RolloutContext,
+    RolloutRun,
+    driver_state,
+    episode_copy,
+    get_context,
+    restored_state,
+)
 from rollout.options import RolloutOptions
-from rollout.rewards import RewardError, RewardSettings, reward_components, scalar_reward
+from rollout.rewards import RewardError, reward_components, scalar_reward
 from rollout.sample import Sample, Status, Termination, TerminationKind
 
 logger = logging.getLogger(__name__)
@@ -97,116 +114,6 @@ class RolloutResult:
     @property
     def samples(self) -> list[Sample]:
         return [s for g in self.groups for s in g]
-
-
-# Version of the dict written by `driver_checkpoint_state`. Version 2 added `next_group_index`; version 1 (which
-# kept it beside the driver state) is still read when the caller passes the index. Version 3 added
-# `filtered_long_prompts` (older states read as 0).
-DRIVER_STATE_VERSION = 3
-_READABLE_VERSIONS = (1, 2, 3)
-
-
-class DriverStateError(ValueError):
-    """A checkpointed driver state that cannot be restored; the message names the entry that is wrong."""
-
-
-@dataclass
-class CarriedGroup:
-    """A group suspended by partial rollout, resumed first in the next step.
-
-    `prompt` is the pristine prompt Sample the group was made from: the resume policy restarts the group's
-    unfinished episodes from it, because their live envs cannot be checkpointed (module docstring).
-    """
-
-    group_index: int
-    prompt: Sample
-    samples: list[Sample]
-
-
-@dataclass
-class DriverState:
-    """What the driver carries from one rollout step to the next (`args.driver_state`).
-
-    `next_group_index` numbers groups globally (per-request sampling seeds derive from it); `prompt_buffer` holds
-    prompts fetched from the source but not used yet; `partial_groups` are the groups suspended by partial
-    rollout, resumed first in the next step; `filtered_long_prompts` counts the prompts skipped over the run for
-    `--rollout-max-prompt-len`.
-    """
-
-    next_group_index: int = 0
-    prompt_buffer: list[Sample] = field(default_factory=list)
-    partial_groups: list[CarriedGroup] = field(default_factory=list)
-    filtered_long_prompts: int = 0
-
-    def held(self) -> dict[str, int]:
-        """What a used state holds (empty for a fresh one)."""
-        held = {"next_group_index": self.next_group_index, "partial_groups": len(self.partial_groups),
-                "prompt_buffer": len(self.prompt_buffer), "filtered_long_prompts": self.filtered_long_prompts}
-        return {k: v for k, v in held.items() if v}
-
-    def to_dict(self) -> dict[str, Any]:
-        """The JSON-serializable checkpoint form (it only reads: the run goes on with its live episodes)."""
-        buffer = [_sample_json(s, f"prompt_buffer[{i}]") for i, s in enumerate(self.prompt_buffer)]
-        groups = []
-        for k, carried in enumerate(self.partial_groups):
-            where = f"partial_groups[{k}] (group {carried.group_index})"
-            groups.append({
-                "group_index": int(carried.group_index),
-                "prompt": _sample_json(carried.prompt, f"{where} prompt"),
-                "finished": [_sample_json(s, f"{where} sample {s.index}")
-                             for s in carried.samples if s.status not in RUNNABLE],
-                # Unfinished episodes are restarted on resume: only their indices are needed.
-                "restart": sorted(int(s.index) for s in carried.samples if s.status in RUNNABLE),
-            })
-        return {"version": DRIVER_STATE_VERSION, "next_group_index": int(self.next_group_index),
-                "prompt_buffer": buffer, "partial_groups": groups,
-                "filtered_long_prompts": int(self.filtered_long_prompts)}
-
-    @classmethod
-    def from_dict(cls, data: Any, *, next_group_index: int | None = None) -> "DriverState":
-        """Rebuild a `to_dict` state under the resume policy (module docstring). A version-1 dict has no group
-        counter: pass the one saved beside it as `next_group_index`. Raises DriverStateError naming the entry."""
-        version = _version(data)
-        expected = {"version", "prompt_buffer", "partial_groups"} | ({"next_group_index"} if version >= 2 else set())
-        expected |= {"filtered_long_prompts"} if version >= 3 else set()
-        _check_keys(data, expected, "driver state")
-        filtered = _index(data["filtered_long_prompts"], "driver state.filtered_long_prompts") if version >= 3 else 0
-        if version >= 2:
-            counter = _index(data["next_group_index"], "driver state.next_group_index")
-            if next_group_index is not None and next_group_index != counter:
-                raise DriverStateError(f"driver state has next_group_index {counter} but {next_group_index} was "
-                                       "passed beside it")
-        elif next_group_index is None:
-            raise DriverStateError("a version 1 driver state has no next_group_index: pass the one saved beside it")
-        else:
-            counter = _index(next_group_index, "next_group_index")
-        buffer = [_sample_from(d, f"prompt_buffer[{i}]")
-                  for i, d in enumerate(_list(data, "prompt_buffer", "driver state"))]
-        groups = [_carried_from(d, f"partial_groups[{k}]")
-                  for k, d in enumerate(_list(data, "partial_groups", "driver state"))]
-        seen = Counter(g.group_index for g in groups)
-        repeated = sorted(g for g, count in seen.items() if count > 1)
-        if repeated:
-            raise DriverStateError(f"driver state carries group indices {repeated} more than once")
-        late = [g.group_index for g in groups if g.group_index >= counter]
-        if late:
-            raise DriverStateError(
-                f"driver state carries groups {late} but its next_group_index is {counter}: the driver state and "
-                "the group counter come from different checkpoints"
-            )
-        return cls(next_group_index=counter, prompt_buffer=buffer, partial_groups=groups,
-                   filtered_long_prompts=filtered)
-
-
-def driver_state(args: Any) -> DriverState:
-    """The driver state of a run, created fresh on first use."""
-    state = getattr(args, "driver_state", None)
-    if state is None:
-        state = DriverState()
-        args.driver_state = state
-    elif not isinstance(state, DriverState):
-        raise TypeError(f"args.driver_state is {type(state).__name__}, not a DriverState")
-    return state
 
 
 @dataclass
@@ -290,15 +197,6 @@ def make_group(prompt: Sample, group_index: int, n: int) -> list[Sample]:
     return [episode_copy(prompt, group_index, i) for i in range(n)]
 
 
-def episode_copy(prompt: Sample, group_index: int, index: int) -> Sample:
-    """A fresh episode of `prompt`: also how a restored group restarts an episode, so both start identically."""
-    s = copy.deepcopy(prompt)
-    s.group_index = group_index
-    s.index = index
-    s.metadata["prompt_index"] = prompt.index
-    return s
-
-
 def _new_group(prompts: PromptTaker, n: int) -> _Group:
     group_index, prompt = prompts.take()
     return _Group(group_index, prompt, make_group(prompt, group_index, n))
@@ -333,9 +231,6 @@ def keep_group(group: list[Sample], dynamic_filter: str | None, result: RolloutR
             return None
     return kept
 
-
-# A resumed group may hold episodes that already finished in an earlier step: they pass through unchanged.
-RUNNABLE = (Status.PENDING, Status.ABORTED)
 
 
 def _fail(sample: Sample, kind: TerminationKind, error: str) -> Sample:
@@ -419,17 +314,21 @@ async def _custom_rewards(rm: Hook, args: Any, samples: list[Sample], *, batched
             _fail(sample, TerminationKind.REWARD_ERROR, f"reward: {e}")
 
 
-async def run_episode(generate_fn: Callable, args: Any, sample: Sample, sampling_params: dict[str, Any],
-                       reward_key: str | None, hooks: StepHooks = StepHooks()) -> Sample:
-    """One episode through the loaded function, called as slime calls it: `fn(args, sample, sampling_params)`
-    with its own copy of the step's params. A function that raises fails its sample, not the rollout; a reward
+async def run_episode(run: RolloutRun, generate_fn: Callable, sample: Sample, sampling_params: dict[str, Any],
+                      hooks: StepHooks = StepHooks()) -> Sample:
+    """One episode through the loaded function, with its own copy of the step's params: the default episode
+    loop gets the typed `run`, a custom one is called as slime calls it, `fn(run.args, sample, sampling_params)`. A function that raises fails its sample, not the rollout; a reward
     it set is reduced to the float to train on (`--reward-key`); a finished episode without one is scored by
     `--custom-rm-path` (unless `--group-rm` scores its whole group)."""
     if sample.status not in RUNNABLE:
         return sample
     name = getattr(generate_fn, "__qualname__", repr(generate_fn))
+    reward_key = run.rewards.reward_key
     try:
-        out = await generate_fn(args, sample, copy.deepcopy(sampling_params))
+        if generate_fn is default_generate:
+            out = await play_episode(run, sample, copy.deepcopy(sampling_params))
+        else:
+            out = await generate_fn(run.args, sample, copy.deepcopy(sampling_params))
     except Exception as e:  # user code: record on the sample (the default loop never raises)
         logger.warning("%s: generate function %s raised %s: %s", sample.name, name, type(e).__name__, e)
         return _fail(sample, TerminationKind.GENERATE_EXCEPTION,
@@ -449,7 +348,7 @@ async def run_episode(generate_fn: Callable, args: Any, sample: Sample, sampling
             out.reward = None
             return _fail(out, TerminationKind.REWARD_ERROR, f"reward: {e}")
     elif hooks.rm is not None and not hooks.group_rm and out.status in _SCORABLE:
-        await _custom_rewards(hooks.rm, args, [out], batched=False, timeout_s=hooks.rm_timeout_s,
+        await _custom_rewards(hooks.rm, run.args, [out], batched=False, timeout_s=hooks.rm_timeout_s,
                               reward_key=reward_key)
     return out
 
@@ -463,9 +362,8 @@ def _rerun_requested(sample: Sample) -> bool:
     return sample.termination is not None and sample.termination.kind is TerminationKind.WEIGHT_UPDATE_RERUN
 
 
-async def run_group(generate_fn: Callable, args: Any, group: list[Sample], sampling_params: dict[str, Any],
-                    reward_key: str | None, hooks: StepHooks = StepHooks(), *,
-                    prompt: Sample | None = None) -> list[Sample]:
+async def run_group(run: RolloutRun, generate_fn: Callable, group: list[Sample], sampling_params: dict[str, Any],
+                    hooks: StepHooks = StepHooks(), *, prompt: Sample | None = None) -> list[Sample]:
     """The group's episodes concurrently; with `--group-rm`, then one `--custom-rm-path` call on its finished
     episodes (skipped while the driver aborts stragglers: such a group is never kept in this step, and a carried
     one is scored when it finishes).
@@ -475,30 +373,34 @@ async def run_group(generate_fn: Callable, args: Any, group: list[Sample], sampl
     per-request seeds), at most MAX_WEIGHT_UPDATE_RERUNS times; `metadata["weight_update_reruns"]` counts them.
     """
     async def episode(sample: Sample) -> Sample:
-        out = await run_episode(generate_fn, args, sample, sampling_params, reward_key, hooks)
+        out = await run_episode(run, generate_fn, sample, sampling_params, hooks)
         reruns = 0
         while prompt is not None and _rerun_requested(out) and reruns < MAX_WEIGHT_UPDATE_RERUNS:
             reruns += 1
             fresh = episode_copy(prompt, sample.group_index, sample.index)
             fresh.metadata["weight_update_reruns"] = reruns
-            out = await run_episode(generate_fn, args, fresh, sampling_params, reward_key, hooks)
+            out = await run_episode(run, generate_fn, fresh, sampling_params, hooks)
         return out
 
     samples = list(await asyncio.gather(*(episode(s) for s in group)))
-    if hooks.rm is not None and hooks.group_rm and not get_context(args).aborting:
+    if hooks.rm is not None and hooks.group_rm and not run.context.aborting:
         finished = [s for s in samples if s.status in _SCORABLE]
         if finished:
-            await _custom_rewards(hooks.rm, args, finished, batched=True, timeout_s=hooks.rm_timeout_s,
-                                  reward_key=reward_key)
+            await _custom_rewards(hooks.rm, run.args, finished, batched=True, timeout_s=hooks.rm_timeout_s,
+                                  reward_key=run.rewards.reward_key)
     return samples
 
 
 async def generate_rollout(args: Any, rollout_id: int, data_source: PromptSource) -> RolloutResult:
+    """slime's `--rollout-function-path` signature: the run `args` describes (`RolloutRun.from_args`, the one read
+    of the namespace), one step of it (`rollout_step`)."""
+    return await rollout_step(RolloutRun.from_args(args), rollout_id, data_source)
+
+
+async def rollout_step(run: RolloutRun, rollout_id: int, data_source: PromptSource) -> RolloutResult:
     """Produce `rollout_batch_size` groups for one training step (fewer only if over-sampling is exhausted)."""
     t0 = time.perf_counter()
-    ctx = get_context(args)
-    opts = RolloutOptions.from_args(args)
-    reward_key = RewardSettings.from_args(args).reward_key
+    ctx, opts, args = run.context, run.options, run.args
     generate_fn = load_function(opts.custom_generate_function_path, "--custom-generate-function-path")
     hooks = StepHooks.load(opts)
     # Built once per step from the rollout options, as slime does; each episode gets its own copy.
@@ -509,7 +411,7 @@ async def generate_rollout(args: Any, rollout_id: int, data_source: PromptSource
     partial = opts.partial_rollout
     submit_batch = opts.over_sampling_batch_size or target
     result = RolloutResult(groups=[])
-    state = driver_state(args)
+    state = run.state
     prompts = PromptTaker(data_source, state, result, opts.rollout_max_prompt_len,
                        lambda prompt: prompt_train_length(ctx, prompt))
 
@@ -534,7 +436,7 @@ async def generate_rollout(args: Any, rollout_id: int, data_source: PromptSource
 
     def submit(group: _Group) -> None:
         group.task = asyncio.ensure_future(
-            run_group(generate_fn, args, group.samples, sampling_params, reward_key, hooks))
+            run_group(run, generate_fn, group.samples, sampling_params, hooks))
         running.append(group)
         result.groups_submitted += 1
 
@@ -770,95 +672,5 @@ def restore_driver_state(args: Any, state: dict[str, Any] | None, *, next_group_
             f"restore_driver_state: the args already hold driver state {current.held()} and {suspended} suspended "
             "episodes; restore into fresh args, before the first rollout step"
         )
-    if state is None:
-        if next_group_index is None:
-            raise DriverStateError("restore_driver_state: neither a driver state nor a next_group_index to restore")
-        logger.warning("the checkpoint has no rollout driver state (an older checkpoint): buffered prompts and "
-                       "carried partial groups of the interrupted run are not restored")
-        restored = DriverState(next_group_index=_index(next_group_index, "next_group_index"))
-    else:
-        restored = DriverState.from_dict(state, next_group_index=next_group_index)
+    restored = restored_state(state, next_group_index)
     args.driver_state = restored
-
-
-def _version(state: Any) -> int:
-    if not isinstance(state, dict):
-        raise DriverStateError(f"driver state must be a dict, got {type(state).__name__}")
-    if "version" not in state:
-        raise DriverStateError(f"driver state has no 'version' (keys: {sorted(state)})")
-    if state["version"] not in _READABLE_VERSIONS:
-        raise DriverStateError(
-            f"driver state version {state['version']!r} is not supported "
-            f"(this driver reads versions {', '.join(map(str, _READABLE_VERSIONS))})"
-        )
-    return int(state["version"])
-
-
-def _sample_json(sample: Sample, where: str) -> dict[str, Any]:
-    data = sample.to_dict()
-    try:
-        json.dumps(data)
-    except (TypeError, ValueError) as e:  # e.g. a PIL image left in a custom source's prompt
-        raise TypeError(f"driver_checkpoint_state: {where} ({sample.name}) is not JSON-serializable: {e}") from e
-    return data
-
-
-def _carried_from(data: Any, where: str) -> CarriedGroup:
-    """Rebuild a carried group under the resume policy: finished episodes as saved, the others restarted."""
-    if not isinstance(data, dict):
-        raise DriverStateError(f"{where} must be a dict, got {type(data).__name__}")
-    _check_keys(data, {"group_index", "prompt", "finished", "restart"}, where)
-    group_index = _index(data["group_index"], f"{where}.group_index")
-    where = f"{where} (group {group_index})"
-    prompt = _sample_from(data["prompt"], f"{where}.prompt")
-    finished = [_sample_from(d, f"{where}.finished[{i}]") for i, d in enumerate(_list(data, "finished", where))]
-    restart = [_index(i, f"{where}.restart[{j}]") for j, i in enumerate(_list(data, "restart", where))]
-    for s in finished:
-        if s.group_index != group_index:
-            raise DriverStateError(f"{where}: finished {s.name} belongs to group {s.group_index}")
-        if s.status in RUNNABLE:
-            raise DriverStateError(f"{where}: finished {s.name} has status {s.status.value}, which is not finished")
-    indices = Counter([s.index for s in finished] + restart)
-    repeated = sorted(i for i, count in indices.items() if count > 1)
-    if repeated:
-        raise DriverStateError(f"{where}: sample indices {repeated} appear more than once in finished/restart")
-    if not indices:
-        raise DriverStateError(f"{where}: the group has no samples (finished and restart are both empty)")
-    samples = finished + [_restarted(prompt, group_index, i) for i in restart]
-    return CarriedGroup(group_index, prompt, sorted(samples, key=lambda s: s.index))
-
-
-def _restarted(prompt: Sample, group_index: int, index: int) -> Sample:
-    sample = episode_copy(prompt, group_index, index)
-    sample.metadata["restarted_on_resume"] = True  # its pre-checkpoint tokens were lost (module docstring)
-    return sample
-
-
-def _sample_from(data: Any, where: str) -> Sample:
-    if not isinstance(data, dict):
-        raise DriverStateError(f"{where} must be a Sample dict, got {type(data).__name__}")
-    try:
-        sample = Sample.from_dict(data)
-        sample.validate()
-        return sample
-    except (TypeError, ValueError, KeyError) as e:  # SampleError is a ValueError
-        raise DriverStateError(f"{where} is not a valid Sample dict: {type(e).__name__}: {e}") from e
-
-
-def _list(data: dict[str, Any], key: str, where: str) -> list[Any]:
-    value = data[key]
-    if not isinstance(value, list):
-        raise DriverStateError(f"{where}.{key} must be a list, got {type(value).__name__}")
-    return value
-
-
-def _index(value: Any, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise DriverStateError(f"{where} must be a non-negative int, got {value!r}")
-    return value
-
-
-def _check_keys(data: dict[str, Any], expected: set[str], where: str) -> None:
-    missing, unknown = expected - set(data), set(data) - expected
-    if missing or unknown:
-        raise DriverStateError(f"{where}: missing keys {sorted(missing)}, unknown keys {sorted(unknown)}")

@@ -29,7 +29,9 @@ does not keep the process alive) and its result, if it ever comes, is ignored. A
 overrun it is cancelled and never awaited again. `--episode-timeout` bounds the whole episode, `reset` and
 finalize (reward) included; `close()` then still runs, under its own `--env-hook-timeout`.
 
-Options are read once per episode as `RolloutOptions` / `MultiTurnOptions` (rollout/options.py) from `args`.
+The episode reads the typed options of its `RolloutRun` (rollout/run.py: `play_episode(run, ...)`, which the default
+driver calls); slime's `generate(args, ...)` builds that run from `args` first. `args` reaches user code only:
+the env module's `build_env(sample, args)`.
 The reward is the env's verdict by default; `--rm-type` grades the model's own turns instead (rollout/rewards.py);
 with `--custom-rm-path` the episode leaves it unset and the driver scores it (rollout/driver.py).
 """
@@ -46,16 +48,16 @@ import time
 import traceback
 import uuid
 from dataclasses import dataclass, field
-from types import ModuleType
 from typing import Any, Callable
 
 import numpy as np
 
-from rollout.client import EngineError, SGLangClient
-from rollout.encoding import ChatEncoder, check_prefix_stability
+from rollout.client import EngineError
+from rollout.encoding import check_prefix_stability
 from rollout.engine_link import EngineLost
 from rollout.options import MultiTurnOptions, RolloutOptions
 from rollout.rewards import RewardError, RewardSettings, reward_components, rm_function, scalar_reward
+from rollout.run import RolloutContext, RolloutRun, get_context  # noqa: F401  (re-exported: get_context lived here)
 from rollout.sample import (
     FINISH_REASON_STATUS,
     Sample,
@@ -89,42 +91,6 @@ class EnvHookTimeout(Exception):
 
 
 @dataclass
-class RolloutContext:
-    """What every episode of a rollout shares. Created by the driver, reachable from `args.rollout_context`.
-
-    `generate_slots` bounds concurrent `/generate` requests (not env time: a slow env must not hold a slot).
-    `suspended` keeps the live state of partially rolled-out episodes between rollout steps.
-    """
-
-    client: SGLangClient
-    encoder: ChatEncoder
-    env_module: ModuleType | None
-    generate_slots: asyncio.Semaphore
-    router_mode: bool = False
-    suspended: dict[tuple[int, int], "EpisodeState"] = field(default_factory=dict)
-    # Set by the driver while it aborts stragglers: episodes stop before their next /generate.
-    aborting: bool = False
-
-    @property
-    def reward_fn(self) -> Callable[[str, Any], float] | None:
-        return getattr(self.env_module, "reward_fn", None) if self.env_module is not None else None
-
-
-def get_context(args: Any) -> RolloutContext:
-    """The rollout context on `args`, its encoder set up from `args` (the driver and every episode come through
-    here): `--apply-chat-template-kwargs` when `args` carries it (a namespace without it leaves the encoder's own),
-    and the chat template classified, which logs once."""
-    ctx = getattr(args, "rollout_context", None)
-    if not isinstance(ctx, RolloutContext):
-        raise EpisodeError("args.rollout_context is not set: episodes run inside rollout.driver, which creates it")
-    if isinstance(ctx.encoder, ChatEncoder):  # an offline context (restoring driver state) has none
-        if hasattr(args, "apply_chat_template_kwargs"):
-            ctx.encoder.set_template_kwargs(MultiTurnOptions.from_args(args).apply_chat_template_kwargs)
-        ctx.encoder.classify_template()
-    return ctx
-
-
-@dataclass
 class EpisodeState:
     """Live state of one episode beyond what the Sample holds (survives a partial-rollout suspension)."""
 
@@ -144,11 +110,11 @@ def default_sampling_params(args: Any, banned_ids: tuple[int, ...], eos_ids: tup
     """The `sampling_params` a generate function receives (slime builds the same dict once from its rollout
     flags); each turn then sets its own `max_new_tokens` and `sampling_seed`.
 
-    `args` is the flat namespace or a `RolloutOptions`; missing options take their defaults. Beyond slime's
-    keys it carries what the default episode needs: the model's EOS ids among the stop ids, and the ban of the
-    vision special tokens.
+    `args` is a `RolloutOptions` (the default path) or a flat namespace, whose missing options take their
+    defaults. Beyond slime's keys it carries what the default episode needs: the model's EOS ids among the stop
+    ids, and the ban of the vision special tokens.
     """
-    opts = RolloutOptions.from_args(args)
+    opts = args if isinstance(args, RolloutOptions) else RolloutOptions.from_args(args)
     stop_ids = list(dict.fromkeys([*eos_ids, *opts.rollout_stop_token_ids]))
     params: dict[str, Any] = {
         "temperature": opts.rollout_temperature,
@@ -312,9 +278,12 @@ async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any] | 
     `sampling_params` is the dict the driver builds from the rollout options (`default_sampling_params`); it is
     used as given (None, from a direct call, builds the same dict here).
     """
-    ctx = get_context(args)
-    opts, multiturn = RolloutOptions.from_args(args), MultiTurnOptions.from_args(args)
-    rewards = RewardSettings.from_args(args)
+    return await play_episode(RolloutRun.from_args(args), sample, sampling_params)
+
+
+async def play_episode(run: RolloutRun, sample: Sample, sampling_params: dict[str, Any] | None = None) -> Sample:
+    """`generate` on a typed run (what the default driver calls): the same episode, read from `run`."""
+    ctx, opts, multiturn, rewards = run.context, run.options, run.multiturn, run.rewards
     deadline = _Deadline.after(opts.episode_timeout)
     key = (sample.group_index, sample.index)
     state: EpisodeState | None = None
@@ -322,10 +291,10 @@ async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any] | 
         state = ctx.suspended.pop(key, None)
         fresh = state is None
         if state is None:
-            state = await _init_episode(ctx, args, sample, multiturn)
+            state = await _init_episode(ctx, run.args, sample, multiturn)
         state.hook_timeout_s = multiturn.env_hook_timeout
-        run = _EpisodeRun.start(ctx, opts, multiturn, sample, state, sampling_params)
-        await asyncio.wait_for(run.run(reset=fresh), deadline.remaining())
+        episode = _EpisodeRun.start(ctx, opts, multiturn, sample, state, sampling_params)
+        await asyncio.wait_for(episode.run(reset=fresh), deadline.remaining())
     except asyncio.TimeoutError:
         _end_episode(sample, Termination(TerminationKind.EPISODE_TIMEOUT), error=deadline.error("in its turns"))
     except EnvHookTimeout as e:

@@ -54,7 +54,6 @@ from rollout.driver import (
     PromptTaker,
     RolloutResult,
     StepHooks,
-    driver_state,
     end_of_step_hooks,
     keep_group,
     log_step_problems,
@@ -63,9 +62,8 @@ from rollout.driver import (
     run_group,
 )
 from rollout.loading import load_function
-from rollout.multiturn import default_sampling_params, get_context
-from rollout.options import RolloutOptions
-from rollout.rewards import RewardSettings
+from rollout.multiturn import default_sampling_params
+from rollout.run import RolloutRun
 from rollout.sample import Sample
 
 logger = logging.getLogger(__name__)
@@ -123,20 +121,21 @@ class GroupStream:
     at a start or resume). `too_stale(samples)` is the job's verdict on a group (its samples with tokens).
     """
 
-    def __init__(self, args: Any, data_source: PromptSource, *, engine_version: int, batches_taken: int,
+    def __init__(self, run: RolloutRun | Any, data_source: PromptSource, *, engine_version: int, batches_taken: int,
                  too_stale: Callable[[Sequence[Sample]], bool]):
-        self.args = args
-        self.ctx = get_context(args)
-        self.opts = RolloutOptions.from_args(args)
+        # A slime namespace (the job's `args`) is read once into its run.
+        self.run = run if isinstance(run, RolloutRun) else RolloutRun.from_args(run)
+        self.args = self.run.args  # for user code only (slime's hooks)
+        self.ctx = self.run.context
+        self.opts = self.run.options
         if self.opts.max_staleness < 1:
             raise ValueError(f"GroupStream needs --max-staleness >= 1, got {self.opts.max_staleness}")
         self.source = data_source
-        self.state = driver_state(args)
+        self.state = self.run.state
         self.generate_fn = load_function(self.opts.custom_generate_function_path, "--custom-generate-function-path")
         self.hooks = StepHooks.load(self.opts)
         vision = self.ctx.encoder.vision
         self.sampling_params = default_sampling_params(self.opts, vision.banned_ids, vision.eos_ids)
-        self.reward_key = RewardSettings.from_args(args).reward_key
         self.groups_per_step = self.opts.rollout_batch_size
         self.engine_version = engine_version
         self.batches_taken = batches_taken
@@ -277,9 +276,8 @@ class GroupStream:
                 else:
                     group_index, prompt = self.prompts.take()
                 group = _Running(group_index, prompt, make_group(prompt, group_index, self.opts.n_samples_per_prompt))
-            group.task = asyncio.ensure_future(run_group(self.generate_fn, self.args, group.samples,
-                                                         self.sampling_params, self.reward_key, self.hooks,
-                                                         prompt=group.prompt))
+            group.task = asyncio.ensure_future(run_group(self.run, self.generate_fn, group.samples,
+                                                         self.sampling_params, self.hooks, prompt=group.prompt))
             self.running.append(group)
             self._account_busy()
             self._submitted_since_take += 1

@@ -1,8 +1,9 @@
 """Evaluation: every eval set (`--eval-prompt-data`) through the run's own rollout function and environment, on
 the engine's current weights, with the eval sampling settings. It never reaches training.
 
-One eval round = for each set, one call of the `--rollout-function-path` function on a copy of the run's `args`
-in which
+One eval round = for each set, one call of the `--rollout-function-path` function on the run's `RolloutRun` with
+its typed options replaced (`eval_run`: `dataclasses.replace`; a custom rollout function gets the derived run's
+slime namespace, `eval_namespace`), in which
 
 * the sampling settings are the eval ones (`--eval-temperature`, `--eval-top-p`, `--eval-top-k`,
   `--eval-max-response-len`, each falling back to the rollout's), and the group size is
@@ -36,7 +37,6 @@ the evaluated weights sample (run_log.read_metrics), and dumps every sample to
 from __future__ import annotations
 
 import asyncio
-import copy
 import dataclasses
 import hashlib
 import logging
@@ -59,11 +59,12 @@ from jaxrl_vlm.job.session import rollout_session
 from jaxrl_vlm.job.trainer import Trainer
 from jaxrl_vlm.weight_sync import export_version
 from rollout.client import EngineError
-from rollout.driver import DriverState, RolloutResult
+from rollout.driver import DriverState, RolloutResult, generate_rollout, rollout_step
 from rollout.dump import dump_samples
 from rollout.loading import load_function
 from rollout.metrics import rollout_metrics
-from rollout.multiturn import get_context
+from rollout.options import RolloutOptions
+from rollout.run import RolloutRun
 from rollout.sample import Sample
 
 logger = logging.getLogger(__name__)
@@ -114,25 +115,27 @@ def eval_sampling(cfg: Config) -> dict[str, Any]:
     }
 
 
+def eval_options(options: RolloutOptions, cfg: Config, eval_set: EvalSet) -> RolloutOptions:
+    """The run's rollout options for one eval set (module docstring): eval sampling, one group per prompt of the
+    set, no filter, over-sampling, partial rollout or training-only hook, and the set's eval seed."""
+    return dataclasses.replace(
+        options, **eval_sampling(cfg), rollout_batch_size=len(eval_set),
+        n_samples_per_prompt=cfg.eval.n_samples_per_eval_prompt, over_sampling_batch_size=None, dynamic_filter=None,
+        partial_rollout=False, mask_offpolicy_in_partial_rollout=False,
+        rollout_seed=eval_seed(cfg.rollout.rollout_seed, eval_set.name), **dict.fromkeys(TRAINING_ONLY_HOOKS))
+
+
+def eval_run(run: RolloutRun, cfg: Config, eval_set: EvalSet) -> RolloutRun:
+    """The run of one eval set: its options (`eval_options`), a fresh driver state, and a copy of the rollout
+    context with its own suspended-episode table (the same client, encoder and generate slots). The training run's
+    state is neither read nor advanced."""
+    return run.derive(options=eval_options(run.options, cfg, eval_set), state=DriverState(),
+                      context=dataclasses.replace(run.context, suspended={}, aborting=False))
+
+
 def eval_namespace(args: Any, cfg: Config, eval_set: EvalSet) -> Any:
-    """A copy of the run's `args` for one eval set (module docstring): eval sampling, one group per prompt, no
-    filter, no partial rollout, a fresh driver state, its own suspended-episode table and the eval seed."""
-    ctx = get_context(args)
-    eval_args = copy.copy(args)
-    for key, value in eval_sampling(cfg).items():
-        setattr(eval_args, key, value)
-    eval_args.rollout_batch_size = len(eval_set)
-    eval_args.n_samples_per_prompt = cfg.eval.n_samples_per_eval_prompt
-    eval_args.over_sampling_batch_size = None
-    eval_args.dynamic_filter = None
-    for hook in TRAINING_ONLY_HOOKS:
-        setattr(eval_args, hook, None)
-    eval_args.partial_rollout = False
-    eval_args.mask_offpolicy_in_partial_rollout = False
-    eval_args.rollout_seed = eval_seed(cfg.rollout.rollout_seed, eval_set.name)
-    eval_args.driver_state = DriverState()
-    eval_args.rollout_context = dataclasses.replace(ctx, suspended={}, aborting=False)
-    return eval_args
+    """The slime namespace of `eval_run` for the run `args` describes: what a custom rollout function receives."""
+    return eval_run(RolloutRun.from_args(args), cfg, eval_set).args
 
 
 class EvalPrompts:
@@ -229,14 +232,19 @@ class Evaluator:
         samples (scored and FAILED) go to `dump_dir/<name>/step_<step>.jsonl`. `flush_engine=False` leaves the
         prefix cache (asynchronous training generates meanwhile, so the engine is never idle to flush, and its
         training does not replay a run without eval anyway)."""
-        ctx = get_context(args)
+        run = RolloutRun.from_args(args)
+        ctx = run.context
         saved = random.getstate(), np.random.get_state()
         metrics: dict[str, float] = {}
         try:
             for eval_set in self.sets:
                 t0 = time.perf_counter()
-                eval_args = eval_namespace(args, self.cfg, eval_set)
-                result = first_pass(await self.rollout_fn(eval_args, step, EvalPrompts(eval_set)))
+                one = eval_run(run, self.cfg, eval_set)
+                if self.rollout_fn is generate_rollout:  # the default driver takes the typed run as it is
+                    result = await rollout_step(one, step, EvalPrompts(eval_set))
+                else:  # user code: slime's signature and names
+                    result = await self.rollout_fn(one.args, step, EvalPrompts(eval_set))
+                result = first_pass(result)
                 metrics.update(eval_set_metrics(eval_set.name, result, num_prompts=len(eval_set),
                                                 n_per_prompt=self.cfg.eval.n_samples_per_eval_prompt,
                                                 passrate=self.passrate))

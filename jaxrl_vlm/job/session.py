@@ -22,9 +22,9 @@ from rollout.client import RetryPolicy, SGLangClient
 from rollout.driver import close_suspended
 from rollout.encoding import ChatEncoder
 from rollout.loading import load_module
-from rollout.multiturn import RolloutContext
 from rollout.options import total_generate_concurrency
 from rollout.processing import load_image_processor, load_tokenizer
+from rollout.run import RolloutContext
 from rollout.vllm_client import VLLMClient, client_class, detect_engine_api
 
 logger = logging.getLogger(__name__)

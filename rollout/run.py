@@ -1,0 +1,340 @@
+"""One rollout run, typed: options, runtime services and the driver's cross-step state, passed explicitly.
+
+The default rollout path (`rollout.driver` -> `rollout.streaming` -> the episode loop of `rollout.multiturn`)
+receives a `RolloutRun` and reads its typed fields; it never re-reads slime's flat `args`. `RolloutRun.from_args`
+is the one place that turns a slime namespace into a run (slime's public entry points, `generate_rollout(args, ...)`
+and `generate(args, sample, sampling_params)`, start there). The namespace travels on as `RolloutRun.args` only
+for user code (slime's hooks, custom generate functions, envs), which keeps slime's names; a derived run (eval's
+sampling, `RolloutRun.derive`) gets its own namespace written from its typed options.
+
+Also here, below the driver and the episode loop that both use them: `RolloutContext` (client, encoder, env module,
+generate slots, router mode, suspended episodes) and `DriverState` with its checkpoint form.
+
+Never imports jax.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import dataclasses
+import json
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any, Callable
+
+from rollout.client import SGLangClient
+from rollout.encoding import ChatEncoder
+from rollout.options import MultiTurnOptions, RolloutOptions
+from rollout.rewards import RewardSettings
+from rollout.sample import Sample, Status
+
+logger = logging.getLogger(__name__)
+
+
+class ContextError(RuntimeError):
+    """A run without its rollout context (it is created by the job's engine session)."""
+
+
+@dataclass
+class RolloutContext:
+    """What every episode of a rollout shares. Created by the job's engine session; the
+    default path reads it from `RolloutRun.context`, user code from `args.rollout_context`.
+
+    `generate_slots` bounds concurrent `/generate` requests (not env time: a slow env must not hold a slot).
+    `suspended` keeps the live state of partially rolled-out episodes between rollout steps.
+    """
+
+    client: SGLangClient
+    encoder: ChatEncoder
+    env_module: ModuleType | None
+    generate_slots: asyncio.Semaphore
+    router_mode: bool = False
+    suspended: dict[tuple[int, int], Any] = field(default_factory=dict)  # rollout.multiturn.EpisodeState values
+    # Set by the driver while it aborts stragglers: episodes stop before their next /generate.
+    aborting: bool = False
+
+    @property
+    def reward_fn(self) -> Callable[[str, Any], float] | None:
+        return getattr(self.env_module, "reward_fn", None) if self.env_module is not None else None
+
+
+def get_context(args: Any) -> RolloutContext:
+    """The rollout context on `args`, its encoder set up from `args` (the driver and every episode come through
+    here): `--apply-chat-template-kwargs` when `args` carries it (a namespace without it leaves the encoder's own),
+    and the chat template classified, which logs once."""
+    multiturn = MultiTurnOptions.from_args(args) if hasattr(args, "apply_chat_template_kwargs") else None
+    return _prepared_context(args, multiturn)
+
+
+def _prepared_context(args: Any, multiturn: MultiTurnOptions | None) -> RolloutContext:
+    """`args.rollout_context` with its encoder set up: `multiturn`'s chat-template kwargs (None keeps the
+    encoder's own) and the chat template classified, which logs once."""
+    ctx = getattr(args, "rollout_context", None)
+    if not isinstance(ctx, RolloutContext):
+        raise ContextError("args.rollout_context is not set: episodes run inside rollout.driver, which creates it")
+    if isinstance(ctx.encoder, ChatEncoder):  # an offline context (restoring driver state) has none
+        if multiturn is not None:
+            ctx.encoder.set_template_kwargs(multiturn.apply_chat_template_kwargs)
+        ctx.encoder.classify_template()
+    return ctx
+
+
+# ----------------------------------------------------------------------------- driver state
+# A resumed group may hold episodes that already finished in an earlier step: they pass through unchanged.
+RUNNABLE = (Status.PENDING, Status.ABORTED)
+# Version of the dict written by `driver_checkpoint_state`. Version 2 added `next_group_index`; version 1 (which
+# kept it beside the driver state) is still read when the caller passes the index. Version 3 added
+# `filtered_long_prompts` (older states read as 0).
+DRIVER_STATE_VERSION = 3
+_READABLE_VERSIONS = (1, 2, 3)
+
+
+class DriverStateError(ValueError):
+    """A checkpointed driver state that cannot be restored; the message names the entry that is wrong."""
+
+
+@dataclass
+class CarriedGroup:
+    """A group suspended by partial rollout, resumed first in the next step.
+
+    `prompt` is the pristine prompt Sample the group was made from: the resume policy restarts the group's
+    unfinished episodes from it, because their live envs cannot be checkpointed (module docstring).
+    """
+
+    group_index: int
+    prompt: Sample
+    samples: list[Sample]
+
+
+@dataclass
+class DriverState:
+    """What the driver carries from one rollout step to the next (`args.driver_state`).
+
+    `next_group_index` numbers groups globally (per-request sampling seeds derive from it); `prompt_buffer` holds
+    prompts fetched from the source but not used yet; `partial_groups` are the groups suspended by partial
+    rollout, resumed first in the next step; `filtered_long_prompts` counts the prompts skipped over the run for
+    `--rollout-max-prompt-len`.
+    """
+
+    next_group_index: int = 0
+    prompt_buffer: list[Sample] = field(default_factory=list)
+    partial_groups: list[CarriedGroup] = field(default_factory=list)
+    filtered_long_prompts: int = 0
+
+    def held(self) -> dict[str, int]:
+        """What a used state holds (empty for a fresh one)."""
+        held = {"next_group_index": self.next_group_index, "partial_groups": len(self.partial_groups),
+                "prompt_buffer": len(self.prompt_buffer), "filtered_long_prompts": self.filtered_long_prompts}
+        return {k: v for k, v in held.items() if v}
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON-serializable checkpoint form (it only reads: the run goes on with its live episodes)."""
+        buffer = [_sample_json(s, f"prompt_buffer[{i}]") for i, s in enumerate(self.prompt_buffer)]
+        groups = []
+        for k, carried in enumerate(self.partial_groups):
+            where = f"partial_groups[{k}] (group {carried.group_index})"
+            groups.append({
+                "group_index": int(carried.group_index),
+                "prompt": _sample_json(carried.prompt, f"{where} prompt"),
+                "finished": [_sample_json(s, f"{where} sample {s.index}")
+                             for s in carried.samples if s.status not in RUNNABLE],
+                # Unfinished episodes are restarted on resume: only their indices are needed.
+                "restart": sorted(int(s.index) for s in carried.samples if s.status in RUNNABLE),
+            })
+        return {"version": DRIVER_STATE_VERSION, "next_group_index": int(self.next_group_index),
+                "prompt_buffer": buffer, "partial_groups": groups,
+                "filtered_long_prompts": int(self.filtered_long_prompts)}
+
+    @classmethod
+    def from_dict(cls, data: Any, *, next_group_index: int | None = None) -> "DriverState":
+        """Rebuild a `to_dict` state under the resume policy (module docstring). A version-1 dict has no group
+        counter: pass the one saved beside it as `next_group_index`. Raises DriverStateError naming the entry."""
+        version = _version(data)
+        expected = {"version", "prompt_buffer", "partial_groups"} | ({"next_group_index"} if version >= 2 else set())
+        expected |= {"filtered_long_prompts"} if version >= 3 else set()
+        _check_keys(data, expected, "driver state")
+        filtered = _index(data["filtered_long_prompts"], "driver state.filtered_long_prompts") if version >= 3 else 0
+        if version >= 2:
+            counter = _index(data["next_group_index"], "driver state.next_group_index")
+            if next_group_index is not None and next_group_index != counter:
+                raise DriverStateError(f"driver state has next_group_index {counter} but {next_group_index} was "
+                                       "passed beside it")
+        elif next_group_index is None:
+            raise DriverStateError("a version 1 driver state has no next_group_index: pass the one saved beside it")
+        else:
+            counter = _index(next_group_index, "next_group_index")
+        buffer = [_sample_from(d, f"prompt_buffer[{i}]")
+                  for i, d in enumerate(_list(data, "prompt_buffer", "driver state"))]
+        groups = [_carried_from(d, f"partial_groups[{k}]")
+                  for k, d in enumerate(_list(data, "partial_groups", "driver state"))]
+        seen = Counter(g.group_index for g in groups)
+        repeated = sorted(g for g, count in seen.items() if count > 1)
+        if repeated:
+            raise DriverStateError(f"driver state carries group indices {repeated} more than once")
+        late = [g.group_index for g in groups if g.group_index >= counter]
+        if late:
+            raise DriverStateError(
+                f"driver state carries groups {late} but its next_group_index is {counter}: the driver state and "
+                "the group counter come from different checkpoints"
+            )
+        return cls(next_group_index=counter, prompt_buffer=buffer, partial_groups=groups,
+                   filtered_long_prompts=filtered)
+
+
+def driver_state(args: Any) -> DriverState:
+    """The driver state of a run, created fresh on first use."""
+    state = getattr(args, "driver_state", None)
+    if state is None:
+        state = DriverState()
+        args.driver_state = state
+    elif not isinstance(state, DriverState):
+        raise TypeError(f"args.driver_state is {type(state).__name__}, not a DriverState")
+    return state
+
+
+def episode_copy(prompt: Sample, group_index: int, index: int) -> Sample:
+    """A fresh episode of `prompt`: also how a restored group restarts an episode, so both start identically."""
+    s = copy.deepcopy(prompt)
+    s.group_index = group_index
+    s.index = index
+    s.metadata["prompt_index"] = prompt.index
+    return s
+
+
+def _version(state: Any) -> int:
+    if not isinstance(state, dict):
+        raise DriverStateError(f"driver state must be a dict, got {type(state).__name__}")
+    if "version" not in state:
+        raise DriverStateError(f"driver state has no 'version' (keys: {sorted(state)})")
+    if state["version"] not in _READABLE_VERSIONS:
+        raise DriverStateError(
+            f"driver state version {state['version']!r} is not supported "
+            f"(this driver reads versions {', '.join(map(str, _READABLE_VERSIONS))})"
+        )
+    return int(state["version"])
+
+
+def _sample_json(sample: Sample, where: str) -> dict[str, Any]:
+    data = sample.to_dict()
+    try:
+        json.dumps(data)
+    except (TypeError, ValueError) as e:  # e.g. a PIL image left in a custom source's prompt
+        raise TypeError(f"driver_checkpoint_state: {where} ({sample.name}) is not JSON-serializable: {e}") from e
+    return data
+
+
+def _carried_from(data: Any, where: str) -> CarriedGroup:
+    """Rebuild a carried group under the resume policy: finished episodes as saved, the others restarted."""
+    if not isinstance(data, dict):
+        raise DriverStateError(f"{where} must be a dict, got {type(data).__name__}")
+    _check_keys(data, {"group_index", "prompt", "finished", "restart"}, where)
+    group_index = _index(data["group_index"], f"{where}.group_index")
+    where = f"{where} (group {group_index})"
+    prompt = _sample_from(data["prompt"], f"{where}.prompt")
+    finished = [_sample_from(d, f"{where}.finished[{i}]") for i, d in enumerate(_list(data, "finished", where))]
+    restart = [_index(i, f"{where}.restart[{j}]") for j, i in enumerate(_list(data, "restart", where))]
+    for s in finished:
+        if s.group_index != group_index:
+            raise DriverStateError(f"{where}: finished {s.name} belongs to group {s.group_index}")
+        if s.status in RUNNABLE:
+            raise DriverStateError(f"{where}: finished {s.name} has status {s.status.value}, which is not finished")
+    indices = Counter([s.index for s in finished] + restart)
+    repeated = sorted(i for i, count in indices.items() if count > 1)
+    if repeated:
+        raise DriverStateError(f"{where}: sample indices {repeated} appear more than once in finished/restart")
+    if not indices:
+        raise DriverStateError(f"{where}: the group has no samples (finished and restart are both empty)")
+    samples = finished + [_restarted(prompt, group_index, i) for i in restart]
+    return CarriedGroup(group_index, prompt, sorted(samples, key=lambda s: s.index))
+
+
+def _restarted(prompt: Sample, group_index: int, index: int) -> Sample:
+    sample = episode_copy(prompt, group_index, index)
+    sample.metadata["restarted_on_resume"] = True  # its pre-checkpoint tokens were lost (module docstring)
+    return sample
+
+
+def _sample_from(data: Any, where: str) -> Sample:
+    if not isinstance(data, dict):
+        raise DriverStateError(f"{where} must be a Sample dict, got {type(data).__name__}")
+    try:
+        sample = Sample.from_dict(data)
+        sample.validate()
+        return sample
+    except (TypeError, ValueError, KeyError) as e:  # SampleError is a ValueError
+        raise DriverStateError(f"{where} is not a valid Sample dict: {type(e).__name__}: {e}") from e
+
+
+def _list(data: dict[str, Any], key: str, where: str) -> list[Any]:
+    value = data[key]
+    if not isinstance(value, list):
+        raise DriverStateError(f"{where}.{key} must be a list, got {type(value).__name__}")
+    return value
+
+
+def _index(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise DriverStateError(f"{where} must be a non-negative int, got {value!r}")
+    return value
+
+
+def _check_keys(data: dict[str, Any], expected: set[str], where: str) -> None:
+    missing, unknown = expected - set(data), set(data) - expected
+    if missing or unknown:
+        raise DriverStateError(f"{where}: missing keys {sorted(missing)}, unknown keys {sorted(unknown)}")
+
+
+def restored_state(state: dict[str, Any] | None, next_group_index: int | None) -> DriverState:
+    """The driver state a checkpoint saved (`DriverState.to_dict`); with `state=None` (an older checkpoint without
+    one) only the group counter `next_group_index`, with a warning. Raises DriverStateError naming the entry."""
+    if state is not None:
+        return DriverState.from_dict(state, next_group_index=next_group_index)
+    if next_group_index is None:
+        raise DriverStateError("restore_driver_state: neither a driver state nor a next_group_index to restore")
+    logger.warning("the checkpoint has no rollout driver state (an older checkpoint): buffered prompts and "
+                   "carried partial groups of the interrupted run are not restored")
+    return DriverState(next_group_index=_index(next_group_index, "next_group_index"))
+
+
+# ----------------------------------------------------------------------------- the run
+@dataclass
+class RolloutRun:
+    """What one rollout run reads: typed options (`options`, `multiturn`, `rewards`), the runtime services
+    (`context`: client, encoder, env module, generate slots, router mode) and the driver's cross-step `state`.
+
+    `args` is slime's flat namespace saying the same under slime's names: it is handed only to user code.
+    """
+
+    options: RolloutOptions
+    multiturn: MultiTurnOptions
+    rewards: RewardSettings
+    context: RolloutContext
+    state: DriverState
+    args: Any
+
+    @classmethod
+    def from_args(cls, args: Any) -> "RolloutRun":
+        """The run a slime namespace describes: its options read once, its context (encoder set up, see
+        `get_context`) and its driver state (created on first use)."""
+        multiturn = MultiTurnOptions.from_args(args)
+        # A namespace without the chat-template kwargs leaves the encoder's own (as `get_context` does).
+        context = _prepared_context(args, multiturn if hasattr(args, "apply_chat_template_kwargs") else None)
+        return cls(options=RolloutOptions.from_args(args), multiturn=multiturn, rewards=RewardSettings.from_args(args),
+                   context=context, state=driver_state(args), args=args)
+
+    def derive(self, **changes: Any) -> "RolloutRun":
+        """This run with some fields replaced (`dataclasses.replace`), and a copy of its namespace that says the
+        same to user code: every typed option under its slime name, its context and its driver state."""
+        run = dataclasses.replace(self, **changes)
+        args = copy.copy(self.args)
+        # RewardSettings repeats custom_rm_path: the rollout options (written last) are the source of truth.
+        for options in (run.rewards, run.multiturn, run.options):
+            for f in dataclasses.fields(options):
+                setattr(args, f.name, getattr(options, f.name))
+        args.rollout_context = run.context
+        args.driver_state = run.state
+        run.args = args
+        return run
