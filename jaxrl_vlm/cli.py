@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import sys
 import types
 import typing
+from pathlib import Path
 
 from jaxrl_vlm.config import Config, ConfigError, describe_options, is_sft, load_config
 from jaxrl_vlm.engine.options import DTYPES, EngineOptions
@@ -88,8 +90,6 @@ def _cmd_eval(ns: argparse.Namespace, rest: list[str]) -> int:
     cfg = load_config(config_path, overrides)
     _no_sft(cfg, "jaxrl-vlm eval")
     import asyncio
-    import json
-    from pathlib import Path
 
     from jaxrl_vlm.job.eval import evaluate_weights
 
@@ -162,24 +162,16 @@ def _cmd_untie_embeddings(ns: argparse.Namespace, rest: list[str]) -> int:
     """Copy a checkpoint with an explicit LM head: what a vLLM server must start from to take weight syncs."""
     if rest:
         raise ConfigError(f"untie-embeddings: unexpected arguments {rest}")
-    import json
+    import jax.numpy as jnp  # jax and the model code only for this command (CLI start-up stays light)
 
     from jaxrl_vlm.models.hf_io import from_hf, to_hf
 
-    from pathlib import Path
-
     src = Path(ns.src)
-    dtype = json.loads((src / "config.json").read_text()).get("dtype") or "bfloat16"
-    model = from_hf(src, param_dtype=jnp_dtype(dtype))
-    out = to_hf(model, ns.out, dtype=jnp_dtype(dtype), copy_from=src, untie_embeddings=True)
+    config = json.loads((src / "config.json").read_text())
+    dtype = jnp.dtype(config.get("dtype") or config.get("torch_dtype") or "bfloat16")  # the checkpoint's own
+    out = to_hf(from_hf(src, param_dtype=dtype), ns.out, dtype=dtype, copy_from=src, untie_embeddings=True)
     print(f"wrote {out} ({dtype}): tie_word_embeddings false, explicit lm_head.weight")
     return 0
-
-
-def jnp_dtype(name: str):  # noqa: ANN201 (jax is imported only here)
-    import jax.numpy as jnp
-
-    return jnp.dtype({"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[name])
 
 
 def _cmd_make_tiny(ns: argparse.Namespace, rest: list[str]) -> int:
@@ -202,8 +194,6 @@ def _cmd_dump_shardings(ns: argparse.Namespace, rest: list[str]) -> int:
         raise ConfigError(f"dump-shardings: unexpected arguments {rest}")
     if ns.out and len(ns.mesh_config) != 1:
         raise ConfigError("dump-shardings: --out takes one --mesh-config; use --out-dir for several")
-    from pathlib import Path
-
     from jaxrl_vlm.sharding.goldens import dump_shardings, format_dump
 
     if ns.hf_checkpoint:

@@ -66,7 +66,6 @@ def tiny32_untied(tiny32: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
 def start_server(model_dir: Path, log: Path):
     """A vLLM server on `model_dir` started by the project's launcher (what --launch-vllm runs), and its client."""
     from jaxrl_vlm.vllm_launcher import VLLMProcess
-    from rollout.vllm_client import VLLMClient
 
     server = VLLMProcess(str(vllm_python()), str(model_dir), extra_args=list(SERVER_ARGS), log_path=log)
     url = server.start()
