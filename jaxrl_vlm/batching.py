@@ -29,13 +29,13 @@ import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from jaxrl_vlm.models.config import ModelConfig
 from jaxrl_vlm.models.rope import get_rope_index_packed
-from jaxrl_vlm.models.vision import VisionInputs, WindowedVisionInputs, build_vision_inputs
+from jaxrl_vlm.models.vision import build_vision_inputs
 from jaxrl_vlm.rl.aggregation import aggregation_weights
 from rollout.sample import Sample
 
@@ -75,7 +75,7 @@ class TrainArrays(NamedTuple):
     advantages: np.ndarray
     token_weights: np.ndarray
     sequence_ids: np.ndarray
-    vision: VisionInputs | WindowedVisionInputs | None
+    vision: Any  # the family's vision inputs (models/vision.py: VisionInputs, WindowedVisionInputs, ...) or None
 
 
 class Placement(NamedTuple):

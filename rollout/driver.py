@@ -397,6 +397,15 @@ async def generate_rollout(args: Any, rollout_id: int, data_source: PromptSource
     return await rollout_step(RolloutRun.from_args(args), rollout_id, data_source)
 
 
+async def call_rollout_function(rollout_fn: Callable, run: RolloutRun, rollout_id: int,
+                                data_source: PromptSource) -> RolloutResult:
+    """One rollout step of `run` by `--rollout-function-path`: the default driver takes the typed run as it is;
+    user code is called as slime calls it, `fn(args, rollout_id, data_source)`, with the run's namespace."""
+    if rollout_fn is generate_rollout:
+        return await rollout_step(run, rollout_id, data_source)
+    return await rollout_fn(run.args, rollout_id, data_source)
+
+
 async def rollout_step(run: RolloutRun, rollout_id: int, data_source: PromptSource) -> RolloutResult:
     """Produce `rollout_batch_size` groups for one training step (fewer only if over-sampling is exhausted)."""
     t0 = time.perf_counter()

@@ -308,7 +308,7 @@ async def play_episode(run: RolloutRun, sample: Sample, sampling_params: dict[st
         if sample.status is Status.ABORTED and opts.partial_rollout:
             ctx.suspended[key] = state
         else:
-            await _finalize(ctx, multiturn, rewards, sample, state, deadline)
+            await _finalize(ctx, opts, multiturn, rewards, sample, state, deadline)
     return sample
 
 
@@ -608,8 +608,8 @@ def _json_friendly(info: dict) -> dict:
     return {str(k): (v if isinstance(v, (str, int, float, bool, type(None))) else repr(v)) for k, v in info.items()}
 
 
-async def _finalize(ctx: RolloutContext, multiturn: MultiTurnOptions, rewards: RewardSettings, sample: Sample,
-                    state: EpisodeState, deadline: _Deadline | None = None) -> None:
+async def _finalize(ctx: RolloutContext, opts: RolloutOptions, multiturn: MultiTurnOptions, rewards: RewardSettings,
+                    sample: Sample, state: EpisodeState, deadline: _Deadline | None = None) -> None:
     """Merge multimodal tensors once, check the template, compute the reward, close the env.
 
     The reward runs within what is left of the episode's `deadline` (and each env hook within its own limit);
@@ -628,7 +628,7 @@ async def _finalize(ctx: RolloutContext, multiturn: MultiTurnOptions, rewards: R
             sample.metadata["prefix_stable"] = check_prefix_stability(
                 ctx.encoder, state.wire_ids, rendered, multiturn.delta_check, sample.name
             )
-            assign = _assign_reward(ctx, multiturn, rewards, sample, state, model_texts)
+            assign = _assign_reward(ctx, opts, multiturn, rewards, sample, state, model_texts)
             if deadline is None:
                 await assign
             else:
@@ -657,8 +657,8 @@ async def _finalize(ctx: RolloutContext, multiturn: MultiTurnOptions, rewards: R
             sample.metadata.setdefault("errors", []).append(f"env.close: {type(e).__name__}: {e}")
 
 
-async def _assign_reward(ctx: RolloutContext, multiturn: MultiTurnOptions, rewards: RewardSettings, sample: Sample,
-                         state: EpisodeState, model_texts: list[str]) -> None:
+async def _assign_reward(ctx: RolloutContext, opts: RolloutOptions, multiturn: MultiTurnOptions,
+                         rewards: RewardSettings, sample: Sample, state: EpisodeState, model_texts: list[str]) -> None:
     """The reward: `--rm-type`'s function when set, else the env's verdict, else the module's reward_fn.
 
     Reward functions see the model's own text only (all its turns, never an observation); a mapping reward is
@@ -667,7 +667,7 @@ async def _assign_reward(ctx: RolloutContext, multiturn: MultiTurnOptions, rewar
     With `--custom-rm-path` the reward stays unset: the driver scores the finished episode (or its group) with it,
     as slime's `generate_and_rm` does.
     """
-    if rewards.custom_rm_path is not None:
+    if opts.custom_rm_path is not None:
         return
     model_text = "\n".join(model_texts)
     hook_timeout = multiturn.env_hook_timeout

@@ -8,8 +8,8 @@
   mapping without `--reward-key`, a missing key, a value that is not a number, or a non-finite one is a
   `RewardError` naming the key and the available keys; the episode then FAILs with cause `reward_error`.
 
-Both options are declared in the run config's algo section; rollout code reads them from the flat `args` with
-`RewardSettings.from_args`. This module never imports jax.
+Both options are declared in the run config's algo section; the rollout run (`rollout.run.RolloutRun.rewards`)
+reads them once, from the typed config or (slime's entry points) from the flat `args`. This module never imports jax.
 """
 
 from __future__ import annotations
@@ -33,12 +33,11 @@ class RewardError(ValueError):
 @dataclass
 class RewardSettings(ArgsOptions):
     """`rm_type` and `reward_key` as the rollout reads them (declared, with help text, in the config's algo
-    section; None here means unset, which is also their default there), and whether `--custom-rm-path` (declared
-    in rollout/options.py) scores episodes instead: the default episode then leaves the reward to the driver."""
+    section; None here means unset, which is also their default there). Whether `--custom-rm-path` scores
+    episodes instead is a rollout option (`RolloutOptions.custom_rm_path`), read there."""
 
     rm_type: str | None = None
     reward_key: str | None = None
-    custom_rm_path: str | None = None
 
 
 def rm_function(rm_type: str) -> Callable[[str, Any], Any]:

@@ -317,20 +317,42 @@ class RolloutRun:
 
     @classmethod
     def from_args(cls, args: Any) -> "RolloutRun":
-        """The run a slime namespace describes: its options read once, its context (encoder set up, see
-        `get_context`) and its driver state (created on first use)."""
+        """The run a slime namespace describes (slime's entry points): its options read once, its context (encoder
+        set up, see `get_context`) and its driver state (created on first use)."""
         multiturn = MultiTurnOptions.from_args(args)
         # A namespace without the chat-template kwargs leaves the encoder's own (as `get_context` does).
         context = _prepared_context(args, multiturn if hasattr(args, "apply_chat_template_kwargs") else None)
         return cls(options=RolloutOptions.from_args(args), multiturn=multiturn, rewards=RewardSettings.from_args(args),
                    context=context, state=driver_state(args), args=args)
 
+    @classmethod
+    def typed(cls, options: RolloutOptions, multiturn: MultiTurnOptions, rewards: RewardSettings,
+              args: Any) -> "RolloutRun":
+        """The run of a job, from its typed options (the one source of each value); `args` is the job's slime
+        namespace for user code, which must carry the rollout context (the engine session sets it)."""
+        context = _prepared_context(args, multiturn)
+        return cls(options=options, multiturn=multiturn, rewards=rewards, context=context, state=driver_state(args),
+                   args=args)
+
+    def restore_state(self, state: dict[str, Any] | None, *, next_group_index: int | None = None) -> None:
+        """Load a checkpointed `DriverState.to_dict()` into this fresh run, before its first rollout step (see
+        `rollout.driver.restore_driver_state`, which does the same for a slime namespace). Raises DriverStateError
+        naming the entry, or when the run already holds driver state or suspended episodes; nothing is
+        half-restored."""
+        suspended = len(self.context.suspended)
+        if self.state.held() or suspended:
+            raise DriverStateError(
+                f"restore_driver_state: the run already holds driver state {self.state.held()} and {suspended} "
+                "suspended episodes; restore into a fresh run, before the first rollout step"
+            )
+        self.state = restored_state(state, next_group_index)
+        self.args.driver_state = self.state
+
     def derive(self, **changes: Any) -> "RolloutRun":
         """This run with some fields replaced (`dataclasses.replace`), and a copy of its namespace that says the
         same to user code: every typed option under its slime name, its context and its driver state."""
         run = dataclasses.replace(self, **changes)
         args = copy.copy(self.args)
-        # RewardSettings repeats custom_rm_path: the rollout options (written last) are the source of truth.
         for options in (run.rewards, run.multiturn, run.options):
             for f in dataclasses.fields(options):
                 setattr(args, f.name, getattr(options, f.name))

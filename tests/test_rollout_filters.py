@@ -25,6 +25,7 @@ from rollout.metrics import rollout_metrics
 from rollout.multiturn import BANNED_TOKEN_BIAS
 from rollout.options import RolloutOptions, total_generate_concurrency
 from rollout.processing import image_to_data_url
+from rollout.run import RolloutRun
 from rollout.sample import Sample, Status, Termination, TerminationKind
 
 
@@ -285,18 +286,23 @@ async def test_a_step_with_few_failures_does_not_warn(encoder, caplog):
     assert not [r for r in caplog.records if "FAILED" in r.getMessage()]
 
 
-async def test_the_main_job_stops_after_consecutive_all_failed_steps(tmp_path):
+async def test_the_main_job_stops_after_consecutive_all_failed_steps(tmp_path, encoder):
     results = iter([_result([_failed(TerminationKind.ENGINE_ERROR, "engine: refused")] * 2)] * 2)
+    seen_args = []
 
     async def rollout_fn(args, step, prompts):
+        seen_args.append(args)
         return next(results)
 
     cfg = Config()
     cfg.rollout.max_all_failed_steps = 2
-    # Only the rollout phase: no trainer; no engine client, so no engine link to check.
-    source = LiveRollout(cfg, rollout_fn=rollout_fn, args=None, main=True, model_dir=None, prompts=None,
-                         syncer=WeightSyncer(None, tmp_path / "weights"), trainer=None)
-    _, samples, metrics = await source.rollout(0)
+    async with harness(encoder, lambda s: EnvSpec(turns=1)) as h:
+        # Only the rollout phase: no trainer; no engine client, so no engine link to check.
+        source = LiveRollout(cfg, rollout_fn=rollout_fn, args=h.args, main=True, model_dir=None, prompts=None,
+                             syncer=WeightSyncer(None, tmp_path / "weights"), trainer=None)
+        source.run = RolloutRun.from_args(h.args)
+        _, samples, metrics = await source.rollout(0)
+    assert seen_args == [h.args]  # a user rollout function gets slime's namespace
     assert samples == [] and source.all_failed_steps == 1 and metrics["rollout/failed_share"] == 1.0
     with pytest.raises(AllFailedStepsError, match=r"engine_error x 2 \(e.g. 'engine: refused'\)"):
         await source.rollout(1)

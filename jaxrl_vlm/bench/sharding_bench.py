@@ -265,7 +265,7 @@ def plan_state(model_cfg: ModelConfig, cfg: Config, mesh: jax.sharding.Mesh, rul
 def host_params(abstract_params: Any, seed: int) -> Any:
     """Random parameters in host memory, in the structure of `abstract_params` (an nnx.State).
 
-    The model's own init values (`qwen3_vl._param`): norm scales 1, biases 0, every other weight N(0, 0.02).
+    The model's own init values (`models.layers.param`): norm scales 1, biases 0, every other weight N(0, 0.02).
     Built with numpy once per run and shared by all layouts: a jitted init compiles one RNG program per
     parameter (seconds on CPU, per layout), while this costs only host time proportional to the size.
     """

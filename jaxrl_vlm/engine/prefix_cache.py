@@ -1,6 +1,6 @@
 """Host-side bookkeeping of the paged KV cache: who holds each page, and which prefixes pages cache.
 
-The device cache is `num_pages` pages of `page_size` tokens (`forward.KVCache`). A request holds the
+The device cache is `num_pages` pages of `page_size` tokens (the family's `DecodeCache`, models/families.py). A request holds the
 pages of its page table; `PageCache` counts holders per page (requests and the tree) and hands out
 free pages. The pages of finished (and freshly prefilled) requests are kept in a *radix tree of
 pages*: each node is one page, its key the page's token ids plus the identity of every image whose

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from jaxrl_vlm.engine.prefix_cache import ImageSpan, image_spans
-from jaxrl_vlm.models.config import Qwen3VLConfig
+from jaxrl_vlm.models.families import VisionLanguageConfig
 from jaxrl_vlm.models.rope import get_rope_index
 from rollout.encoding import ChatEncoder, compact_pad_runs
 from rollout.image_cache import ProcessedImageCache, cache_key
@@ -91,7 +91,8 @@ class PromptPreparer:
     tokenizer and processor are read-only; the cache of preprocessed images locks).
     """
 
-    def __init__(self, tokenizer: Any, image_processor: Any | None, cfg: Qwen3VLConfig, image_policy: ImageReadPolicy):
+    def __init__(self, tokenizer: Any, image_processor: Any | None, cfg: VisionLanguageConfig,
+                 image_policy: ImageReadPolicy):
         self.tokenizer = tokenizer
         self.image_processor = image_processor
         self.cfg = cfg

@@ -55,11 +55,11 @@ import numpy as np
 from jaxrl_vlm.checkpoint import CheckpointError, CheckpointStore, abstract_like
 from jaxrl_vlm.config import Config, ConfigError
 from jaxrl_vlm.job.assets import EvalSet, load_eval_sets
-from jaxrl_vlm.job.session import rollout_session
+from jaxrl_vlm.job.session import rollout_run, rollout_session
 from jaxrl_vlm.job.trainer import Trainer
 from jaxrl_vlm.weight_sync import export_version
 from rollout.client import EngineError
-from rollout.driver import DriverState, RolloutResult, generate_rollout, rollout_step
+from rollout.driver import DriverState, RolloutResult, call_rollout_function
 from rollout.dump import dump_samples
 from rollout.loading import load_function
 from rollout.metrics import rollout_metrics
@@ -227,12 +227,12 @@ class Evaluator:
         self.rollout_fn = rollout_fn
         self.passrate = cfg.eval.log_passrate if passrate is None else passrate
 
-    async def run(self, args: Any, step: int, dump_dir: Path | None = None, *, flush_engine: bool = True) -> dict[str, float]:
+    async def run(self, run: RolloutRun, step: int, dump_dir: Path | None = None, *,
+                  flush_engine: bool = True) -> dict[str, float]:
         """One round on the engine's current weights; returns every set's metrics. With `dump_dir`, each set's
         samples (scored and FAILED) go to `dump_dir/<name>/step_<step>.jsonl`. `flush_engine=False` leaves the
         prefix cache (asynchronous training generates meanwhile, so the engine is never idle to flush, and its
         training does not replay a run without eval anyway)."""
-        run = RolloutRun.from_args(args)
         ctx = run.context
         saved = random.getstate(), np.random.get_state()
         metrics: dict[str, float] = {}
@@ -240,10 +240,7 @@ class Evaluator:
             for eval_set in self.sets:
                 t0 = time.perf_counter()
                 one = eval_run(run, self.cfg, eval_set)
-                if self.rollout_fn is generate_rollout:  # the default driver takes the typed run as it is
-                    result = await rollout_step(one, step, EvalPrompts(eval_set))
-                else:  # user code: slime's signature and names
-                    result = await self.rollout_fn(one.args, step, EvalPrompts(eval_set))
+                result = await call_rollout_function(self.rollout_fn, one, step, EvalPrompts(eval_set))
                 result = first_pass(result)
                 metrics.update(eval_set_metrics(eval_set.name, result, num_prompts=len(eval_set),
                                                 n_per_prompt=self.cfg.eval.n_samples_per_eval_prompt,
@@ -361,5 +358,5 @@ async def evaluate_weights(cfg: Config, load: str | None = None, *, dump_dir: Pa
         async with rollout_session(cfg, model_dir, serve_dir, args, version) as client:
             if cfg.engine.engine_url:  # an external engine serves whatever it loaded last: send it these weights
                 await client.sync_weights_from_disk(str(serve_dir), version)
-            metrics = await evaluator.run(args, step, dump_dir)
+            metrics = await evaluator.run(rollout_run(cfg, args), step, dump_dir)
     return StandaloneEval(weights=weights, step=step, metrics=metrics, names=[s.name for s in sets])

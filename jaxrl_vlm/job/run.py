@@ -66,13 +66,13 @@ from jaxrl_vlm.job.eval import Evaluator, eval_due
 from jaxrl_vlm.job.preemption import Preemption, StepAborted, StepTimes
 from jaxrl_vlm.job.replay import RolloutSaver
 from jaxrl_vlm.job.run_log import RunLog, plot_run
-from jaxrl_vlm.job.session import rollout_session
+from jaxrl_vlm.job.session import rollout_run, rollout_session
 from jaxrl_vlm.job.sft import SFTJob
 from jaxrl_vlm.job.sources import LiveRollout, ReplaySource, RunState, SampleSource, StreamingSource
 from jaxrl_vlm.job.tracking import open_sinks
 from jaxrl_vlm.job.trainer import Trainer
 from jaxrl_vlm.weight_sync import WeightSyncer
-from rollout.driver import RolloutResult
+from rollout.driver import RolloutResult, call_rollout_function
 from rollout.dump import dump_samples
 from rollout.loading import load_function
 from rollout.streaming import GroupStream
@@ -269,7 +269,7 @@ class MainJob:
         if self.evaluator is None or not self.evaluator.sets or not eval_due(self.cfg, done):
             return None
         t0 = time.perf_counter()
-        metrics: dict[str, Any] = await self.evaluator.run(self.args, done, dump_dir=self.out_dir / "eval",
+        metrics: dict[str, Any] = await self.evaluator.run(self.source.run, done, dump_dir=self.out_dir / "eval",
                                                            flush_engine=self.stream is None)
         metrics["perf/eval_time"] = time.perf_counter() - t0
         metrics["weight_version"] = self.version
@@ -404,7 +404,8 @@ async def run_one_rollout(cfg: Config, dump_path: str | None = None) -> RolloutR
     args = cfg.to_namespace()
     async with rollout_session(cfg, model_dir, model_dir, args):
         rollout_fn = load_function(cfg.rollout.rollout_function_path, "--rollout-function-path")
-        result = await rollout_fn(args, 0, prompts)
+        run = rollout_run(cfg, args)
+        result = await call_rollout_function(rollout_fn, run, 0, prompts)
         if dump_path:
-            dump_samples([*result.samples, *result.failed], dump_path, args.rollout_context.encoder.tokenizer)
+            dump_samples([*result.samples, *result.failed], dump_path, run.context.encoder.tokenizer)
     return result

@@ -24,7 +24,8 @@ from rollout.encoding import ChatEncoder
 from rollout.loading import load_module
 from rollout.options import total_generate_concurrency
 from rollout.processing import load_image_processor, load_tokenizer
-from rollout.run import RolloutContext
+from rollout.rewards import RewardSettings
+from rollout.run import RolloutContext, RolloutRun
 from rollout.vllm_client import VLLMClient, client_class, detect_engine_api
 
 logger = logging.getLogger(__name__)
@@ -102,6 +103,13 @@ async def rollout_session(
             engine.stop()
         if launched is not None:
             launched.stop()
+
+
+def rollout_run(cfg: Config, args: Any) -> RolloutRun:
+    """The job's typed rollout run, inside `rollout_session` (which put the rollout context on `args`): every
+    option read from the typed config, the one source of its value; `args` goes along for user code only."""
+    rewards = RewardSettings(rm_type=cfg.algo.rm_type, reward_key=cfg.algo.reward_key)
+    return RolloutRun.typed(cfg.rollout, cfg.multiturn, rewards, args)
 
 
 def _parallel_args(cfg: Config) -> list[str]:

@@ -30,15 +30,16 @@ from jaxrl_vlm.distributed import broadcast_samples, broadcast_stop
 from jaxrl_vlm.job.checkpointing import ResumePoint
 from jaxrl_vlm.job.eval import passrate_metrics
 from jaxrl_vlm.job.replay import RolloutReplay, RolloutSaver
-from jaxrl_vlm.job.session import rollout_session
+from jaxrl_vlm.job.session import rollout_run, rollout_session
 from jaxrl_vlm.job.staleness import VersionReport, check_bounded_staleness, check_sample_versions, too_stale, \
     unreported_versions
 from jaxrl_vlm.weight_sync import SyncReport, WeightSyncer
 from rollout.client import EngineError, EngineUnavailable
-from rollout.driver import RolloutResult, driver_checkpoint_state, restore_driver_state
+from rollout.driver import RolloutResult, call_rollout_function
 from rollout.engine_link import EngineLost, LinkState
 from rollout.failures import AllFailedStepsError, all_failed_streak, failure_report
 from rollout.metrics import multi_turn_metrics, rollout_metrics
+from rollout.run import DriverState, RolloutRun
 from rollout.sample import Sample, TruncationCause
 from rollout.streaming import GroupStream, StepBatch
 
@@ -237,6 +238,7 @@ class EngineSource(SampleSource):
     def __init__(self, cfg: Config, *, rollout_fn: Any, **kw: Any):
         super().__init__(cfg, **kw)
         self.rollout_fn = rollout_fn
+        self.run: RolloutRun | None = None  # the typed rollout run (process 0), built once its session is open
         self.resumed_export: SyncReport | None = None  # a resumed run's weights, exported before the engine starts
 
     @property
@@ -265,6 +267,8 @@ class EngineSource(SampleSource):
         reused) and their version confirmed on every worker.
         """
         self.syncer.client = client
+        if self.main:
+            self.run = rollout_run(self.cfg, self.args)
         if self.main and hasattr(client, "check_reloadable_head"):
             await client.check_reloadable_head()
         if self.main:
@@ -280,7 +284,7 @@ class EngineSource(SampleSource):
             # From now on an engine that dies and comes back gets these weights again before any new request.
             client.link.arm(self.syncer.restore)
         if self.main and resume is not None:
-            restore_driver_state(self.args, resume.driver_state, next_group_index=resume.next_group_index)
+            self.run.restore_state(resume.driver_state, next_group_index=resume.next_group_index)
 
     def engine_link_failed(self) -> None:
         """Stop the run when the engine did not come back (`EngineLost`, naming its URL and the wait): the step's
@@ -319,15 +323,18 @@ class EngineSource(SampleSource):
 
     def run_state(self) -> RunState:
         """The data cursor and the driver state of this instant (no await between them)."""
-        return RunState(self.prompts.state_dict() if self.prompts is not None else None,
-                        driver_checkpoint_state(self.args) if self.main else None)
+        if not self.main:
+            return RunState(self.prompts.state_dict() if self.prompts is not None else None, None)
+        # Before the session opened (no run yet) the driver has carried nothing: a fresh state says so.
+        state = self.run.state if self.run is not None else DriverState()
+        return RunState(self.prompts.state_dict() if self.prompts is not None else None, state.to_dict())
 
     async def abort_requests(self, grace_left_s: float) -> None:
         """Abort every request on the engine (a cut rollout's or evaluation's episodes), bounded by what is left of
         the grace period; the episodes still running see `aborting` and end."""
         if not self.main or self.client is None:
             return
-        ctx = self.args.rollout_context
+        ctx = self.run.context
         ctx.aborting = True
         timeout = max(1.0, min(PREEMPTION_ABORT_TIMEOUT_S, grace_left_s / 2))
         try:
@@ -336,7 +343,7 @@ class EngineSource(SampleSource):
             logger.warning("preemption: aborting the engine's requests failed within %.1f s: %s", timeout, e)
 
     async def produce(self, step: int) -> RolloutResult:
-        return await self.rollout_fn(self.args, step, self.prompts)
+        return await call_rollout_function(self.rollout_fn, self.run, step, self.prompts)
 
 
 class LiveRollout(EngineSource):
@@ -405,7 +412,7 @@ class StreamingSource(EngineSource):
         """The stream generates while the steps run inside; closed (its requests aborted) on the way out."""
         self.syncer.flush_poll_s = ASYNC_FLUSH_POLL_S
         self.next_train_version = version
-        self.stream = GroupStream(self.args, self.prompts, engine_version=self.engine_version,
+        self.stream = GroupStream(self.run, self.prompts, engine_version=self.engine_version,
                                   batches_taken=version, too_stale=self.too_stale)
         self.stream.start()
         try:

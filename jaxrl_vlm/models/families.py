@@ -47,6 +47,15 @@ class DecodeCache(Protocol):
         ...
 
 
+class VisionLanguageConfig(Protocol):
+    """What host code (the engine's prompt preparer, batching, positions) reads of any family's config."""
+
+    image_token_id: int
+    video_token_id: int
+    vision_start_token_id: int
+    vision: Any  # the vision tower's config: `spatial_merge_size`, `patch_size`, `temporal_patch_size`, ...
+
+
 class PolicyModel(Protocol):
     """What the trainer and the engine use of a family's Flax model (`FamilyModel.model_class` instances).
 
