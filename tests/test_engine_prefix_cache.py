@@ -27,7 +27,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jaxrl_vlm.engine import EmbeddedEngine, EngineOptions
-from jaxrl_vlm.engine.prefix_cache import ImageSpan, PageCache, image_spans, page_keys, reusable_tokens, tail_key
+from jaxrl_vlm.engine.prefix_cache import (
+    ImageSpan,
+    PageCache,
+    StateSnapshots,
+    image_spans,
+    page_keys,
+    prefix_key,
+    reusable_tokens,
+    tail_key,
+)
 from jaxrl_vlm.engine.runner import ModelRunner
 from jaxrl_vlm.models import from_hf, to_hf
 from rollout.client import GenerateResult, RetryPolicy, SGLangClient
@@ -586,3 +595,33 @@ def test_random_request_streams_give_every_request_its_solo_answer(engines, enco
     pages = on.engine.scheduler._pages  # the engine is idle: only the tree holds pages
     assert pages.free_pages + pages.cached_pages == pages.num_pages
     assert pages.evictable_pages() == pages.cached_pages
+
+
+# ----------------------------------------------------------------------------- recurrent-state snapshots
+def test_state_snapshots_match_the_longest_saved_prefix_within_the_limit():
+    ids = np.arange(40, dtype=np.int32)
+    snaps = StateSnapshots(rows=3, first_row=8)
+    r10 = snaps.reserve(ids, (), 10)
+    r25 = snaps.reserve(ids, (), 25)
+    assert {r10, r25} <= {8, 9, 10} and r10 != r25
+    assert snaps.reserve(ids, (), 25) is None  # that prefix is kept already
+    assert snaps.match(ids, (), 39) == (r25, 25)
+    assert snaps.match(ids, (), 24) == (r10, 10)  # the limit (pages reused, last token) caps the length
+    other = ids.copy()
+    other[3] = 99  # a different prefix of the same length never matches
+    assert snaps.match(other, (), 39) is None
+
+
+def test_state_snapshots_tell_images_apart_and_drop_the_least_recently_used():
+    ids = np.zeros((12,), np.int32)
+    a, b = ImageSpan(2, 6, b"a" * 16), ImageSpan(2, 6, b"b" * 16)
+    assert prefix_key(ids, (a,), 8) != prefix_key(ids, (b,), 8)
+    assert prefix_key(ids, (a,), 2) == prefix_key(ids, (b,), 2)  # the image starts after the prefix
+    snaps = StateSnapshots(rows=2, first_row=0)
+    row_a = snaps.reserve(ids, (a,), 8)
+    assert snaps.match(ids, (b,), 11) is None
+    row_6 = snaps.reserve(ids, (a,), 6)
+    assert snaps.match(ids, (a,), 11) == (row_a, 8)  # used: the length-6 one is now the oldest
+    row_b = snaps.reserve(ids, (b,), 8)
+    assert row_b == row_6 and len(snaps) == 2 and snaps.match(ids, (a,), 7) is None
+    assert snaps.clear() == 2 and snaps.match(ids, (a,), 11) is None

@@ -31,6 +31,11 @@ def copy_page(cache: DecodeCache, src: jax.Array, dst: jax.Array) -> DecodeCache
     return cache.copy_page(src, dst)
 
 
+def copy_state(cache: DecodeCache, src: jax.Array, dst: jax.Array) -> DecodeCache:
+    """Recurrent-state row `src` copied into row `dst` (a no-op for a cache without recurrent state)."""
+    return cache.copy_state(src, dst)
+
+
 def prefill(
     model: PolicyModel,
     cache: DecodeCache,

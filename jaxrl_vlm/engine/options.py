@@ -83,6 +83,12 @@ class EngineOptions:
         True, "Keep prefilled and finished requests' KV pages in a radix tree, so a group's samples share their prompt "
         "and a later turn of the same conversation prefills only its new tokens (and new images); SGLang's radix "
         "cache.", key="engine_prefix_cache", flags=("--disable-radix-cache",))
+    state_snapshots: int = opt(
+        32, "Prefix-cache snapshots of recurrent state, for a family with linear-attention layers (Qwen3.5): each the "
+        "size of one request's conv and delta-rule state, which a prefix's pages alone cannot restore. A group's "
+        "samples continue from their prompt's snapshot and a later turn from its conversation's (least recently "
+        "used dropped first); 0 turns prefix reuse off for such a family. Unused by full-attention families.", ge=0,
+        key="engine_state_snapshots")
     allowed_local_media_path: str | None = opt(
         None, "image_data may name local image files only under this directory (None: data URLs and base64 only).",
         key="engine_allowed_local_media_path")

@@ -5,7 +5,8 @@ the `tensor` axis splits heads, MLP and vocabulary as in Megatron (parameters ar
 shards), and the KV cache splits its kv-heads the same way, so attention needs no communication. Replicas share
 nothing: each holds its own copy of the weights and its own KV cache, and a router (`replicas.py`) spreads
 requests over them. A dimension that does not divide by tp (the tiny test model's 2 kv heads over 4 devices)
-is replicated, as `sharding.rules` documents.
+is replicated, as `sharding.rules` documents. Each family's cache declares the logical axes of its arrays
+(`families.DecodeCache.logical_axes`).
 """
 
 from __future__ import annotations
@@ -19,10 +20,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_vlm.sharding.layout import build_mesh, param_shardings
 from jaxrl_vlm.sharding.rules import DEFAULT_RULES, Rules, spec_with_notes
-
-# The KV cache [layers, slots, tokens, kv_heads, head_dim]: heads follow the attention projections' split.
-CACHE_LOGICAL_AXES: tuple[str | None, ...] = (None, None, None, "kv_heads", "head_dim")
-
 
 @dataclass(frozen=True)
 class _TensorParallel:
@@ -67,9 +64,16 @@ class ReplicaPlacement:
         """NamedShardings in the structure of a parameter state."""
         return param_shardings(state, self.mesh, self.rules)
 
-    def cache(self, shape: Sequence[int]) -> NamedSharding:
-        spec, _ = spec_with_notes(CACHE_LOGICAL_AXES, tuple(shape), self.rules, self.mesh)
-        return NamedSharding(self.mesh, spec)
+    def cache(self, abstract_cache: Any) -> Any:
+        """NamedShardings in the structure of a family's decode cache (`families.DecodeCache`, abstract or not),
+        from the logical axes the cache declares for each of its arrays (KV pages by kv heads, recurrent state by
+        its heads)."""
+        def one(axes: tuple[str | None, ...], leaf: Any) -> NamedSharding:
+            spec, _ = spec_with_notes(axes, tuple(leaf.shape), self.rules, self.mesh)
+            return NamedSharding(self.mesh, spec)
+
+        return jax.tree.map(one, abstract_cache.logical_axes(), abstract_cache,
+                            is_leaf=lambda x: isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x))
 
     def put_params(self, state: Any) -> Any:
         """`state` moved (or resharded, also across device sets) into this replica's parameter shardings."""

@@ -306,3 +306,78 @@ class PageCache:
             n -= 1
             if parent is not self._root and not parent.children and not parent.tails and self._refs[parent.page] == 1:
                 heapq.heappush(leaves, (parent.last_used, parent.page))
+
+
+def prefix_key(ids: np.ndarray, images: Sequence[ImageSpan], n: int) -> bytes:
+    """The identity of the first `n` tokens of `ids`: their ids and the digest of every image inside them."""
+    digest = hashlib.blake2b(np.ascontiguousarray(ids[:n], np.int32).tobytes(), digest_size=16)
+    for span in images:
+        if span.start < n:
+            digest.update(np.array([span.start, span.end], np.int64).tobytes() + span.key)
+    return digest.digest()
+
+
+class StateSnapshots:
+    """Which snapshot row holds the recurrent state after which prefix (families with linear attention).
+
+    Pages restore the K/V of full-attention layers at any position, but a linear-attention layer's state exists
+    only where a request stopped: after its prompt but the last token (the scheduler prefills the last token
+    separately to keep it), and after everything a finished request fed. A new request may continue from a
+    snapshot of length n only if its first n tokens are that prefix and the pages of [0, n) are reused with it.
+    Rows are `first_row`, `first_row + 1`, ...; the least recently used snapshot is dropped when all are taken.
+    `clear` forgets them all (new weights). No JAX here; the scheduler copies the rows on the device.
+    """
+
+    def __init__(self, rows: int, first_row: int) -> None:
+        self._free = list(range(first_row + rows - 1, first_row - 1, -1))
+        self._rows: dict[bytes, tuple[int, int]] = {}  # prefix key -> (row, length)
+        self._lengths: dict[int, set[bytes]] = {}  # length -> keys of that length
+        self._used: dict[bytes, int] = {}
+        self._tick = 0
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def match(self, ids: np.ndarray, images: Sequence[ImageSpan], limit: int) -> tuple[int, int] | None:
+        """(row, n) of the longest snapshot of a prefix of `ids` with n <= `limit`, or None."""
+        for n in sorted((n for n in self._lengths if 0 < n <= limit), reverse=True):
+            key = prefix_key(ids, images, n)
+            if key in self._rows:
+                self._tick += 1
+                self._used[key] = self._tick
+                return self._rows[key]
+        return None
+
+    def reserve(self, ids: np.ndarray, images: Sequence[ImageSpan], n: int) -> int | None:
+        """The row to save the state after `ids[:n]` into, or None when that prefix has a snapshot already. Takes
+        a free row, else the least recently used snapshot's."""
+        key = prefix_key(ids, images, n)
+        self._tick += 1
+        if key in self._rows:
+            self._used[key] = self._tick
+            return None
+        if not self._free:
+            if not self._rows:
+                return None  # no rows at all (state_snapshots 0)
+            oldest = min(self._used, key=self._used.__getitem__)
+            self._free.append(self._drop(oldest))
+        row = self._free.pop()
+        self._rows[key] = (row, n)
+        self._lengths.setdefault(n, set()).add(key)
+        self._used[key] = self._tick
+        return row
+
+    def _drop(self, key: bytes) -> int:
+        row, n = self._rows.pop(key)
+        del self._used[key]
+        self._lengths[n].discard(key)
+        if not self._lengths[n]:
+            del self._lengths[n]
+        return row
+
+    def clear(self) -> int:
+        """Forget every snapshot (the states no longer match the weights); returns how many."""
+        dropped = len(self._rows)
+        for key in list(self._rows):
+            self._free.append(self._drop(key))
+        return dropped

@@ -93,7 +93,7 @@ class ModelRunner:
     parameters in the scheduler), in [0, max_batch). Its K/V lives in the pages of its page table.
     `banned_ids`: token ids that can never be sampled (Qwen-VL's vision special tokens).
     `program_calls` counts calls per compiled-program key: ("prefill", bucket, patch_bucket),
-    ("extend", bucket, kv_len, patch_bucket), ("copy_page",), ("decode", batch, kv_len, filtered).
+    ("extend", bucket, kv_len, patch_bucket), ("copy_page",), ("copy_state",), ("decode", batch, kv_len, filtered).
     """
 
     def __init__(self, model: PolicyModel, config: EngineOptions, banned_ids: Sequence[int],
@@ -106,10 +106,15 @@ class ModelRunner:
         self.params = self.placement.put_params(params)
         self._params_backup: Any = None  # host copy of released weights
         self.cache: DecodeCache | None = None
+        # State rows (a family with recurrent state): the running slots, then the prefix cache's snapshots.
         new_cache = functools.partial(forward.init_cache, model.cfg, config.num_pages, config.page_size,
-                                      config.max_batch, config.jnp_compute_dtype)
-        # Each array of the family's cache in the sharding of its shape (pages split by kv heads).
-        self._cache_sharding = jax.tree.map(lambda a: self.placement.cache(a.shape), jax.eval_shape(new_cache))
+                                      config.max_batch + config.state_snapshots, config.jnp_compute_dtype)
+        abstract_cache = jax.eval_shape(new_cache)
+        # Rows of recurrent state past the slots: the snapshots the prefix cache keeps (none without such state).
+        self.stateful = abstract_cache.state_rows > 0
+        self.snapshot_rows = max(0, abstract_cache.state_rows - config.max_batch)
+        # Each array of the family's cache in the sharding its logical axes say (pages split by kv heads).
+        self._cache_sharding = self.placement.cache(abstract_cache)
         # Compiled once: a colocated engine re-creates its cache after every train step.
         self._new_cache = jax.jit(new_cache, out_shardings=self._cache_sharding)
         self.allocate_cache()
@@ -146,6 +151,7 @@ class ModelRunner:
         self._decode = jax.jit(decode_program, static_argnames=("filtered",), donate_argnames=("cache",),
                                out_shardings=(cache_sh, replicated, replicated))
         self._copy_page = jax.jit(forward.copy_page, donate_argnames=("cache",), out_shardings=cache_sh)
+        self._copy_state = jax.jit(forward.copy_state, donate_argnames=("cache",), out_shardings=cache_sh)
         self.program_calls: collections.Counter[tuple[Any, ...]] = collections.Counter()
         self.encoded_images = 0  # images run through the vision tower (a reused prefix skips its images)
 
@@ -260,6 +266,11 @@ class ModelRunner:
         """Copy the K/V of page `src` into page `dst` (a reused, partly shared last page)."""
         self.program_calls[("copy_page",)] += 1
         self.cache = self._copy_page(self.cache, np.int32(src), np.int32(dst))
+
+    def copy_state(self, src: int, dst: int) -> None:
+        """Copy recurrent-state row `src` into row `dst` (rows: slots, then snapshots at `max_batch + i`)."""
+        self.program_calls[("copy_state",)] += 1
+        self.cache = self._copy_state(self.cache, np.int32(src), np.int32(dst))
 
     def decode(
         self, slots: np.ndarray, tables: np.ndarray, ints: np.ndarray, floats: np.ndarray, filtered: bool

@@ -56,7 +56,16 @@ from jaxrl_vlm.engine.inbox import (
     StopMsg,
     UpdateWeightsMsg,
 )
-from jaxrl_vlm.engine.prefix_cache import ImageSpan, PageCache, image_spans, page_keys, reusable_tokens, tail_key
+from jaxrl_vlm.engine.prefix_cache import (
+    ImageSpan,
+    PageCache,
+    StateSnapshots,
+    cut_before_images,
+    image_spans,
+    page_keys,
+    reusable_tokens,
+    tail_key,
+)
 from jaxrl_vlm.engine.protocol import GenerateOutput, GenerateRequest
 from jaxrl_vlm.engine.runner import FloatRow, IntRow, ModelRunner
 from rollout.sglang_wire import (
@@ -93,6 +102,7 @@ class ActiveRequest:
     stop_window: int = 0  # output tokens decoded to look for stop strings
     cached_tokens: int = 0  # tokens served from the prefix cache, summed over admissions (SGLang's count)
     cache_epoch: int = -1  # the scheduler's cache epoch when its K/V was computed
+    state_row: int | None = None  # the recurrent-state snapshot its reused prefix continues from (hybrid family)
 
     @property
     def rid(self) -> str:
@@ -156,7 +166,10 @@ class Scheduler:
         # and their lengths, so that a decode step gathers them without a Python loop.
         self._tables = np.full((self.max_batch, runner.config.pages_per_request), runner.config.num_pages, np.int32)
         self._table_len = np.zeros((self.max_batch,), np.int64)
-        self._prefix_on = runner.config.prefix_cache
+        # A family with recurrent state (linear attention) reuses a prefix only where a snapshot of that state
+        # exists: without snapshot rows, its pages alone cannot serve a prefix.
+        self._snapshots = StateSnapshots(runner.snapshot_rows, self.max_batch) if runner.snapshot_rows else None
+        self._prefix_on = runner.config.prefix_cache and (not runner.stateful or self._snapshots is not None)
         self._admissions = 0
         self._cache_epoch = 0  # bumped whenever cached K/V stops matching the serving weights
         self._paused: PauseMode | None = None
@@ -364,6 +377,9 @@ class Scheduler:
             matched, tail = self._pages.match(page_keys(ids, images, ps, total // ps),
                                               lambda j, n: tail_key(ids, images, ps, j, n))
             reuse = reusable_tokens(len(matched) * ps + (tail[1] if tail else 0), total, images)
+            if self._snapshots is not None:  # recurrent state: only where a snapshot of it was kept
+                hit = self._snapshots.match(ids, images, reuse)
+                reuse, seq.state_row = hit[1] if hit else 0, hit[0] if hit else None
             reused = matched[: reuse // ps]
             if reuse % ps:  # the page holding the rest of the prefix is copied: this request writes into it
                 source = [matched[reuse // ps] if reuse // ps < len(matched) else tail[0]]
@@ -446,6 +462,8 @@ class Scheduler:
             bias_row = np.zeros((self.runner.vocab_size,), np.float32)
             for token, value in params.logit_bias:
                 bias_row[token] += value
+        if self._snapshots is not None:
+            start = self._prefill_to_snapshot(seq, slot, ids, positions, bias_row, start)
         token, logprob = self.runner.prefill(
             slot, seq.pages, ids, positions, prompt.pixel_values, prompt.image_grid_thw, bias_row,
             self._ints[:, slot], self._floats[:, slot], start=start,
@@ -553,6 +571,37 @@ class Scheduler:
                     return FinishReason.stopped(stop)
         return None
 
+    def _prefill_to_snapshot(self, seq: ActiveRequest, slot: int, ids: np.ndarray, positions: np.ndarray,
+                             bias_row: np.ndarray | None, start: int) -> int:
+        """A family with recurrent state: the slot continues from its reused prefix's snapshot, and the prompt but
+        its last token is prefilled first, its state kept as a snapshot (so the group's other samples, whose
+        prompt is the same, prefill only that last token). Returns where the rest of the prefill starts."""
+        if start > 0:
+            self.runner.copy_state(seq.state_row, slot)
+        cut = ids.shape[0] - 1
+        if start >= cut or cut_before_images(cut, self._images(seq)) != cut:
+            return start
+        row = self._snapshots.reserve(ids, self._images(seq), cut)
+        if row is None:
+            return start
+        prompt = seq.request.prompt
+        # The token this part samples is not used: the last prompt token's logits come from the second part.
+        self.runner.prefill(slot, seq.pages, ids[:cut], positions[:, :cut], prompt.pixel_values, prompt.image_grid_thw,
+                            bias_row, self._ints[:, slot], self._floats[:, slot], start=start)
+        self.runner.copy_state(slot, row)
+        return cut
+
+    def _snapshot_state(self, slot: int, seq: ActiveRequest) -> None:
+        """Keep the recurrent state of a request that stops with its state intact: a later turn of the same
+        conversation continues from it."""
+        ids = self._cached_sequence(seq)
+        n = ids.shape[0]
+        if cut_before_images(n, self._images(seq)) != n:
+            return
+        row = self._snapshots.reserve(ids, self._images(seq), n)
+        if row is not None:
+            self.runner.copy_state(slot, row)
+
     # ------------------------------------------------------------------ finishing
 
     def _release(self, slot: int, seq: ActiveRequest, cache: bool = True) -> None:
@@ -566,12 +615,16 @@ class Scheduler:
         self._table_len[slot] = 0
         if cache:
             self._cache_pages(seq, self._cached_sequence(seq))
+            if self._snapshots is not None and self._prefix_on and seq.cache_epoch == self._cache_epoch:
+                self._snapshot_state(slot, seq)
         self._drop_pages(seq)
         heapq.heappush(self._free, slot)
 
     def _invalidate_prefix_cache(self) -> None:
         """Forget every cached prefix, and make running requests' K/V non-reusable (e.g. new weights)."""
         self._cache_epoch += 1
+        if self._snapshots is not None:
+            self._snapshots.clear()
         if self._pages.clear():
             self.stats.prefix_invalidations += 1
 

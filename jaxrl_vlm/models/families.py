@@ -34,7 +34,26 @@ class DecodeCache(Protocol):
     [0, max_slots) while it runs. Paged K/V (`paged_kv.KVCache`) is all of it for a full-attention decoder; a
     hybrid decoder adds per-slot recurrent state (e.g. conv and delta-rule state of linear-attention layers),
     indexed by the slots that `prefill` / `decode` receive.
+
+    Recurrent state lives in *state rows*: the engine's running slots first, then rows that keep snapshots of a
+    prefix's state for the prefix cache (`state_rows` in all; 0 for a cache without recurrent state). The
+    engine copies a row into another with `copy_state` (a snapshot into the slot that continues from it, or a
+    finished slot's state into a snapshot).
     """
+
+    @property
+    def state_rows(self) -> int:
+        """Rows of per-request recurrent state (0: none, full attention)."""
+        ...
+
+    def copy_state(self: C, src: Any, dst: Any) -> C:
+        """State row `src` copied into row `dst`; jit-able (a cache without state returns itself)."""
+        ...
+
+    def logical_axes(self) -> Any:
+        """This cache's pytree with each array replaced by its logical axis names (a tuple of `sharding.rules`
+        names or None per dimension): how the engine shards it over a replica's tensor-parallel devices."""
+        ...
 
     @property
     def num_pages(self) -> int: ...

@@ -48,6 +48,21 @@ class KVCache(NamedTuple):
         goes on to write (copy-on-write)."""
         return KVCache(self.k.at[:, dst].set(self.k[:, src]), self.v.at[:, dst].set(self.v[:, src]))
 
+    @property
+    def state_rows(self) -> int:
+        return 0  # full attention keeps everything in pages
+
+    def copy_state(self, src: jax.Array, dst: jax.Array) -> "KVCache":
+        return self
+
+    def logical_axes(self) -> "KVCache":
+        """Pages split by kv heads, as the attention projections are (no communication in attention)."""
+        return KVCache(KV_LOGICAL_AXES, KV_LOGICAL_AXES)
+
+
+# k and v [layers, pages, page_size, kv_heads, head_dim]: heads follow the attention projections' split.
+KV_LOGICAL_AXES: tuple[str | None, ...] = (None, None, None, "kv_heads", "head_dim")
+
 
 def cache_shape(cfg: ModelConfig, num_pages: int, page_size: int) -> tuple[int, ...]:
     """Shape of k (and v): [layers, num_pages, page_size, kv_heads, head_dim]."""
