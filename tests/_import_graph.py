@@ -7,6 +7,7 @@ start-up fast, never to hide a cycle, so the cycle checks see it like any other 
 from __future__ import annotations
 
 import ast
+import functools
 import itertools
 from collections import defaultdict
 from dataclasses import dataclass
@@ -44,13 +45,20 @@ def _resolve(name: str, modules: dict[str, Path]) -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=1024)
+def _import_nodes(source: str) -> tuple[ast.Import | ast.ImportFrom, ...]:
+    """The import statements of one file's source (cached by content: the rule tests re-read copies of the tree
+    that differ in one file)."""
+    return tuple(n for n in ast.walk(ast.parse(source)) if isinstance(n, (ast.Import, ast.ImportFrom)))
+
+
 def import_edges(root: Path) -> list[Edge]:
     modules = project_modules(root)
     edges: list[Edge] = []
     for name, path in modules.items():
         is_pkg = path.name == "__init__.py"
-        tree = ast.parse(path.read_text(), filename=str(path))
-        for node in ast.walk(tree):
+        rel = path.relative_to(root)
+        for node in _import_nodes(path.read_text()):
             targets: list[str] = []
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
@@ -62,7 +70,7 @@ def import_edges(root: Path) -> list[Edge]:
                     base = ".".join([*pkg, base] if base else pkg)
                 # `from pkg import sub` imports the submodule when there is one.
                 targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
-            where = f"{path.relative_to(root)}:{getattr(node, 'lineno', 0)}"
+            where = f"{rel}:{node.lineno}"
             for target in targets:
                 resolved = _resolve(target, modules)
                 edges.append(Edge(name, resolved or target.split(".")[0], where))
