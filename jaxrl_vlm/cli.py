@@ -117,6 +117,23 @@ def _cmd_plot(ns: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
+def _cmd_view(ns: argparse.Namespace, rest: list[str]) -> int:
+    """Serve a run's trajectories as a local web page, or write them to one self-contained HTML file."""
+    if rest:
+        raise ConfigError(f"view: unexpected arguments {rest}")
+    from jaxrl_vlm.viewer.server import export_html, index_run, serve
+
+    try:
+        index_run(ns.run)  # a missing or empty run fails here, before a server starts
+        if ns.export:
+            print(f"wrote {export_html(ns.run, ns.export)}")
+            return 0
+    except ValueError as e:  # no dumps, or a dump that breaks its invariants (rollout.dump.DumpError)
+        raise ConfigError(str(e)) from e
+    serve(ns.run, ns.host, ns.port)
+    return 0
+
+
 def _cmd_compare_losses(ns: argparse.Namespace, rest: list[str]) -> int:
     """Train each loss variant on the same saved rollouts from the same weights; a table and one plot per metric."""
     config_path, overrides = split_config_argv(rest)
@@ -293,7 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("rollout", help="Run one rollout step with the current weights (for debugging an environment).")
     p.usage = "jaxrl-vlm rollout CONFIG.yaml [--flag value ...] [--dump FILE.jsonl]"
-    p.add_argument("--dump", default=None, help="Write every sample with per-turn decoded text to this JSONL file.")
+    p.add_argument("--dump", default=None, help="Write every sample with per-turn decoded text, per-token log-probs "
+                   "and the pictures as sent (in FILE_images/) to this JSONL file; `jaxrl-vlm view FILE` shows it.")
     p.set_defaults(func=_cmd_rollout)
 
     p = sub.add_parser("eval", help="Evaluate a checkpoint or HF directory on the config's eval sets; print a table.")
@@ -305,6 +323,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dump-dir", default=None, help="Write each set's samples to DIR/<set>/step_<k>.jsonl.")
     p.add_argument("--metrics-json", default=None, help="Also write the metrics as JSON to this file.")
     p.set_defaults(func=_cmd_eval)
+
+    p = sub.add_parser("view", help="Browse a run's episodes turn by turn (pictures, tokens, log-probs) in a browser.")
+    p.usage = "jaxrl-vlm view RUN_DIR|DUMP.jsonl [--port N] [--host H] [--export FILE.html]"
+    p.add_argument("run", metavar="RUN_DIR", help="A run's --output-dir (rollout/ and eval/ dumps) or one dump file.")
+    p.add_argument("--host", default="127.0.0.1", help="Address to serve on.")
+    p.add_argument("--port", type=int, default=8765, help="Port to serve on.")
+    p.add_argument("--export", default=None, metavar="FILE.html",
+                   help="Write one self-contained page (pictures embedded) instead of serving.")
+    p.set_defaults(func=_cmd_view)
 
     p = sub.add_parser("plot", help="Overlay runs' curves (reward, eval reward, repetition, length, turns, truncation).")
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="Run output directories (or their metrics.jsonl).")

@@ -14,13 +14,24 @@ default loop), each turn also carries its record's finish reason, latencies, ret
 Image pads are shown compacted (one `<|image_pad|>` per image) in decoded text; token counts are always in the
 training view (pads expanded).
 
+For the trajectory viewer (`jaxrl-vlm view`, `jaxrl_vlm/viewer/`), `dump_samples` (unless `images=False`) also writes
+every picture the engine received (`Sample.image_data`: already at the image processor's size) as a PNG next to
+the dump, in `<dump stem>_images/`, shrunk to at most `thumbnail_px` on its longer side, and references them from
+the record (`prompt_images`, per turn `images`, each `{"file", "width", "height", "sent_width", "sent_height"}`,
+the file relative to the dump's directory); and, per turn, `tokens`: `[text, loss_mask, log_prob, count]` per
+response token (a run of image pads is one entry with its count), so the viewer colours tokens by mask and shows
+log-probs. `validate_dump` checks both when present: files exist, counts add up to the turn's tokens.
+
 This module never imports jax.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
 import enum
+import io
 import json
 import math
 from collections import defaultdict
@@ -28,10 +39,15 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from PIL import Image
+
 from rollout.sample import Sample, Status, Termination, TerminationKind, TurnRecord
 
 DUMP_FORMAT = "jaxrl-vlm-rollout-dump/1"
 IMAGE_PAD_TOKEN = "<|image_pad|>"
+VISION_START_TOKEN = "<|vision_start|>"
+#: Longest side, in pixels, of a picture written next to a dump for the viewer (a larger one is shrunk).
+THUMBNAIL_PX = 256
 
 # Per-turn fields copied from the episode loop's TurnRecords (summed or taken from the last record of a turn).
 _RECORD_FIELDS = ("finish_reason", "engine_latency_s", "env_latency_s", "env_retries", "truncation_cause", "error",
@@ -150,9 +166,35 @@ class _Decoder:
 
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
-        pad = tokenizer.convert_tokens_to_ids(IMAGE_PAD_TOKEN) if hasattr(tokenizer, "convert_tokens_to_ids") else None
+        self.image_pad = self._token_id(IMAGE_PAD_TOKEN)
+        self.vision_start = self._token_id(VISION_START_TOKEN)
+
+    def _token_id(self, token: str) -> int | None:
+        tokenizer = self.tokenizer
+        found = tokenizer.convert_tokens_to_ids(token) if hasattr(tokenizer, "convert_tokens_to_ids") else None
         unk = getattr(tokenizer, "unk_token_id", None)
-        self.image_pad = pad if isinstance(pad, int) and pad != unk else None
+        return found if isinstance(found, int) and found != unk else None
+
+    def count_images(self, ids: Sequence[int]) -> int:
+        """Pictures in a token run: its `<|vision_start|>` tokens (else its runs of image pads)."""
+        if self.vision_start is not None:
+            return sum(1 for t in ids if t == self.vision_start)
+        if self.image_pad is None:
+            return 0
+        return sum(1 for k, t in enumerate(ids) if t == self.image_pad and (k == 0 or ids[k - 1] != self.image_pad))
+
+    def token_rows(self, ids: Sequence[int], mask: Sequence[int], logprobs: Sequence[float]) -> list[list[Any]]:
+        """`[text, loss_mask, log_prob, count]` per token, a run of image pads as one entry with its count."""
+        rows: list[list[Any]] = []
+        ids = [int(t) for t in ids]
+        texts = self.tokenizer.batch_decode([[t] for t in ids], skip_special_tokens=False) if ids else []
+        for t, m, lp, text in zip(ids, mask, logprobs, texts):
+            if t == self.image_pad and rows and rows[-1][0] == IMAGE_PAD_TOKEN and rows[-1][1] == int(m):
+                rows[-1][3] += 1
+                continue
+            text = IMAGE_PAD_TOKEN if t == self.image_pad else text
+            rows.append([text, int(m), round(float(lp), 4) if math.isfinite(float(lp)) else None, 1])
+        return rows
 
     def __call__(self, ids: Sequence[int]) -> str:
         if self.image_pad is not None:
@@ -165,7 +207,35 @@ class _Decoder:
 
 
 # ----------------------------------------------------------------------------- writing
-def _dump_record(sample: Sample, decode: _Decoder) -> dict[str, Any]:
+class _ImageWriter:
+    """Writes a sample's pictures (PNG data URLs, as sent to the engine) into `<dump stem>_images/`."""
+
+    def __init__(self, dump_path: Path, thumbnail_px: int):
+        self.root = dump_path.parent
+        self.folder = dump_path.parent / f"{dump_path.stem}_images"
+        self.thumbnail_px = thumbnail_px
+
+    def write(self, sample: Sample, k: int) -> dict[str, Any]:
+        url = sample.image_data[k]
+        if not isinstance(url, str) or ";base64," not in url:
+            raise DumpError(f"{sample.name}: image_data[{k}] is not a base64 data URL")
+        try:
+            image = Image.open(io.BytesIO(base64.b64decode(url.split(";base64,", 1)[1], validate=True)))
+            image.load()
+        except (binascii.Error, OSError, ValueError) as e:
+            raise DumpError(f"{sample.name}: image_data[{k}] does not decode ({e})") from None
+        sent = image.size
+        if max(sent) > self.thumbnail_px:
+            image = image.copy()
+            image.thumbnail((self.thumbnail_px, self.thumbnail_px))
+        self.folder.mkdir(parents=True, exist_ok=True)
+        path = self.folder / f"g{int(sample.group_index)}_i{int(sample.index)}_{k}.png"
+        image.convert("RGB").save(path, format="PNG")
+        return {"file": path.relative_to(self.root).as_posix(), "width": image.width, "height": image.height,
+                "sent_width": sent[0], "sent_height": sent[1]}
+
+
+def _dump_record(sample: Sample, decode: _Decoder, images: _ImageWriter | None = None) -> dict[str, Any]:
     """The JSON-safe debug record of one sample (one line of a dump)."""
     prompt_len = sample.prompt_length
     response = sample.tokens[prompt_len:]
@@ -189,7 +259,22 @@ def _dump_record(sample: Sample, decode: _Decoder) -> dict[str, Any]:
         rec = record_of.get(span)
         for key in _RECORD_FIELDS:
             turn[key] = _json_value(rec.get(key)) if rec is not None else None
+        if images is not None:
+            turn["num_images"] = decode.count_images(response[span.obs_start : span.end])
+            turn["tokens"] = decode.token_rows(response[span.model_start : span.end],
+                                               sample.loss_mask[span.model_start : span.end],
+                                               sample.rollout_log_probs[span.model_start : span.end])
         turns.append(turn)
+    extra: dict[str, Any] = {}
+    if images is not None:
+        files = [images.write(sample, k) for k in range(len(sample.image_data))]
+        n_prompt = decode.count_images(sample.tokens[:prompt_len])
+        extra["prompt_images"] = files[:n_prompt]
+        at = n_prompt
+        for turn in turns:
+            n = turn.pop("num_images")
+            turn["images"] = files[at : at + n]
+            at += n
     meta = sample.metadata
     errors = [str(e) for e in meta.get("errors", ())] + [f"env: {e}" for e in meta.get("env_errors", ())]
     return {
@@ -216,18 +301,26 @@ def _dump_record(sample: Sample, decode: _Decoder) -> dict[str, Any]:
         "weight_versions": [str(v) for v in sample.weight_versions],
         "error": _json_value(meta.get("error")),
         "errors": errors,
+        **extra,
     }
 
 
-def dump_samples(samples: Iterable[Sample], path: str | Path, tokenizer: Any) -> int:
-    """Write one JSON line per sample to `path` (parents created); returns the number of lines written."""
+def dump_samples(samples: Iterable[Sample], path: str | Path, tokenizer: Any, *, images: bool = True,
+                 thumbnail_px: int = THUMBNAIL_PX, max_samples: int | None = None) -> int:
+    """Write one JSON line per sample to `path` (parents created); returns the number of lines written.
+
+    `images`: also the pictures (next to the dump) and the per-token rows the viewer reads (module docstring).
+    `max_samples`: write only the first that many (a bounded dump per training step)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     decode = _Decoder(tokenizer)
+    writer = _ImageWriter(path, thumbnail_px) if images else None
     n = 0
     with path.open("w", encoding="utf-8") as f:
         for sample in samples:
-            f.write(json.dumps(_dump_record(sample, decode), ensure_ascii=False, allow_nan=False) + "\n")
+            if max_samples is not None and n >= max_samples:
+                break
+            f.write(json.dumps(_dump_record(sample, decode, writer), ensure_ascii=False, allow_nan=False) + "\n")
             n += 1
     return n
 
@@ -255,7 +348,7 @@ def validate_dump(path: str | Path) -> list[dict[str, Any]]:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DumpError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from e
-            _validate_record(rec, where)
+            _validate_record(rec, where, path.parent)
             key = (rec["group_index"], rec["index"])
             if key in seen:
                 raise DumpError(f"{where}: sample (group_index={key[0]}, index={key[1]}) already on line {seen[key]}")
@@ -277,7 +370,47 @@ def _check_types(obj: dict[str, Any], spec: dict[str, type], where: str) -> None
             raise DumpError(f"{where}: key {key!r} is negative ({value})")
 
 
-def _validate_record(rec: Any, where: str) -> None:
+def _check_image_refs(refs: Any, where: str, root: Path | None) -> None:
+    if not isinstance(refs, list):
+        raise DumpError(f"{where} must be a list of image references")
+    for k, ref in enumerate(refs):
+        if not (isinstance(ref, dict) and isinstance(ref.get("file"), str)):
+            raise DumpError(f"{where}[{k}] must be an object with a 'file'")
+        if root is not None and not (root / ref["file"]).is_file():
+            raise DumpError(f"{where}[{k}]: image file {ref['file']!r} is missing (next to the dump, in {root})")
+
+
+def _validate_viewer_keys(rec: dict[str, Any], where: str, root: Path | None) -> None:
+    """The optional keys of a dump written with `images=True`."""
+    if "prompt_images" not in rec:
+        return
+    _check_image_refs(rec["prompt_images"], f"{where}: key 'prompt_images'", root)
+    total = len(rec["prompt_images"])
+    for k, turn in enumerate(rec["turns"]):
+        twhere = f"{where}: turns[{k}]"
+        _check_image_refs(turn.get("images"), f"{twhere} key 'images'", root)
+        total += len(turn["images"])
+        tokens = turn.get("tokens")
+        if not isinstance(tokens, list):
+            raise DumpError(f"{twhere}: key 'tokens' must be a list")
+        for j, row in enumerate(tokens):
+            if not (isinstance(row, list) and len(row) == 4 and isinstance(row[0], str) and row[1] in (0, 1)
+                    and (row[2] is None or isinstance(row[2], (int, float))) and isinstance(row[3], int) and row[3] > 0):
+                raise DumpError(f"{twhere}: tokens[{j}] is {row!r}, expected [text, 0 or 1, log-prob or null, count]")
+        n = sum(row[3] for row in tokens)
+        if n != turn["model_tokens"] + turn["observation_tokens"]:
+            raise DumpError(f"{twhere}: key 'tokens' counts {n} tokens, the turn has "
+                            f"{turn['model_tokens'] + turn['observation_tokens']}")
+        trained = sum(row[3] for row in tokens if row[1] == 1)
+        if trained != turn["model_tokens"] - turn["offpolicy_masked_tokens"]:
+            raise DumpError(f"{twhere}: key 'tokens' has {trained} tokens with loss mask 1, the turn trains "
+                            f"{turn['model_tokens'] - turn['offpolicy_masked_tokens']}")
+    # Fewer references than pictures is possible for a FAILED episode cut between its pictures and their tokens.
+    if "num_images" in rec and total > rec["num_images"]:
+        raise DumpError(f"{where}: {total} image references, key 'num_images' is only {rec['num_images']}")
+
+
+def _validate_record(rec: Any, where: str, path_root: Path | None = None) -> None:
     if not isinstance(rec, dict):
         raise DumpError(f"{where}: a line must be a JSON object, got {type(rec).__name__}")
     _check_types(rec, _REQUIRED_KEYS, where)
@@ -342,6 +475,7 @@ def _validate_record(rec: Any, where: str) -> None:
             raise DumpError(f"{where}: status truncated but termination is {rec['termination']!r}")
         if status is Status.ABORTED and termination.kind is not TerminationKind.ABORT:
             raise DumpError(f"{where}: status aborted but termination is {rec['termination']!r}")
+    _validate_viewer_keys(rec, where, path_root)
     if rec["turn_records"] and status is not Status.FAILED and not rec["records_aligned"]:
         raise DumpError(f"{where}: key 'records_aligned' is false: the episode's turn records do not match the "
                         "model-token runs of its response")

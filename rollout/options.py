@@ -227,6 +227,14 @@ class DebugOptions(ArgsOptions):
         "Train on the rollouts saved by --save-debug-rollout-data instead of rolling out: step k reads "
         "PATH.format(rollout_id=k); no engine is started or contacted, there is no weight sync and no evaluation "
         "(slime's flag). The same config replays a run's per-step losses bit for bit (one device, fp32).")
+    dump_rollout_interval: int = opt(
+        0,
+        "Every N training steps (steps 0, N, 2N, ...), write that step's first --dump-rollout-max-samples samples "
+        "(FAILED ones first, so the cap never hides them) for `jaxrl-vlm view`: <output_dir>/rollout/step_<k>.jsonl "
+        "in rollout/dump.py's format, with the pictures as sent to the engine (thumbnails) and per-token log-probs; "
+        "0 writes none.", ge=0)
+    dump_rollout_max_samples: int = opt(
+        16, "At most this many samples per dumped training step (--dump-rollout-interval): keeps dumps bounded.", ge=1)
 
 
 # The field a saved-rollout path template fills in (slime's `PATH.format(rollout_id=k)`).

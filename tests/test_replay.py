@@ -383,7 +383,9 @@ def test_compare_losses_with_eval_sets_evaluates_the_start_and_each_variants_wei
     records = read_metrics(out / "runs" / "gspo" / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 1]
     assert all(0.0 <= r["eval/heldout/raw_reward"] <= 1.0 and r["eval/heldout/samples"] == 2 for r in records)
-    assert sorted(p.name for p in (out / "runs" / "gspo" / "eval" / "heldout").iterdir()) == ["step_1.jsonl"]
+    # The dump and the pictures the engine received (rollout/dump.py), for `jaxrl-vlm view`.
+    assert sorted(p.name for p in (out / "runs" / "gspo" / "eval" / "heldout").iterdir()) == ["step_1.jsonl",
+                                                                                           "step_1_images"]
     row = next(csv.DictReader((out / "comparison.csv").read_text().splitlines()))
     assert float(row["eval heldout start"]) == records[0]["eval/heldout/raw_reward"]
     assert float(row["eval heldout final"]) == records[1]["eval/heldout/raw_reward"]

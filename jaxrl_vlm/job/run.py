@@ -234,6 +234,10 @@ class MainJob:
             self.step_start = start  # the rollout took prompts and carried groups: the checkpoint saves these
             raise
         metrics = taken.metrics
+        interval, live = self.cfg.debug.dump_rollout_interval, isinstance(self.source, (LiveRollout, StreamingSource))
+        if self.main and live and interval and step % interval == 0 and taken.result is not None:  # for `view`
+            dump_samples([*taken.result.failed, *taken.result.samples], self.out_dir / "rollout" / f"step_{step}.jsonl",
+                         self.source.run.context.encoder.tokenizer, max_samples=self.cfg.debug.dump_rollout_max_samples)
         if taken.samples:
             await source.train(functools.partial(self.train, taken.samples, metrics), metrics)
             if not self.skip_sync(step):
