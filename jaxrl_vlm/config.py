@@ -45,6 +45,7 @@ from jaxrl_vlm import slime_flags
 from jaxrl_vlm.devices import check_disjoint, parse_device_ids
 from jaxrl_vlm.engine.options import EngineOptions
 from jaxrl_vlm.errors import ConfigError
+from jaxrl_vlm.lora.options import LoraOptions
 from jaxrl_vlm.models.config import FAMILY_PARSERS
 from jaxrl_vlm.rl.options import LossOptions
 from jaxrl_vlm.rl.registries import ADVANTAGE_ESTIMATORS, AGGREGATION_MODES, LOSS_TYPES, POLICY_LOSSES
@@ -476,6 +477,8 @@ def _compose(name: str, own: type, component: type, *, keyed_only: bool, declare
     return cls
 
 
+# The adapters are declared where the trainer reads them (lora/options.py), the section is that dataclass.
+LoraConfig = LoraOptions
 AlgoConfig = _compose("AlgoConfig", _AlgoOptions, LossOptions, keyed_only=False)
 EngineConfig = _compose("EngineConfig", _EngineRunOptions, EngineOptions, keyed_only=True,
                         help_prefix="Embedded engine: ", declared=(ModelConfig, RolloutConfig))
@@ -489,6 +492,7 @@ SECTIONS: dict[str, type] = {
     "train": TrainConfig,
     "optim": OptimConfig,
     "batching": BatchingConfig,
+    "lora": LoraConfig,
     "engine": EngineConfig,
     "eval": EvalConfig,
     "tracking": TrackingConfig,
@@ -514,6 +518,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     batching: BatchingConfig = field(default_factory=BatchingConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)

@@ -19,6 +19,11 @@ sets) while the engine keeps serving, and `load` runs the same pause -> flush ->
 `load_format` IN_MEMORY_LOAD_FORMAT, so the engine swaps them in and reports the same version a disk sync would
 set. The weights are rounded through the sync dtype first, so both paths serve the same numbers.
 
+LoRA (a model from `Trainer.policy_model` carries its adapters, `lora.adapters.adapters_of`): in memory only the
+adapters move; the engine merges them into the base it keeps (read once from `copy_from`, the run's base checkpoint)
+on its own devices (`engine.weights.merge_adapters`). `sync/gbytes` is then the adapters' bytes in the sync dtype.
+An engine reached over HTTP is sent the merged model (it is not asked to serve adapters).
+
 Multi-host: every process calls `push` (gathering a sharded parameter is a collective); only process 0
 writes files and talks to the engines.
 """
@@ -38,6 +43,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl_vlm.distributed import barrier, export_hf, is_main_process
+from jaxrl_vlm.engine.weights import load_params_state, merge_adapters
+from jaxrl_vlm.lora.adapters import adapter_nbytes, adapters_of
 from rollout.client import EngineError, SGLangClient, WeightSyncError
 from rollout.engine_link import MAX_OUTAGES_PER_REQUEST, EngineLost, LinkState
 from rollout.sglang_wire import IN_MEMORY_LOAD_FORMAT
@@ -63,11 +70,12 @@ class SyncReport:
     attempts: int
     errors: list[str] = field(default_factory=list)
     in_memory: bool = False  # staged in the in-process engine under `path.name`, not written to disk
+    adapters_only: bool = False  # LoRA: only the adapters moved (`bytes_written` counts them), merged by the engine
 
     def metrics(self) -> dict[str, float]:
         """The step metrics of this version's publication: export seconds, gigabytes written, in memory (0/1)."""
         return {"sync/export_s": self.export_s, "sync/gbytes": self.bytes_written / 1e9,
-                "sync/in_memory": float(self.in_memory)}
+                "sync/in_memory": float(self.in_memory), "sync/adapters_only": float(self.adapters_only)}
 
 
 def version_dir(root: Path, version: int) -> Path:
@@ -145,6 +153,7 @@ class WeightSyncer:
         self._engine_ops = asyncio.Lock()
         self._loading: SyncReport | None = None  # the version being loaded, which a restore must push
         self.restored_version: int | None = None  # the last version a restore pushed and confirmed
+        self._engine_base_state: Any = None  # LoRA in memory: the base the adapters are merged into (first replica)
 
     async def push(self, model: Any, version: int) -> SyncReport:
         """Export `model` as `version` and load it into every engine (all of them, or none: see WeightSyncFailed)."""
@@ -168,6 +177,13 @@ class WeightSyncer:
         engine = self.memory_engine()
         if engine is not None:
             name = version_dir(Path(), version).name
+            lora = adapters_of(model)
+            if lora is not None:
+                merged = merge_adapters(self._engine_base(engine), lora.adapters, lora.setup, via_dtype=self.dtype)
+                engine.stage_weights(name, merged)
+                return SyncReport(version=version, path=Path(name), export_s=time.perf_counter() - t0, sync_s=0.0,
+                                  bytes_written=adapter_nbytes(lora.adapters, self.dtype), attempts=0, in_memory=True,
+                                  adapters_only=True)
             engine.stage_weights(name, nnx.state(model, nnx.Param), via_dtype=self.dtype)
             return SyncReport(version=version, path=Path(name), export_s=time.perf_counter() - t0, sync_s=0.0,
                               bytes_written=0, attempts=0, in_memory=True)
@@ -178,6 +194,16 @@ class WeightSyncer:
         main = jax.process_index() == 0
         return SyncReport(version=version, path=path, export_s=export_s, sync_s=0.0,
                           bytes_written=_dir_bytes(path) if main else 0, attempts=0)
+
+    def _engine_base(self, engine: Any) -> Any:
+        """The base parameters the adapters are merged into, in the first replica's shardings (`stage_weights` copies
+        the merged state to the other replicas): the run's base checkpoint (`copy_from`) read once, since the engine
+        may serve an earlier version's weights by now (a resumed run's first export goes by disk)."""
+        if self._engine_base_state is None:
+            runner = engine.runners[0]
+            self._engine_base_state = (runner.params if self.copy_from is None
+                                       else load_params_state(self.copy_from, runner.cfg, runner.params))
+        return self._engine_base_state
 
     async def load(self, report: SyncReport) -> SyncReport:
         """Make every engine load the exported `report` and confirm its version (no engine attached: export only).

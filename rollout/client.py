@@ -474,6 +474,8 @@ class SGLangClient:
         # The engine object serving `url` from this very process (our embedded engine), if any: a trainer in the
         # same process may then stage new weights in memory (`load_format` IN_MEMORY_LOAD_FORMAT) instead of on disk.
         self.local_engine: Any = None
+        # LoRA served by the engine (`load_lora_adapter`): the adapter every later /generate selects, or None (base).
+        self.lora_name: str | None = None
         self.is_router = worker_urls is not None
         self.max_connections = max_connections
         self.timeout_s = timeout_s
@@ -720,6 +722,8 @@ class SGLangClient:
         }
         if image_data:
             body["image_data"] = list(image_data)
+        if self.lora_name is not None:
+            body["lora_path"] = self.lora_name  # SGLang selects a loaded adapter by its name in `lora_path`
         return body
 
     @staticmethod
@@ -892,6 +896,33 @@ class SGLangClient:
         return reply.data
 
     # ---- control ---------------------------------------------------------------------------
+
+    # ---- LoRA adapters ---------------------------------------------------------------------
+
+    # The engine protocol's adapter routes (SGLang's; `VLLMClient` says vLLM's).
+    lora_load_path = "/load_lora_adapter"
+    lora_unload_path = "/unload_lora_adapter"
+
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        """Load the PEFT adapter directory `path` (a path on the engine's host) under `name` on every worker; every
+        later /generate selects it. Raises EngineError when a worker refuses."""
+        body = {"lora_name": name, "lora_path": str(path)}
+
+        async def one(url: str) -> None:
+            answer = await self._post_json(url, self.lora_load_path, body, timeout_s=self.weight_update_timeout_s)
+            if answer.get("success") is False:
+                raise EngineResponseError(url + self.lora_load_path, 200, _snippet(repr(answer)), 1,
+                                          reason=f"the engine refused LoRA adapter {name!r} from {path}")
+
+        await self._each_worker(one, f"loading LoRA adapter {name!r}")
+        self.lora_name = name
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        """Unload the adapter `name` from every worker (requests then use the base unless another is selected)."""
+        await self._each_worker(lambda url: self._post_json(url, self.lora_unload_path, {"lora_name": name}),
+                                f"unloading LoRA adapter {name!r}")
+        if self.lora_name == name:
+            self.lora_name = None
 
     async def flush_cache(self, url: str | None = None) -> bool:
         """POST /flush_cache. False when the engine refuses because requests are running or waiting

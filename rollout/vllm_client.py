@@ -44,12 +44,14 @@ class VLLMClient(SGLangClient):
     needs_untied_export = True
 
     generate_path = vllm_wire.GENERATE_PATH
+    lora_load_path = vllm_wire.LOAD_LORA_PATH
+    lora_unload_path = vllm_wire.UNLOAD_LORA_PATH
 
     def _generate_body(self, input_ids: Sequence[int], image_data: Sequence[str] | None,
                        sampling_params: Mapping[str, Any], return_logprob: bool, rid: str) -> dict[str, Any]:
         try:
             return vllm_wire.generate_body(input_ids, image_data=image_data, params=sampling_params,
-                                           return_logprob=return_logprob, rid=rid)
+                                           return_logprob=return_logprob, rid=rid, lora_name=self.lora_name)
         except vllm_wire.VLLMRequestError as exc:
             raise EngineRequestError(self.url + self.generate_path, None, str(exc), 0,
                                      reason="request cannot be sent to vLLM") from None

@@ -33,6 +33,9 @@ LOAD_PATH = "/load"
 VERSION_PATH = "/version"
 MODELS_PATH = "/v1/models"
 HEALTH_PATH = "/health"
+# LoRA adapters at runtime (the server needs --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1).
+LOAD_LORA_PATH = "/v1/load_lora_adapter"
+UNLOAD_LORA_PATH = "/v1/unload_lora_adapter"
 
 # vLLM's /pause modes for SGLang's /pause_generation modes: both drop in-flight requests as aborted (`abort`), or keep
 # them to continue after the update (`retract` re-queues them in SGLang; `in_place` keeps them in the batch).
@@ -108,9 +111,11 @@ def sampling_params(params: Mapping[str, Any], *, return_logprob: bool) -> dict[
 def generate_body(
     input_ids: Sequence[int], *, image_data: Sequence[str] | None, params: Mapping[str, Any], return_logprob: bool,
     rid: str,
+    lora_name: str | None = None,
 ) -> dict[str, Any]:
     """The `/inference/v1/generate` body: prompt ids with one compact `<|image_pad|>` per image (vLLM expands each
-    once; already-expanded pads would be expanded again, silently), and the images as data URLs in order."""
+    once; already-expanded pads would be expanded again, silently), and the images as data URLs in order. A loaded
+    LoRA adapter is selected by its name as the request's `model`, vLLM's convention for adapters."""
     body: dict[str, Any] = {
         "request_id": rid,
         "token_ids": [int(t) for t in input_ids],
@@ -119,6 +124,8 @@ def generate_body(
     }
     if image_data:
         body["content_parts"] = [{"type": "image_url", "url": url} for url in image_data]
+    if lora_name is not None:
+        body["model"] = lora_name
     return body
 
 

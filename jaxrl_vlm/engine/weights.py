@@ -10,21 +10,27 @@ Before any tensor is read, `check_checkpoint_files` checks the files themselves:
 and is an object of well-formed entries whose byte ranges lie inside the file. A corrupt or hostile
 checkpoint is then refused with a `CheckpointError` naming the file, never read past its end or into memory
 it claims to need.
+
+`merge_adapters` serves LoRA in memory: the engine keeps the base it loaded and merges each version's adapters into
+it on its own devices, so a weight sync moves only the adapters.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 import struct
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxrl_vlm.lora.adapters import Adapters, LoraSetup, merged_params
 from jaxrl_vlm.models import hf_io
 from jaxrl_vlm.models.config import ModelConfig
 
@@ -152,3 +158,20 @@ def load_params_state(path: str | os.PathLike, cfg: ModelConfig, like: nnx.State
         raise RuntimeError(f"parameters without a checkpoint source: {missing}")
     # New Variables throughout: the serving state is never mutated.
     return nnx.from_flat_state([(p, var.replace(new_values[p])) for p, var in nnx.to_flat_state(like)])
+
+
+@functools.lru_cache(maxsize=8)
+def _merge_program(setup: LoraSetup):
+    return jax.jit(lambda base, adapters: merged_params(base, adapters, setup))
+
+
+def merge_adapters(base: nnx.State, adapters: Adapters, setup: LoraSetup, via_dtype: Any = None) -> nnx.State:
+    """The serving state `base` (a replica's parameters, kept as they were loaded) with LoRA adapters merged in, on
+    the base's devices and in its dtypes: the adapters are all that crosses from the trainer. `via_dtype`: round
+    the adapters through this dtype first (the weight-sync dtype), as a disk export would."""
+    leaf = jax.tree.leaves(base)[0]
+    here = jax.sharding.NamedSharding(leaf.sharding.mesh, jax.sharding.PartitionSpec()) \
+        if isinstance(leaf.sharding, jax.sharding.NamedSharding) else leaf.sharding
+    if via_dtype is not None:
+        adapters = jax.tree.map(lambda x: x.astype(via_dtype), adapters)
+    return _merge_program(setup)(base, jax.device_put(adapters, here))

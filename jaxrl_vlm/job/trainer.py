@@ -4,7 +4,8 @@ RL: samples -> advantages (grouped by `group_index`) -> fixed-shape batches on t
 SFT (`--loss-type sft_loss`): conversations -> the same batches (token-mean weights, no advantages) -> the same
 compiled steps with the NLL of the assistant tokens at temperature 1; `nll` scores held-out conversations.
 It knows nothing about engines or rollouts; the run loops (`job/run.py`, `job/sft.py`) feed it and export its
-weights.
+weights. With LoRA (`--lora-rank`, `jaxrl_vlm/lora/`) the trained state is the adapters, the base is frozen beside
+them (`frozen`, also the reference policy), and `policy_model()` is the merged model, carrying its adapters.
 """
 
 from __future__ import annotations
@@ -22,6 +23,14 @@ from jaxrl_vlm.batching import TrainBatch, build_train_batch
 from jaxrl_vlm.config import Config, is_sft
 from jaxrl_vlm.devices import pick_devices
 from jaxrl_vlm.errors import ConfigError
+from jaxrl_vlm.lora.adapters import (
+    PolicyAdapters,
+    adapter_shardings,
+    attach_adapters,
+    init_adapters,
+    lora_setup,
+    merged_params,
+)
 from jaxrl_vlm.distributed import global_batch
 from jaxrl_vlm.models.hf_io import from_hf, load_hf_config
 from jaxrl_vlm.rl.advantages import compute_advantages
@@ -177,6 +186,12 @@ class Trainer:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self._step_fns: dict[tuple[int, bool, float], Any] = {}
         self._logprob_fn: Any = None
+        self._merge_fn: Any = None
+        # LoRA (--lora-rank > 0): the adapters' setup, and the frozen base state they adapt (`state.params` are then
+        # the adapters, all that trains and has optimizer state).
+        self.lora = None
+        self.frozen: Any = None
+        self.frozen_shardings: Any = None
 
     # -------------------------------------------------------------------------- setup
     def build_policy(self, model_dir: Path) -> None:
@@ -195,6 +210,16 @@ class Trainer:
         self.graphdef, params = nnx.split(model, nnx.Param)
         self.tx = make_optimizer(cfg.optim, cfg.rollout.num_rollout * cfg.train.num_steps_per_rollout)
         p_sh = param_shardings(params, self.mesh, self.rules)
+        if cfg.lora.enabled:
+            self.lora = lora_setup(model.cfg, params, cfg.lora)
+            # The base never changes: held once, in the compute dtype the model casts every kernel to anyway.
+            cd = jnp.dtype(cfg.model.compute_dtype)
+            self.frozen = jax.device_put(jax.tree.map(lambda x: x.astype(cd), params), p_sh)
+            self.frozen_shardings = p_sh
+            adapters = init_adapters(self.lora, jax.random.fold_in(jax.random.key(cfg.train.seed), 1), params)
+            del model, params
+            p_sh = adapter_shardings(self.lora, self.mesh, self.rules)
+            params = jax.device_put(adapters, p_sh)
         # Optimizer moments are laid out like the parameters they track.
         opt_state = jax.jit(self.tx.init)(params)
         rng = jax.random.key_data(jax.random.key(cfg.train.seed))
@@ -211,7 +236,11 @@ class Trainer:
                                               step=replicated, rng=replicated)
         self.state = jax.device_put(state, self.state_shardings)
         needs_ref = cfg.algo.use_kl_loss or cfg.algo.kl_coef != 0.0
-        self.ref_params = jax.tree.map(jnp.copy, params) if needs_ref else None
+        if self.lora is not None:
+            # The reference is the base: the same parameters with the adapters switched off, no copy.
+            self.ref_params = self.frozen if needs_ref else None
+        else:
+            self.ref_params = jax.tree.map(jnp.copy, params) if needs_ref else None
 
     def _activations(self) -> ActivationSharding | None:
         return ActivationSharding.from_config(self.cfg.mesh, self.mesh, self.rules)
@@ -221,8 +250,9 @@ class Trainer:
         if key not in self._step_fns:
             cfg = step_config(self.cfg, num_sequences, old_from_current=old_from_current, activations=self._activations())
             self._step_fns[key] = compile_train_step(
-                self.graphdef, self.tx, cfg, state_shardings=self.state_shardings,
+                self.graphdef, self.tx, dataclasses.replace(cfg, lora=self.lora), state_shardings=self.state_shardings,
                 batch_shardings=lambda tree: batch_shardings(tree, self.mesh, self.rules),
+                frozen_shardings=self.frozen_shardings,
             )
         return self._step_fns[key]
 
@@ -282,7 +312,8 @@ class Trainer:
         batches = [self._batch(chunk, adv) for chunk, adv in chunks]
         # The NLL needs no old log-probs: SFT steps always take the current ones (never read).
         single = sft or (len(batches) == 1 and cfg.train.num_steps_per_rollout == 1)
-        old = [None if single else self._logprobs(self.state.params, dev) for _, dev in batches]
+        current = None if single else self.policy_params()
+        old = [None if single else self._logprobs(current, dev) for _, dev in batches]
         ref = [None if self.ref_params is None else self._logprobs(self.ref_params, dev) for _, dev in batches]
         updates = []
         for _ in range(cfg.train.num_steps_per_rollout):
@@ -290,7 +321,7 @@ class Trainer:
                 # The NLL has no per-sequence term: one static bound keeps SFT at one program per batch shape.
                 num_sequences = 1 if sft else sequences_bucket(batch.layout.max_sequences_per_micro_batch)
                 step_fn = self._step_fn(num_sequences, single)
-                self.state, step_metrics = step_fn(self.state, device_batch, old_lp, ref_lp)
+                self.state, step_metrics = step_fn(self.state, device_batch, old_lp, ref_lp, self.frozen)
                 updates.append(step_metrics)
         # Metrics of the optimizer steps of this rollout, averaged (one device->host transfer).
         per_step = jax.device_get(updates)
@@ -313,10 +344,11 @@ class Trainer:
         of those tokens), with the current weights and no update, in batches of `batch_size` samples. A collective
         under several processes: every process calls it with the same samples."""
         total, tokens = 0.0, 0.0
+        params = self.policy_params()
         for start in range(0, len(samples), batch_size):
             chunk = samples[start : start + batch_size]
             _, device_batch = self._batch(chunk, np.zeros(len(chunk), np.float32))
-            logprobs = self._logprobs(self.state.params, device_batch)
+            logprobs = self._logprobs(params, device_batch)
             nll_sum, count = jax.device_get(_masked_nll(logprobs, device_batch.loss_mask))
             total += float(nll_sum)
             tokens += float(count)
@@ -326,7 +358,7 @@ class Trainer:
         """Train from `params` (another run's weights, e.g. an SFT run's checkpoint): the optimizer state stays this
         run's fresh one, and the reference policy of the KL terms becomes these weights."""
         self.state = jax.device_put(self.state._replace(params=params), self.state_shardings)
-        if self.ref_params is not None:
+        if self.ref_params is not None and self.lora is None:  # LoRA's reference stays the base
             self.ref_params = jax.tree.map(jnp.copy, self.state.params)
 
     def advantages(self, samples: list[Sample]) -> tuple[np.ndarray, dict[str, float]]:
@@ -351,10 +383,11 @@ class Trainer:
             return sample_advantages(samples, cfg, rewards), metrics
         kl_sums = np.zeros(len(samples), np.float64)
         size = cfg.train.global_batch_size or len(samples)
+        current = self.policy_params()
         for start in range(0, len(samples), size):
             chunk = samples[start : start + size]
             batch, device_batch = self._batch(chunk, np.zeros(len(chunk), np.float32))
-            k1 = self._logprobs(self.state.params, device_batch) - self._logprobs(self.ref_params, device_batch)
+            k1 = self._logprobs(current, device_batch) - self._logprobs(self.ref_params, device_batch)
             per_token, mask = per_sample_token_values(batch, np.asarray(jax.device_get(k1)))
             kl_sums[start : start + len(chunk)] = (per_token * mask).sum(axis=1)
         shaped = rewards - cfg.algo.kl_coef * kl_sums
@@ -362,5 +395,20 @@ class Trainer:
                         "rollout/shaped_reward_mean": float(shaped.mean())})
         return sample_advantages(samples, cfg, shaped), metrics
 
+    def policy_params(self) -> Any:
+        """The parameter state of the current policy: the trained parameters, or with LoRA the base with the adapters
+        merged in (a new state; the base is untouched)."""
+        if self.lora is None:
+            return self.state.params
+        if self._merge_fn is None:
+            self._merge_fn = jax.jit(lambda base, adapters: merged_params(base, adapters, self.lora),
+                                     out_shardings=self.frozen_shardings)
+        return self._merge_fn(self.frozen, self.state.params)
+
     def policy_model(self) -> Any:
-        return nnx.merge(self.graphdef, self.state.params)
+        """The current policy as a model (for export and weight sync); with LoRA the merged model, which carries its
+        adapters (`lora.adapters.adapters_of`) so an engine that serves adapters is sent only those."""
+        model = nnx.merge(self.graphdef, self.policy_params())
+        if self.lora is None:
+            return model
+        return attach_adapters(model, PolicyAdapters(self.lora, jax.tree.map(jnp.copy, self.state.params)))

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jaxrl_vlm.lora.adapters import LoraSetup, merged_params, with_rank_dropout
 from jaxrl_vlm.models.activation_sharding import ActivationLayout, activation_sharding
 from jaxrl_vlm.models.families import PolicyModel
 from jaxrl_vlm.models.layers import token_logprobs
@@ -59,6 +60,8 @@ class StepConfig:
     old_from_current: bool = True  # one optimizer step per rollout: old log-probs = detached current ones
     # Mesh + rules for the model's activation constraints (None: let XLA propagate from the inputs alone).
     activations: ActivationLayout | None = None
+    # LoRA: `TrainState.params` are the adapters and the step's `frozen` argument is the base state they adapt.
+    lora: LoraSetup | None = None
 
 
 def make_optimizer(optim: Any, total_steps: int) -> optax.GradientTransformation:
@@ -120,10 +123,12 @@ def train_step(
     batch: Any,
     old_logprobs: jax.Array | None,
     ref_logprobs: jax.Array | None,
+    frozen: Any = None,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
-    """One optimizer update from a [K, R, T] batch (K micro-batches, accumulated in a scan)."""
+    """One optimizer update from a [K, R, T] batch (K micro-batches, accumulated in a scan). With LoRA
+    (`cfg.lora`), `frozen` is the base parameter state and `state.params` the adapters (all that trains)."""
     with activation_sharding(cfg.activations):
-        return _train_step(graphdef, tx, cfg, state, batch, old_logprobs, ref_logprobs)
+        return _train_step(graphdef, tx, cfg, state, batch, old_logprobs, ref_logprobs, frozen)
 
 
 def step_loss(cfg: StepConfig) -> LossFn:
@@ -131,14 +136,22 @@ def step_loss(cfg: StepConfig) -> LossFn:
     return select_loss(cfg.loss_type, cfg.policy_loss, cfg.custom_loss_path)
 
 
-def _train_step(graphdef, tx, cfg: StepConfig, state: TrainState, batch, old_logprobs, ref_logprobs):
+def _train_step(graphdef, tx, cfg: StepConfig, state: TrainState, batch, old_logprobs, ref_logprobs, frozen=None):
     loss_fn = step_loss(cfg)
     num_micro = batch.tokens.shape[0]
+
+    def policy(params, k):
+        """The parameter state the model runs with: `params`, or the base adapted by them (rank dropout drawn per
+        optimizer step and micro-batch)."""
+        if cfg.lora is None:
+            return params
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step), k)
+        return merged_params(frozen, with_rank_dropout(params, cfg.lora, key), cfg.lora)
 
     def micro_loss(params, k):
         mb = _micro(batch, k)
         lp, ent = policy_logprobs(
-            graphdef, params, mb, chunk_size=cfg.logprob_chunk_size, need_entropy=cfg.need_entropy,
+            graphdef, policy(params, k), mb, chunk_size=cfg.logprob_chunk_size, need_entropy=cfg.need_entropy,
             temperature=cfg.temperature,
         )
         old = jax.lax.stop_gradient(lp) if cfg.old_from_current else old_logprobs[k]
@@ -212,8 +225,10 @@ def compile_train_step(
     *,
     state_shardings: Any = None,
     batch_shardings: Callable[[Any], Any] | None = None,
+    frozen_shardings: Any = None,
 ) -> Callable[..., tuple[TrainState, dict[str, jax.Array]]]:
-    """A jitted `step(state, batch, old_logprobs, ref_logprobs)`; the state buffer is donated.
+    """A jitted `step(state, batch, old_logprobs, ref_logprobs, frozen=None)`; the state buffer is donated (never
+    `frozen`: LoRA's base, placed as `frozen_shardings`).
 
     With shardings, `jax.jit` gets explicit in/out shardings: state as placed, batch rows over (data, fsdp),
     metrics replicated. jit caches one executable per batch shape (a bounded set, from the buckets).
@@ -223,19 +238,20 @@ def compile_train_step(
         return jax.jit(fn, donate_argnums=(0,))
     cache: dict[Any, Callable] = {}
 
-    def step(state, batch, old_logprobs=None, ref_logprobs=None):
-        key = (jax.tree.structure(batch), tuple(x.shape for x in jax.tree.leaves(batch)), old_logprobs is None, ref_logprobs is None)
+    def step(state, batch, old_logprobs=None, ref_logprobs=None, frozen=None):
+        key = (jax.tree.structure(batch), tuple(x.shape for x in jax.tree.leaves(batch)), old_logprobs is None, ref_logprobs is None,
+               frozen is None)
         if key not in cache:
             b_sh = batch_shardings(batch)
             lp_sh = None if old_logprobs is None else batch_shardings(old_logprobs)
             ref_sh = None if ref_logprobs is None else batch_shardings(ref_logprobs)
             cache[key] = jax.jit(
                 fn,
-                in_shardings=(state_shardings, b_sh, lp_sh, ref_sh),
+                in_shardings=(state_shardings, b_sh, lp_sh, ref_sh, None if frozen is None else frozen_shardings),
                 out_shardings=(state_shardings, None),
                 donate_argnums=(0,),
             )
-        return cache[key](state, batch, old_logprobs, ref_logprobs)
+        return cache[key](state, batch, old_logprobs, ref_logprobs, frozen)
 
     step.cache = cache  # type: ignore[attr-defined]
     return step

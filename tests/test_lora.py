@@ -1,0 +1,240 @@
+"""LoRA in the learner: only the adapters train and have optimizer state, the base stays frozen in the compute dtype,
+the reference policy is the base itself (no copy), every mesh layout shards the adapters like their kernels (goldens),
+and an orbax checkpoint restores adapters and optimizer state bit for bit."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _train_samples import train_samples
+from flax import nnx
+
+from jaxrl_vlm.checkpoint import CheckpointStore, abstract_like
+from jaxrl_vlm.config import load_config
+from jaxrl_vlm.errors import ConfigError
+from jaxrl_vlm.job.trainer import Trainer
+from jaxrl_vlm.lora.adapters import adapter_layouts, adapter_nbytes, adapters_of, lora_setup
+from jaxrl_vlm.lora.export import load_peft_adapter
+from jaxrl_vlm.lora.options import LoraOptions
+from jaxrl_vlm.models import from_hf
+from jaxrl_vlm.models.hf_io import abstract_model
+from jaxrl_vlm.tiny import make_tiny, tiny_model_config
+
+REPO = Path(__file__).resolve().parents[1]
+LAYOUTS = sorted((REPO / "configs" / "mesh").glob("*.yaml"))
+GOLDENS = REPO / "tests" / "goldens" / "lora"
+REGENERATE = "python tests/test_lora.py --regenerate-goldens"
+GOLDEN_OPTIONS = LoraOptions(lora_rank=8, lora_vision=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return make_tiny(tmp_path_factory.mktemp("tiny") / "model", seed=9)
+
+
+def trainer_argv(tiny_dir: Path, out: Path, *extra: str) -> list[str]:
+    return ["--hf-checkpoint", str(tiny_dir), "--lr", "1e-2", "--weight-decay", "0", "--seq-buckets", "256",
+            "--row-buckets", "16", "--patch-buckets", "128", "--logprob-chunk-size", "64", "--mesh-data", "1",
+            "--output-dir", str(out), "--lora-rank", "4", "--lora-alpha", "8", *extra]
+
+
+def _trainer(tiny_dir: Path, out: Path, *extra: str) -> Trainer:
+    t = Trainer(load_config(None, trainer_argv(tiny_dir, out, *extra)), devices=jax.devices()[:1])
+    t.build_policy(tiny_dir)
+    return t
+
+
+def _export_script():
+    spec = importlib.util.spec_from_file_location("export_lora", REPO / "scripts" / "export_lora.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _host_pairs(adapters) -> list[dict[str, np.ndarray]]:
+    return [{k: np.asarray(v) for k, v in pair.items()} for pair in jax.device_get(adapters)]
+
+
+def _host(tree):
+    return [np.asarray(x) for x in jax.tree.leaves(jax.device_get(tree))]
+
+
+def test_only_adapters_train_on_a_frozen_base_that_is_the_reference(tiny_dir, tmp_path, make_test_image):
+    samples = train_samples(tiny_dir, make_test_image)
+    trainer = _trainer(tiny_dir, tmp_path / "run", "--use-kl-loss", "--kl-loss-coef", "0.1", "--lora-dropout", "0.25",
+                       "--lora-modules-to-save", "model.language_model.norm")
+    sites = trainer.lora.sites
+    assert [s.module.rsplit(".", 1)[-1] for s in sites[:7]] == [
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    assert len(sites) == 7 * trainer.model_cfg.text.num_hidden_layers  # all-linear: the text decoder's linears
+    adapter_elems = sum(x.size for x in jax.tree.leaves(trainer.state.params))
+    hidden = trainer.model_cfg.text.hidden_size  # the final norm, trained in full (modules_to_save)
+    assert adapter_elems == sum(4 * (s.in_features + s.out_features) for s in sites) + hidden
+    # Adam's two moments of the adapters and nothing of the base (besides integer step counters).
+    moments = [x for x in jax.tree.leaves(trainer.state.opt_state) if jnp.issubdtype(x.dtype, jnp.floating)]
+    assert sum(x.size for x in moments) == 2 * adapter_elems
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(trainer.frozen))  # --compute-dtype float32
+    assert trainer.ref_params is trainer.frozen  # the reference is the base: no second copy
+    base = _host(trainer.frozen)
+
+    trainer.train_on(samples)
+    metrics = trainer.train_on(samples)
+    assert metrics["train/skipped_nonfinite"] == 0.0 and metrics["train/kl_loss"] != 0.0
+    assert all(np.array_equal(a, b) for a, b in zip(base, _host(trainer.frozen))), "the base changed"
+    assert max(float(jnp.abs(ad["lora_B"]).max()) for ad in trainer.state.params[:-1]) > 1e-3, "no adapter trained"
+    norm = np.asarray(trainer.state.params[-1]["weight"])
+    assert not np.array_equal(norm, np.asarray(dict(nnx.to_flat_state(trainer.frozen))[("final_norm", "scale")].get_value()))
+    np.testing.assert_array_equal(np.asarray(dict(nnx.to_flat_state(trainer.policy_params()))[("final_norm", "scale")].get_value()), norm)
+
+    # Reference log-probs are the base checkpoint's, read independently; the policy's differ from them.
+    _, device_batch = trainer._batch(samples, np.zeros(len(samples), np.float32))
+    mask = np.asarray(device_batch.loss_mask).astype(bool)
+    fresh = nnx.state(from_hf(str(tiny_dir)), nnx.Param)
+    ref = np.asarray(trainer._logprobs(trainer.ref_params, device_batch))
+    np.testing.assert_allclose(ref[mask], np.asarray(trainer._logprobs(fresh, device_batch))[mask], atol=1e-6, rtol=0)
+    policy = np.asarray(trainer._logprobs(trainer.policy_params(), device_batch))
+    assert np.abs(policy - ref)[mask].max() > 1e-3
+
+    # The merged model carries the adapters it was made from (for adapter-only sync).
+    model = trainer.policy_model()
+    carried = adapters_of(model)
+    assert carried is not None and carried.setup == trainer.lora
+    assert adapter_nbytes(carried.adapters) == 4 * adapter_elems
+
+    # An orbax checkpoint restores the adapters and the optimizer state exactly.
+    store = CheckpointStore(tmp_path / "ckpt", keep=1)
+    store.save(2, trainer.state, {"weight_version": 2})
+    store.close()
+    reader = CheckpointStore(tmp_path / "ckpt", read_only=True)
+    step, restored, _ = reader.restore(abstract_like(trainer.state))
+    reader.close()
+    assert step == 2
+    assert jax.tree.structure(restored) == jax.tree.structure(trainer.state)
+    assert all(np.array_equal(a, b) for a, b in zip(_host(restored), _host(trainer.state)))
+
+    # The export script writes the checkpoint's adapters as a PEFT directory, and the merged model.
+    export = _export_script()
+    export.main(["--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "export"),
+                 *trainer_argv(tiny_dir, tmp_path / "x"), "--lora-modules-to-save", "model.language_model.norm",
+                 "--train-devices", "0"])
+    for got, put in zip(load_peft_adapter(tmp_path / "export" / "adapter", trainer.lora), _host_pairs(trainer.state.params)):
+        assert got.keys() == put.keys() and all(np.array_equal(got[k], put[k]) for k in got)
+    merged = nnx.state(from_hf(str(tmp_path / "export" / "merged")), nnx.Param)
+    for (path, var), (_, want) in zip(nnx.to_flat_state(merged), nnx.to_flat_state(trainer.policy_params())):
+        np.testing.assert_array_equal(np.asarray(var.get_value()), np.asarray(want.get_value()), err_msg=str(path))
+
+
+def test_a_sharded_remat_lora_step_equals_the_single_device_step(tiny_dir, tmp_path, make_test_image):
+    """fsdp x tensor over 8 devices with remat: the adapters sit in their layout and the step computes what one
+    device computes."""
+    samples = train_samples(tiny_dir, make_test_image)
+    one = _trainer(tiny_dir, tmp_path / "one")
+    cfg = load_config(None, [
+        "--hf-checkpoint", str(tiny_dir), "--lr", "1e-2", "--weight-decay", "0", "--seq-buckets", "256",
+        "--row-buckets", "16", "--patch-buckets", "128", "--logprob-chunk-size", "64", "--output-dir",
+        str(tmp_path / "sharded"), "--lora-rank", "4", "--lora-alpha", "8", "--mesh-config",
+        str(REPO / "configs" / "mesh" / "fsdp_tp.yaml"), "--remat", "full",
+    ])
+    sharded = Trainer(cfg, devices=jax.devices()[:8])
+    sharded.build_policy(tiny_dir)
+    assert dict(sharded.mesh.shape) == {"data": 1, "fsdp": 4, "tensor": 2}
+    q = sharded.state.params[0]  # layers.0 q_proj: lora_A [r, d] over fsdp, lora_B [n*h, r] over tensor
+    assert tuple(q["lora_A"].sharding.spec) == (None, "fsdp") and tuple(q["lora_B"].sharding.spec)[:1] == ("tensor",)
+    a, b = one.train_on(samples), sharded.train_on(samples)
+    for key in ("train/loss_total", "train/grad_norm", "train/entropy_loss"):
+        assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+
+
+def test_target_modules_select_by_peft_names_and_unknown_names_fail(tiny_dir):
+    model = abstract_model(tiny_model_config())
+    params = nnx.state(model, nnx.Param)
+    cfg = model.cfg
+    picked = lora_setup(cfg, params, LoraOptions(lora_rank=2, lora_target_modules=["q_proj", "mlp.down_proj"]))
+    assert {m.rsplit(".", 2)[-2] + "." + m.rsplit(".", 1)[-1] for m in picked.modules} == {"self_attn.q_proj", "mlp.down_proj"}
+    vision = lora_setup(cfg, params, LoraOptions(lora_rank=2, lora_target_modules=["qkv"], lora_vision=True))
+    assert vision.modules and all(m.startswith("model.visual.blocks.") and m.endswith(".attn.qkv") for m in vision.modules)
+    with pytest.raises(ConfigError, match=r"qkv.*--lora-vision"):
+        lora_setup(cfg, params, LoraOptions(lora_rank=2, lora_target_modules=["qkv"]))
+    with pytest.raises(ConfigError, match="q_prj"):
+        lora_setup(cfg, params, LoraOptions(lora_rank=2, lora_target_modules=["q_prj"]))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda p: p.stem)
+def test_adapters_shard_like_their_kernels_under_every_layout_and_match_the_golden(layout):
+    mesh_cfg = load_config(None, ["--mesh-config", str(layout)]).mesh
+    current = adapter_layouts(tiny_model_config(), mesh_cfg, GOLDEN_OPTIONS, 8)
+    for module, entry in current["adapters"].items():
+        # lora_A [r, in]: the input dim shards as the kernel's input; lora_B [out, r]: the output as its output.
+        assert entry["lora_A"]["spec"][1] == entry["kernel_in_spec"], module
+        assert entry["lora_B"]["spec"][0] == entry["kernel_out_spec"], module
+        assert entry["lora_A"]["spec"][0] is None and entry["lora_B"]["spec"][1] is None, module  # rank: never split
+    golden = json.loads((GOLDENS / f"{layout.stem}.json").read_text())
+    assert golden == json.loads(json.dumps(current)), f"{layout.name} re-shards the adapters; if intended: {REGENERATE}"
+
+
+def _write_prompts(path: Path) -> None:
+    with path.open("w") as f:
+        for i in range(4):
+            f.write(json.dumps({"problem": f"Say something about {i}.", "answer": "x", "images": []}) + "\n")
+
+
+def test_a_lora_run_syncs_only_adapters_and_the_engine_serves_the_trainers_log_probs(tiny_dir, tmp_path):
+    """Two steps of a run with the embedded engine: each version moves only the adapters (>= 5x fewer bytes than the
+    model), the engine merges them into its base, and step 2's rollouts (sampled from the adapted weights) have the
+    trainer's log-probs within 1e-4."""
+    import asyncio
+
+    from jaxrl_vlm.job.run import MainJob
+    from jaxrl_vlm.job.run_log import read_metrics
+
+    _write_prompts(tmp_path / "prompts.jsonl")
+    cfg = load_config(None, [
+        "--hf-checkpoint", str(tiny_dir), "--prompt-data", str(tmp_path / "prompts.jsonl"),
+        "--prompt-style", "plain", "--rollout-interaction-env-path", "envs.letter_game", "--max-turns", "1",
+        "--num-rollout", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "4",
+        "--rollout-max-response-len", "8", "--lr", "3e-2", "--seq-buckets", "64", "--row-buckets", "8",
+        "--patch-buckets", "0", "--engine-max-batch", "8", "--engine-max-seq-len", "128",
+        "--output-dir", str(tmp_path / "run"), "--rollout-temperature", "1.0", "--rollout-devices", "0",
+        "--train-devices", "1", "--mesh-data", "1", "--lora-rank", "4", "--lora-alpha", "16",
+    ])
+    job = MainJob(cfg)
+    asyncio.run(job.run())
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["weight_version"] for r in records] == [1, 2]
+    trainer = job.trainer
+    adapter_bytes = adapter_nbytes(trainer.state.params, jnp.float32)
+    model_bytes = sum(x.size * 4 for x in jax.tree.leaves(trainer.frozen))
+    for r in records:
+        assert r["sync/in_memory"] == 1.0 and r["sync/adapters_only"] == 1.0
+        assert r["sync/gbytes"] * 1e9 == pytest.approx(adapter_bytes)
+    assert model_bytes >= 5 * adapter_bytes
+    assert records[1]["train/train_rollout_logprob_abs_diff"] < 1e-4
+    # The engine serves exactly the trainer's adapted kernels (the last version: the base plus the adapters).
+    served = dict(nnx.to_flat_state(job.syncer.client.local_engine.runner.params))
+    ours = dict(nnx.to_flat_state(trainer.policy_params()))
+    path = ("layers", 0, "attn", "q_kernel_dnh")
+    np.testing.assert_allclose(np.asarray(served[path].get_value()), np.asarray(ours[path].get_value()), atol=1e-6)
+    assert not np.allclose(np.asarray(ours[path].get_value()), np.asarray(dict(nnx.to_flat_state(trainer.frozen))[path].get_value()))
+    assert not list((tmp_path / "run").rglob("weights_v*"))
+
+
+def regenerate_goldens() -> None:
+    GOLDENS.mkdir(parents=True, exist_ok=True)
+    for layout in LAYOUTS:
+        mesh_cfg = load_config(None, ["--mesh-config", str(layout)]).mesh
+        dump = adapter_layouts(tiny_model_config(), mesh_cfg, GOLDEN_OPTIONS, 8)
+        (GOLDENS / f"{layout.stem}.json").write_text(json.dumps(dump, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:] != ["--regenerate-goldens"]:
+        raise SystemExit(f"usage: {REGENERATE}")
+    regenerate_goldens()
