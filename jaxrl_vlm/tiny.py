@@ -38,13 +38,20 @@ TINY_ARCHS = tuple(FAMILY_PARSERS)  # make-tiny builds every family (config.json
 
 
 def tiny_hf_config(vocab_size: int = 1024, tokenizer_seed: int = 0, arch: str = "qwen3_vl") -> tuple[dict[str, Any], Any]:
-    """(transformers-5 config dict, tokenizer with `arch`'s chat template) of the tiny model; token ids come
-    from the tokenizer (the vocabulary does not depend on `arch`)."""
-    from jaxrl_vlm.tiny_assets import TINY_CHAT_TEMPLATES, TINY_HF_CONFIGS, build_tiny_tokenizer  # transformers: ~8 s, only here
+    """(transformers-5 config dict, tokenizer with `arch`'s chat template and pre-tokenizer) of the tiny model;
+    token ids come from the tokenizer."""
+    from jaxrl_vlm.tiny_assets import (  # transformers: ~8 s, only here
+        QWEN2_PRETOKENIZE_REGEX,
+        TINY_CHAT_TEMPLATES,
+        TINY_HF_CONFIGS,
+        TINY_PRETOKENIZE_REGEX,
+        build_tiny_tokenizer,
+    )
 
     if arch not in TINY_ARCHS:
         raise ValueError(f"arch={arch!r}: choose one of {TINY_ARCHS}")
-    tokenizer = build_tiny_tokenizer(vocab_size, tokenizer_seed, chat_template=TINY_CHAT_TEMPLATES[arch])
+    tokenizer = build_tiny_tokenizer(vocab_size, tokenizer_seed, chat_template=TINY_CHAT_TEMPLATES[arch],
+                                     pretokenize_regex=TINY_PRETOKENIZE_REGEX.get(arch, QWEN2_PRETOKENIZE_REGEX))
     return TINY_HF_CONFIGS[arch](tokenizer), tokenizer
 
 

@@ -17,6 +17,8 @@ are small and built offline (nothing may be fetched from a hub):
   pixel range, so 64x64..128x128 test images stay a few dozen patches.
 - `tiny_qwen3_vl_hf_config`: a transformers-5 `Qwen3VLConfig` dict whose token
   ids match the tiny tokenizer.
+- Qwen3.5 (`arch="qwen3_5"`): `QWEN3_5_CHAT_TEMPLATE` (thinks by default), Qwen3.5's pre-tokenizer and
+  tokenizer class, Qwen3-VL's preprocessing and `tiny_qwen3_5_hf_config` (3 linear : 1 full attention).
 - Qwen2.5-VL (`arch="qwen2_5_vl"`): `QWEN2_5_VL_CHAT_TEMPLATE` (default system
   prompt, no tool rendering), patch-14 CLIP-normalized preprocessing and
   `tiny_qwen2_5_vl_hf_config`; `TINY_CHAT_TEMPLATES` / `TINY_HF_CONFIGS` map
@@ -67,6 +69,11 @@ PAD_TOKEN = "<|endoftext|>"
 # separate), the same one transformers' Qwen2Tokenizer hard-codes.
 QWEN2_PRETOKENIZE_REGEX = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+# Qwen3.5's tokenizer (transformers' `Qwen3_5Tokenizer`) keeps combining marks (\p{M}) inside words.
+QWEN3_5_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"""
     r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
 
@@ -276,6 +283,19 @@ QWEN3_VL_THINKING_CHAT_TEMPLATE = (
     + "\n{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n<think>\\n' -}}{%- endif -%}"
 )
 
+# Qwen3.5's template (its 2B and larger sizes think by default): the chat layout of Qwen3-VL with the thinking
+# history rule above, and a generation prompt that opens `<think>\n` unless `enable_thinking` is false, which closes
+# an empty think block instead (so the model answers directly).
+QWEN3_5_CHAT_TEMPLATE = (
+    "{#- Qwen3.5-style chat template (jaxrl-vlm test fixture). -#}\n"
+    + _QWEN3_THINKING_BODY
+    + "\n{%- if add_generation_prompt -%}\n"
+    "  {{- '<|im_start|>assistant\\n' -}}\n"
+    "  {%- if enable_thinking is defined and enable_thinking is false -%}{{- '<think>\\n\\n</think>\\n\\n' -}}\n"
+    "  {%- else -%}{{- '<think>\\n' -}}{%- endif -%}\n"
+    "{%- endif -%}"
+)
+
 # Word lists for the generated training text: the domains the tests talk
 # about (geometry problems, chat turns, LaTeX answers, JSON tool calls).
 _GEOMETRY_WORDS = """triangle angle circle radius diameter side length area perimeter measure segment
@@ -332,15 +352,15 @@ def tiny_training_corpus(seed: int = 0, num_lines: int = 3000) -> list[str]:
     return lines
 
 
-def _qwen2_style_backend() -> Tokenizer:
-    """An untrained BPE with Qwen2's normalizer, pre-tokenizer, decoder and post-processor."""
+def _qwen2_style_backend(pretokenize_regex: str = QWEN2_PRETOKENIZE_REGEX) -> Tokenizer:
+    """An untrained BPE with Qwen2's normalizer, pre-tokenizer (or Qwen3.5's regex), decoder and post-processor."""
     tok = Tokenizer(
         BPE(unk_token=None, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False, byte_fallback=False)
     )
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.Split(Regex(pretokenize_regex), behavior="isolated", invert=False),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )
@@ -349,7 +369,8 @@ def _qwen2_style_backend() -> Tokenizer:
     return tok
 
 
-def build_tiny_backend(vocab_size: int = 1024, seed: int = 0) -> Tokenizer:
+def build_tiny_backend(vocab_size: int = 1024, seed: int = 0,
+                       pretokenize_regex: str = QWEN2_PRETOKENIZE_REGEX) -> Tokenizer:
     """The `tokenizers.Tokenizer` behind `build_tiny_tokenizer`; total size (added tokens included) = vocab_size.
 
     Like Qwen, the added tokens take the last ids, after the BPE vocabulary.
@@ -360,7 +381,7 @@ def build_tiny_backend(vocab_size: int = 1024, seed: int = 0) -> Tokenizer:
         raise ValueError(
             f"vocab_size={vocab_size} is too small: need the 256 byte tokens + merges + {num_added} added tokens"
         )
-    tok = _qwen2_style_backend()
+    tok = _qwen2_style_backend(pretokenize_regex)
     trainer = trainers.BpeTrainer(
         vocab_size=bpe_size,
         min_frequency=2,
@@ -380,7 +401,8 @@ def build_tiny_backend(vocab_size: int = 1024, seed: int = 0) -> Tokenizer:
 
 
 def build_tiny_tokenizer(
-    vocab_size: int = 1024, seed: int = 0, chat_template: str = QWEN3_VL_CHAT_TEMPLATE
+    vocab_size: int = 1024, seed: int = 0, chat_template: str = QWEN3_VL_CHAT_TEMPLATE,
+    pretokenize_regex: str = QWEN2_PRETOKENIZE_REGEX,
 ) -> PreTrainedTokenizerFast:
     """A Qwen-style byte-level BPE tokenizer with `len(tokenizer) == vocab_size` and the Qwen3-VL chat template
     (or `chat_template`, e.g. `QWEN3_THINKING_CHAT_TEMPLATE`; the vocabulary does not depend on it).
@@ -388,7 +410,7 @@ def build_tiny_tokenizer(
     Deterministic: the same (vocab_size, seed) gives the same tokenizer.json in every process. Takes ~0.1 s.
     """
     return PreTrainedTokenizerFast(
-        tokenizer_object=build_tiny_backend(vocab_size, seed),
+        tokenizer_object=build_tiny_backend(vocab_size, seed, pretokenize_regex),
         bos_token=None,
         eos_token=EOS_TOKEN,
         pad_token=PAD_TOKEN,
@@ -405,6 +427,7 @@ CLIP_IMAGE_STD = (0.26862954, 0.26130258, 0.27577711)
 # Per architecture (config.json model_type): patch size, mean, std and processor class of its preprocessing.
 _PREPROCESSING: dict[str, tuple[int, tuple[float, ...], tuple[float, ...], str]] = {
     "qwen3_vl": (16, (0.5, 0.5, 0.5), (0.5, 0.5, 0.5), "Qwen3VLProcessor"),
+    "qwen3_5": (16, (0.5, 0.5, 0.5), (0.5, 0.5, 0.5), "Qwen3VLProcessor"),  # Qwen3.5 ships Qwen3-VL's processor
     "qwen2_5_vl": (14, CLIP_IMAGE_MEAN, CLIP_IMAGE_STD, "Qwen2_5_VLProcessor"),
 }
 TINY_ARCHS: tuple[str, ...] = tuple(_PREPROCESSING)
@@ -463,11 +486,11 @@ def save_tiny_processing(
     out.mkdir(parents=True, exist_ok=True)
     tok = tokenizer if tokenizer is not None else build_tiny_tokenizer(vocab_size, seed)
     tok.save_pretrained(str(out))
-    # transformers records the in-memory class (TokenizersBackend); a Qwen checkpoint names
-    # Qwen2Tokenizer, which AutoTokenizer rebuilds with the same Qwen2 pipeline as ours.
+    # transformers records the in-memory class (TokenizersBackend); a Qwen checkpoint names Qwen2Tokenizer (Qwen3.5:
+    # Qwen3_5Tokenizer), which AutoTokenizer rebuilds with the same pipeline as ours.
     config_path = out / "tokenizer_config.json"
     tok_config = json.loads(config_path.read_text(encoding="utf-8"))
-    tok_config["tokenizer_class"] = "Qwen2Tokenizer"
+    tok_config["tokenizer_class"] = TINY_TOKENIZER_CLASS.get(arch, "Qwen2Tokenizer")
     tok_config["add_prefix_space"] = False
     tok_config["split_special_tokens"] = False
     _write_json(config_path, tok_config)
@@ -655,6 +678,33 @@ def tiny_qwen2_5_vl_hf_config(tokenizer: PreTrainedTokenizerFast, **overrides: A
     return config
 
 
-# Per architecture (config.json model_type): the chat template and config builder of its tiny model.
-TINY_CHAT_TEMPLATES: dict[str, str] = {"qwen3_vl": QWEN3_VL_CHAT_TEMPLATE, "qwen2_5_vl": QWEN2_5_VL_CHAT_TEMPLATE}
-TINY_HF_CONFIGS = {"qwen3_vl": tiny_qwen3_vl_hf_config, "qwen2_5_vl": tiny_qwen2_5_vl_hf_config}
+def tiny_qwen3_5_hf_config(tokenizer: PreTrainedTokenizerFast, **overrides: Any) -> dict[str, Any]:
+    """A transformers-5 `Qwen3_5Config` dict for a small random Qwen3.5 (dense) matching `tokenizer`.
+
+    Text: 4 layers in Qwen3.5's 3:1 pattern (3 Gated DeltaNet, then 1 gated full attention), hidden 64, 4 heads of
+    32 (vLLM's smallest CPU head size), 2 kv heads, partial rotary 0.25 (8 of 32 dims) with interleaved M-RoPE
+    [2, 1, 1]; linear layers with 2 key heads of 16 and 4 value heads of 16, conv kernel 4. Vision: Qwen3-VL's
+    tower as in the tiny Qwen3-VL, without deepstack. Untied embeddings, as the released Qwen3.5 checkpoints.
+    `overrides` as in `tiny_qwen3_vl_hf_config`.
+    """
+    base = tiny_qwen3_vl_hf_config(tokenizer)
+    text = dict(base["text_config"], model_type="qwen3_5_text", num_hidden_layers=4, head_dim=32,
+                layer_types=["linear_attention"] * 3 + ["full_attention"], linear_conv_kernel_dim=4,
+                linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                tie_word_embeddings=False,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "mrope_section": [2, 1, 1],
+                                 "mrope_interleaved": True, "partial_rotary_factor": 0.25})
+    vision = {k: v for k, v in base["vision_config"].items() if k != "deepstack_visual_indexes"}
+    config: dict[str, Any] = dict(base, architectures=["Qwen3_5ForConditionalGeneration"], model_type="qwen3_5",
+                                  tie_word_embeddings=False, text_config=text,
+                                  vision_config=dict(vision, model_type="qwen3_5_vision"))
+    return _merge_overrides(config, overrides)
+
+
+# Per architecture (config.json model_type): the chat template, config builder and tokenizer class of its tiny model.
+TINY_CHAT_TEMPLATES: dict[str, str] = {"qwen3_vl": QWEN3_VL_CHAT_TEMPLATE, "qwen2_5_vl": QWEN2_5_VL_CHAT_TEMPLATE,
+                                       "qwen3_5": QWEN3_5_CHAT_TEMPLATE}
+TINY_HF_CONFIGS = {"qwen3_vl": tiny_qwen3_vl_hf_config, "qwen2_5_vl": tiny_qwen2_5_vl_hf_config,
+                   "qwen3_5": tiny_qwen3_5_hf_config}
+TINY_PRETOKENIZE_REGEX = {"qwen3_5": QWEN3_5_PRETOKENIZE_REGEX}  # the others: Qwen2's
+TINY_TOKENIZER_CLASS = {"qwen3_5": "Qwen3_5Tokenizer"}  # the others: Qwen2Tokenizer

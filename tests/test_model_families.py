@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -74,10 +75,18 @@ def test_the_engine_reaches_the_model_only_through_its_family(model_type: str):
     step = (jnp.asarray([0], jnp.int32), table[None], jnp.asarray([8], jnp.int32), jnp.asarray([3], jnp.int32),
             jnp.asarray([0], jnp.int32))
     _, dec_a = forward.decode(model, cache_a, *step)
-    _, dec_b = paged_kv.decode(model, cache_b, *step)
+    _, dec_b = family_model(cfg).decode(model, cache_b, *step)
     np.testing.assert_array_equal(np.asarray(dec_a), np.asarray(dec_b))
     copied = forward.copy_page(cache_a, jnp.int32(0), jnp.int32(1))
     np.testing.assert_array_equal(np.asarray(copied.k[:, 1]), np.asarray(cache_a.k[:, 0]))
+    # Recurrent state (a hybrid family) moves between rows with copy_state; a full-attention cache has none.
+    moved = forward.copy_state(cache_a, jnp.int32(0), jnp.int32(1))
+    if cache.state_rows:
+        for before, after in zip(jax.tree.leaves(cache_a), jax.tree.leaves(moved)):
+            if after.shape[0] == cache.state_rows:  # a per-row state array: row 1 is now row 0's
+                np.testing.assert_array_equal(np.asarray(after[1]), np.asarray(before[0]))
+    else:
+        assert moved is cache_a
 
 
 def _imports(path: Path) -> set[str]:

@@ -4,8 +4,8 @@ split, goldens that catch silent re-sharding, and the real 2B shape laid out wit
 
 To regenerate the goldens after an intended layout change:
     jaxrl-vlm dump-shardings $(for f in configs/mesh/*.yaml; do echo --mesh-config $f; done) --out-dir tests/goldens/sharding
-    jaxrl-vlm dump-shardings $(for f in configs/mesh/*.yaml; do echo --mesh-config $f; done) --arch qwen2_5_vl \
-        --out-dir tests/goldens/sharding/qwen2_5_vl
+    for a in qwen2_5_vl qwen3_5; do jaxrl-vlm dump-shardings $(for f in configs/mesh/*.yaml; do echo --mesh-config $f; done) \
+        --arch $a --out-dir tests/goldens/sharding/$a; done
 """
 
 from __future__ import annotations
@@ -34,10 +34,11 @@ LAYOUTS = sorted((REPO / "configs" / "mesh").glob("*.yaml"))
 GOLDENS = REPO / "tests" / "goldens" / "sharding"
 REGENERATE = (
     "jaxrl-vlm dump-shardings $(for f in configs/mesh/*.yaml; do echo --mesh-config $f; done) "
-    "--out-dir tests/goldens/sharding  (and with --arch qwen2_5_vl --out-dir tests/goldens/sharding/qwen2_5_vl)"
+    "--out-dir tests/goldens/sharding  (and with --arch A --out-dir tests/goldens/sharding/A for A in qwen2_5_vl, "
+    "qwen3_5)"
 )
-# Goldens per family of the tiny model: Qwen3-VL at the top level, Qwen2.5-VL in its own folder.
-GOLDEN_DIRS = {"qwen3_vl": GOLDENS, "qwen2_5_vl": GOLDENS / "qwen2_5_vl"}
+# Goldens per family of the tiny model: Qwen3-VL at the top level, the others in their own folders.
+GOLDEN_DIRS = {"qwen3_vl": GOLDENS, "qwen2_5_vl": GOLDENS / "qwen2_5_vl", "qwen3_5": GOLDENS / "qwen3_5"}
 B, T, PATCH_BUCKET = 8, 40, 64
 
 

@@ -103,8 +103,10 @@ def page_keys(ids: np.ndarray, images: Sequence[ImageSpan], page_size: int, page
 
 
 def tail_key(ids: np.ndarray, images: Sequence[ImageSpan], page_size: int, page: int, n: int) -> bytes:
-    """The tree key of the first `n` tokens of page `page` of `ids` (a partly filled page)."""
-    return page_keys(ids[: page * page_size + n], images, page_size, page + 1)[page] if n else b""
+    """The tree key of the first `n` tokens of page `page` of `ids` (a partly filled page). Only images that start
+    inside those tokens count: a picture that a later turn puts after them in the same page must not hide them."""
+    end = page * page_size + n
+    return page_keys(ids[:end], [s for s in images if s.start < end], page_size, page + 1)[page] if n else b""
 
 
 def reusable_tokens(matched: int, length: int, images: Sequence[ImageSpan]) -> int:

@@ -462,6 +462,7 @@ class Scheduler:
             bias_row = np.zeros((self.runner.vocab_size,), np.float32)
             for token, value in params.logit_bias:
                 bias_row[token] += value
+        reused = start  # served by the prefix cache (the rest is computed, in one or two parts)
         if self._snapshots is not None:
             start = self._prefill_to_snapshot(seq, slot, ids, positions, bias_row, start)
         token, logprob = self.runner.prefill(
@@ -469,11 +470,11 @@ class Scheduler:
             self._ints[:, slot], self._floats[:, slot], start=start,
         )
         self.stats.prefills += 1
-        self.stats.prefix_hits += int(start > 0)
-        self.stats.cached_tokens += start
-        self.stats.prefilled_tokens += ids.shape[0] - start
+        self.stats.prefix_hits += int(reused > 0)
+        self.stats.cached_tokens += reused
+        self.stats.prefilled_tokens += ids.shape[0] - reused
         self.stats.encoded_images = self.runner.encoded_images
-        seq.cached_tokens += start
+        seq.cached_tokens += reused
         seq.cache_epoch = self._cache_epoch
         seq.slot = slot
         self._admissions += 1

@@ -1,4 +1,4 @@
-"""Flax NNX Qwen-VL families (Qwen3-VL, Qwen2.5-VL): configs, host-side positions, models, HF import/export.
+"""Flax NNX Qwen-VL families (Qwen3-VL, Qwen2.5-VL, Qwen3.5): configs, host-side positions, models, HF import/export.
 
 One file per family (`qwen3_vl.py`, `qwen2_5_vl.py`) on the shared layers (`layers.py`), found by model_type in
 the registry (`families.py`).
@@ -25,6 +25,7 @@ _EXPORTS = {
     "get_rope_index": "rope", "get_rope_index_packed": "rope", "vision_pos_embed_interp": "rope",
     "vision_rotary_positions": "rope",
     "VisionInputs": "vision", "build_vision_inputs": "vision",
+    "Qwen3_5Config": "config", "Qwen35TextConfig": "config", "Qwen3_5": "qwen3_5", "HybridCache": "qwen3_5",
 }
 __all__ = sorted(_EXPORTS)
 

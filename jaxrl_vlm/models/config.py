@@ -479,12 +479,226 @@ def qwen2_5_vl_from_hf_dict(d: dict[str, Any]) -> Qwen25VLConfig:
     return Qwen25VLConfig(text=text, vision=vision, **_top_level_fields(d, t, known=set(_FLAT_TEXT_KEYS) if flat else set()))
 
 
+# ----------------------------------------------------------------------------- Qwen3.5 (dense)
+
+QWEN3_5_LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+@dataclass(frozen=True)
+class Qwen35TextConfig:
+    """Qwen3.5's hybrid text decoder (HF `text_config` of model_type `qwen3_5_text`): `layer_types` mixes Gated
+    DeltaNet layers (`linear_*` fields) and gated full-attention layers (q/k norm, output gate, partial M-RoPE)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    layer_types: tuple[str, ...]
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10_000_000.0
+    partial_rotary_factor: float = 0.25
+    mrope_section: tuple[int, int, int] = (11, 11, 10)
+    mrope_interleaved: bool = True
+    max_position_embeddings: int = 262144
+    hidden_act: str = "silu"
+    attention_bias: bool = False
+
+    @property
+    def rotary_dim(self) -> int:
+        """Leading dims of each full-attention head that are rotated (transformers: int(head_dim * factor))."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, kind in enumerate(self.layer_types) if kind == "linear_attention")
+
+    @property
+    def full_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, kind in enumerate(self.layer_types) if kind == "full_attention")
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """Channels of the causal conv: q and k (key heads) then v (value heads), as HF's in_proj_qkv."""
+        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + self.linear_num_value_heads * self.linear_value_head_dim
+
+    def validate(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "head_dim",
+                     "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
+                     "linear_num_value_heads"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"text_config.{name} must be positive, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"text_config.num_attention_heads={self.num_attention_heads} must be a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads} (GQA groups)"
+            )
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ConfigError(
+                f"text_config.linear_num_value_heads={self.linear_num_value_heads} must be a multiple of "
+                f"linear_num_key_heads={self.linear_num_key_heads} (each key head serves a group of value heads)"
+            )
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ConfigError(
+                f"text_config.layer_types has {len(self.layer_types)} entries but num_hidden_layers={self.num_hidden_layers}"
+            )
+        unknown = sorted({k for k in self.layer_types if k not in QWEN3_5_LAYER_TYPES})
+        if unknown:
+            raise ConfigError(f"text_config.layer_types has unknown layer types {unknown}; expected {QWEN3_5_LAYER_TYPES}")
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            raise ConfigError(
+                f"text_config partial_rotary_factor={self.partial_rotary_factor} gives rotary_dim={self.rotary_dim}; it must "
+                f"be even and in (0, head_dim={self.head_dim}]"
+            )
+        if len(self.mrope_section) != 3 or sum(self.mrope_section) != self.rotary_dim // 2:
+            raise ConfigError(
+                f"text_config mrope_section={list(self.mrope_section)} must have 3 entries summing to rotary_dim // 2 = "
+                f"{self.rotary_dim // 2} (head_dim * partial_rotary_factor / 2)"
+            )
+        if self.hidden_act not in _SUPPORTED_TEXT_ACTS:
+            raise ConfigError(f"text_config.hidden_act={self.hidden_act!r} unsupported; expected one of {_SUPPORTED_TEXT_ACTS}")
+        if self.attention_bias:
+            raise ConfigError("text_config.attention_bias=true is not supported for qwen3_5 (released checkpoints set false)")
+
+
+@dataclass(frozen=True)
+class Qwen3_5Config(_VLConfig):
+    """Qwen3.5 dense: the hybrid text decoder and Qwen3-VL's vision tower without deepstack."""
+
+    model_type: ClassVar[str] = "qwen3_5"
+    text: Qwen35TextConfig
+    vision: VisionConfig
+    image_token_id: int = 248056
+    video_token_id: int = 248057
+    vision_start_token_id: int = 248053
+    vision_end_token_id: int = 248054
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+
+    def validate(self) -> None:
+        super().validate()
+        if self.vision.deepstack_visual_indexes:
+            raise ConfigError("qwen3_5's vision tower has no deepstack; vision deepstack_visual_indexes must be empty")
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """transformers-5 style `config.json` content, loadable by transformers' `Qwen3_5Config`."""
+        t, v = self.text, self.vision
+        text = self._hf_text("qwen3_5_text")
+        text["rope_parameters"]["partial_rotary_factor"] = t.partial_rotary_factor
+        text.update(
+            layer_types=list(t.layer_types),
+            linear_conv_kernel_dim=t.linear_conv_kernel_dim,
+            linear_key_head_dim=t.linear_key_head_dim,
+            linear_value_head_dim=t.linear_value_head_dim,
+            linear_num_key_heads=t.linear_num_key_heads,
+            linear_num_value_heads=t.linear_num_value_heads,
+            attention_bias=False,
+        )
+        vision = {
+            "model_type": "qwen3_5_vision",
+            "depth": v.depth,
+            "hidden_size": v.hidden_size,
+            "intermediate_size": v.intermediate_size,
+            "num_heads": v.num_heads,
+            "in_channels": v.in_channels,
+            "patch_size": v.patch_size,
+            "temporal_patch_size": v.temporal_patch_size,
+            "spatial_merge_size": v.spatial_merge_size,
+            "out_hidden_size": v.out_hidden_size,
+            "num_position_embeddings": v.num_position_embeddings,
+            "hidden_act": v.hidden_act,
+        }
+        return self._hf_top("Qwen3_5ForConditionalGeneration", text, vision)
+
+
+def _qwen3_5_layer_types(t: dict[str, Any], layers: int) -> tuple[str, ...]:
+    """`layer_types`, or transformers' default from `full_attention_interval` (every n-th layer full)."""
+    if t.get("layer_types") is not None:
+        return tuple(str(k) for k in t["layer_types"])
+    interval = int(t.get("full_attention_interval", 4))
+    if interval <= 0:
+        raise ConfigError(f"text_config.full_attention_interval must be positive, got {interval}")
+    return tuple("linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers))
+
+
+def qwen3_5_from_hf_dict(d: dict[str, Any]) -> Qwen3_5Config:
+    """Parse an HF Qwen3.5 (dense) `config.json` dict (`text_config` / `vision_config`)."""
+    for key in ("text_config", "vision_config"):
+        if not isinstance(d.get(key), dict):
+            raise ConfigError(f"config has no {key!r} object")
+    t, v = d["text_config"], d["vision_config"]
+    params = t.get("rope_parameters")
+    if params is None:
+        params = dict(t.get("rope_scaling") or {})
+        params.setdefault("rope_theta", t.get("rope_theta", 10_000_000.0))
+    if params.get("rope_type", params.get("type", "default")) not in ("default", "mrope"):
+        raise ConfigError(f"text_config rope_type={params.get('rope_type')!r} is not supported (only default M-RoPE)")
+    section = tuple(int(s) for s in params.get("mrope_section", (11, 11, 10)))
+    factor = float(params.get("partial_rotary_factor", t.get("partial_rotary_factor", 0.25)))
+    heads = int(_need(t, "text_config", "num_attention_heads"))
+    layers = int(_need(t, "text_config", "num_hidden_layers"))
+    text = Qwen35TextConfig(
+        vocab_size=int(_need(t, "text_config", "vocab_size")),
+        hidden_size=int(_need(t, "text_config", "hidden_size")),
+        intermediate_size=int(_need(t, "text_config", "intermediate_size")),
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=int(t.get("num_key_value_heads") or heads),
+        head_dim=int(t.get("head_dim") or 256),
+        layer_types=_qwen3_5_layer_types(t, layers),
+        linear_conv_kernel_dim=int(t.get("linear_conv_kernel_dim", 4)),
+        linear_key_head_dim=int(t.get("linear_key_head_dim", 128)),
+        linear_value_head_dim=int(t.get("linear_value_head_dim", 128)),
+        linear_num_key_heads=int(t.get("linear_num_key_heads", 16)),
+        linear_num_value_heads=int(t.get("linear_num_value_heads", 32)),
+        rms_norm_eps=float(t.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(params["rope_theta"]),
+        partial_rotary_factor=factor,
+        mrope_section=section,  # type: ignore[arg-type]
+        mrope_interleaved=bool(params.get("mrope_interleaved", True)),
+        max_position_embeddings=int(t.get("max_position_embeddings", 262144)),
+        hidden_act=str(t.get("hidden_act", "silu")),
+        attention_bias=bool(t.get("attention_bias", False)),
+    )
+    if v.get("deepstack_visual_indexes"):
+        raise ConfigError("vision_config.deepstack_visual_indexes is set, but qwen3_5's vision tower has no deepstack")
+    vision = VisionConfig(
+        depth=int(_need(v, "vision_config", "depth")),
+        hidden_size=int(_need(v, "vision_config", "hidden_size")),
+        intermediate_size=int(_need(v, "vision_config", "intermediate_size")),
+        num_heads=int(_need(v, "vision_config", "num_heads")),
+        out_hidden_size=int(_need(v, "vision_config", "out_hidden_size")),
+        num_position_embeddings=int(_need(v, "vision_config", "num_position_embeddings")),
+        deepstack_visual_indexes=(),
+        in_channels=int(v.get("in_channels", 3)),
+        patch_size=int(v.get("patch_size", 16)),
+        temporal_patch_size=int(v.get("temporal_patch_size", 2)),
+        spatial_merge_size=int(v.get("spatial_merge_size", 2)),
+        hidden_act=str(v.get("hidden_act", "gelu_pytorch_tanh")),
+        rope_theta=float((v.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+    )
+    top = _top_level_fields(d, t, known=set())
+    for name, default in (("image_token_id", 248056), ("video_token_id", 248057), ("vision_start_token_id", 248053),
+                          ("vision_end_token_id", 248054)):
+        top[name] = int(d.get(name, default))
+    return Qwen3_5Config(text=text, vision=vision, **top)
+
+
 # The families, keyed by `config.json`'s model_type: config class, parser and the file of the model (`families.py`).
 register(Family(Qwen3VLConfig.model_type, Qwen3VLConfig, qwen3_vl_from_hf_dict, "jaxrl_vlm.models.qwen3_vl"))
 register(Family(Qwen25VLConfig.model_type, Qwen25VLConfig, qwen2_5_vl_from_hf_dict, "jaxrl_vlm.models.qwen2_5_vl"))
+register(Family(Qwen3_5Config.model_type, Qwen3_5Config, qwen3_5_from_hf_dict, "jaxrl_vlm.models.qwen3_5"))
 # model_type -> parser, read from the registry (the config's choices of `--make-tiny-arch`, `make-tiny --arch`).
 FAMILY_PARSERS: dict[str, Callable[[dict[str, Any]], Any]] = {name: f.from_hf_dict for name, f in FAMILIES.items()}
-ModelConfig = Qwen3VLConfig | Qwen25VLConfig
+ModelConfig = Qwen3VLConfig | Qwen25VLConfig | Qwen3_5Config
 
 
 def from_hf_dict(d: dict[str, Any]) -> ModelConfig:

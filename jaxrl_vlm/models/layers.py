@@ -6,8 +6,9 @@ Semantics follow transformers' `modeling_qwen3_vl.py` / `modeling_qwen2_5_vl.py`
 `flash_attention.py`) and its masks, the text decoder layer (attention with q/k norm or q/k/v bias, as the
 config says; SwiGLU MLP), the ViT attention and the patch merger, and `VisionLanguageDecoder`: embedding,
 decoder layers, final norm and LM head, with a family's vision tower writing merged image tokens at the
-image-pad slots. A family (`qwen3_vl.py`, `qwen2_5_vl.py`) adds its vision tower and registers itself
-(`families.py`); no family imports another's helpers.
+image-pad slots. A family (`qwen3_vl.py`, `qwen2_5_vl.py`, `qwen3_5.py`) adds its vision tower and registers
+itself (`families.py`); no family imports another's helpers. `LearnedPositionVisionTower` is Qwen3-VL's tower as a
+shared layer (Qwen3.5 uses it without deepstack).
 
 Every parameter carries logical axis names (`out_sharding` metadata, not applied eagerly), so
 `nnx.get_partition_spec(nnx.state(model))` yields them; `jaxrl_vlm.sharding.rules` maps them to mesh axes.
@@ -565,3 +566,88 @@ def token_logprobs(
     if not return_entropy:
         return lp, None
     return lp, ent.transpose(1, 0, 2).reshape(b, n_chunks * c)[:, :t]
+
+
+# ----------------------------------------------------------------------------- learned-position vision tower
+
+
+class LearnedPositionVisionBlock(VisionAttentionParams):
+    """Pre-LayerNorm ViT block with a two-matrix MLP (fc1, act, fc2); attention only among patches of the same
+    image frame, 2-D rotary. Qwen3-VL's and Qwen3.5's block (transformers' `Qwen3VLVisionBlock`)."""
+
+    def __init__(self, cfg: Any, *, rngs: nnx.Rngs, param_dtype: jnp.dtype, compute_dtype: jnp.dtype):
+        v = cfg.vision
+        d, f = v.hidden_size, v.intermediate_size
+        self.compute_dtype = compute_dtype
+        self.act_name = v.hidden_act
+        self.norm1 = LayerNorm(d, param_dtype=param_dtype)
+        self.norm2 = LayerNorm(d, param_dtype=param_dtype)
+        self._init_attention(d, v.num_heads, v.head_dim, rngs, param_dtype)
+        self.fc1_kernel_df = param(rngs, (d, f), ("vision_embed", "vision_mlp"), param_dtype)
+        self.fc1_bias_f = param(None, (f,), ("vision_mlp",), param_dtype, init="zeros")
+        self.fc2_kernel_fd = param(rngs, (f, d), ("vision_mlp", "vision_embed"), param_dtype)
+        self.fc2_bias_d = param(None, (d,), ("vision_embed",), param_dtype, init="zeros")
+
+    def __call__(self, x_pd: jax.Array, cos: jax.Array, sin: jax.Array, mask: AttentionMask) -> jax.Array:
+        cd = self.compute_dtype
+        x_pd = constrain(x_pd, PATCH_HIDDEN)
+        x = x_pd + self.attend(self.norm1(x_pd), cos, sin, mask)
+        y = self.norm2(x).astype(cd)
+        hmid = constrain(jnp.einsum("pd,df->pf", y, self.fc1_kernel_df[...].astype(cd)), PATCH_MLP)
+        hmid = activation(self.act_name)(hmid + self.fc1_bias_f[...].astype(cd))
+        out = constrain(jnp.einsum("pf,fd->pd", hmid, self.fc2_kernel_fd[...].astype(cd)), PATCH_HIDDEN)
+        return x + out + self.fc2_bias_d[...].astype(cd)
+
+
+class LearnedPositionVisionTower(nnx.Module):
+    """Patch embed (with bias) + a learned square position table bilinearly resampled to each image (host taps in
+    `vision.VisionInputs`) + `LearnedPositionVisionBlock`s + merger, and deepstack mergers after the blocks of
+    `cfg.vision.deepstack_visual_indexes` (none for Qwen3.5). Returns merged image tokens [M, D_text] and the
+    deepstack features [M, D_text] (padding patches give garbage rows that the token scatter drops).
+
+    The same tower as `qwen3_vl.VisionTower` (same parameter names), shared so that a second family (Qwen3.5)
+    need not import another family's file."""
+
+    def __init__(
+        self,
+        cfg: Any,
+        *,
+        rngs: nnx.Rngs,
+        param_dtype: jnp.dtype,
+        compute_dtype: jnp.dtype,
+        remat: bool = False,
+        attention_impl: str = "xla",
+        patch_attention_block: int | None = None,
+    ):
+        v = cfg.vision
+        self.cfg = cfg
+        self.compute_dtype = compute_dtype
+        self.remat = remat
+        self.attention_impl = attention_impl
+        self.patch_attention_block = patch_attention_block
+        self.patch_kernel_cd = param(rngs, (v.patch_dim, v.hidden_size), ("vision_patch", "vision_embed"), param_dtype)
+        self.patch_bias_d = param(None, (v.hidden_size,), ("vision_embed",), param_dtype, init="zeros")
+        self.pos_embed_sd = param(rngs, (v.num_position_embeddings, v.hidden_size), ("vision_pos", "vision_embed"), param_dtype)
+        kw = dict(rngs=rngs, param_dtype=param_dtype, compute_dtype=compute_dtype)
+        self.blocks = nnx.List([LearnedPositionVisionBlock(cfg, **kw) for _ in range(v.depth)])
+        self.merger = PatchMerger(cfg, postshuffle_norm=False, **kw)
+        self.deepstack_mergers = nnx.List(
+            [PatchMerger(cfg, postshuffle_norm=True, **kw) for _ in v.deepstack_visual_indexes]
+        )
+
+    def __call__(self, vis: Any) -> tuple[jax.Array, list[jax.Array]]:
+        cd = self.compute_dtype
+        x = jnp.einsum("pc,cd->pd", vis.pixel_values.astype(cd), self.patch_kernel_cd[...].astype(cd))
+        x = x + self.patch_bias_d[...].astype(cd)
+        table = self.pos_embed_sd[...].astype(cd)
+        x = x + jnp.einsum("pj,pjd->pd", vis.pos_interp_w.astype(cd), jnp.take(table, vis.pos_interp_idx, axis=0))
+        cos, sin = vision_rotary_cos_sin(vis.patch_rotary_pos, self.cfg.vision)
+        mask = patch_mask(vis.patch_segment_ids, self.attention_impl, self.patch_attention_block)
+        deepstack = []
+        ds_index = {layer: j for j, layer in enumerate(self.cfg.vision.deepstack_visual_indexes)}
+        run = run_block_remat if self.remat else run_block
+        for i, block in enumerate(self.blocks):
+            x = run(block, x, cos, sin, mask)
+            if i in ds_index:
+                deepstack.append(self.deepstack_mergers[ds_index[i]](x))
+        return self.merger(x), deepstack

@@ -44,6 +44,7 @@ MESH_AXES: tuple[str, str, str] = ("data", "fsdp", "tensor")
 PARAM_LOGICAL_AXES: tuple[str, ...] = (
     "vocab", "embed", "mlp", "heads", "kv_heads", "head_dim", "norm",
     "vision_patch", "vision_pos", "vision_embed", "vision_heads", "vision_head_dim", "vision_mlp", "vision_merge",
+    "linear_k_heads", "linear_v_heads", "linear_head_dim", "conv_taps",
 )  # fmt: skip
 BATCH_AXIS = "batch"
 
@@ -71,6 +72,11 @@ DEFAULT_RULES: dict[str, MeshAxes] = {
     "vision_head_dim": None,
     "vision_mlp": "tensor",
     "vision_merge": "fsdp",
+    # Gated DeltaNet (Qwen3.5 linear attention): its key and value heads split like attention heads.
+    "linear_k_heads": "tensor",
+    "linear_v_heads": "tensor",
+    "linear_head_dim": None,
+    "conv_taps": None,
     BATCH_AXIS: ("data", "fsdp"),
 }
 
