@@ -42,6 +42,13 @@ every other turn), and the next request re-sends the whole conversation. Timed o
 differ only in `prefix_cache`, after an untimed warm-up episode set and a cache flush: wall time,
 prefilled and cached prompt tokens, vision-tower images, and the off/on time ratio.
 
+Memory case (`--cases memory`, issue 28): engine memory per concurrent episode against its context length (2k to
+32k tokens) for Qwen3.5 against a Qwen3-VL of the same width and depth (transformers' `Qwen3_5TextConfig` defaults:
+32 layers of width 4096, 16 heads of 256, 4 kv heads; Qwen3.5's 3 linear : 1 full pattern), read off the shapes of
+each family's real `init_cache` (`jax.eval_shape`, nothing allocated): K/V bytes per page and recurrent-state bytes
+per request, in bf16 (the recurrent state is fp32). Printed: MiB per episode at each length, their ratio, and how
+much faster Qwen3.5's memory grows from the shortest to the longest context.
+
 Weight-update case (issue 18 (c)): a trainer-side copy of the model in this process pushes new weights to the
 embedded engine, alternately through the disk (versioned HF export + /update_weights_from_disk) and in memory
 (`--weight-sync-mode memory`: device to device, the same pause/flush/update/continue sequence and version
@@ -54,6 +61,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import shutil
 import sys
@@ -435,6 +443,70 @@ def bench_capacity(model_dir: Path, encoder: Any, episodes: int, turns: int, new
     return rows
 
 
+def _same_shape_configs() -> tuple[Any, Any]:
+    """(Qwen3.5, Qwen3-VL) configs of the same width, depth, heads and head size: transformers' Qwen3.5 defaults."""
+    from transformers import Qwen3_5Config, Qwen3VLConfig
+
+    from jaxrl_vlm.models.config import from_hf_dict
+
+    hybrid = Qwen3_5Config().to_dict()
+    t = hybrid["text_config"]
+    hybrid["vision_config"]["out_hidden_size"] = t["hidden_size"]  # transformers' defaults mix two sizes
+    same = {k: t[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                              "num_attention_heads", "num_key_value_heads", "head_dim")}
+    section = [48, 40, 40]  # full rotary over head_dim 256: sums to 128
+    full = Qwen3VLConfig(text_config=dict(same, rope_parameters={"rope_type": "default", "rope_theta": 5e6,
+                                                                 "mrope_section": section, "mrope_interleaved": True}),
+                         vision_config={"out_hidden_size": t["hidden_size"]})
+    return from_hf_dict(hybrid), from_hf_dict(full.to_dict())
+
+
+def _cache_costs(cfg: Any, page_size: int) -> tuple[float, float]:
+    """(bytes per KV page, bytes per request's state row) of `cfg`'s engine cache, from its abstract shapes."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxrl_vlm.engine import forward
+
+    def nbytes(pages: int, rows: int) -> int:
+        shapes = jax.eval_shape(lambda: forward.init_cache(cfg, pages, page_size, rows, jnp.bfloat16))
+        return sum(math.prod(a.shape) * a.dtype.itemsize for a in jax.tree.leaves(shapes))
+
+    base = nbytes(8, 8)
+    return (nbytes(16, 8) - base) / 8, (nbytes(8, 16) - base) / 8
+
+
+def bench_memory(contexts: list[int], page_size: int) -> dict[str, Any]:
+    hybrid, full = _same_shape_configs()
+    rows = []
+    costs = {name: _cache_costs(cfg, page_size) for name, cfg in (("qwen3_5", hybrid), ("qwen3_vl", full))}
+    for ctx in contexts:
+        pages = -(-ctx // page_size)
+        per = {name: pages * page + row for name, (page, row) in costs.items()}
+        rows.append({"context": ctx, **{f"{k}_mib": v / 2**20 for k, v in per.items()},
+                     "ratio": per["qwen3_vl"] / per["qwen3_5"]})
+    growth = {k: rows[-1][f"{k}_mib"] - rows[0][f"{k}_mib"] for k in costs}
+    return {"rows": rows, "page_bytes": {k: c[0] for k, c in costs.items()},
+            "state_row_bytes": {k: c[1] for k, c in costs.items()},
+            "growth_ratio": growth["qwen3_vl"] / growth["qwen3_5"],
+            "layers": hybrid.text.num_hidden_layers, "full_layers": hybrid.text.layer_types.count("full_attention")}
+
+
+def _print_memory(m: dict[str, Any], json_path: str | None) -> int:
+    print(f"\nengine memory per concurrent episode (bf16 K/V, fp32 recurrent state; {m['layers']} layers, Qwen3.5 with "
+          f"{m['full_layers']} full-attention layers; K/V page bytes {m['page_bytes']}, state row bytes "
+          f"{m['state_row_bytes']})")
+    print("| context | Qwen3-VL MiB | Qwen3.5 MiB | ratio |")
+    print("|---:|---:|---:|---:|")
+    for r in m["rows"]:
+        print(f"| {r['context']:,} | {r['qwen3_vl_mib']:.1f} | {r['qwen3_5_mib']:.1f} | {r['ratio']:.2f}x |")
+    first, last = m["rows"][0]["context"], m["rows"][-1]["context"]
+    print(f"growth from {first:,} to {last:,} tokens: Qwen3-VL / Qwen3.5 = {m['growth_ratio']:.2f}x")
+    if json_path:
+        Path(json_path).write_text(json.dumps({"memory": m}, indent=2))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", choices=sorted(SIZES), default="tiny")
@@ -442,7 +514,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--torch-threads", type=int, default=max(1, os.cpu_count() or 1))
-    p.add_argument("--cases", nargs="+", choices=("decode", "multiturn", "group", "capacity", "weights", "peer"),
+    p.add_argument("--cases", nargs="+", choices=("decode", "multiturn", "group", "capacity", "weights", "peer", "memory"),
                    default=["decode", "multiturn", "group", "capacity"])
     p.add_argument("--page-size", type=int, default=16, help="Tokens per KV page of the paged engine.")
     p.add_argument("--baseline-checkout", default=None, metavar="DIR",
@@ -456,6 +528,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--episodes", type=int, default=8, help="Concurrent episodes of the multi-turn case.")
     p.add_argument("--turns", type=int, default=4, help="Turns per episode of the multi-turn case.")
     p.add_argument("--turn-tokens", type=int, default=32, help="New tokens per turn of the multi-turn case.")
+    p.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 8192, 16384, 32768],
+                   help="Context lengths (tokens) of the memory case.")
     p.add_argument("--json", default=None, help="Also write the results to this file.")
     p.add_argument("--peer-url", default=None, help="A real engine (vLLM or SGLang) serving --checkpoint: `--cases peer` "
                    "compares the embedded engine with it (decode tok/s at --concurrency, GRPO group prefill).")
@@ -466,6 +540,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("the peer case and --peer-url go together (and --checkpoint: the checkpoint the peer serves)")
 
     out: dict[str, Any] = {"size": ns.size}
+    if ns.cases == ["memory"]:  # shapes only: no checkpoint, no engine
+        return _print_memory(bench_memory(ns.contexts, ns.page_size), ns.json)
     with tempfile.TemporaryDirectory(prefix="bench_engine_") as tmp:
         model_dir = Path(ns.checkpoint) if ns.checkpoint else build_checkpoint(ns.size, Path(tmp))
         from rollout.encoding import ChatEncoder
@@ -493,6 +569,9 @@ def main(argv: list[str] | None = None) -> int:
             out["peer"] = bench_peer(model_dir, encoder, ns.peer_url, peer_prompt, ns.new_tokens, ns.concurrency,
                                      ns.repeats, ns.group_size, ns.group_prompt_tokens)
 
+    if "memory" in ns.cases:
+        out["memory"] = bench_memory(ns.contexts, ns.page_size)
+        _print_memory(out["memory"], None)
     if "decode" in ns.cases:
         print(f"\nsize={ns.size} prompt={len(prompt)} tokens, {ns.new_tokens} new tokens per request, greedy, EOS ignored")
         print(f"transformers generate (batch 1): {hf['tokens_per_s']:.1f} tok/s")
