@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from envs.base import BaseInteractionEnv, EnvOptions, option, require_max_turns, sample_where
-from envs.gui.actions import ActionError
+from envs.actions import ActionError
 from envs.gui.grading import Click, Type, goal_reached, parse_action
 from envs.gui.screen import hit, initial_state, render
 

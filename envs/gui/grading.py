@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from envs.gui.actions import ActionError, ToolCall, int_argument, parse_tool_call, raw_numbers, raw_string
+from envs.actions import ActionError, ToolCall, int_argument, parse_tool_call, raw_numbers, raw_string
 from envs.gui.prompts import CLICK_TOOL, TYPE_TOOL
 from envs.gui.screen import COORD_MAX, GuiState
 

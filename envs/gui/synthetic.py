@@ -11,7 +11,6 @@ Run `python -m envs.gui.synthetic OUT --rows N --seed S [--sft]`. No jax.
 
 from __future__ import annotations
 
-import argparse
 import json
 from typing import Any
 
@@ -21,7 +20,7 @@ from envs.color_reveal.images import png_bytes
 from envs.gui.env import GuiEnv
 from envs.gui.prompts import rename_task, toggle_task
 from envs.gui.screen import TOGGLES, initial_state, layout_params, render, to_relative
-from envs.sokoban.synthetic import write_rows
+from envs.rows import synthetic_main, write_rows
 from envs.transcripts import transcript_row, write_transcripts
 
 DEFAULT_IMAGE_SIZE = 256
@@ -87,15 +86,8 @@ def make_sft_dataset(out_path: str, num_rows: int, seed: int = 0, image_size: in
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m envs.gui.synthetic", description=__doc__.split("\n")[0])
-    p.add_argument("out")
-    p.add_argument("--rows", type=int, default=256)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--image-size", type=int, default=DEFAULT_IMAGE_SIZE)
-    p.add_argument("--sft", action="store_true")
-    ns = p.parse_args(argv)
-    print(f"wrote {(make_sft_dataset if ns.sft else make_dataset)(ns.out, ns.rows, ns.seed, ns.image_size)}")
-    return 0
+    return synthetic_main("python -m envs.gui.synthetic", __doc__.split("\n")[0], make_dataset, make_sft_dataset,
+                          DEFAULT_IMAGE_SIZE, argv)
 
 
 if __name__ == "__main__":

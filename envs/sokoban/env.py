@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from envs.base import BaseInteractionEnv, EnvOptions, option, require_max_turns, sample_where
-from envs.gui.actions import ActionError
+from envs.actions import ActionError
 from envs.sokoban.grading import episode_reward, parse_move
 from envs.sokoban.levels import CELL_PX, Level, render
 from envs.color_reveal.images import decode_data_url

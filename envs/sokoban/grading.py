@@ -10,7 +10,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from envs.gui.actions import ActionError, ToolCall, parse_tool_call
+from envs.actions import ActionError, ToolCall, parse_tool_call
 from envs.sokoban.levels import DIRECTIONS, Level
 from envs.sokoban.prompts import MOVE_TOOL
 

@@ -15,19 +15,16 @@ No jax; numpy, PIL, pyarrow.
 from __future__ import annotations
 
 import argparse
-import base64
 import json
-import os
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 from envs.color_reveal.images import png_bytes
 from envs.sokoban.env import SokobanEnv
 from envs.sokoban.levels import DIRECTIONS, Level, generate_level, render, solve
 from envs.sokoban.prompts import QUESTION
+from envs.rows import write_rows
 from envs.transcripts import transcript_row, write_transcripts
 
 BOARD_ROWS = BOARD_COLS = 6
@@ -49,29 +46,6 @@ def generate_row(index: int, seed: int = 0, image_size: int = DEFAULT_IMAGE_SIZE
         "images": [{"bytes": png_bytes(image), "path": f"sokoban_s{seed}_{index:06d}.png"}],
         "params": json.dumps({"min_moves": min_moves, "solution": solve(level), "image_size": image_size}),
     }
-
-
-SCHEMA = pa.schema([
-    ("problem", pa.string()), ("answer", pa.string()),
-    ("images", pa.list_(pa.struct([("bytes", pa.binary()), ("path", pa.string())]))), ("params", pa.string()),
-])
-
-
-def write_rows(out_path: str, rows: list[dict[str, Any]]) -> str:
-    """Rows to `.parquet` or `.jsonl` (base64 image bytes), the layouts the prompt loader reads."""
-    lower = str(out_path).lower()
-    if not lower.endswith((".parquet", ".jsonl")):
-        raise ValueError(f"{out_path}: make_dataset writes .parquet or .jsonl")
-    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-    if lower.endswith(".parquet"):
-        pq.write_table(pa.Table.from_pylist(rows, schema=SCHEMA), out_path)
-    else:
-        with open(out_path, "w", encoding="utf-8") as f:
-            for row in rows:
-                images = [{"bytes": base64.b64encode(im["bytes"]).decode("ascii"), "path": im["path"]}
-                          for im in row["images"]]
-                f.write(json.dumps({**row, "images": images}) + "\n")
-    return str(out_path)
 
 
 def make_dataset(out_path: str, num_rows: int, seed: int = 0, image_size: int = DEFAULT_IMAGE_SIZE) -> str:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from envs.base import BaseInteractionEnv, EnvOptions, option, require_max_turns, sample_where
-from envs.gui.actions import ActionError
+from envs.actions import ActionError
 from envs.zoom.grading import Answer, Zoom, parse_turn
 from envs.zoom.scene import crop, render_scene
 

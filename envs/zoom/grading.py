@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from envs.gui.actions import ActionError, ToolCall, parse_tool_call, raw_numbers
+from envs.actions import ActionError, ToolCall, parse_tool_call, raw_numbers
 from envs.zoom.prompts import ANSWER_TOOL, ZOOM_TOOL
 from envs.zoom.scene import COORD_MAX
 

@@ -12,14 +12,13 @@ Run `python -m envs.zoom.synthetic OUT --rows N --seed S [--sft]`. No jax.
 
 from __future__ import annotations
 
-import argparse
 import json
 from typing import Any
 
 import numpy as np
 
 from envs.color_reveal.images import png_bytes
-from envs.sokoban.synthetic import write_rows
+from envs.rows import synthetic_main, write_rows
 from envs.transcripts import transcript_row, write_transcripts
 from envs.zoom.env import ZoomEnv
 from envs.zoom.prompts import QUESTION, SYSTEM_PROMPT
@@ -68,15 +67,8 @@ def make_sft_dataset(out_path: str, num_rows: int, seed: int = 0, image_size: in
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m envs.zoom.synthetic", description=__doc__.split("\n")[0])
-    p.add_argument("out")
-    p.add_argument("--rows", type=int, default=256)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--image-size", type=int, default=DEFAULT_IMAGE_SIZE)
-    p.add_argument("--sft", action="store_true")
-    ns = p.parse_args(argv)
-    print(f"wrote {(make_sft_dataset if ns.sft else make_dataset)(ns.out, ns.rows, ns.seed, ns.image_size)}")
-    return 0
+    return synthetic_main("python -m envs.zoom.synthetic", __doc__.split("\n")[0], make_dataset, make_sft_dataset,
+                          DEFAULT_IMAGE_SIZE, argv)
 
 
 if __name__ == "__main__":
