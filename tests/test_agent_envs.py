@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from envs.gui import GuiEnv
-from envs.gui.actions import ActionError, parse_tool_call
+from envs.actions import ActionError, parse_tool_call
 from envs.gui.grading import Click, Type, best_blind_clicks, parse_action, random_policy, simulate
 from envs.gui.screen import hit, initial_state, to_relative
 from envs.gui.synthetic import solution, task_for
