@@ -183,3 +183,35 @@ def merger_links(hf: str, me: ParamPath, v: Any, norm_dim: int, *, norm: str, no
         dense_link(hf + fc2 + ".weight", v.out_hidden_size, m, me + ("fc2_kernel_fd",)),
         copy_link(hf + fc2 + ".bias", (v.out_hidden_size,), me + ("fc2_bias_d",)),
     ]
+
+
+def learned_position_vision_links(cfg: Any) -> list[Link]:
+    """The tensors of `layers.LearnedPositionVisionTower` under transformers' Qwen3-VL names (Qwen3-VL, Qwen3.5):
+    patch embedding, position table, blocks, merger and the deepstack mergers, if any."""
+    v = cfg.vision
+    vd, vf = v.hidden_size, v.intermediate_size
+    out = patch_embed_links(v, bias=True)
+    out.append(copy_link("model.visual.pos_embed.weight", (v.num_position_embeddings, vd), ("visual", "pos_embed_sd")))
+    for i in range(v.depth):
+        hf = f"model.visual.blocks.{i}."
+        me: ParamPath = ("visual", "blocks", i)
+        out += [
+            copy_link(hf + "norm1.weight", (vd,), me + ("norm1", "scale")),
+            copy_link(hf + "norm1.bias", (vd,), me + ("norm1", "bias")),
+            copy_link(hf + "norm2.weight", (vd,), me + ("norm2", "scale")),
+            copy_link(hf + "norm2.bias", (vd,), me + ("norm2", "bias")),
+            *vision_attention_links(hf, me, v),
+            dense_link(hf + "mlp.linear_fc1.weight", vf, vd, me + ("fc1_kernel_df",)),
+            copy_link(hf + "mlp.linear_fc1.bias", (vf,), me + ("fc1_bias_f",)),
+            dense_link(hf + "mlp.linear_fc2.weight", vd, vf, me + ("fc2_kernel_fd",)),
+            copy_link(hf + "mlp.linear_fc2.bias", (vd,), me + ("fc2_bias_d",)),
+        ]
+    m = vd * v.merge_unit
+    mergers: list[tuple[str, ParamPath, int]] = [("model.visual.merger.", ("visual", "merger"), vd)]
+    mergers += [
+        (f"model.visual.deepstack_merger_list.{j}.", ("visual", "deepstack_mergers", j), m)
+        for j in range(len(v.deepstack_visual_indexes))
+    ]
+    for hf, me, norm_dim in mergers:
+        out += merger_links(hf, me, v, norm_dim, norm="norm", norm_bias=True, fc1="linear_fc1", fc2="linear_fc2")
+    return out

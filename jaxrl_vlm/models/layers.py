@@ -605,8 +605,8 @@ class LearnedPositionVisionTower(nnx.Module):
     `cfg.vision.deepstack_visual_indexes` (none for Qwen3.5). Returns merged image tokens [M, D_text] and the
     deepstack features [M, D_text] (padding patches give garbage rows that the token scatter drops).
 
-    The same tower as `qwen3_vl.VisionTower` (same parameter names), shared so that a second family (Qwen3.5)
-    need not import another family's file."""
+    Qwen3-VL's tower, shared so that Qwen3.5 reuses it without importing another family's file; its HF names are
+    `hf_links.learned_position_vision_links`."""
 
     def __init__(
         self,

@@ -42,9 +42,7 @@ from jaxrl_vlm.models.hf_links import (
     dense_link,
     heads_in_link,
     heads_out_link,
-    merger_links,
-    patch_embed_links,
-    vision_attention_links,
+    learned_position_vision_links,
 )
 from jaxrl_vlm.models.layers import (
     ATTENTION_IMPLS,
@@ -596,34 +594,9 @@ def text_links(cfg: Qwen3_5Config) -> list[Link]:
     return out
 
 
-def vision_links(cfg: Qwen3_5Config) -> list[Link]:
-    """The vision tower's tensors (Qwen3-VL's names, no deepstack mergers)."""
-    v = cfg.vision
-    vd, vf = v.hidden_size, v.intermediate_size
-    out = patch_embed_links(v, bias=True)
-    out.append(copy_link("model.visual.pos_embed.weight", (v.num_position_embeddings, vd), ("visual", "pos_embed_sd")))
-    for i in range(v.depth):
-        hf = f"model.visual.blocks.{i}."
-        me: ParamPath = ("visual", "blocks", i)
-        out += [
-            copy_link(hf + "norm1.weight", (vd,), me + ("norm1", "scale")),
-            copy_link(hf + "norm1.bias", (vd,), me + ("norm1", "bias")),
-            copy_link(hf + "norm2.weight", (vd,), me + ("norm2", "scale")),
-            copy_link(hf + "norm2.bias", (vd,), me + ("norm2", "bias")),
-            *vision_attention_links(hf, me, v),
-            dense_link(hf + "mlp.linear_fc1.weight", vf, vd, me + ("fc1_kernel_df",)),
-            copy_link(hf + "mlp.linear_fc1.bias", (vf,), me + ("fc1_bias_f",)),
-            dense_link(hf + "mlp.linear_fc2.weight", vd, vf, me + ("fc2_kernel_fd",)),
-            copy_link(hf + "mlp.linear_fc2.bias", (vd,), me + ("fc2_bias_d",)),
-        ]
-    out += merger_links("model.visual.merger.", ("visual", "merger"), v, vd, norm="norm", norm_bias=True,
-                        fc1="linear_fc1", fc2="linear_fc2")
-    return out
-
-
 def weight_links(cfg: Qwen3_5Config) -> list[Link]:
     """Every tensor of `Qwen3_5ForConditionalGeneration` and where it lives in `Qwen3_5`."""
-    return text_links(cfg) + vision_links(cfg)
+    return text_links(cfg) + learned_position_vision_links(cfg)
 
 
 # ----------------------------------------------------------------------------- engine: hybrid cache
