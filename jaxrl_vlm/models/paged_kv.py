@@ -77,7 +77,7 @@ def init_cache(cfg: ModelConfig, num_pages: int, page_size: int, max_slots: int,
     return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
 
-def _page_slots(table: jax.Array, positions: jax.Array, page_size: int, num_pages: int) -> tuple[jax.Array, jax.Array]:
+def page_slots(table: jax.Array, positions: jax.Array, page_size: int, num_pages: int) -> tuple[jax.Array, jax.Array]:
     """(page, row) of each sequence position under `table` [..., P]; positions past the table map to
     page `num_pages`, whose writes are dropped."""
     index = positions // page_size
@@ -86,7 +86,7 @@ def _page_slots(table: jax.Array, positions: jax.Array, page_size: int, num_page
     return page, positions % page_size
 
 
-def _gather(part: jax.Array, i: int, table: jax.Array) -> jax.Array:
+def gather_pages(part: jax.Array, i: int, table: jax.Array) -> jax.Array:
     """Layer i's K or V of the pages in `table` [B, P], laid end to end: [B, P * page_size, kv_heads, head_dim]."""
     pages = part[i, table]  # padding entries (num_pages) are clamped to the last page, then masked
     b, p, s = pages.shape[:3]
@@ -160,13 +160,13 @@ def prefill(
     cos, sin = mrope_cos_sin(positions_31t, model.cfg, model.compute_dtype)
     span = table_p.shape[0] * page_size
     mask = (jnp.arange(span)[None, :] <= (start + jnp.arange(t))[:, None])[None]  # [1, T, P * page_size]
-    page_t, row_t = _page_slots(table_p, start + jnp.arange(t), page_size, num_pages)
+    page_t, row_t = page_slots(table_p, start + jnp.arange(t), page_size, num_pages)
 
     def write(part: jax.Array, i: int, new: jax.Array) -> jax.Array:
         return part.at[i, page_t, row_t].set(new[0], mode="drop")
 
     def read(part: jax.Array, i: int) -> jax.Array:
-        return _gather(part, i, table_p[None])
+        return gather_pages(part, i, table_p[None])
 
     cache, hidden = _decoder(model, cache, x, cos, sin, mask, write, read, deepstack, image_slots)
     last = jax.lax.dynamic_slice_in_dim(hidden[0], length - 1, 1, axis=0)
@@ -200,13 +200,13 @@ def decode(
     cos, sin = mrope_cos_sin(jnp.broadcast_to(pos, (3, b, 1)), model.cfg, model.compute_dtype)
     span = tables_bp.shape[1] * page_size
     mask = (jnp.arange(span)[None, :] <= lengths_b[:, None])[:, None, :]  # [B, 1, P * page_size]
-    page_b, row_b = _page_slots(tables_bp, lengths_b[:, None], page_size, num_pages)
+    page_b, row_b = page_slots(tables_bp, lengths_b[:, None], page_size, num_pages)
 
     def write(part: jax.Array, i: int, new: jax.Array) -> jax.Array:
         return part.at[i, page_b[:, 0], row_b[:, 0]].set(new[:, 0], mode="drop")
 
     def read(part: jax.Array, i: int) -> jax.Array:
-        return _gather(part, i, tables_bp)
+        return gather_pages(part, i, tables_bp)
 
     cache, hidden = _decoder(model, cache, x, cos, sin, mask, write, read)
     return cache, _logits(model, hidden[:, 0])

@@ -57,6 +57,7 @@ from jaxrl_vlm.models.layers import (
     run_block_remat,
     text_mask,
 )
+from jaxrl_vlm.models.paged_kv import gather_pages, page_slots
 from jaxrl_vlm.models.rope import rope_inv_freq
 
 F32 = jnp.float32
@@ -687,20 +688,6 @@ def init_cache(cfg: Qwen3_5Config, num_pages: int, page_size: int, max_slots: in
     )
 
 
-def _page_rows(table: jax.Array, positions: jax.Array, page_size: int, num_pages: int) -> tuple[jax.Array, jax.Array]:
-    """(page, row) of sequence positions under page table(s) [..., P]; past the table -> page num_pages (dropped)."""
-    index = positions // page_size
-    page = jnp.take_along_axis(table, jnp.minimum(index, table.shape[-1] - 1), axis=-1)
-    return jnp.where(index < table.shape[-1], page, num_pages), positions % page_size
-
-
-def _read_pages(part: jax.Array, i: int, tables_bp: jax.Array) -> jax.Array:
-    """Layer i's K or V of the pages in `tables_bp` [B, P] end to end: [B, P * page_size, kv_heads, head_dim]."""
-    pages = part[i, tables_bp]
-    b, p, s = pages.shape[:3]
-    return pages.reshape(b, p * s, *pages.shape[3:])
-
-
 def _run_layers(model: Qwen3_5, cache: HybridCache, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array,
                 write_kv: Any, tables_bp: jax.Array, load: Any, store: Any, valid_bt: jax.Array | None,
                 length: jax.Array | None) -> tuple[HybridCache, jax.Array]:
@@ -714,7 +701,7 @@ def _run_layers(model: Qwen3_5, cache: HybridCache, x: jax.Array, cos: jax.Array
         if kind == "full_attention":
             q, k, v, gate = layer.attn.project(h, cos, sin)
             k_all, v_all = write_kv(k_all, fi, k.astype(k_all.dtype)), write_kv(v_all, fi, v.astype(v_all.dtype))
-            keys, values = _read_pages(k_all, fi, tables_bp).astype(q.dtype), _read_pages(v_all, fi, tables_bp).astype(q.dtype)
+            keys, values = gather_pages(k_all, fi, tables_bp).astype(q.dtype), gather_pages(v_all, fi, tables_bp).astype(q.dtype)
             x = x + layer.attn.output(attention(q, keys, values, mask, layer.attn.scale), gate)
             fi += 1
         else:
@@ -756,7 +743,7 @@ def prefill(
     cos, sin = partial_mrope_cos_sin(positions_31t, model.cfg.text, model.compute_dtype)
     span = table_p.shape[0] * page_size
     mask = (jnp.arange(span)[None, :] <= (start + jnp.arange(t))[:, None])[None]
-    page_t, row_t = _page_rows(table_p, start + jnp.arange(t), page_size, num_pages)
+    page_t, row_t = page_slots(table_p, start + jnp.arange(t), page_size, num_pages)
     keep = start > 0
 
     def write_kv(part: jax.Array, i: int, new: jax.Array) -> jax.Array:
@@ -797,7 +784,7 @@ def decode(
     cos, sin = partial_mrope_cos_sin(jnp.broadcast_to(pos, (3, b, 1)), model.cfg.text, model.compute_dtype)
     span = tables_bp.shape[1] * page_size
     mask = (jnp.arange(span)[None, :] <= lengths_b[:, None])[:, None, :]
-    page_b, row_b = _page_rows(tables_bp, lengths_b[:, None], page_size, num_pages)
+    page_b, row_b = page_slots(tables_bp, lengths_b[:, None], page_size, num_pages)
     rows = cache.conv.shape[0]
     slots = jnp.clip(slots_b, 0, rows - 1)  # reads
     write_rows = jnp.where(tables_bp[:, 0] < num_pages, slots, rows)  # padding rows write nowhere
