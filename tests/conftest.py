@@ -15,8 +15,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # JAX's persistent compilation cache, for this process and every subprocess the tests start (servers, CLI runs,
 # multi-host workers inherit the environment): the suite builds the same tiny models, train steps and engines in
 # many modules and processes, and a program compiled once comes back from disk afterwards (also after the
-# per-module clear below). Git-ignored; a fresh checkout (CI) starts empty and fills it within the run. Entries
-# are keyed by the program, its compile options and the devices, so a hit is the program a compile would give.
+# per-module clear below). Git-ignored; every run starts it empty (`pytest_configure`, below) and fills it within
+# the run: an executable that an EARLIER run wrote can abort the process when loaded (SIGABRT, no message: the
+# trainer's step in tests/test_train_layouts.py and tests/test_eval.py; reproducible on 1ff026d by running
+# test_train_layouts.py twice), while one written and reused within the same run has not (a whole cold suite passes).
 _XLA_CACHE = os.environ.get("JAXRL_TEST_XLA_CACHE", os.path.join(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))), ".cache", "xla-tests"))
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _XLA_CACHE)
@@ -45,6 +47,10 @@ MODULE_DURATIONS = Path(__file__).parent / "module_durations.json"
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # The controller (not an xdist worker, which starts after it) empties the compilation cache of earlier runs.
+    # JAXRL_TEST_XLA_CACHE names a cache to keep as it is (e.g. to investigate the abort above).
+    if not hasattr(config, "workerinput") and "JAXRL_TEST_XLA_CACHE" not in os.environ:
+        shutil.rmtree(_XLA_CACHE, ignore_errors=True)
     timing_path = os.environ.get("JAXRL_SUITE_TIMING")
     if timing_path:
         from _suite_timing import register
