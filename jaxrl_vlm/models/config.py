@@ -227,22 +227,9 @@ class Qwen3VLConfig(_VLConfig):
         """transformers-5 style `config.json` content (`rope_parameters`), loadable by `Qwen3VLConfig`."""
         v = self.vision
         text = dict(self._hf_text("qwen3_vl_text"), attention_bias=self.text.attention_bias)
-        vision = {
-            "model_type": "qwen3_vl_vision",
-            "depth": v.depth,
-            "hidden_size": v.hidden_size,
-            "intermediate_size": v.intermediate_size,
-            "num_heads": v.num_heads,
-            "in_channels": v.in_channels,
-            "patch_size": v.patch_size,
-            "temporal_patch_size": v.temporal_patch_size,
-            "spatial_merge_size": v.spatial_merge_size,
-            "out_hidden_size": v.out_hidden_size,
-            "num_position_embeddings": v.num_position_embeddings,
-            "deepstack_visual_indexes": list(v.deepstack_visual_indexes),
-            "hidden_act": v.hidden_act,
-            "rope_parameters": {"rope_type": "axial", "rope_theta": v.rope_theta},
-        }
+        vision = dict(_learned_position_vision_hf(v, "qwen3_vl_vision"),
+                      deepstack_visual_indexes=list(v.deepstack_visual_indexes),
+                      rope_parameters={"rope_type": "axial", "rope_theta": v.rope_theta})
         return self._hf_top("Qwen3VLForConditionalGeneration", text, vision)
 
 
@@ -568,6 +555,24 @@ class Qwen35TextConfig:
             raise ConfigError("text_config.attention_bias=true is not supported for qwen3_5 (released checkpoints set false)")
 
 
+def _learned_position_vision_hf(v: VisionConfig, model_type: str) -> dict[str, Any]:
+    """The `vision_config` keys that Qwen3-VL and Qwen3.5 write alike for their learned-position tower."""
+    return {
+        "model_type": model_type,
+        "depth": v.depth,
+        "hidden_size": v.hidden_size,
+        "intermediate_size": v.intermediate_size,
+        "num_heads": v.num_heads,
+        "in_channels": v.in_channels,
+        "patch_size": v.patch_size,
+        "temporal_patch_size": v.temporal_patch_size,
+        "spatial_merge_size": v.spatial_merge_size,
+        "out_hidden_size": v.out_hidden_size,
+        "num_position_embeddings": v.num_position_embeddings,
+        "hidden_act": v.hidden_act,
+    }
+
+
 @dataclass(frozen=True)
 class Qwen3_5Config(_VLConfig):
     """Qwen3.5 dense: the hybrid text decoder and Qwen3-VL's vision tower without deepstack."""
@@ -602,20 +607,7 @@ class Qwen3_5Config(_VLConfig):
             linear_num_value_heads=t.linear_num_value_heads,
             attention_bias=False,
         )
-        vision = {
-            "model_type": "qwen3_5_vision",
-            "depth": v.depth,
-            "hidden_size": v.hidden_size,
-            "intermediate_size": v.intermediate_size,
-            "num_heads": v.num_heads,
-            "in_channels": v.in_channels,
-            "patch_size": v.patch_size,
-            "temporal_patch_size": v.temporal_patch_size,
-            "spatial_merge_size": v.spatial_merge_size,
-            "out_hidden_size": v.out_hidden_size,
-            "num_position_embeddings": v.num_position_embeddings,
-            "hidden_act": v.hidden_act,
-        }
+        vision = _learned_position_vision_hf(v, "qwen3_5_vision")
         return self._hf_top("Qwen3_5ForConditionalGeneration", text, vision)
 
 
