@@ -67,13 +67,13 @@ from rollout.run import (
     RUNNABLE,
     CarriedGroup,
     DriverState,
-    DriverStateError,
+    DriverStateError,  # noqa: F401  (re-exported: slime-style callers of restore_driver_state catch it here)
     RolloutContext,
     RolloutRun,
     driver_state,
     episode_copy,
     get_context,
-    restored_state,
+    restore_into,
 )
 from rollout.options import RolloutOptions
 from rollout.rewards import RewardError, reward_components, scalar_reward
@@ -673,13 +673,6 @@ def restore_driver_state(args: Any, state: dict[str, Any] | None, *, next_group_
     entry for a malformed or foreign state, and when the args already hold driver state or the rollout context
     suspended episodes (restoring over them would drop or duplicate prompts); nothing is half-restored.
     """
-    current = driver_state(args)
     ctx = getattr(args, "rollout_context", None)
     suspended = len(ctx.suspended) if isinstance(ctx, RolloutContext) else 0
-    if current.held() or suspended:
-        raise DriverStateError(
-            f"restore_driver_state: the args already hold driver state {current.held()} and {suspended} suspended "
-            "episodes; restore into fresh args, before the first rollout step"
-        )
-    restored = restored_state(state, next_group_index)
-    args.driver_state = restored
+    args.driver_state = restore_into(driver_state(args), suspended, state, next_group_index, "args")

@@ -287,6 +287,21 @@ def _check_keys(data: dict[str, Any], expected: set[str], where: str) -> None:
         raise DriverStateError(f"{where}: missing keys {sorted(missing)}, unknown keys {sorted(unknown)}")
 
 
+def restore_into(current: DriverState, suspended: int, state: dict[str, Any] | None, next_group_index: int | None,
+                 holder: str) -> DriverState:
+    """The driver state a checkpoint saved (`restored_state`), for a fresh `holder` (a run, or slime's args) whose
+    state is `current` with `suspended` suspended episodes. Raises DriverStateError naming the entry, or when the
+    holder already holds driver state or suspended episodes (restoring over them would drop or duplicate prompts);
+    nothing is half-restored."""
+    if current.held() or suspended:
+        raise DriverStateError(
+            f"restore_driver_state: the {holder} already {'hold' if holder == 'args' else 'holds'} driver state "
+            f"{current.held()} and {suspended} suspended episodes; restore into a fresh {holder}, before the first "
+            "rollout step"
+        )
+    return restored_state(state, next_group_index)
+
+
 def restored_state(state: dict[str, Any] | None, next_group_index: int | None) -> DriverState:
     """The driver state a checkpoint saved (`DriverState.to_dict`); with `state=None` (an older checkpoint without
     one) only the group counter `next_group_index`, with a warning. Raises DriverStateError naming the entry."""
@@ -336,16 +351,8 @@ class RolloutRun:
 
     def restore_state(self, state: dict[str, Any] | None, *, next_group_index: int | None = None) -> None:
         """Load a checkpointed `DriverState.to_dict()` into this fresh run, before its first rollout step (see
-        `rollout.driver.restore_driver_state`, which does the same for a slime namespace). Raises DriverStateError
-        naming the entry, or when the run already holds driver state or suspended episodes; nothing is
-        half-restored."""
-        suspended = len(self.context.suspended)
-        if self.state.held() or suspended:
-            raise DriverStateError(
-                f"restore_driver_state: the run already holds driver state {self.state.held()} and {suspended} "
-                "suspended episodes; restore into a fresh run, before the first rollout step"
-            )
-        self.state = restored_state(state, next_group_index)
+        `restore_into`); the namespace user code sees gets the same state."""
+        self.state = restore_into(self.state, len(self.context.suspended), state, next_group_index, "run")
         self.args.driver_state = self.state
 
     def derive(self, **changes: Any) -> "RolloutRun":
