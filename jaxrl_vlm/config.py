@@ -408,6 +408,9 @@ class MeshConfig:
     mesh_config: str | None = opt(None, "YAML file with a mesh section (configs/mesh/*.yaml) merged over these values.")
     mesh_data: int = opt(-1, "Size of the data axis (-1: fill).")
     mesh_fsdp: int = opt(1, "Size of the fsdp axis (-1: fill).")
+    mesh_context: int = opt(
+        1, "Size of the context axis: each row's positions are split in contiguous blocks over this many devices "
+        "(context parallelism; slime's --context-parallel-size; -1: fill).")
     mesh_tensor: int = opt(1, "Size of the tensor axis (-1: fill).")
     train_devices: str | None = opt(
         None, "Local devices of the trainer's mesh, e.g. '4-7' (None: all local devices). See --rollout-devices.")

@@ -156,12 +156,7 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
         1, "accepted when 1 (no pipeline parallelism here)",
         _must_equal("--pipeline-model-parallel-size", 1, "no pipeline parallelism: use --mesh-fsdp / --mesh-tensor"),
         "megatron"),
-    "--context-parallel-size": SlimeFlag(
-        1, "accepted when 1 (no context parallelism here)",
-        _must_equal("--context-parallel-size", 1,
-                    "no context parallelism; for long sequences use --attention-impl pallas_gpu|pallas_tpu (O(T) "
-                    "memory), --remat full, --logprob-chunk-size and the fsdp/tensor mesh axes"),
-        "megatron"),
+    "--context-parallel-size": SlimeFlag(1, "-> --mesh-context N", _one("mesh_context", int), "megatron"),
     "--expert-model-parallel-size": SlimeFlag(
         1, "accepted when 1 (dense models only)",
         _must_equal("--expert-model-parallel-size", 1, "Qwen3-VL dense models have no experts"), "megatron"),

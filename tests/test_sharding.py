@@ -47,7 +47,10 @@ def _mesh_cfg(layout: Path):
 
 
 def _sizes(**kw):
-    return types.SimpleNamespace(mesh_data=kw.get("data", 1), mesh_fsdp=kw.get("fsdp", 1), mesh_tensor=kw.get("tensor", 1))
+    sizes = types.SimpleNamespace(mesh_data=kw.get("data", 1), mesh_fsdp=kw.get("fsdp", 1), mesh_tensor=kw.get("tensor", 1))
+    if "context" in kw:
+        sizes.mesh_context = kw["context"]
+    return sizes
 
 
 # ----------------------------------------------------------------------------- mesh and rules
@@ -58,9 +61,10 @@ def test_eight_simulated_devices():
 
 
 def test_mesh_sizes_fill_and_errors():
-    assert SL.mesh_shape(_sizes(data=-1), 8) == {"data": 8, "fsdp": 1, "tensor": 1}
-    assert SL.mesh_shape(_sizes(fsdp=-1, tensor=2), 8) == {"data": 1, "fsdp": 4, "tensor": 2}
-    assert SL.mesh_shape(_sizes(data=2, fsdp=2, tensor=2), 8) == {"data": 2, "fsdp": 2, "tensor": 2}
+    assert SL.mesh_shape(_sizes(data=-1), 8) == {"data": 8, "fsdp": 1, "context": 1, "tensor": 1}
+    assert SL.mesh_shape(_sizes(fsdp=-1, tensor=2), 8) == {"data": 1, "fsdp": 4, "context": 1, "tensor": 2}
+    assert SL.mesh_shape(_sizes(data=2, fsdp=2, tensor=2), 8) == {"data": 2, "fsdp": 2, "context": 1, "tensor": 2}
+    assert SL.mesh_shape(_sizes(fsdp=2, context=-1), 8) == {"data": 1, "fsdp": 2, "context": 4, "tensor": 1}
     with pytest.raises(SR.ShardingError, match="does not divide the 8 devices"):
         SL.mesh_shape(_sizes(data=-1, tensor=3), 8)
     with pytest.raises(SR.ShardingError, match="at most one"):
@@ -73,12 +77,16 @@ def test_mesh_sizes_fill_and_errors():
 
 def test_build_mesh_has_named_auto_axes():
     mesh = SL.build_mesh(_sizes(fsdp=-1, tensor=2))
-    assert mesh.axis_names == ("data", "fsdp", "tensor")
-    assert dict(mesh.shape) == {"data": 1, "fsdp": 4, "tensor": 2}
-    assert mesh.axis_types == (AxisType.Auto,) * 3  # with_sharding_constraint raises under Explicit axes
+    assert mesh.axis_names == ("data", "fsdp", "context", "tensor")
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 4, "context": 1, "tensor": 2}
+    assert mesh.axis_types == (AxisType.Auto,) * 4  # with_sharding_constraint raises under Explicit axes
     assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in jax.devices())
     small = SL.build_mesh(_sizes(data=-1), devices=jax.devices()[:2])
-    assert dict(small.shape) == {"data": 2, "fsdp": 1, "tensor": 1}
+    assert dict(small.shape) == {"data": 2, "fsdp": 1, "context": 1, "tensor": 1}
+    # context sits between fsdp and tensor: a context group is made of neighbouring devices.
+    cp = SL.build_mesh(_sizes(fsdp=2, context=2, tensor=2))
+    assert [d.id for d in cp.devices[0, 0, :, 0]] == [0, 2]
+    assert SL.sequence_shards(cp, SR.DEFAULT_RULES) == 2 and SL.row_multiple(cp, SR.DEFAULT_RULES) == 2
 
 
 def test_rules_overrides_are_validated():
@@ -286,7 +294,8 @@ def test_optimizer_state_shards_like_its_parameters():
 
     model = init_tiny_model(tiny_model_config(), seed=1)
     names = {n for _, v in nnx.to_flat_state(nnx.state(model, nnx.Param)) for n in v.get_metadata()["out_sharding"]}
-    assert names <= set(SR.PARAM_LOGICAL_AXES) and set(SR.DEFAULT_RULES) == set(SR.PARAM_LOGICAL_AXES) | {SR.BATCH_AXIS}
+    activation_only = {SR.BATCH_AXIS, SR.SEQUENCE_AXIS, SR.PATCH_AXIS}
+    assert names <= set(SR.PARAM_LOGICAL_AXES) and set(SR.DEFAULT_RULES) == set(SR.PARAM_LOGICAL_AXES) | activation_only
     mesh = SL.build_mesh(_sizes(fsdp=-1, tensor=2))
     optimizer = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
     state = nnx.state(optimizer)
@@ -395,7 +404,7 @@ def test_cli_dump_shardings_writes_the_golden(tmp_path, capsys):
     assert main(["dump-shardings", "--mesh-config", str(layout), "--out", str(tmp_path / "fsdp.json")]) == 0
     assert (tmp_path / "fsdp.json").read_text() == (GOLDENS / "fsdp.json").read_text()
     assert main(["dump-shardings", "--mesh-config", str(layout), "--num-devices", "6"]) == 0
-    assert json.loads(capsys.readouterr().out)["mesh"] == {"data": 1, "fsdp": 6, "tensor": 1}
+    assert json.loads(capsys.readouterr().out)["mesh"] == {"data": 1, "fsdp": 6, "context": 1, "tensor": 1}
     bad = tmp_path / "bad.yaml"
     bad.write_text("mesh:\n  mesh_data: 1\n  mesh_fsdp: -1\n  sharding_rules: {embeding: fsdp}\n")
     assert main(["dump-shardings", "--mesh-config", str(bad)]) == 2

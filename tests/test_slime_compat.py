@@ -78,10 +78,13 @@ def test_every_flag_of_the_script_is_in_the_readme_table():
         sorted(set(slime_flags.SLIME_FLAGS) - rows)
 
 
+def test_context_parallel_size_maps_to_the_context_axis():
+    assert load_config(None, ["--context-parallel-size", "4"]).mesh.mesh_context == 4
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--context-parallel-size", "2"], "no context parallelism.*--attention-impl"),
         (["--pipeline-model-parallel-size", "2"], "no pipeline parallelism"),
         (["--attention-dropout", "0.1"], "no dropout"),
         (["--multimodal-keys", '{"video": "videos"}'], "only images"),

@@ -36,7 +36,11 @@ def add_bench_parser(sub: Any) -> None:
     s.add_argument("--steps", type=int, default=3, help="Timed steps per layout (median reported).")
     s.add_argument("--warmup", type=int, default=1, help="Untimed steps before timing.")
     s.add_argument("--rows", type=int, default=8, help="Batch rows (a multiple of every layout's batch shards).")
-    s.add_argument("--seq-len", type=int, default=512, help="Tokens per row.")
+    s.add_argument("--seq-len", type=int, nargs="+", default=[512],
+                   help="Tokens per row; several values run the whole comparison once per length.")
+    s.add_argument("--context-sizes", type=int, nargs="+", default=None,
+                   help="Run each layout at each context-parallel size N (--mesh-context N, on the first N x its "
+                        "other fixed axis sizes devices) and print per-device memory by length and size.")
     s.add_argument("--fill", type=float, default=0.8, help="Synthetic tokens / (rows * seq-len).")
     s.add_argument("--seed", type=int, default=0, help="Seed of the synthetic batch and the random init (shadows the run config's --seed).")
     s.add_argument("--out", default="runs/bench_sharding", help="Directory for the CSV, JSON, PNG and table.")
@@ -68,14 +72,20 @@ def run_bench_command(ns: argparse.Namespace, rest: list[str]) -> int:
     # Local on purpose: jax must be imported after `simulate_cpu_devices` has set XLA_FLAGS.
     import jax
 
-    from jaxrl_vlm.bench.sharding_bench import BenchOptions, format_table, run_sharding_bench, write_outputs
+    from jaxrl_vlm.bench.sharding_bench import (
+        BenchOptions,
+        format_context_table,
+        format_table,
+        run_sharding_bench,
+        write_outputs,
+    )
 
     try:
-        opts = BenchOptions(
-            model=ns.model, rows=ns.rows, seq_len=ns.seq_len, fill=ns.fill, steps=ns.steps, warmup=ns.warmup,
+        runs = [BenchOptions(
+            model=ns.model, rows=ns.rows, seq_len=seq_len, fill=ns.fill, steps=ns.steps, warmup=ns.warmup,
             seed=ns.seed, compile_only=ns.compile_only, measure_peak=not ns.no_peak,
             device_memory_bytes=None if ns.device_memory_gb is None else int(ns.device_memory_gb * 2**30),
-        )
+        ) for seq_len in ns.seq_len]
     except ValueError as e:
         raise ConfigError(f"bench sharding: {e}") from e
     devices = jax.devices()
@@ -83,11 +93,17 @@ def run_bench_command(ns: argparse.Namespace, rest: list[str]) -> int:
         if not 1 <= ns.num_devices <= len(devices):
             raise ConfigError(f"bench sharding: --num-devices {ns.num_devices} but {len(devices)} devices are visible")
         devices = devices[: ns.num_devices]
-    report = run_sharding_bench(
-        ns.config, ns.layouts, opts, overrides=rest, devices=devices,
-        on_result=lambda r: print(f"[bench] {r.layout}: {r.status}" + (f" ({r.reason})" if r.reason else ""), file=sys.stderr),
-    )
-    print(format_table(report))
-    paths = write_outputs(report, ns.out)
-    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    reports = []
+    for opts in runs:
+        report = run_sharding_bench(
+            ns.config, ns.layouts, opts, overrides=rest, devices=devices, context_sizes=ns.context_sizes,
+            on_result=lambda r: print(f"[bench] {r.layout}: {r.status}" + (f" ({r.reason})" if r.reason else ""), file=sys.stderr),
+        )
+        print(format_table(report))
+        stem = "sharding_bench" if len(runs) == 1 else f"sharding_bench_{opts.seq_len}"
+        paths = write_outputs(report, ns.out, stem)
+        print("wrote " + ", ".join(str(p) for p in paths.values()))
+        reports.append(report)
+    if ns.context_sizes:
+        print(format_context_table(reports))
     return 0

@@ -24,6 +24,7 @@ import csv
 import dataclasses
 import json
 import logging
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -493,8 +494,13 @@ def run_sharding_bench(
     overrides: Sequence[str] = (),
     devices: Sequence[Any] | None = None,
     on_result: Callable[[LayoutResult], None] | None = None,
+    context_sizes: Sequence[int] | None = None,
 ) -> BenchReport:
-    """Benchmark every layout (mesh YAML paths) on `devices` (default: all) with one model, batch and step."""
+    """Benchmark every layout (mesh YAML paths) on `devices` (default: all) with one model, batch and step.
+
+    `context_sizes`: run each layout once per context-parallel size N (`--mesh-context N`, reported as
+    `LAYOUT@cpN`) on the first N x (its other fixed axis sizes) devices, its fill axis then being 1: how one
+    row's per-device memory falls as its positions are split over more devices."""
     if not layouts:
         raise ValueError("no layouts given (pass mesh YAML files, e.g. configs/mesh/*.yaml)")
     devices = list(jax.devices() if devices is None else devices)
@@ -533,10 +539,16 @@ def run_sharding_bench(
     results = []
     params_cache: dict[str, Any] = {}
     for layout in layouts:
-        cfg = load_config(config_path, [*overrides, "--mesh-config", str(layout)])
-        logger.info("layout %s: compiling on %d %s device(s)", Path(layout).stem, len(devices), devices[0].platform)
-        res = bench_layout(str(layout), cfg, model_cfg, samples, opts, devices, peaks, params_cache)
-        results.append(res)
+        for cp in context_sizes or (None,):
+            extra = [] if cp is None else ["--mesh-context", str(cp)]
+            cfg = load_config(config_path, [*overrides, "--mesh-config", str(layout), *extra])
+            name, devs = str(layout), devices
+            if cp is not None:
+                fixed = math.prod(max(1, v) for v in (cfg.mesh.mesh_data, cfg.mesh.mesh_fsdp, cfg.mesh.mesh_tensor))
+                name, devs = f"{Path(layout).stem}@cp{cp}", devices[: cp * fixed]
+            logger.info("layout %s: compiling on %d %s device(s)", Path(name).stem, len(devs), devices[0].platform)
+            res = bench_layout(name, cfg, model_cfg, samples, opts, devs, peaks, params_cache)
+            results.append(res)
         if on_result is not None:
             on_result(res)
     return BenchReport(results, info)
@@ -584,6 +596,22 @@ def format_table(report: BenchReport) -> str:
     if notes:
         out += ["", "not run:", *notes]
     return "\n".join(out)
+
+
+def format_context_table(reports: Sequence[BenchReport]) -> str:
+    """Per-device compiled memory by row length (one report each) and context-parallel size (`LAYOUT@cpN` rows):
+    temporaries (activations, the part context parallelism splits) and the whole peak, with the ratio of the
+    smallest size's temporaries to each."""
+    lines = ["per-device memory by tokens per row and context-parallel size (temporaries = activations; ratio = "
+             "temporaries at the smallest size / at this size)"]
+    for report in reports:
+        rows = [r for r in report.results if "@cp" in r.layout]
+        base = next((r.temp_bytes for r in rows if r.temp_bytes), None)
+        for r in rows:
+            ratio = "-" if not (base and r.temp_bytes) else f"{base / r.temp_bytes:.2f}x"
+            lines.append(f"  {report.info['seq_len']:>7} tokens  {r.layout:<16} {r.status:<12} temporaries "
+                         f"{_mib(r.temp_bytes):>10} MiB  peak {_mib(r.peak_bytes):>10} MiB  ratio {ratio}")
+    return "\n".join(lines)
 
 
 def write_csv(report: BenchReport, path: Path) -> None:

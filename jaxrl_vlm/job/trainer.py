@@ -38,7 +38,15 @@ from jaxrl_vlm.rl.losses import LossConfig
 from jaxrl_vlm.rl.options import LossOptions
 from jaxrl_vlm.rl.train_step import StepConfig, TrainState, compile_train_step, compute_logprobs, make_optimizer
 from jaxrl_vlm.sharding.activations import ActivationSharding
-from jaxrl_vlm.sharding.layout import batch_shardings, build_mesh, param_shardings, row_multiple, shardings_for
+from jaxrl_vlm.sharding.layout import (
+    batch_sharding,
+    batch_shardings,
+    build_mesh,
+    param_shardings,
+    row_multiple,
+    sequence_shards,
+    shardings_for,
+)
 from jaxrl_vlm.sharding.rules import resolve_rules
 from rollout.hooks import Hook, load_hook
 from rollout.processing import load_image_processor, max_frame_patches
@@ -140,6 +148,20 @@ def _masked_nll(logprobs: jax.Array, loss_mask: jax.Array) -> tuple[jax.Array, j
 
 
 # ----------------------------------------------------------------------------- the learner
+def check_context_parallel(cfg: Config, cp: int) -> None:
+    """Context parallelism splits every padded row into `cp` equal blocks through the activation constraints: the
+    row lengths must divide, and the constraints must be on."""
+    if cp == 1:
+        return
+    if not cfg.mesh.activation_constraints:
+        raise ConfigError(f"context parallelism ({cp} sequence shards) works through the activation constraints; "
+                          "set mesh.activation_constraints: true")
+    bad = [b for b in cfg.batching.seq_buckets if b % cp]
+    if bad:
+        raise ConfigError(f"batching.seq_buckets {bad} are not multiples of the {cp} sequence shards of the mesh "
+                          "(mesh_context); every padded row is split into equal contiguous blocks")
+
+
 def frame_patch_cap(model_dir: Path | str) -> int | None:
     """The most patches of one image frame the model directory's image processor can produce (None: no image
     processor, or no cap). The vision tower's XLA attention is then computed chunk by chunk instead of over every
@@ -199,6 +221,7 @@ class Trainer:
         cfg = self.cfg
         self.mesh = build_mesh(cfg.mesh, self.devices)
         self.rules = resolve_rules(cfg.mesh.sharding_rules)
+        check_context_parallel(cfg, sequence_shards(self.mesh, self.rules))
         placement = shardings_for(self.mesh, self.rules, load_hf_config(str(model_dir)))
         self.frame_patch_cap = frame_patch_cap(model_dir)
         model = from_hf(
@@ -263,8 +286,11 @@ class Trainer:
     def _logprobs(self, params: Any, device_batch: Any) -> jax.Array:
         """Old or reference log-probs of a batch, at the rollout temperature (one program per batch shape)."""
         if self._logprob_fn is None:
+            # Laid out like the batch (rows split, positions whole), which the train step expects them in; under
+            # context parallelism they leave the model split over the positions.
             self._logprob_fn = jax.jit(
-                compute_logprobs, static_argnums=(0,), static_argnames=("chunk_size", "temperature", "activations")
+                compute_logprobs, static_argnums=(0,), static_argnames=("chunk_size", "temperature", "activations"),
+                out_shardings=batch_sharding(self.mesh, self.rules),
             )
         return self._logprob_fn(
             self.graphdef, params, device_batch, chunk_size=self.cfg.model.logprob_chunk_size,
@@ -278,6 +304,9 @@ class Trainer:
         cfg = self.cfg
         check_frame_patches(samples, self.frame_patch_cap)
         shards = row_multiple(self.mesh, self.rules)  # devices the batch rows are split over
+        # Under context parallelism a row's tokens are spread over its context group: the per-device budget
+        # plans rows per group.
+        per_row_devices = sequence_shards(self.mesh, self.rules)
         budget = cfg.batching.max_tokens_per_device
         batch = build_train_batch(
             samples, advantages.astype(np.float32), self.model_cfg,
@@ -286,7 +315,7 @@ class Trainer:
             micro_batch_rows=cfg.train.micro_batch_size, row_multiple=shards,
             aggregation=aggregation_mode(cfg), aggregation_constant=aggregation_constant(cfg),
             overlong_policy=cfg.batching.overlong_policy,
-            max_tokens_per_micro_batch=None if budget is None else budget * shards,
+            max_tokens_per_micro_batch=None if budget is None else budget * shards * per_row_devices,
         )
         # Each process uploads only the rows its devices hold (plain device_put would first gather and compare
         # the whole batch across processes).

@@ -69,24 +69,52 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
 
 
 # Logical names of the activations the model constrains (one place, so the layout is reviewable).
-ROWS_HIDDEN = ("batch", None, None)  # [B, T, D]: rows split, model dimension whole
-ROWS_Q = ("batch", None, "heads", None)  # [B, T, N, H]
-ROWS_KV = ("batch", None, "kv_heads", None)  # [B, T, K, H]
-ROWS_MLP = ("batch", None, "mlp")  # [B, T, F]
-ROWS_VOCAB = ("batch", None, "vocab")  # [B, C, V] log-prob logits chunk
-# Vision patches of a micro-batch [P, ...]: split over the batch axes too, so the vision tower runs
-# data-parallel instead of on every device (attention gathers the other shards' keys and values).
-PATCH_HIDDEN = ("batch", None)  # [P, D_vision]
-PATCH_HEADS = ("batch", "vision_heads", None)  # [P, N, H]
-PATCH_MLP = ("batch", "vision_mlp")  # [P, F_vision]
-PATCH_LOGITS = (None, "vision_heads", None, "batch", None)  # attention logits [1, N, 1, P (queries), P (keys)]
+# `batch` splits rows, `sequence` a row's positions (context parallelism: contiguous blocks, one per device of a
+# context group; a no-op when the context axis has size 1).
+ROWS_HIDDEN = ("batch", "sequence", None)  # [B, T, D]: rows and positions split, model dimension whole
+ROWS_Q = ("batch", "sequence", "heads", None)  # [B, T, N, H]
+ROWS_KV = ("batch", "sequence", "kv_heads", None)  # [B, T, K, H] as projected
+# Keys and values every query block attends to: under context parallelism each device keeps its block of
+# queries and gathers the whole row's keys and values (all-gather attention; see `layers.text_attention`).
+KV_WHOLE = ("batch", None, "kv_heads", None)  # [B, T, K, H]
+TEXT_MASK = ("batch", "sequence", None)  # [B, Tq, Tk] bool
+TEXT_LOGITS = ("batch", "kv_heads", None, "sequence", None)  # [B, K, G, Tq, Tk] attention logits
+ROWS_ROPE = ("batch", "sequence", None)  # [B, T, head_dim] rotary tables
+ROWS_MLP = ("batch", "sequence", "mlp")  # [B, T, F]
+ROWS_VOCAB = ("batch", "sequence", "vocab")  # [B, C, V] log-prob logits chunk (C: positions of every shard)
+# Vision patches of a micro-batch [P, ...]: split over every device of the rows' and positions' axes
+# (`patches`), so the vision tower runs data-parallel instead of on every device (attention gathers the other
+# shards' keys and values; merged image features are scattered into whichever sequence shard owns their slot).
+PATCH_HIDDEN = ("patches", None)  # [P, D_vision]
+PATCH_HEADS = ("patches", "vision_heads", None)  # [P, N, H]
+PATCH_MLP = ("patches", "vision_mlp")  # [P, F_vision]
+PATCH_LOGITS = (None, "vision_heads", None, "patches", None)  # attention logits [1, N, 1, P (queries), P (keys)]
 PATCH_HEADS_WHOLE = (None, None, "vision_heads", None)  # [1, P, N, H] for a fused kernel: every patch on each shard
+
+
+def context_shards() -> int:
+    """Devices a row's positions are split over in the active layout (1: no context parallelism, or no layout)."""
+    spec = _CURRENT.get()
+    if spec is None:
+        return 1
+    probe = spec.sharding(("sequence",), (spec.mesh.size,)).spec
+    axes = () if not probe or probe[0] is None else (probe[0],) if isinstance(probe[0], str) else tuple(probe[0])
+    shape = dict(spec.mesh.shape)
+    n = 1
+    for a in axes:
+        n *= shape[a]
+    return n
+
 
 # name -> (dims, logical names), for the sharding goldens (`jaxrl_vlm.sharding.goldens.dump_shardings`).
 ACTIVATIONS: dict[str, tuple[tuple[str, ...], tuple[str | None, ...]]] = {
     "hidden": (("B", "T", "D"), ROWS_HIDDEN),
     "q": (("B", "T", "N", "H"), ROWS_Q),
     "kv": (("B", "T", "K", "H"), ROWS_KV),
+    "kv_whole": (("B", "T", "K", "H"), KV_WHOLE),
+    "text_mask": (("B", "T", "T"), TEXT_MASK),
+    "text_logits": (("B", "K", "G", "T", "T"), TEXT_LOGITS),
+    "rope": (("B", "T", "H"), ROWS_ROPE),
     "mlp": (("B", "T", "F"), ROWS_MLP),
     "logprob_logits": (("B", "C", "V"), ROWS_VOCAB),
     "patch_hidden": (("P", "D_vision"), PATCH_HIDDEN),

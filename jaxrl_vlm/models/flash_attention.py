@@ -14,7 +14,9 @@ used by the tests to check it against the XLA attention); `pallas_tpu` does when
 
 Pallas calls cannot be split by XLA's sharding propagation, so under a mesh (`activation_sharding`
 context) the call is wrapped in `shard_map`: rows split over the batch axes and heads over `tensor`,
-the same layout the activation constraints give q/k/v, so no data moves. Vision patches are attended
+the same layout the activation constraints give q/k/v, so no data moves. Under context parallelism the
+row's positions are gathered for the call (the kernels take no query offset for a causal block of a longer
+row): memory stays O(T), and the attention is computed on each device of the context group. Vision patches are attended
 whole (keys of one image may sit in another batch shard): inside the vision tower rows are gathered
 for the attention call and split again after it.
 """
@@ -83,6 +85,12 @@ def _kernel(
     )
 
 
+def _whole_rows(spec: PartitionSpec) -> tuple:
+    """The 4 entries of a [B, T, heads, H] spec with the positions (T) unsplit."""
+    entries = tuple(spec) + (None,) * (4 - len(spec))
+    return (entries[0], None, *entries[2:])
+
+
 def flash_attention(
     q: jax.Array,
     k: jax.Array,
@@ -108,8 +116,9 @@ def flash_attention(
         return fn(q, k, v, segment_ids)
     q_spec = spec.sharding(q_names, q.shape).spec
     kv_spec = spec.sharding(kv_names, k.shape).spec
-    q_entries = tuple(q_spec) + (None,) * (4 - len(q_spec))
-    kv_entries = tuple(kv_spec) + (None,) * (4 - len(kv_spec))
+    # Whole rows per device: a kernel call needs every key of its queries' row, and the kernels have no
+    # query offset for a causal block of a longer row (context parallelism gathers the row for the call).
+    q_entries, kv_entries = _whole_rows(q_spec), _whole_rows(kv_spec)
     if q_entries[2] != kv_entries[2]:
         # The kv heads cannot be split like the query heads (e.g. 2 kv heads on 4 tensor shards): keep
         # every head whole on each device rather than pair query heads with the wrong kv heads.

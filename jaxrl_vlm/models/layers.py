@@ -39,12 +39,17 @@ from jaxrl_vlm.models.activation_sharding import (
     PATCH_HIDDEN,
     PATCH_LOGITS,
     PATCH_MLP,
+    KV_WHOLE,
     ROWS_HIDDEN,
     ROWS_KV,
     ROWS_MLP,
     ROWS_Q,
+    ROWS_ROPE,
     ROWS_VOCAB,
+    TEXT_LOGITS,
+    TEXT_MASK,
     constrain,
+    context_shards,
 )
 from jaxrl_vlm.models.config import ModelConfig, VisionConfig
 from jaxrl_vlm.models.families import PolicyModel
@@ -106,7 +111,7 @@ def mrope_cos_sin(positions_3bt: jax.Array, cfg: ModelConfig, dtype: jnp.dtype) 
     axis = jnp.asarray(mrope_frequency_axis(cfg))  # [H/2] in {0,1,2}
     pos = jnp.take(positions_3bt.astype(jnp.float32), axis, axis=0)  # [H/2, B, T]
     angles = jnp.moveaxis(pos, 0, -1) * inv_freq  # [B, T, H/2]
-    emb = jnp.concatenate([angles, angles], axis=-1)
+    emb = constrain(jnp.concatenate([angles, angles], axis=-1), ROWS_ROPE)
     return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
 
 
@@ -166,6 +171,23 @@ def local_segment_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_id
     return out.reshape(c * block, *out.shape[2:])[:p]
 
 
+def text_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: "AttentionMask", scale: float) -> jax.Array:
+    """Causal, segment-aware attention of a decoder layer: q [B, T, N, H], k/v [B, T, K, H] -> [B, T, N, H].
+
+    Under context parallelism (the `sequence` activations split over a `context` mesh axis) each device keeps its
+    contiguous block of queries and gathers the row's keys and values (`KV_WHOLE`): one all-gather of K/V per
+    layer, and the [Tq/cp, T] logits and mask of its block. The causal mask uses global positions, so a block
+    attends to every earlier block and packing segments may cross block boundaries. Work is balanced without a
+    zig-zag order because the XLA attention computes every (query, key) pair of its block, masked or not. The
+    fused kernels (`mask.impl != "xla"`) run whole rows per device inside their `shard_map` (see
+    `flash_attention`): O(T) memory, the attention itself repeated over the context group.
+    """
+    if mask.dense is None:
+        return flash_attention(q, k, v, mask.segment_ids, impl=mask.impl, scale=scale, causal=True)
+    k, v = constrain(k, KV_WHOLE), constrain(v, KV_WHOLE)
+    return attention(q, k, v, mask.dense, scale, logits_names=TEXT_LOGITS)
+
+
 @struct.dataclass
 class AttentionMask:
     """Who may attend to whom, and with which implementation (static). `segment_ids` always ([B, T] text
@@ -185,7 +207,7 @@ def text_mask(segment_ids_bt: jax.Array, attention_impl: str) -> AttentionMask:
         return AttentionMask(segment_ids_bt, None, attention_impl)
     idx = jnp.arange(segment_ids_bt.shape[1])
     same = segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :]
-    return AttentionMask(segment_ids_bt, same & (idx[:, None] >= idx[None, :])[None])
+    return AttentionMask(segment_ids_bt, constrain(same & (idx[:, None] >= idx[None, :])[None], TEXT_MASK))
 
 
 def patch_mask(segment_ids_p: jax.Array, attention_impl: str, block: int | None = None) -> AttentionMask:
@@ -278,9 +300,7 @@ class TextAttention(nnx.Module):
 
     def __call__(self, x_btd: jax.Array, cos: jax.Array, sin: jax.Array, mask: AttentionMask) -> jax.Array:
         q, k, v = self.project(x_btd, cos, sin)
-        if mask.dense is not None:
-            return self.output(attention(q, k, v, mask.dense, self.scale))
-        return self.output(flash_attention(q, k, v, mask.segment_ids, impl=mask.impl, scale=self.scale, causal=True))
+        return self.output(text_attention(q, k, v, mask, self.scale))
 
 
 class TextMLP(nnx.Module):
@@ -536,16 +556,26 @@ def token_logprobs(
 
     The sequence is cut into chunks of `chunk_size`; each chunk's [B, C, V] fp32 logits live only
     inside one `lax.map` step and are recomputed in the backward pass (`jax.checkpoint`), so peak
-    memory is O(B * C * V) instead of O(B * T * V).
+    memory is O(B * C * V) instead of O(B * T * V). Under context parallelism (cp sequence shards) each map
+    step takes one chunk from every shard's contiguous block ([B, cp * C] with the shards' chunks side by side),
+    so every device works on its own positions and nothing is gathered.
     """
     b, t, d = hidden_btd.shape
-    c = max(1, min(chunk_size, t))
-    n_chunks = -(-t // c)
-    pad = n_chunks * c - t
+    cp = context_shards()
+    local = -(-t // cp)  # positions per sequence shard
+    c = max(1, min(chunk_size, local))
+    n_chunks = -(-local // c)
+    pad = cp * n_chunks * c - t
     h = jnp.pad(hidden_btd, ((0, 0), (0, pad), (0, 0)))
     y = jnp.pad(targets_bt, ((0, 0), (0, pad)))
-    h = h.reshape(b, n_chunks, c, d).transpose(1, 0, 2, 3)
-    y = y.reshape(b, n_chunks, c).transpose(1, 0, 2)
+    # [B, cp * n * c] -> [n, B, cp * c]: step i holds chunk i of every shard's block (shard j at [j * c, (j+1) * c)).
+    h = h.reshape(b, cp, n_chunks, c, d).transpose(2, 0, 1, 3, 4).reshape(n_chunks, b, cp * c, d)
+    y = y.reshape(b, cp, n_chunks, c).transpose(2, 0, 1, 3).reshape(n_chunks, b, cp * c)
+    h = constrain(h, (None, *ROWS_HIDDEN))
+
+    def unchunk(x: jax.Array) -> jax.Array:  # [n, B, cp * c] -> [B, T]
+        return x.reshape(n_chunks, b, cp, c).transpose(1, 2, 0, 3).reshape(b, cp * n_chunks * c)[:, :t]
+
     kernel = model.lm_head_kernel().astype(model.compute_dtype)
     cd = model.compute_dtype
 
@@ -562,10 +592,9 @@ def token_logprobs(
         return picked - lse, ent
 
     lp, ent = jax.lax.map(chunk, (h, y))
-    lp = lp.transpose(1, 0, 2).reshape(b, n_chunks * c)[:, :t]
     if not return_entropy:
-        return lp, None
-    return lp, ent.transpose(1, 0, 2).reshape(b, n_chunks * c)[:, :t]
+        return unchunk(lp), None
+    return unchunk(lp), unchunk(ent)
 
 
 # ----------------------------------------------------------------------------- learned-position vision tower

@@ -14,11 +14,12 @@ from typing import Any
 _EXPORTS = {
     **dict.fromkeys(
         ["AnyMesh", "BATCH_AXIS", "DEFAULT_RULES", "MESH_AXES", "MeshAxes", "PARAM_LOGICAL_AXES", "Rules",
+         "SEQUENCE_AXIS", "PATCH_AXIS",
          "ShardingError", "axis_sizes", "logical_to_spec", "resolve_rules", "spec_with_notes"], "rules"),
     **dict.fromkeys(
         ["MeshSizes", "ParamLayout", "abstract_mesh", "batch_sharding", "batch_shardings", "batch_spec",
          "build_mesh", "default_row_axis", "mesh_shape", "param_bytes_per_device", "param_layouts",
-         "param_shardings", "put_batch", "row_multiple", "shard_model", "shard_shape", "shardings_for",
+         "param_shardings", "put_batch", "row_multiple", "sequence_shards", "shard_model", "shard_shape", "shardings_for",
          "state_shardings"], "layout"),
     **dict.fromkeys(["ActivationSharding"], "activations"),
     **dict.fromkeys(

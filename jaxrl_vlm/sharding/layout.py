@@ -1,6 +1,6 @@
 """The device mesh and the shardings of parameters and batches, resolved with `sharding.rules`.
 
-Mesh axes and sizes come from a `MeshConfig`'s `mesh_data` / `mesh_fsdp` / `mesh_tensor` (one -1
+Mesh axes and sizes come from a `MeshConfig`'s `mesh_data` / `mesh_fsdp` / `mesh_context` / `mesh_tensor` (one -1
 fills); this module reads them through the small `MeshSizes` protocol, so it does not import
 `jaxrl_vlm.config`. Parameter layouts are read from the logical names the model's variables carry.
 
@@ -27,6 +27,7 @@ from jaxrl_vlm.sharding.rules import (
     BATCH_AXIS,
     DEFAULT_RULES,
     MESH_AXES,
+    SEQUENCE_AXIS,
     AnyMesh,
     Rules,
     ShardingError,
@@ -40,7 +41,8 @@ logger = logging.getLogger(__name__)
 
 class MeshSizes(Protocol):
     """The mesh sizes of a `MeshConfig` (-1: fill with the remaining devices); an optional
-    `mesh_config` attribute (the YAML it came from) names the source in error messages."""
+    `mesh_config` attribute (the YAML it came from) names the source in error messages, and an optional
+    `mesh_context` (default 1) the context-parallel size."""
 
     mesh_data: int
     mesh_fsdp: int
@@ -51,8 +53,10 @@ class MeshSizes(Protocol):
 
 
 def mesh_shape(mesh_cfg: MeshSizes, num_devices: int) -> dict[str, int]:
-    """{"data": d, "fsdp": f, "tensor": t} from `MeshConfig` sizes, one -1 filled so d*f*t = num_devices."""
-    sizes = {"data": int(mesh_cfg.mesh_data), "fsdp": int(mesh_cfg.mesh_fsdp), "tensor": int(mesh_cfg.mesh_tensor)}
+    """{"data": d, "fsdp": f, "context": c, "tensor": t} from `MeshConfig` sizes, one -1 filled so that
+    d*f*c*t = num_devices."""
+    sizes = {"data": int(mesh_cfg.mesh_data), "fsdp": int(mesh_cfg.mesh_fsdp),
+             "context": int(getattr(mesh_cfg, "mesh_context", 1)), "tensor": int(mesh_cfg.mesh_tensor)}
     source = getattr(mesh_cfg, "mesh_config", None)
     where = (f"{source}: " if source else "") + ", ".join(f"mesh_{k}={v}" for k, v in sizes.items())
     fill = [k for k, v in sizes.items() if v == -1]
@@ -71,7 +75,7 @@ def mesh_shape(mesh_cfg: MeshSizes, num_devices: int) -> dict[str, int]:
 
 
 def build_mesh(mesh_cfg: MeshSizes, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A `Mesh` with axes ("data", "fsdp", "tensor") and explicit `AxisType.Auto`.
+    """A `Mesh` with axes `MESH_AXES` ("data", "fsdp", "context", "tensor") and explicit `AxisType.Auto`.
 
     Auto, not jax's default Explicit: the model relies on sharding propagation, and
     `with_sharding_constraint` raises under Explicit axes. `devices` defaults to all (global) devices.
@@ -86,7 +90,9 @@ def build_mesh(mesh_cfg: MeshSizes, devices: Sequence[jax.Device] | None = None)
 def abstract_mesh(mesh_cfg: MeshSizes, num_devices: int) -> jax.sharding.AbstractMesh:
     """Mesh axes and sizes without devices: enough to resolve PartitionSpecs (goldens, planning)."""
     sizes = mesh_shape(mesh_cfg, num_devices)
-    return jax.sharding.AbstractMesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+    return jax.sharding.AbstractMesh(
+        tuple(sizes[a] for a in MESH_AXES), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES)
+    )
 
 
 # ----------------------------------------------------------------------------- parameters
@@ -240,6 +246,15 @@ def row_multiple(mesh: AnyMesh, rules: Rules | None = None) -> int:
     """Rows per micro-batch must be a multiple of this (the number of batch shards); for the batcher."""
     sizes = axis_sizes(mesh)
     rule = (rules or DEFAULT_RULES).get(BATCH_AXIS)
+    axes = [] if rule is None else [rule] if isinstance(rule, str) else list(rule)
+    return math.prod(sizes.get(a, 1) for a in axes)
+
+
+def sequence_shards(mesh: AnyMesh, rules: Rules | None = None) -> int:
+    """Devices one row's positions are split over (the `sequence` rule's axes: context parallelism; 1 = none).
+    Padded row lengths must be multiples of it, and a row's tokens are spread over that many devices."""
+    sizes = axis_sizes(mesh)
+    rule = (rules or DEFAULT_RULES).get(SEQUENCE_AXIS)
     axes = [] if rule is None else [rule] if isinstance(rule, str) else list(rule)
     return math.prod(sizes.get(a, 1) for a in axes)
 

@@ -5,9 +5,12 @@ to a mesh axis, a tuple of mesh axes, or None (replicated). One change of rules 
 new layout; presets live in `configs/mesh/*.yaml` (MaxText's scheme).
 
 Mesh axes, outermost first: `data` (pure replicas of the parameters), `fsdp` (parameters sharded,
-gathered per layer; ZeRO-3) and `tensor` (Megatron-style: heads / MLP / vocab split). `tensor` is
-innermost so a tensor-parallel group is made of neighbouring devices (same host, fastest links).
-Batch rows are split over the axes of the `batch` rule (default `("data", "fsdp")`).
+gathered per layer; ZeRO-3), `context` (context parallelism: one long row's positions split into
+contiguous blocks, one per device of a context group) and `tensor` (Megatron-style: heads / MLP / vocab
+split). `tensor` is innermost so a tensor-parallel group is made of neighbouring devices (same host,
+fastest links); `context` next, since attention gathers keys and values over it every layer.
+Batch rows are split over the axes of the `batch` rule (default `("data", "fsdp")`), a row's positions over
+those of the `sequence` rule (default `context`).
 
 How a tensor's PartitionSpec is resolved from its logical names, dimension by dimension:
   1. look the name up in the rules (unknown names are errors);
@@ -38,19 +41,22 @@ from jaxrl_vlm.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-MESH_AXES: tuple[str, str, str] = ("data", "fsdp", "tensor")
+MESH_AXES: tuple[str, ...] = ("data", "fsdp", "context", "tensor")
 
 # The logical names the model declares (one per parameter dimension), plus `batch` for input rows.
 PARAM_LOGICAL_AXES: tuple[str, ...] = (
     "vocab", "embed", "mlp", "heads", "kv_heads", "head_dim", "norm",
     "vision_patch", "vision_pos", "vision_embed", "vision_heads", "vision_head_dim", "vision_mlp", "vision_merge",
-    "linear_k_heads", "linear_v_heads", "linear_head_dim", "conv_taps",
+    "linear_k_heads", "linear_v_heads", "linear_head_dim", "conv_taps", "expert",
 )  # fmt: skip
 BATCH_AXIS = "batch"
+# Activation-only names: a row's positions (context parallelism) and the vision patches of a micro-batch.
+SEQUENCE_AXIS = "sequence"
+PATCH_AXIS = "patches"
 
 MeshAxes = str | tuple[str, ...] | None
 Rules = Mapping[str, MeshAxes]
-# Anything with axis sizes: a Mesh, an AbstractMesh, or {"data": d, "fsdp": f, "tensor": t}.
+# Anything with axis sizes: a Mesh, an AbstractMesh, or {"data": d, "fsdp": f, "context": c, "tensor": t}.
 AnyMesh = Mesh | jax.sharding.AbstractMesh | Mapping[str, int]
 
 # FSDP shards the model ("embed") dimension of every matrix; tensor parallelism splits the dimension
@@ -77,7 +83,14 @@ DEFAULT_RULES: dict[str, MeshAxes] = {
     "linear_v_heads": "tensor",
     "linear_head_dim": None,
     "conv_taps": None,
+    # MoE expert weights [E, ...]: replicated until an expert-parallel layout ships.
+    "expert": None,
     BATCH_AXIS: ("data", "fsdp"),
+    # Context parallelism: positions of a row split in contiguous blocks over `context`; vision patches over
+    # every device of the rows' and positions' axes (the tower is position-wise but for its attention, which
+    # gathers keys across shards; merged image features are scattered to whichever sequence shard owns them).
+    SEQUENCE_AXIS: "context",
+    PATCH_AXIS: ("data", "fsdp", "context"),
 }
 
 
