@@ -17,6 +17,9 @@ Semantics follow transformers' `modeling_qwen3_5.py` (5.24). Top to bottom:
 
 Packed rows (`segment_ids` [B, T], 0 = padding): full attention is causal AND same-segment; a linear layer starts
 every segment from a zero conv window and a zero recurrent state.
+Under context parallelism (an activation layout whose `sequence` splits T) the linear layers' conv and delta
+rule run on contiguous blocks of each row, passing a conv halo and the recurrent state across blocks
+(`linear_context`).
 
 Logical axes of the linear layers: `linear_k_heads`, `linear_v_heads` (on the `tensor` mesh axis),
 `linear_head_dim`, `conv_taps`.
@@ -24,6 +27,7 @@ Logical axes of the linear layers: `linear_k_heads`, `linear_v_heads` (on the `t
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, NamedTuple
 
 import jax
@@ -31,10 +35,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from jaxrl_vlm.models.activation_sharding import ROWS_HIDDEN, ROWS_KV, ROWS_Q, constrain
+from jaxrl_vlm.models.activation_sharding import ROWS_HIDDEN, ROWS_KV, ROWS_Q, constrain, current
 from jaxrl_vlm.models.config import Qwen3_5Config, Qwen35TextConfig
 from jaxrl_vlm.models.families import FamilyModel
-from jaxrl_vlm.models.flash_attention import flash_attention
 from jaxrl_vlm.models.hf_links import (
     Link,
     ParamPath,
@@ -55,8 +58,10 @@ from jaxrl_vlm.models.layers import (
     param,
     run_block,
     run_block_remat,
+    text_attention,
     text_mask,
 )
+from jaxrl_vlm.models.linear_context import context_causal_conv, context_chunk_gated_delta_rule, context_split
 from jaxrl_vlm.models.paged_kv import gather_pages, page_slots
 from jaxrl_vlm.models.rope import rope_inv_freq
 
@@ -305,7 +310,9 @@ class GatedDeltaNet(nnx.Module):
 
         run_bt: `segment_runs` (run 0 continues `state`); valid_bt: False at padding steps, which leave the state
         as it is; length: valid steps per row (scalar; the conv window kept is the one ending there; default T).
-        T = 1 takes the one-step recurrent form (decode), longer inputs the chunked form."""
+        T = 1 takes the one-step recurrent form (decode), longer inputs the chunked form. Under an activation layout
+        that splits the sequence (context parallelism), the conv and the chunked rule run block by block on the
+        devices of the context group (`linear_context`), with the same result."""
         cd = self.compute_dtype
         b, t, _ = x_btd.shape
         hk, dk = self.q_kernel_dhk.shape[1:]
@@ -320,7 +327,12 @@ class GatedDeltaNet(nnx.Module):
         a = proj(self.a_kernel_dh, "btd,dh->bth").astype(F32)
         g = -jnp.exp(self.a_log_h[...].astype(F32)) * jax.nn.softplus(a + self.dt_bias_h[...].astype(F32))
         mixed = jnp.concatenate([q, k, v], axis=-1)  # [B, T, C]
-        conv = jax.nn.silu(causal_depthwise_conv(mixed, self.conv_kernel(), state.conv, run_bt))
+        split = context_split(current(), (b, t, hv, dk)) if t > 1 else None
+        if split is None:
+            conv = causal_depthwise_conv(mixed, self.conv_kernel(), state.conv, run_bt)
+        else:
+            conv = context_causal_conv(causal_depthwise_conv, mixed, self.conv_kernel(), state.conv, run_bt, split)
+        conv = jax.nn.silu(conv)
         n = hk * dk
         q = conv[..., :n].reshape(b, t, hk, dk).astype(F32)
         k = conv[..., n : 2 * n].reshape(b, t, hk, dk).astype(F32)
@@ -334,6 +346,9 @@ class GatedDeltaNet(nnx.Module):
         if t == 1:
             o, rec = recurrent_gated_delta_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state.recurrent)
             o = o[:, None]
+        elif split is not None:
+            rule = partial(chunk_gated_delta_rule, chunk_size=self.chunk_size)
+            o, rec = context_chunk_gated_delta_rule(rule, q, k, v, g, beta, state.recurrent, run_bt, split)
         else:
             o, rec = chunk_gated_delta_rule(q, k, v, g, beta, state.recurrent, run_bt, self.chunk_size)
         o = o.astype(cd)
@@ -388,11 +403,7 @@ class GatedAttention(nnx.Module):
 
     def __call__(self, x_btd: jax.Array, cos: jax.Array, sin: jax.Array, mask: AttentionMask) -> jax.Array:
         q, k, v, gate = self.project(x_btd, cos, sin)
-        if mask.dense is not None:
-            o = attention(q, k, v, mask.dense, self.scale)
-        else:
-            o = flash_attention(q, k, v, mask.segment_ids, impl=mask.impl, scale=self.scale, causal=True)
-        return self.output(o, gate)
+        return self.output(text_attention(q, k, v, mask, self.scale), gate)
 
 
 class FullAttentionLayer(nnx.Module):
