@@ -19,6 +19,8 @@ are small and built offline (nothing may be fetched from a hub):
   ids match the tiny tokenizer.
 - Qwen3.5 (`arch="qwen3_5"`): `QWEN3_5_CHAT_TEMPLATE` (thinks by default), Qwen3.5's pre-tokenizer and
   tokenizer class, Qwen3-VL's preprocessing and `tiny_qwen3_5_hf_config` (3 linear : 1 full attention).
+- Qwen3-VL-MoE (`arch="qwen3_vl_moe"`): Qwen3-VL's template, tokenizer and preprocessing with
+  `tiny_qwen3_vl_moe_hf_config` (one routed MoE layer of 4 experts, top-2, and one dense layer).
 - Qwen2.5-VL (`arch="qwen2_5_vl"`): `QWEN2_5_VL_CHAT_TEMPLATE` (default system
   prompt, no tool rendering), patch-14 CLIP-normalized preprocessing and
   `tiny_qwen2_5_vl_hf_config`; `TINY_CHAT_TEMPLATES` / `TINY_HF_CONFIGS` map
@@ -428,6 +430,7 @@ CLIP_IMAGE_STD = (0.26862954, 0.26130258, 0.27577711)
 _PREPROCESSING: dict[str, tuple[int, tuple[float, ...], tuple[float, ...], str]] = {
     "qwen3_vl": (16, (0.5, 0.5, 0.5), (0.5, 0.5, 0.5), "Qwen3VLProcessor"),
     "qwen3_5": (16, (0.5, 0.5, 0.5), (0.5, 0.5, 0.5), "Qwen3VLProcessor"),  # Qwen3.5 ships Qwen3-VL's processor
+    "qwen3_vl_moe": (16, (0.5, 0.5, 0.5), (0.5, 0.5, 0.5), "Qwen3VLProcessor"),
     "qwen2_5_vl": (14, CLIP_IMAGE_MEAN, CLIP_IMAGE_STD, "Qwen2_5_VLProcessor"),
 }
 TINY_ARCHS: tuple[str, ...] = tuple(_PREPROCESSING)
@@ -701,10 +704,30 @@ def tiny_qwen3_5_hf_config(tokenizer: PreTrainedTokenizerFast, **overrides: Any)
     return _merge_overrides(config, overrides)
 
 
+def tiny_qwen3_vl_moe_hf_config(tokenizer: PreTrainedTokenizerFast, **overrides: Any) -> dict[str, Any]:
+    """A transformers-5 `Qwen3VLMoeConfig` dict for a small random Qwen3-VL-MoE matching `tokenizer`.
+
+    Text: the tiny Qwen3-VL's decoder (hidden 64, 4 heads, 2 kv heads, head_dim 16, M-RoPE [4, 2, 2]) with 2
+    layers: layer 0 a routed MoE block of 4 experts of width 48, top-2 (renormalised), and layer 1 dense (width 128,
+    via `mlp_only_layers`), so both MLP kinds are exercised. Vision: the tiny Qwen3-VL's tower with deepstack [0, 1].
+    Untied embeddings, as the released Qwen3-VL-30B-A3B. `overrides` as in `tiny_qwen3_vl_hf_config`.
+    """
+    base = tiny_qwen3_vl_hf_config(tokenizer)
+    text = dict(base["text_config"], model_type="qwen3_vl_moe_text", num_experts=4, num_experts_per_tok=2,
+                moe_intermediate_size=48, decoder_sparse_step=1, mlp_only_layers=[1], router_aux_loss_coef=0.001,
+                tie_word_embeddings=False)
+    config: dict[str, Any] = dict(base, architectures=["Qwen3VLMoeForConditionalGeneration"], model_type="qwen3_vl_moe",
+                                  tie_word_embeddings=False, text_config=text,
+                                  vision_config=dict(base["vision_config"], model_type="qwen3_vl_moe_vision"))
+    config = _merge_overrides(config, overrides)
+    validate_qwen3_vl_config(config)
+    return config
+
+
 # Per architecture (config.json model_type): the chat template, config builder and tokenizer class of its tiny model.
 TINY_CHAT_TEMPLATES: dict[str, str] = {"qwen3_vl": QWEN3_VL_CHAT_TEMPLATE, "qwen2_5_vl": QWEN2_5_VL_CHAT_TEMPLATE,
-                                       "qwen3_5": QWEN3_5_CHAT_TEMPLATE}
+                                       "qwen3_5": QWEN3_5_CHAT_TEMPLATE, "qwen3_vl_moe": QWEN3_VL_CHAT_TEMPLATE}
 TINY_HF_CONFIGS = {"qwen3_vl": tiny_qwen3_vl_hf_config, "qwen2_5_vl": tiny_qwen2_5_vl_hf_config,
-                   "qwen3_5": tiny_qwen3_5_hf_config}
+                   "qwen3_5": tiny_qwen3_5_hf_config, "qwen3_vl_moe": tiny_qwen3_vl_moe_hf_config}
 TINY_PRETOKENIZE_REGEX = {"qwen3_5": QWEN3_5_PRETOKENIZE_REGEX}  # the others: Qwen2's
 TINY_TOKENIZER_CLASS = {"qwen3_5": "Qwen3_5Tokenizer"}  # the others: Qwen2Tokenizer

@@ -17,7 +17,14 @@ perfectly packed batch would need (`batching` reports padding efficiency separat
 
 from __future__ import annotations
 
-from jaxrl_vlm.models.config import MODEL_PRESETS, ModelConfig, Qwen25VisionConfig, TextConfig, VisionConfig
+from jaxrl_vlm.models.config import (
+    MODEL_PRESETS,
+    ModelConfig,
+    Qwen3VLMoeTextConfig,
+    Qwen25VisionConfig,
+    TextConfig,
+    VisionConfig,
+)
 
 # `--model` names: the tiny test models (`jaxrl_vlm.tiny`, one per family) and the architecture presets of
 # `jaxrl_vlm.models.config`; `sharding_bench.model_config` builds them.
@@ -25,9 +32,12 @@ TINY_SHAPES: dict[str, str] = {"tiny": "qwen3_vl", "tiny_qwen2_5_vl": "qwen2_5_v
 MODEL_SHAPES: tuple[str, ...] = (*TINY_SHAPES, *MODEL_PRESETS)
 
 
-def text_layer_weights(t: TextConfig) -> int:
-    """Matmul weights of one decoder layer: q, k, v, o projections and the gated MLP."""
+def text_layer_weights(t: TextConfig, layer: int = 0) -> int:
+    """Matmul weights one token meets in decoder layer `layer`: q, k, v, o projections and the gated MLP; in a
+    routed MoE layer (`t.is_sparse(layer)`) the router and its k experts' MLPs (the active weights)."""
     attn = t.hidden_size * t.head_dim * (2 * t.num_attention_heads + 2 * t.num_key_value_heads)
+    if isinstance(t, Qwen3VLMoeTextConfig) and t.is_sparse(layer):
+        return attn + t.hidden_size * t.num_experts + t.num_experts_per_tok * 3 * t.hidden_size * t.moe_intermediate_size
     return attn + 3 * t.hidden_size * t.intermediate_size
 
 
@@ -46,7 +56,8 @@ def forward_flops(cfg: ModelConfig, shape_key: tuple[int, int, int, int]) -> dic
     k, r, t, p = shape_key
     tc, vc = cfg.text, cfg.vision
     slots = k * r * t
-    text_mm = 2.0 * slots * (text_layer_weights(tc) * tc.num_hidden_layers + tc.hidden_size * tc.vocab_size)
+    layer_weights = sum(text_layer_weights(tc, i) for i in range(tc.num_hidden_layers))
+    text_mm = 2.0 * slots * (layer_weights + tc.hidden_size * tc.vocab_size)
     text_attn = 4.0 * k * r * t * t * tc.num_attention_heads * tc.head_dim * tc.num_hidden_layers
     patches = k * p
     vision_mm = 2.0 * patches * (vc.patch_dim * vc.hidden_size + vision_block_weights(vc) * vc.depth)

@@ -1,4 +1,5 @@
-"""Flax NNX Qwen-VL families (Qwen3-VL, Qwen2.5-VL, Qwen3.5): configs, host-side positions, models, HF import/export.
+"""Flax NNX Qwen-VL families (Qwen3-VL, Qwen2.5-VL, Qwen3.5, Qwen3-VL-MoE): configs, host-side positions, models,
+HF import/export.
 
 One file per family (`qwen3_vl.py`, `qwen2_5_vl.py`) on the shared layers (`layers.py`), found by model_type in
 the registry (`families.py`).
@@ -26,6 +27,8 @@ _EXPORTS = {
     "vision_rotary_positions": "rope",
     "VisionInputs": "vision", "build_vision_inputs": "vision",
     "Qwen3_5Config": "config", "Qwen35TextConfig": "config", "Qwen3_5": "qwen3_5", "HybridCache": "qwen3_5",
+    "Qwen3VLMoeConfig": "config", "Qwen3VLMoeTextConfig": "config", "Qwen3VLMoe": "qwen3_vl_moe",
+    "SparseMoE": "moe", "Routing": "moe", "load_balancing_loss": "moe", "expert_load": "moe",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -2,7 +2,8 @@
 
 Two families share the text decoder config (`TextConfig`) and differ in the vision tower:
 `Qwen3VLConfig` (learned position grid, deepstack, interleaved M-RoPE) and `Qwen25VLConfig` (window
-attention, RMSNorm + SwiGLU blocks, contiguous M-RoPE, q/k/v bias, no q/k norm). Each family is registered
+attention, RMSNorm + SwiGLU blocks, contiguous M-RoPE, q/k/v bias, no q/k norm); `Qwen3VLMoeConfig` is
+Qwen3-VL's with routed-expert fields in its text config (`Qwen3VLMoeTextConfig`). Each family is registered
 here (`families.register`: model_type, config class, parser, the file of its model); `from_hf_dict` is the
 one place that reads `config.json`'s `model_type`, and everything downstream finds the family from the
 config's type (`families.family_of`). This module never imports jax.
@@ -16,6 +17,7 @@ with a message naming the key.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -684,13 +686,143 @@ def qwen3_5_from_hf_dict(d: dict[str, Any]) -> Qwen3_5Config:
     return Qwen3_5Config(text=text, vision=vision, **top)
 
 
+# ----------------------------------------------------------------------------- Qwen3-VL-MoE
+
+# text_config keys of MoE variants whose architecture this family does not implement, with the values under which
+# they change nothing (a released Qwen3-VL-MoE config has none of them, or these values).
+_QWEN3_VL_MOE_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "shared_expert_intermediate_size": (None, 0),
+    "n_shared_experts": (None, 0),
+    "num_shared_experts": (None, 0),
+    "moe_shared_expert_intermediate_size": (None, 0),
+    "routed_scaling_factor": (None, 1, 1.0),
+    "scoring_func": (None, "softmax"),
+    "topk_method": (None, "greedy"),
+    "n_group": (None, 1),
+    "topk_group": (None, 1),
+    "router_jitter_noise": (None, 0, 0.0),
+    "use_sliding_window": (None, False),
+    "sliding_window": (None,),
+}
+
+
+@dataclass(frozen=True)
+class Qwen3VLMoeTextConfig(TextConfig):
+    """Qwen3-VL-MoE's text decoder (HF `text_config` of model_type `qwen3_vl_moe_text`): Qwen3-VL's decoder whose
+    MLPs are routed sparse MoE blocks (`moe.SparseMoE`) except in the dense layers (`dense_layers`, transformers'
+    rule: a layer is sparse iff it is not in `mlp_only_layers`, num_experts > 0 and (i + 1) % decoder_sparse_step
+    == 0). `intermediate_size` is the dense layers' MLP width, `moe_intermediate_size` each expert's."""
+
+    num_experts: int = 0
+    num_experts_per_tok: int = 1
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # transformers' Qwen3-VL-MoE router always renormalises the top-k probabilities
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    router_aux_loss_coef: float = 0.001
+
+    def is_sparse(self, layer: int) -> bool:
+        return (layer not in self.mlp_only_layers and self.num_experts > 0
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def sparse_layers(self) -> tuple[int, ...]:
+        """Decoder layers whose MLP is the routed MoE block, in order (the index space of routing arrays)."""
+        return tuple(i for i in range(self.num_hidden_layers) if self.is_sparse(i))
+
+    @property
+    def dense_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_hidden_layers) if not self.is_sparse(i))
+
+    def validate(self) -> None:
+        super().validate()
+        if self.num_experts < 0:
+            raise ConfigError(f"text_config.num_experts must be >= 0, got {self.num_experts}")
+        if self.decoder_sparse_step < 1:
+            raise ConfigError(f"text_config.decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
+        bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
+        if bad:
+            raise ConfigError(f"text_config.mlp_only_layers={list(self.mlp_only_layers)} has layers {bad} outside "
+                              f"[0, num_hidden_layers={self.num_hidden_layers})")
+        if self.sparse_layers:
+            if not 1 <= self.num_experts_per_tok <= self.num_experts:
+                raise ConfigError(f"text_config.num_experts_per_tok={self.num_experts_per_tok} must lie in "
+                                  f"[1, num_experts={self.num_experts}]")
+            if self.moe_intermediate_size <= 0:
+                raise ConfigError(f"text_config.moe_intermediate_size must be positive, got {self.moe_intermediate_size}")
+        if not self.norm_topk_prob:
+            raise ConfigError("text_config.norm_topk_prob=false is not supported for qwen3_vl_moe: transformers' "
+                              "Qwen3-VL-MoE router always renormalises the top-k probabilities")
+
+
+@dataclass(frozen=True)
+class Qwen3VLMoeConfig(_VLConfig):
+    """Qwen3-VL-MoE: Qwen3-VL's vision tower (deepstack) and a text decoder with routed sparse MoE MLPs."""
+
+    model_type: ClassVar[str] = "qwen3_vl_moe"
+    text: Qwen3VLMoeTextConfig
+    vision: VisionConfig
+    tie_word_embeddings: bool = False
+
+    def validate(self) -> None:
+        super().validate()
+        if len(self.vision.deepstack_visual_indexes) > self.text.num_hidden_layers:
+            raise ConfigError(
+                f"len(deepstack_visual_indexes)={len(self.vision.deepstack_visual_indexes)} must be <= "
+                f"text_config.num_hidden_layers={self.text.num_hidden_layers} (deepstack k is added after decoder layer k)"
+            )
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """transformers-5 style `config.json` content, loadable by transformers' `Qwen3VLMoeConfig`."""
+        t, v = self.text, self.vision
+        text = dict(self._hf_text("qwen3_vl_moe_text"), attention_bias=t.attention_bias, num_experts=t.num_experts,
+                    num_experts_per_tok=t.num_experts_per_tok, moe_intermediate_size=t.moe_intermediate_size,
+                    decoder_sparse_step=t.decoder_sparse_step, mlp_only_layers=list(t.mlp_only_layers),
+                    router_aux_loss_coef=t.router_aux_loss_coef)
+        vision = dict(_learned_position_vision_hf(v, "qwen3_vl_moe_vision"),
+                      deepstack_visual_indexes=list(v.deepstack_visual_indexes),
+                      rope_parameters={"rope_type": "axial", "rope_theta": v.rope_theta})
+        return self._hf_top("Qwen3VLMoeForConditionalGeneration", text, vision)
+
+
+def qwen3_vl_moe_from_hf_dict(d: dict[str, Any]) -> Qwen3VLMoeConfig:
+    """Parse an HF Qwen3-VL-MoE `config.json` dict (released, or as transformers 5 saves it: the expert count as
+    `num_local_experts`). Keys of MoE variants this family does not implement (shared experts, grouped or scaled
+    routing, sliding windows) are errors unless they hold their neutral value."""
+    base = qwen3_vl_from_hf_dict(d)  # Qwen3-VL's text fields, vision tower and top-level fields
+    t = d["text_config"]
+    for key, neutral in _QWEN3_VL_MOE_UNSUPPORTED.items():
+        if key in t and t[key] not in neutral:
+            raise ConfigError(f"text_config.{key}={t[key]!r} is not supported by qwen3_vl_moe (this family implements "
+                              f"routed experts without it; expected one of {list(neutral)})")
+    if "num_experts" in t and "num_local_experts" in t and t["num_experts"] != t["num_local_experts"]:
+        raise ConfigError(f"text_config.num_experts={t['num_experts']} and num_local_experts={t['num_local_experts']} "
+                          "disagree (transformers reads them as one field)")
+    experts = t.get("num_experts", t.get("num_local_experts", 60))
+    fields = {f.name: getattr(base.text, f.name) for f in dataclasses.fields(TextConfig)}
+    fields["max_position_embeddings"] = int(t.get("max_position_embeddings", 128000))
+    text = Qwen3VLMoeTextConfig(
+        **fields,
+        num_experts=int(experts),
+        num_experts_per_tok=int(t.get("num_experts_per_tok", 4)),
+        moe_intermediate_size=int(t.get("moe_intermediate_size", 1408)),
+        norm_topk_prob=bool(t.get("norm_topk_prob", True)),
+        decoder_sparse_step=int(t.get("decoder_sparse_step", 1)),
+        mlp_only_layers=tuple(int(i) for i in (t.get("mlp_only_layers") or ())),
+        router_aux_loss_coef=float(t.get("router_aux_loss_coef", 0.001)),
+    )
+    top = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.name not in ("text", "vision")}
+    return Qwen3VLMoeConfig(text=text, vision=base.vision, **top)
+
+
 # The families, keyed by `config.json`'s model_type: config class, parser and the file of the model (`families.py`).
 register(Family(Qwen3VLConfig.model_type, Qwen3VLConfig, qwen3_vl_from_hf_dict, "jaxrl_vlm.models.qwen3_vl"))
 register(Family(Qwen25VLConfig.model_type, Qwen25VLConfig, qwen2_5_vl_from_hf_dict, "jaxrl_vlm.models.qwen2_5_vl"))
 register(Family(Qwen3_5Config.model_type, Qwen3_5Config, qwen3_5_from_hf_dict, "jaxrl_vlm.models.qwen3_5"))
+register(Family(Qwen3VLMoeConfig.model_type, Qwen3VLMoeConfig, qwen3_vl_moe_from_hf_dict, "jaxrl_vlm.models.qwen3_vl_moe"))
 # model_type -> parser, read from the registry (the config's choices of `--make-tiny-arch`, `make-tiny --arch`).
 FAMILY_PARSERS: dict[str, Callable[[dict[str, Any]], Any]] = {name: f.from_hf_dict for name, f in FAMILIES.items()}
-ModelConfig = Qwen3VLConfig | Qwen25VLConfig | Qwen3_5Config
+ModelConfig = Qwen3VLConfig | Qwen25VLConfig | Qwen3_5Config | Qwen3VLMoeConfig
 
 
 def from_hf_dict(d: dict[str, Any]) -> ModelConfig:

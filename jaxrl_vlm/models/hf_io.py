@@ -179,6 +179,7 @@ def param_count(cfg: ModelConfig) -> int:
 def check_checkpoint_keys(reader: SafetensorsReader, links: list[Link], cfg: ModelConfig) -> None:
     present = set(reader.keys())
     expected = {link.hf_key: link.hf_shape for link in links}
+    accepted = {link.hf_key: {link.hf_shape, *(shape for shape, _ in link.stored_layouts)} for link in links}
     tolerated = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
     missing = sorted(k for k in expected if k not in present)
     unexpected = sorted(
@@ -187,7 +188,7 @@ def check_checkpoint_keys(reader: SafetensorsReader, links: list[Link], cfg: Mod
     bad_shape = sorted(
         f"{k}: checkpoint {reader.shape(k)} != expected {expected[k]}"
         for k in expected
-        if k in present and reader.shape(k) != expected[k]
+        if k in present and reader.shape(k) not in accepted[k]
     )
     if "lm_head.weight" in present and cfg.tie_word_embeddings:
         vshape = (cfg.text.vocab_size, cfg.text.hidden_size)
@@ -227,7 +228,7 @@ def from_hf(
     np_dtype = np.dtype(jnp.dtype(param_dtype))
     filled: set[ParamPath] = set()
     for link in links:
-        parts = link.to_ours(reader.get(link.hf_key))
+        parts = link.to_ours(link.canonical(reader.get(link.hf_key)))
         for our_path, part in zip(link.ours, parts):
             var = variables[our_path]
             want = tuple(var.get_value().shape)

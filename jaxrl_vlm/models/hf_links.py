@@ -49,6 +49,9 @@ class Link:
 
     to_ours maps the torch-layout array to our arrays (numpy views when possible);
     to_hf maps our arrays back to the torch layout.
+    stored_layouts: other layouts a checkpoint may hold the tensor in, as (stored shape, view of it in the
+    `hf_shape` layout), which transformers converts alike at load time (released Qwen3-VL-MoE stores its expert
+    tensors transposed); a shape equal to `hf_shape` is read as `hf_shape`'s layout, as transformers does.
     """
 
     hf_key: str
@@ -56,6 +59,13 @@ class Link:
     ours: tuple[ParamPath, ...]
     to_ours: Callable[[np.ndarray], Sequence[np.ndarray]]
     to_hf: Callable[[Sequence[np.ndarray]], np.ndarray]
+    stored_layouts: tuple[tuple[tuple[int, ...], Callable[[np.ndarray], np.ndarray]], ...] = ()
+
+    def canonical(self, stored: np.ndarray) -> np.ndarray:
+        """`stored` (as read from a checkpoint) in the `hf_shape` layout."""
+        if tuple(stored.shape) == self.hf_shape:
+            return stored
+        return dict(self.stored_layouts)[tuple(stored.shape)](stored)
 
 
 def copy_link(key: str, shape: tuple[int, ...], path: ParamPath) -> Link:

@@ -464,7 +464,10 @@ class VisionLanguageDecoder(nnx.Module):
         remat: bool,
         attention_impl: str,
         patch_attention_block: int | None = None,
+        make_layer: Callable[..., nnx.Module] | None = None,
     ):
+        """make_layer(cfg, i, **kw) builds decoder layer i (default: `DecoderLayer`; a family with other layers,
+        e.g. Qwen3-VL-MoE's routed MLPs, passes its own with the same attribute names)."""
         if attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"attention_impl={attention_impl!r} is not available; choose one of {ATTENTION_IMPLS}")
         t = cfg.text
@@ -474,7 +477,8 @@ class VisionLanguageDecoder(nnx.Module):
         self.attention_impl = attention_impl
         kw = dict(rngs=rngs, param_dtype=param_dtype, compute_dtype=compute_dtype)
         self.embed_vd = param(rngs, (t.vocab_size, t.hidden_size), ("vocab", "embed"), param_dtype)
-        self.layers = nnx.List([DecoderLayer(cfg, **kw) for _ in range(t.num_hidden_layers)])
+        build = make_layer or (lambda cfg, i, **kw: DecoderLayer(cfg, **kw))
+        self.layers = nnx.List([build(cfg, i, **kw) for i in range(t.num_hidden_layers)])
         self.final_norm = RMSNorm(t.hidden_size, t.rms_norm_eps, param_dtype=param_dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head_dv = param(rngs, (t.hidden_size, t.vocab_size), ("embed", "vocab"), param_dtype)
