@@ -457,7 +457,11 @@ class _EpisodeRun:
         """
         ctx, sample, state = self.ctx, self.sample, self.state
         budget, binding = _turn_budget(self.opts, sample)
+        turn_cap = self.multiturn.max_tokens_per_turn
         max_new = min(self.configured_max_new, budget)
+        capped = turn_cap is not None and turn_cap < max_new  # the per-turn cap binds, not a budget
+        if capped:
+            max_new = turn_cap
         if max_new <= 0:
             record.truncation_cause = binding
             return _Ending(Termination.truncated(binding))
@@ -528,6 +532,8 @@ class _EpisodeRun:
             record.error = f"engine abort: {result.finish_message}" if result.finish_message else "engine abort"
             sample.metadata["abort_message"] = result.finish_message
             return _Ending(Termination(TerminationKind.ABORT))
+        if status is Status.TRUNCATED and capped:
+            return None  # cut at --max-tokens-per-turn: the env judges the turn, the episode goes on
         if status is Status.TRUNCATED:
             cause = binding if max_new < self.configured_max_new else TruncationCause.LENGTH
             record.truncation_cause = cause

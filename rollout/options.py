@@ -198,6 +198,11 @@ class MultiTurnOptions(ArgsOptions):
     """One episode of the default multi-turn loop: turn limit, env retries and timeout, the delta check."""
 
     max_turns: int = opt(3, "Maximum model turns per episode.", ge=1)
+    max_tokens_per_turn: int | None = opt(
+        None,
+        "Tokens one model turn may generate (None: the rest of the response budget). A turn cut at this cap is "
+        "closed (the observation delta ends the assistant turn) and judged by the env like a finished one; a turn "
+        "cut by the response budget or the context still ends the episode TRUNCATED.", ge=1)
     max_env_retries_per_turn: int = opt(2, "Retries of an env step that raises or times out before the episode FAILs.",
                                         ge=0)
     env_step_timeout: float = opt(30.0, "Seconds an env step may take (an overrun is retried like an error).", gt=0)

@@ -165,6 +165,28 @@ async def test_length_finish_truncates(encoder, make_test_image):
     _check_alignment(s, encoder)
 
 
+async def test_a_turn_cut_at_max_tokens_per_turn_is_closed_and_judged(encoder, make_test_image):
+    """--max-tokens-per-turn: a reply cut at the cap goes to the env (its delta closes the assistant turn) and the
+    episode goes on; the budget still binds when it is the smaller limit."""
+    long_reply = Tokens(output_ids=tuple(encoder.tokenize("word " * 50)))
+    env = ScriptedEnv([("obs", "again", 0)] * 3 + [("done",)], make_test_image)
+    s, server = await _run(encoder, env, _prompt_sample(make_test_image, with_image=False), max_turns=10,
+                           generate_fn=lambda b: long_reply, rollout_max_response_len=1000, max_tokens_per_turn=8)
+    assert s.status is Status.COMPLETED and str(s.termination) == "env_done"
+    assert [r.body["sampling_params"]["max_new_tokens"] for r in server.requests_to("/generate")] == [8] * 4
+    assert len(env.steps) == 4 and all(r.finish_reason == "length" for r in s.turns)
+    _check_alignment(s, encoder)  # each cut turn was closed with <|im_end|> before its observation (mask 0)
+    end = encoder.vision.im_end
+    response = s.tokens[s.prompt_length:]
+    closing = [i for i in range(1, len(response)) if response[i] == end and s.loss_mask[i] == 0 and s.loss_mask[i - 1] == 1]
+    assert len(closing) == 3
+    # The budget binds first: the turn that reaches it ends the episode TRUNCATED.
+    env = ScriptedEnv([("obs", "again", 0)] * 10, make_test_image)
+    s, _ = await _run(encoder, env, _prompt_sample(make_test_image, with_image=False), max_turns=10,
+                      generate_fn=lambda b: long_reply, rollout_max_response_len=30, max_tokens_per_turn=8)
+    assert s.status is Status.TRUNCATED and s.response_length <= 30
+
+
 async def test_budget_clips_max_new_tokens_and_truncates_with_cause(encoder, make_test_image):
     env = ScriptedEnv([("obs", "again", 0)] * 10, make_test_image)
     s, server = await _run(encoder, env, _prompt_sample(make_test_image, with_image=False), max_turns=10, rollout_max_response_len=30)
