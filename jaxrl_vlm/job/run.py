@@ -48,6 +48,7 @@ import dataclasses
 import functools
 import hashlib
 import logging
+import resource
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,6 +94,17 @@ def weight_sync_root(cfg: Config, out_dir: Path) -> Path:
 def _prompt_iterator(cfg: Config, data_path: Path) -> PromptIterator:
     return PromptIterator(load_dataset(cfg, data_path), cfg.rollout.rollout_batch_size,
                           shuffle=cfg.data.rollout_shuffle, seed=cfg.train.seed)
+
+
+def memory_metrics(devices: Any) -> dict[str, float]:
+    """Peak memory so far, per step: the largest allocator high-water mark over the trainer's devices (GPU/TPU
+    report it; CPU does not) and the process's peak resident set (on CPU, where the devices' buffers live)."""
+    out = {"perf/host_peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30}
+    stats = [d.memory_stats() if hasattr(d, "memory_stats") else None for d in devices]
+    peaks = [int(st["peak_bytes_in_use"]) for st in stats if st and "peak_bytes_in_use" in st]
+    if peaks:
+        out["perf/device_peak_gib"] = max(peaks) / 2**30
+    return out
 
 
 @dataclass(frozen=True)
@@ -218,6 +230,7 @@ class MainJob:
         t1 = time.perf_counter()
         metrics.update(self.trainer.train_on(samples))
         metrics["perf/train_time"] = time.perf_counter() - t1
+        metrics.update(memory_metrics(self.trainer.mesh.devices.flat))
         self.version += 1
 
     async def step(self, step: int) -> dict[str, Any]:
