@@ -92,20 +92,6 @@ PATCH_LOGITS = (None, "vision_heads", None, "patches", None)  # attention logits
 PATCH_HEADS_WHOLE = (None, None, "vision_heads", None)  # [1, P, N, H] for a fused kernel: every patch on each shard
 
 
-def context_shards() -> int:
-    """Devices a row's positions are split over in the active layout (1: no context parallelism, or no layout)."""
-    spec = _CURRENT.get()
-    if spec is None:
-        return 1
-    probe = spec.sharding(("sequence",), (spec.mesh.size,)).spec
-    axes = () if not probe or probe[0] is None else (probe[0],) if isinstance(probe[0], str) else tuple(probe[0])
-    shape = dict(spec.mesh.shape)
-    n = 1
-    for a in axes:
-        n *= shape[a]
-    return n
-
-
 # name -> (dims, logical names), for the sharding goldens (`jaxrl_vlm.sharding.goldens.dump_shardings`).
 ACTIVATIONS: dict[str, tuple[tuple[str, ...], tuple[str | None, ...]]] = {
     "hidden": (("B", "T", "D"), ROWS_HIDDEN),

@@ -49,7 +49,6 @@ from jaxrl_vlm.models.activation_sharding import (
     TEXT_LOGITS,
     TEXT_MASK,
     constrain,
-    context_shards,
 )
 from jaxrl_vlm.models.config import ModelConfig, VisionConfig
 from jaxrl_vlm.models.families import PolicyModel
@@ -560,26 +559,20 @@ def token_logprobs(
 
     The sequence is cut into chunks of `chunk_size`; each chunk's [B, C, V] fp32 logits live only
     inside one `lax.map` step and are recomputed in the backward pass (`jax.checkpoint`), so peak
-    memory is O(B * C * V) instead of O(B * T * V). Under context parallelism (cp sequence shards) each map
-    step takes one chunk from every shard's contiguous block ([B, cp * C] with the shards' chunks side by side),
-    so every device works on its own positions and nothing is gathered.
+    memory is O(B * C * V) instead of O(B * T * V). Under context parallelism the chunks are taken in row order and
+    each chunk's C positions are split over the context group by the same `sequence` constraint (XLA reshards the
+    hidden states into that order for the loop). Taking one chunk of every block per step instead (no reshard)
+    made XLA:CPU's collectives deadlock in the train step (`tests/test_train_layouts.py`: fsdp_cp, and even
+    fsdp_tp where the context axis has size 1), so it is not used.
     """
     b, t, d = hidden_btd.shape
-    cp = context_shards()
-    local = -(-t // cp)  # positions per sequence shard
-    c = max(1, min(chunk_size, local))
-    n_chunks = -(-local // c)
-    pad = cp * n_chunks * c - t
+    c = max(1, min(chunk_size, t))
+    n_chunks = -(-t // c)
+    pad = n_chunks * c - t
     h = jnp.pad(hidden_btd, ((0, 0), (0, pad), (0, 0)))
     y = jnp.pad(targets_bt, ((0, 0), (0, pad)))
-    # [B, cp * n * c] -> [n, B, cp * c]: step i holds chunk i of every shard's block (shard j at [j * c, (j+1) * c)).
-    h = h.reshape(b, cp, n_chunks, c, d).transpose(2, 0, 1, 3, 4).reshape(n_chunks, b, cp * c, d)
-    y = y.reshape(b, cp, n_chunks, c).transpose(2, 0, 1, 3).reshape(n_chunks, b, cp * c)
-    h = constrain(h, (None, *ROWS_HIDDEN))
-
-    def unchunk(x: jax.Array) -> jax.Array:  # [n, B, cp * c] -> [B, T]
-        return x.reshape(n_chunks, b, cp, c).transpose(1, 2, 0, 3).reshape(b, cp * n_chunks * c)[:, :t]
-
+    h = h.reshape(b, n_chunks, c, d).transpose(1, 0, 2, 3)
+    y = y.reshape(b, n_chunks, c).transpose(1, 0, 2)
     kernel = model.lm_head_kernel().astype(model.compute_dtype)
     cd = model.compute_dtype
 
@@ -596,9 +589,10 @@ def token_logprobs(
         return picked - lse, ent
 
     lp, ent = jax.lax.map(chunk, (h, y))
+    lp = lp.transpose(1, 0, 2).reshape(b, n_chunks * c)[:, :t]
     if not return_entropy:
-        return unchunk(lp), None
-    return unchunk(lp), unchunk(ent)
+        return lp, None
+    return lp, ent.transpose(1, 0, 2).reshape(b, n_chunks * c)[:, :t]
 
 
 # ----------------------------------------------------------------------------- learned-position vision tower
