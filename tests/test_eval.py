@@ -17,6 +17,7 @@ import shlex
 from itertools import combinations
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 from _slime_geo3k_args import EVAL, TRAIN_DATA
@@ -257,8 +258,14 @@ def runs(tmp_path_factory):
     _prompts(root / "train.jsonl", 8)
     _prompts(root / "eval.jsonl", 7, offset=100)
     py_state, np_state = random.getstate(), np.random.get_state()
-    train(load_config(None, _run_argv(root, "with_eval", *_eval_flags(root))))
-    train(load_config(None, _run_argv(root, "no_eval")))
+    # Compiled here, not loaded from the persistent cache: in a full suite an executable that another module wrote
+    # earlier in the same run once aborted this process when its train step ran (SIGABRT, no message; XLA:CPU).
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        train(load_config(None, _run_argv(root, "with_eval", *_eval_flags(root))))
+        train(load_config(None, _run_argv(root, "no_eval")))
+    finally:
+        jax.config.update("jax_enable_compilation_cache", True)
     # Evaluation puts back the global random states it found (this process ran two whole runs in between).
     assert random.getstate() == py_state and np.array_equal(np.random.get_state()[1], np_state[1])
     return root
