@@ -143,7 +143,7 @@ def test_a_sharded_remat_lora_step_equals_the_single_device_step(tiny_dir, tmp_p
     ])
     sharded = Trainer(cfg, devices=jax.devices()[:8])
     sharded.build_policy(tiny_dir)
-    assert dict(sharded.mesh.shape) == {"data": 1, "fsdp": 4, "tensor": 2}
+    assert dict(sharded.mesh.shape) == {"data": 1, "fsdp": 4, "context": 1, "tensor": 2}
     q = sharded.state.params[0]  # layers.0 q_proj: lora_A [r, d] over fsdp, lora_B [n*h, r] over tensor
     assert tuple(q["lora_A"].sharding.spec) == (None, "fsdp") and tuple(q["lora_B"].sharding.spec)[:1] == ("tensor",)
     a, b = one.train_on(samples), sharded.train_on(samples)

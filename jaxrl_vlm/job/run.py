@@ -97,8 +97,9 @@ def _prompt_iterator(cfg: Config, data_path: Path) -> PromptIterator:
 
 
 def memory_metrics(devices: Any) -> dict[str, float]:
-    """Peak memory so far, per step: the largest allocator high-water mark over the trainer's devices (GPU/TPU
-    report it; CPU does not) and the process's peak resident set (on CPU, where the devices' buffers live)."""
+    """Peak memory so far, per step: the largest allocator high-water mark over this process's devices of the
+    trainer (GPU/TPU report it; CPU does not) and the process's peak resident set (on CPU, where the devices'
+    buffers live)."""
     out = {"perf/host_peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30}
     stats = [d.memory_stats() if hasattr(d, "memory_stats") else None for d in devices]
     peaks = [int(st["peak_bytes_in_use"]) for st in stats if st and "peak_bytes_in_use" in st]
@@ -230,7 +231,7 @@ class MainJob:
         t1 = time.perf_counter()
         metrics.update(self.trainer.train_on(samples))
         metrics["perf/train_time"] = time.perf_counter() - t1
-        metrics.update(memory_metrics(self.trainer.mesh.devices.flat))
+        metrics.update(memory_metrics(self.trainer.mesh.local_devices))
         self.version += 1
 
     async def step(self, step: int) -> dict[str, Any]:
