@@ -194,6 +194,34 @@ def make_batch(rows: list[list], images: list[Image.Image], seed: int = 0, vocab
     return HFBatch(input_ids, mask, mm, pixel_values, grid)
 
 
+@dataclass
+class PackedRows:
+    """Single-sequence batches packed into fixed rows: tokens / segment ids [B, T] (0 = padding), each sequence's
+    (row, start, length) in `spans`, and the images' grid and pixels concatenated in row-major order."""
+
+    tokens: np.ndarray
+    segment_ids: np.ndarray
+    spans: list[tuple[int, int, int]]
+    grid: np.ndarray
+    pixels: np.ndarray
+
+
+def pack_batches(batches: list[HFBatch], layout: list[tuple[int, int]], shape: tuple[int, int]) -> PackedRows:
+    """Pack `batches` (one sequence each) at `layout`'s (row, segment id), in row-major order, into rows of `shape`."""
+    tokens = np.zeros(shape, np.int64)
+    seg = np.zeros(shape, np.int32)
+    spans, fill = [], [0] * shape[0]
+    for (row, k), batch in zip(layout, batches):
+        n = batch.input_ids.shape[1]
+        tokens[row, fill[row] : fill[row] + n], seg[row, fill[row] : fill[row] + n] = batch.input_ids[0], k
+        spans.append((row, fill[row], n))
+        fill[row] += n
+    with_images = [b for b in batches if b.pixel_values is not None]
+    grid = np.concatenate([b.image_grid_thw for b in with_images])
+    pixels = np.concatenate([b.pixel_values for b in with_images])
+    return PackedRows(tokens, seg, spans, grid, pixels)
+
+
 def hf_logits(model, batch: HFBatch) -> np.ndarray:
     with torch.no_grad():
         return model(**batch.torch_kwargs()).logits.float().numpy()

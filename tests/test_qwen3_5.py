@@ -23,7 +23,7 @@ import copy
 import numpy as np
 import pytest
 import torch
-from _hf_tiny import HFBatch, make_batch, random_image, save_hf_model
+from _hf_tiny import HFBatch, make_batch, pack_batches, random_image, save_hf_model
 from _hf_tiny_qwen3_5 import TINY_QWEN3_5, build_hf_qwen3_5
 from flax import nnx
 
@@ -149,17 +149,9 @@ def test_packed_segments_equal_their_own_forward_and_transformers(pair, hf64):
              ([[2, "img", 9]], [random_image(32, 64, 9)]), ([[13]], [])]
     batches = [make_batch(rows, imgs, seed=10 + i) for i, (rows, imgs) in enumerate(specs)]
     layout = [(0, 1), (0, 2), (0, 3), (1, 1), (1, 2)]  # (row, segment id) of each sequence, in row-major order
-    tokens = np.zeros((B_FIX, T_FIX), np.int64)
-    seg = np.zeros((B_FIX, T_FIX), np.int32)
-    spans, fill = [], [0, 0]
-    for (row, k), batch in zip(layout, batches):
-        n = batch.input_ids.shape[1]
-        tokens[row, fill[row] : fill[row] + n], seg[row, fill[row] : fill[row] + n] = batch.input_ids[0], k
-        spans.append((row, fill[row], n))
-        fill[row] += n
-    with_images = [b for b in batches if b.pixel_values is not None]
-    grid = np.concatenate([b.image_grid_thw for b in with_images])
-    pixels = np.concatenate([b.pixel_values for b in with_images])
+    packed_rows = pack_batches(batches, layout, (B_FIX, T_FIX))
+    tokens, seg, spans = packed_rows.tokens, packed_rows.segment_ids, packed_rows.spans
+    grid, pixels = packed_rows.grid, packed_rows.pixels
     positions, _ = get_rope_index_packed(tokens, seg, grid, cfg)
     vis = _vision(cfg, pixels, grid, tokens, seg > 0)
     packed = np.asarray(_logits(ours, jnp.asarray(tokens, jnp.int32), jnp.asarray(positions), jnp.asarray(seg), vis))

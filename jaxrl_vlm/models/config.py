@@ -409,23 +409,13 @@ class Qwen25VLConfig(_VLConfig):
         v = self.vision
         text = self._hf_text("qwen2_5_vl_text")
         del text["head_dim"], text["rope_parameters"]["mrope_interleaved"]  # Qwen2 derives head_dim; sections are contiguous
-        vision = {
-            "model_type": "qwen2_5_vl_vision",
-            "depth": v.depth,
-            "hidden_size": v.hidden_size,
-            "intermediate_size": v.intermediate_size,
-            "num_heads": v.num_heads,
-            "in_channels": v.in_channels,
-            "patch_size": v.patch_size,
-            "temporal_patch_size": v.temporal_patch_size,
-            "spatial_merge_size": v.spatial_merge_size,
-            "out_hidden_size": v.out_hidden_size,
-            "window_size": v.window_size,
-            "fullatt_block_indexes": list(v.fullatt_block_indexes),
-            "tokens_per_second": v.tokens_per_second,
-            "hidden_act": v.hidden_act,
-            "rope_parameters": {"rope_type": "axial", "rope_theta": v.rope_theta},
-        }
+        vision = dict(
+            _vision_hf(v, "qwen2_5_vl_vision"),
+            window_size=v.window_size,
+            fullatt_block_indexes=list(v.fullatt_block_indexes),
+            tokens_per_second=v.tokens_per_second,
+            rope_parameters={"rope_type": "axial", "rope_theta": v.rope_theta},
+        )
         return self._hf_top("Qwen2_5_VLForConditionalGeneration", text, vision)
 
 
@@ -557,8 +547,8 @@ class Qwen35TextConfig:
             raise ConfigError("text_config.attention_bias=true is not supported for qwen3_5 (released checkpoints set false)")
 
 
-def _learned_position_vision_hf(v: VisionConfig, model_type: str) -> dict[str, Any]:
-    """The `vision_config` keys that Qwen3-VL and Qwen3.5 write alike for their learned-position tower."""
+def _vision_hf(v: VisionConfig, model_type: str) -> dict[str, Any]:
+    """The `vision_config` keys every family's tower writes alike (shape, patching, merge, activation)."""
     return {
         "model_type": model_type,
         "depth": v.depth,
@@ -570,9 +560,13 @@ def _learned_position_vision_hf(v: VisionConfig, model_type: str) -> dict[str, A
         "temporal_patch_size": v.temporal_patch_size,
         "spatial_merge_size": v.spatial_merge_size,
         "out_hidden_size": v.out_hidden_size,
-        "num_position_embeddings": v.num_position_embeddings,
         "hidden_act": v.hidden_act,
     }
+
+
+def _learned_position_vision_hf(v: VisionConfig, model_type: str) -> dict[str, Any]:
+    """The `vision_config` keys that Qwen3-VL, Qwen3-VL-MoE and Qwen3.5 write alike for their learned-position tower."""
+    return dict(_vision_hf(v, model_type), num_position_embeddings=v.num_position_embeddings)
 
 
 @dataclass(frozen=True)
