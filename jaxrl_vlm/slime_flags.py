@@ -157,9 +157,7 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
         _must_equal("--pipeline-model-parallel-size", 1, "no pipeline parallelism: use --mesh-fsdp / --mesh-tensor"),
         "megatron"),
     "--context-parallel-size": SlimeFlag(1, "-> --mesh-context N", _one("mesh_context", int), "megatron"),
-    "--expert-model-parallel-size": SlimeFlag(
-        1, "accepted when 1 (dense models only)",
-        _must_equal("--expert-model-parallel-size", 1, "Qwen3-VL dense models have no experts"), "megatron"),
+    "--expert-model-parallel-size": SlimeFlag(1, "-> --mesh-expert N", _one("mesh_expert", int), "megatron"),
     "--expert-tensor-parallel-size": SlimeFlag(
         1, "accepted when 1 (dense models only)",
         _must_equal("--expert-tensor-parallel-size", 1, "Qwen3-VL dense models have no experts"), "megatron"),

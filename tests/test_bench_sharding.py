@@ -79,11 +79,11 @@ def test_every_shipped_layout_runs_on_8_devices_with_the_same_batch_and_gradient
     report, _ = bench8
     rows = _by_layout(report)
     assert sorted(rows) == sorted(Path(p).stem for p in LAYOUTS)
-    assert rows["dp"].mesh == "data=8,fsdp=1,context=1,tensor=1"
-    assert rows["fsdp"].mesh == "data=1,fsdp=8,context=1,tensor=1"
-    assert rows["fsdp_tp"].mesh == "data=1,fsdp=4,context=1,tensor=2"
-    assert rows["fsdp_cp"].mesh == "data=1,fsdp=4,context=2,tensor=1"
-    assert rows["tp"].mesh == "data=1,fsdp=1,context=1,tensor=8"
+    assert rows["dp"].mesh == "data=8,fsdp=1,expert=1,context=1,tensor=1"
+    assert rows["fsdp"].mesh == "data=1,fsdp=8,expert=1,context=1,tensor=1"
+    assert rows["fsdp_tp"].mesh == "data=1,fsdp=4,expert=1,context=1,tensor=2"
+    assert rows["fsdp_cp"].mesh == "data=1,fsdp=4,expert=1,context=2,tensor=1"
+    assert rows["tp"].mesh == "data=1,fsdp=1,expert=1,context=1,tensor=8"
     for r in report.results:
         assert r.status == OK, (r.layout, r.reason)
         assert r.step_ms > 0 and r.step_ms_min <= r.step_ms and r.compile_s > 0
@@ -176,7 +176,7 @@ def test_context_sizes_split_one_rows_activations():
                                 overrides=["--micro-batch-size", "1", "--logprob-chunk-size", "256"])
     rows = _by_layout(report)
     assert [rows[f"fsdp_cp@cp{n}"].mesh for n in (1, 2, 4)] == [
-        f"data=1,fsdp=1,context={n},tensor=1" for n in (1, 2, 4)]
+        f"data=1,fsdp=1,expert=1,context={n},tensor=1" for n in (1, 2, 4)]
     temps = [rows[f"fsdp_cp@cp{n}"].temp_bytes for n in (1, 2, 4)]
     assert temps[0] / temps[1] >= 1.6 and temps[0] / temps[2] >= 3, temps
     table = format_context_table([report])

@@ -169,7 +169,7 @@ def test_two_processes_train_step_equals_single_process(tmp_path):
     params = [dict(np.load(work_dir / f"params_{pid}.npz")) for pid in range(NUM_PROCESSES)]
     for pid, r in enumerate(results):
         assert (r["process_id"], r["process_count"], r["local_devices"], r["global_devices"]) == (pid, 2, 4, 8)
-        assert r["mesh"] == {"data": 1, "fsdp": 8, "context": 1, "tensor": 1}
+        assert r["mesh"] == {"data": 1, "fsdp": 8, "expert": 1, "context": 1, "tensor": 1}
         # Process 1 built nothing itself: it trained on what process 0 broadcast, byte for byte.
         assert r["samples_digest"] == worker.samples_digest(samples)
         blob = np.random.default_rng(7).integers(0, 256, 5000, dtype=np.uint8).tobytes()

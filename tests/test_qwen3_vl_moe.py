@@ -22,10 +22,13 @@ from flax import nnx
 
 import jax
 import jax.numpy as jnp
-from jaxrl_vlm.models import build_vision_inputs, from_hf, get_rope_index, get_rope_index_packed, to_hf
+from jaxrl_vlm.models import build_vision_inputs, expert_parallel, from_hf, get_rope_index, get_rope_index_packed, to_hf
 from jaxrl_vlm.models.config import ConfigError, Qwen3VLMoeConfig, from_hf_dict
 from jaxrl_vlm.models.moe import expert_load, grouped_expert_mlp, load_balancing_loss, route
 from jaxrl_vlm.models.paged_kv import decode, init_cache, prefill
+from jaxrl_vlm.engine.options import EngineOptions
+from jaxrl_vlm.engine.placement import ReplicaPlacement
+from jaxrl_vlm.engine.runner import IntRow, FloatRow, ModelRunner
 
 TOL = 1e-4
 B_FIX, T_FIX, PATCH_BUCKET = 2, 64, 96
@@ -378,3 +381,45 @@ def test_a_checkpoint_in_the_released_expert_layout_imports_as_transformers_read
     a, b = dict(nnx.to_flat_state(nnx.state(ours, nnx.Param))), dict(nnx.to_flat_state(nnx.state(again, nnx.Param)))
     for path in a:
         np.testing.assert_array_equal(np.asarray(a[path].get_value()), np.asarray(b[path].get_value()), err_msg=str(path))
+
+
+@pytest.mark.parametrize(("tp", "ep"), [(2, 1), (2, 2)], ids=["tp2", "tp2_ep2"])
+def test_engine_runner_at_tp2_and_with_experts_split_over_2_devices_generates_as_transformers(pair, tp, ep,
+                                                                                          monkeypatch):
+    """The engine's runner (--tp-size 2, and --tp-size 2 --ep-size 2: each device holds 2 of the 4 experts, runs
+    the copies routed to them and the partial outputs are summed) prefills the image prompt and decodes 5 greedy
+    tokens: those of transformers' `generate`, which the one-device engine functions give above."""
+    hf, ours = pair
+    cfg = ours.cfg
+    batch = make_batch([[5, "img", 9]], [random_image(64, 96, 11)], seed=21)
+    n, steps = batch.input_ids.shape[1], 5
+    with torch.no_grad():
+        expected = hf.generate(**batch.torch_kwargs(), max_new_tokens=steps, do_sample=False)[0, n:].tolist()
+    options = EngineOptions(max_batch=1, max_seq_len=64, min_prefill_bucket=32, min_kv_bucket=32, page_size=8,
+                            min_patch_bucket=32, state_snapshots=0, tp_size=tp, ep_size=ep)
+    placement = ReplicaPlacement(jax.devices()[:tp], ep_size=ep)
+    if ep > 1:  # the experts really are split: each device holds E / ep of them
+        gate = ours.layers[0].mlp.gate_experts_edf
+        shards = placement.params(nnx.state(ours, nnx.Param))["layers"][0]["mlp"]["gate_experts_edf"].get_value()
+        assert shards.shard_shape(gate.shape)[0] == E // ep
+    traced = []  # the expert-parallel block really runs (not XLA gathering the split experts)
+    real = expert_parallel._reduce_block
+    monkeypatch.setattr(expert_parallel, "_reduce_block", lambda *a, **kw: traced.append(1) or real(*a, **kw))
+    runner = ModelRunner(ours, options, (), placement=placement)
+    positions, deltas = get_rope_index(batch.input_ids, batch.image_grid_thw, None, cfg)
+    ints = np.zeros((len(IntRow), 1), np.int32)
+    floats = np.zeros((len(FloatRow), 1), np.float32)
+    floats[FloatRow.TOP_P] = 1.0  # temperature 0: greedy
+    ints[IntRow.TOP_K] = -1
+    pages = list(range(options.pages_per_request))
+    token, _ = runner.prefill(0, pages, batch.input_ids[0], positions[:, 0], batch.pixel_values, batch.image_grid_thw,
+                              None, ints[:, 0], floats[:, 0])
+    generated = [token]
+    for step in range(steps - 1):
+        ints[IntRow.TOKEN], ints[IntRow.LENGTH], ints[IntRow.ROPE_DELTA] = token, n + step, int(deltas[0])
+        ints[IntRow.STEP] = step + 1
+        ids, _ = runner.decode(np.asarray([0], np.int32), np.asarray([pages], np.int32), ints, floats, filtered=False)
+        token = int(ids[0])
+        generated.append(token)
+    assert generated == expected
+    assert bool(traced) == (ep > 1)

@@ -4,7 +4,7 @@ split, goldens that catch silent re-sharding, and the real 2B shape laid out wit
 
 To regenerate the goldens after an intended layout change:
     jaxrl-vlm dump-shardings $(for f in configs/mesh/*.yaml; do echo --mesh-config $f; done) --out-dir tests/goldens/sharding
-    for a in qwen2_5_vl qwen3_5; do jaxrl-vlm dump-shardings $(for f in configs/mesh/*.yaml; do echo --mesh-config $f; done) \
+    for a in qwen2_5_vl qwen3_5 qwen3_vl_moe qwen3_5_moe; do jaxrl-vlm dump-shardings $(for f in configs/mesh/*.yaml; do echo --mesh-config $f; done) \
         --arch $a --out-dir tests/goldens/sharding/$a; done
 """
 
@@ -35,10 +35,11 @@ GOLDENS = REPO / "tests" / "goldens" / "sharding"
 REGENERATE = (
     "jaxrl-vlm dump-shardings $(for f in configs/mesh/*.yaml; do echo --mesh-config $f; done) "
     "--out-dir tests/goldens/sharding  (and with --arch A --out-dir tests/goldens/sharding/A for A in qwen2_5_vl, "
-    "qwen3_5)"
+    "qwen3_5, qwen3_vl_moe, qwen3_5_moe)"
 )
 # Goldens per family of the tiny model: Qwen3-VL at the top level, the others in their own folders.
-GOLDEN_DIRS = {"qwen3_vl": GOLDENS, "qwen2_5_vl": GOLDENS / "qwen2_5_vl", "qwen3_5": GOLDENS / "qwen3_5"}
+GOLDEN_DIRS = {"qwen3_vl": GOLDENS, "qwen2_5_vl": GOLDENS / "qwen2_5_vl", "qwen3_5": GOLDENS / "qwen3_5",
+               "qwen3_vl_moe": GOLDENS / "qwen3_vl_moe", "qwen3_5_moe": GOLDENS / "qwen3_5_moe"}
 B, T, PATCH_BUCKET = 8, 40, 64
 
 
@@ -50,6 +51,8 @@ def _sizes(**kw):
     sizes = types.SimpleNamespace(mesh_data=kw.get("data", 1), mesh_fsdp=kw.get("fsdp", 1), mesh_tensor=kw.get("tensor", 1))
     if "context" in kw:
         sizes.mesh_context = kw["context"]
+    if "expert" in kw:
+        sizes.mesh_expert = kw["expert"]
     return sizes
 
 
@@ -61,10 +64,11 @@ def test_eight_simulated_devices():
 
 
 def test_mesh_sizes_fill_and_errors():
-    assert SL.mesh_shape(_sizes(data=-1), 8) == {"data": 8, "fsdp": 1, "context": 1, "tensor": 1}
-    assert SL.mesh_shape(_sizes(fsdp=-1, tensor=2), 8) == {"data": 1, "fsdp": 4, "context": 1, "tensor": 2}
-    assert SL.mesh_shape(_sizes(data=2, fsdp=2, tensor=2), 8) == {"data": 2, "fsdp": 2, "context": 1, "tensor": 2}
-    assert SL.mesh_shape(_sizes(fsdp=2, context=-1), 8) == {"data": 1, "fsdp": 2, "context": 4, "tensor": 1}
+    assert SL.mesh_shape(_sizes(data=-1), 8) == {"data": 8, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1}
+    assert SL.mesh_shape(_sizes(fsdp=-1, tensor=2), 8) == {"data": 1, "fsdp": 4, "expert": 1, "context": 1, "tensor": 2}
+    assert SL.mesh_shape(_sizes(data=2, fsdp=2, tensor=2), 8) == {"data": 2, "fsdp": 2, "expert": 1, "context": 1, "tensor": 2}
+    assert SL.mesh_shape(_sizes(fsdp=2, context=-1), 8) == {"data": 1, "fsdp": 2, "expert": 1, "context": 4, "tensor": 1}
+    assert SL.mesh_shape(_sizes(fsdp=-1, expert=2), 8) == {"data": 1, "fsdp": 4, "expert": 2, "context": 1, "tensor": 1}
     with pytest.raises(SR.ShardingError, match="does not divide the 8 devices"):
         SL.mesh_shape(_sizes(data=-1, tensor=3), 8)
     with pytest.raises(SR.ShardingError, match="at most one"):
@@ -77,16 +81,20 @@ def test_mesh_sizes_fill_and_errors():
 
 def test_build_mesh_has_named_auto_axes():
     mesh = SL.build_mesh(_sizes(fsdp=-1, tensor=2))
-    assert mesh.axis_names == ("data", "fsdp", "context", "tensor")
-    assert dict(mesh.shape) == {"data": 1, "fsdp": 4, "context": 1, "tensor": 2}
-    assert mesh.axis_types == (AxisType.Auto,) * 4  # with_sharding_constraint raises under Explicit axes
+    assert mesh.axis_names == ("data", "fsdp", "expert", "context", "tensor")
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 4, "expert": 1, "context": 1, "tensor": 2}
+    assert mesh.axis_types == (AxisType.Auto,) * 5  # with_sharding_constraint raises under Explicit axes
     assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in jax.devices())
     small = SL.build_mesh(_sizes(data=-1), devices=jax.devices()[:2])
-    assert dict(small.shape) == {"data": 2, "fsdp": 1, "context": 1, "tensor": 1}
+    assert dict(small.shape) == {"data": 2, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1}
     # context sits between fsdp and tensor: a context group is made of neighbouring devices.
     cp = SL.build_mesh(_sizes(fsdp=2, context=2, tensor=2))
-    assert [d.id for d in cp.devices[0, 0, :, 0]] == [0, 2]
+    assert [d.id for d in cp.devices[0, 0, 0, :, 0]] == [0, 2]
     assert SL.sequence_shards(cp, SR.DEFAULT_RULES) == 2 and SL.row_multiple(cp, SR.DEFAULT_RULES) == 2
+    # expert sits between fsdp and context; by default it is one more batch axis (the dense layers' view of it).
+    ep = SL.build_mesh(_sizes(fsdp=2, expert=2, tensor=2))
+    assert [d.id for d in ep.devices[0, 0, :, 0, 0]] == [0, 2]
+    assert SL.row_multiple(ep, SR.DEFAULT_RULES) == 4 and SL.sequence_shards(ep, SR.DEFAULT_RULES) == 1
 
 
 def test_rules_overrides_are_validated():
@@ -404,7 +412,7 @@ def test_cli_dump_shardings_writes_the_golden(tmp_path, capsys):
     assert main(["dump-shardings", "--mesh-config", str(layout), "--out", str(tmp_path / "fsdp.json")]) == 0
     assert (tmp_path / "fsdp.json").read_text() == (GOLDENS / "fsdp.json").read_text()
     assert main(["dump-shardings", "--mesh-config", str(layout), "--num-devices", "6"]) == 0
-    assert json.loads(capsys.readouterr().out)["mesh"] == {"data": 1, "fsdp": 6, "context": 1, "tensor": 1}
+    assert json.loads(capsys.readouterr().out)["mesh"] == {"data": 1, "fsdp": 6, "expert": 1, "context": 1, "tensor": 1}
     bad = tmp_path / "bad.yaml"
     bad.write_text("mesh:\n  mesh_data: 1\n  mesh_fsdp: -1\n  sharding_rules: {embeding: fsdp}\n")
     assert main(["dump-shardings", "--mesh-config", str(bad)]) == 2

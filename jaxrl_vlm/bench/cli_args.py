@@ -1,6 +1,6 @@
 """`jaxrl-vlm bench sharding ...`: argument parser and handler (imports jax only when the command runs).
 
-    jaxrl-vlm bench sharding --config CONFIG --layouts configs/mesh/*.yaml [--model tiny|tiny_qwen2_5_vl|small|qwen3_vl_2b|qwen2_5_vl_3b]
+    jaxrl-vlm bench sharding --config CONFIG --layouts configs/mesh/*.yaml [--model tiny|tiny_qwen2_5_vl|tiny_qwen3_vl_moe|small|qwen3_vl_2b|qwen2_5_vl_3b]
         [--steps N] [--out DIR] [--rows R --seq-len T] [--compile-only] [--device-memory-gb G]
         [--simulate-cpu-devices 8] [--flag value ...]
 

@@ -73,7 +73,7 @@ COLUMNS: tuple[str, ...] = (
     "layout",  # mesh YAML stem
     "status",  # ok | compiled (--compile-only) | does_not_fit | unbuildable | oom
     "reason",  # why a layout was not run
-    "mesh",  # "data=1,fsdp=8,tensor=1"
+    "mesh",  # "data=1,fsdp=8,expert=1,context=1,tensor=1"
     "devices",
     "model",
     "batch_shape",  # KxRxTxP: micro-batches, rows, tokens per row, patches per micro-batch
@@ -193,8 +193,8 @@ class BenchReport:
 
 
 def model_config(name: str) -> ModelConfig:
-    """The config of `--model NAME` (one of `flops.MODEL_SHAPES`): `tiny` / `tiny_qwen2_5_vl` (the make-tiny
-    models) or an architecture preset of `jaxrl_vlm.models.config` (`small`, `qwen3_vl_2b`, `qwen2_5_vl_3b`)."""
+    """The config of `--model NAME` (one of `flops.MODEL_SHAPES`): `tiny` / `tiny_qwen2_5_vl` / `tiny_qwen3_vl_moe`
+    (the make-tiny models) or an architecture preset of `jaxrl_vlm.models.config` (`small`, `qwen3_vl_2b`, `qwen2_5_vl_3b`)."""
     if name in flops_lib.TINY_SHAPES:
         return tiny_model_config(arch=flops_lib.TINY_SHAPES[name])
     if name not in flops_lib.MODEL_SHAPES:
@@ -209,7 +209,7 @@ def _model_kwargs(cfg: Config) -> dict[str, Any]:
     return dict(
         param_dtype=jnp.dtype(cfg.model.param_dtype),
         compute_dtype=jnp.dtype(cfg.model.compute_dtype),
-        remat=cfg.model.remat != "none",
+        remat=cfg.model.remat,
         attention_impl=cfg.model.attention_impl,
     )
 
@@ -544,7 +544,8 @@ def run_sharding_bench(
             cfg = load_config(config_path, [*overrides, "--mesh-config", str(layout), *extra])
             name, devs = str(layout), devices
             if cp is not None:
-                fixed = math.prod(max(1, v) for v in (cfg.mesh.mesh_data, cfg.mesh.mesh_fsdp, cfg.mesh.mesh_tensor))
+                fixed = math.prod(max(1, v) for v in (cfg.mesh.mesh_data, cfg.mesh.mesh_fsdp, cfg.mesh.mesh_expert,
+                                                      cfg.mesh.mesh_tensor))
                 name, devs = f"{Path(layout).stem}@cp{cp}", devices[: cp * fixed]
             logger.info("layout %s: compiling on %d %s device(s)", Path(name).stem, len(devs), devices[0].platform)
             res = bench_layout(name, cfg, model_cfg, samples, opts, devs, peaks, params_cache)

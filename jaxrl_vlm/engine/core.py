@@ -55,7 +55,7 @@ class Engine:
         if media is not None and not Path(media).is_dir():
             raise ValueError(f"allowed_local_media_path={media!r} is not a directory")
         devices = None if self.config.device_ids is None else pick_devices(self.config.device_ids, "engine devices")
-        placements = replica_placements(self.config.tp_size, self.config.dp_size, devices)
+        placements = replica_placements(self.config.tp_size, self.config.dp_size, devices, self.config.ep_size)
         first = placements[0]
         # Loaded straight into the first replica's shards; the other replicas copy them device to device.
         model = from_hf(model_dir, param_dtype=self.config.jnp_param_dtype, compute_dtype=self.config.jnp_compute_dtype,

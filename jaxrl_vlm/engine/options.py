@@ -112,6 +112,9 @@ class EngineOptions:
                        "launched SGLang).", ge=1, key="tp_size")
     dp_size: int = opt(1, "Engine replicas behind one server (SGLang's --dp-size; a run also passes it to a launched "
                        "SGLang).", ge=1, key="dp_size")
+    ep_size: int = opt(1, "Expert parallelism inside each replica (SGLang's --ep-size): the routed experts of an MoE "
+                       "model split over this many of its tp_size devices (it must divide tp_size), each expert's "
+                       "width over the rest; dense layers stay tp_size-way.", ge=1, key="ep_size")
     device_ids: tuple[int, ...] | str | None = opt(
         None, "Local devices of the engine, as ids or a list like '0-3' / '0,1,2,3' (exactly tp_size x dp_size of "
         "them; None: the first tp_size x dp_size).", key="rollout_devices", flags=("--devices",))
@@ -141,6 +144,9 @@ class EngineOptions:
         if self.num_pages < self.pages_per_request:
             raise ValueError(f"max_total_tokens={self.max_total_tokens} holds {self.num_pages} pages of {self.page_size} "
                              f"tokens; one request of max_seq_len={self.max_seq_len} tokens needs {self.pages_per_request}")
+        if self.tp_size % self.ep_size:
+            raise ValueError(f"ep_size {self.ep_size} must divide tp_size {self.tp_size}: experts are split over ep "
+                             "of a replica's tp devices")
         if self.device_ids is not None and len(self.device_ids) != self.tp_size * self.dp_size:
             raise ValueError(f"device_ids {list(self.device_ids)} must name tp_size {self.tp_size} x dp_size "
                              f"{self.dp_size} = {self.tp_size * self.dp_size} devices")

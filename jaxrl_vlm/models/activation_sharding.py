@@ -33,9 +33,11 @@ from jax.sharding import Mesh, NamedSharding
 
 
 class ActivationLayout(Protocol):
-    """What the model needs of a layout: the mesh, and the sharding of an activation from its logical names."""
+    """What the model needs of a layout: the mesh, the sharding of an activation from its logical names, and the
+    expert-parallel capacity factor of MoE blocks (`models.expert_parallel`; None: no token ever dropped)."""
 
     mesh: Mesh
+    moe_capacity_factor: float | None
 
     def sharding(self, names: Sequence[str | None], shape: Sequence[int]) -> NamedSharding: ...
 

@@ -11,11 +11,16 @@ contiguous run is multiplied by that expert's weights with `jax.lax.ragged_dot`;
 gathered back (an inverse permutation, no scatter) and summed with their routing weights. Work is O(N k D F), never
 O(N E D F).
 
-Routing is an explicit value (`Routing`: router logits [..., E] fp32, top-k ids [..., k], top-k weights), not
-hidden module state: `SparseMoE.forward` returns it, and accepts forced top-k ids (routing replay: the ids an
-engine chose for these tokens; the weights are then the current router's probabilities at those ids). The train
-step's extras are pure functions of it: `load_balancing_loss` (transformers' `load_balancing_loss_func`) and
-`expert_load` (tokens per expert per layer).
+Routing is an explicit value (`Routing`: router logits [..., E] fp32, top-k ids [..., k], top-k weights, and the
+copies each token lost to expert-parallel capacity), not hidden module state: `SparseMoE.forward` returns it, and
+accepts forced top-k ids (routing replay: the ids an engine chose for these tokens; the weights are then the
+current router's probabilities at those ids). The train step's extras are pure functions of it:
+`load_balancing_loss` (transformers' `load_balancing_loss_func`) and `expert_load` (tokens per expert per layer).
+
+Under a mesh whose `expert` axis splits the experts (an `activation_sharding` layout is active), the expert compute
+is `expert_parallel.dispatch`: an all-to-all to the devices owning each copy's expert and back, with a capacity
+(`ActivationLayout.moe_capacity_factor`; None: room for every copy, the exact result); otherwise it is the local
+`grouped_expert_mlp` below.
 
 Logical axes: expert kernels `gate_experts_edf`, `up_experts_edf` [E, D, F] and `down_experts_efd` [E, F, D] carry
 ("expert", "embed", "mlp") / ("expert", "mlp", "embed"); the router kernel `router_kernel_de` [D, E] is
@@ -31,7 +36,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrl_vlm.models.activation_sharding import ROWS_HIDDEN, constrain
+from jaxrl_vlm.models import expert_parallel
+from jaxrl_vlm.models.activation_sharding import ROWS_HIDDEN, constrain, current
 from jaxrl_vlm.models.layers import activation, param
 
 F32 = jnp.float32
@@ -42,11 +48,14 @@ class Routing(NamedTuple):
 
     logits: router logits [..., E] (fp32 copy of the compute-dtype logits);
     topk_ids: int32 [..., k], the experts each token went to (in descending probability when chosen by the router);
-    topk_weights: [..., k] the weights of those experts' outputs (compute dtype)."""
+    topk_weights: [..., k] the weights of those experts' outputs (compute dtype);
+    dropped: int32 [...], how many of the token's k copies were over expert-parallel capacity (their experts'
+    outputs left out of the token's); always 0 without expert parallelism or with the default (no-drop) capacity."""
 
     logits: jax.Array
     topk_ids: jax.Array
     topk_weights: jax.Array
+    dropped: jax.Array
 
 
 def route(logits_ne: jax.Array, top_k: int, norm_topk_prob: bool, forced_ids_nk: jax.Array | None = None,
@@ -54,12 +63,14 @@ def route(logits_ne: jax.Array, top_k: int, norm_topk_prob: bool, forced_ids_nk:
     """(top-k weights [N, k] in `weight_dtype`, top-k ids int32 [N, k]) from router logits [N, E].
 
     softmax in fp32, top-k by probability, renormalised when `norm_topk_prob`. With `forced_ids_nk` the ids are
-    those (routing replay) and the weights the probabilities at them, renormalised alike."""
+    those (routing replay) and the weights the probabilities at them, renormalised alike; a token whose forced
+    row holds a negative id (no recorded routing: padding, a position the engine never forwarded) keeps the
+    router's own choice."""
     probs = jax.nn.softmax(logits_ne.astype(F32), axis=-1)
-    if forced_ids_nk is None:
-        top, ids = jax.lax.top_k(probs, top_k)
-    else:
-        ids = forced_ids_nk.astype(jnp.int32)
+    top, ids = jax.lax.top_k(probs, top_k)
+    if forced_ids_nk is not None:
+        forced = forced_ids_nk.astype(jnp.int32)
+        ids = jnp.where(jnp.all(forced >= 0, axis=-1, keepdims=True), forced, ids)
         top = jnp.take_along_axis(probs, ids, axis=-1)
     if norm_topk_prob:
         top = top / jnp.sum(top, axis=-1, keepdims=True)
@@ -71,7 +82,9 @@ def grouped_expert_mlp(x_nd: jax.Array, ids_nk: jax.Array, weights_nk: jax.Array
     """sum_j weights[n, j] * down_e(act(gate_e x_n) * up_e x_n) with e = ids[n, j]: y [N, D] in x's dtype.
 
     The N * k assignments are sorted by expert (stable), so each expert's rows are one contiguous group of
-    `ragged_dot`; `group_sizes` counts the rows per expert (ids outside [0, E) are not allowed)."""
+    `ragged_dot`; `group_sizes` counts the rows per expert. An id equal to E marks an empty row (expert
+    parallelism's unused slots): it sorts last, outside every group, and its output is 0; other ids outside [0, E)
+    are not allowed."""
     n, d = x_nd.shape
     k = ids_nk.shape[1]
     e = gate_edf.shape[0]
@@ -114,10 +127,21 @@ class SparseMoE(nnx.Module):
         logits = jnp.einsum("nd,de->ne", x, self.router_kernel_de[...].astype(cd))
         forced = None if forced_topk_ids is None else forced_topk_ids.reshape(-1, self.top_k)
         weights, ids = route(logits, self.top_k, self.norm_topk_prob, forced, weight_dtype=cd)
-        y = grouped_expert_mlp(x, ids, weights, self.gate_experts_edf[...].astype(cd), self.up_experts_edf[...].astype(cd),
-                               self.down_experts_efd[...].astype(cd), activation(self.act_name))
-        routing = Routing(logits.astype(F32).reshape(b, t, -1), ids.reshape(b, t, -1), weights.reshape(b, t, -1))
-        return constrain(y.reshape(b, t, d), ROWS_HIDDEN), routing
+        experts = (self.gate_experts_edf[...].astype(cd), self.up_experts_edf[...].astype(cd),
+                   self.down_experts_efd[...].astype(cd))
+        layout = current()
+        plan = expert_parallel.expert_parallel(layout, (b, t, d), experts[0].shape,
+                                               None if layout is None else layout.moe_capacity_factor)
+        if plan is None:
+            y = grouped_expert_mlp(x, ids, weights, *experts, activation(self.act_name)).reshape(b, t, d)
+            dropped = jnp.zeros((b, t), jnp.int32)
+        else:
+            y, dropped = expert_parallel.dispatch(plan, x.reshape(b, t, d), ids.reshape(b, t, -1),
+                                                  weights.reshape(b, t, -1), *experts, activation(self.act_name),
+                                                  grouped_expert_mlp)
+        routing = Routing(logits.astype(F32).reshape(b, t, -1), ids.reshape(b, t, -1), weights.reshape(b, t, -1),
+                          dropped)
+        return constrain(y, ROWS_HIDDEN), routing
 
     def __call__(self, x_btd: jax.Array) -> jax.Array:
         return self.forward(x_btd)[0]

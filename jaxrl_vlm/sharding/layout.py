@@ -1,7 +1,7 @@
 """The device mesh and the shardings of parameters and batches, resolved with `sharding.rules`.
 
-Mesh axes and sizes come from a `MeshConfig`'s `mesh_data` / `mesh_fsdp` / `mesh_context` / `mesh_tensor` (one -1
-fills); this module reads them through the small `MeshSizes` protocol, so it does not import
+Mesh axes and sizes come from a `MeshConfig`'s `mesh_data` / `mesh_fsdp` / `mesh_expert` / `mesh_context` /
+`mesh_tensor` (one -1 fills); this module reads them through the small `MeshSizes` protocol, so it does not import
 `jaxrl_vlm.config`. Parameter layouts are read from the logical names the model's variables carry.
 
 Everything here is bookkeeping over shapes and names except `build_mesh`, `shard_model` and
@@ -41,8 +41,8 @@ logger = logging.getLogger(__name__)
 
 class MeshSizes(Protocol):
     """The mesh sizes of a `MeshConfig` (-1: fill with the remaining devices); an optional
-    `mesh_config` attribute (the YAML it came from) names the source in error messages, and an optional
-    `mesh_context` (default 1) the context-parallel size."""
+    `mesh_config` attribute (the YAML it came from) names the source in error messages, and optional
+    `mesh_expert` / `mesh_context` (default 1) the expert- and context-parallel sizes."""
 
     mesh_data: int
     mesh_fsdp: int
@@ -53,9 +53,10 @@ class MeshSizes(Protocol):
 
 
 def mesh_shape(mesh_cfg: MeshSizes, num_devices: int) -> dict[str, int]:
-    """{"data": d, "fsdp": f, "context": c, "tensor": t} from `MeshConfig` sizes, one -1 filled so that
-    d*f*c*t = num_devices."""
+    """{"data": d, "fsdp": f, "expert": e, "context": c, "tensor": t} from `MeshConfig` sizes, one -1 filled so
+    that d*f*e*c*t = num_devices."""
     sizes = {"data": int(mesh_cfg.mesh_data), "fsdp": int(mesh_cfg.mesh_fsdp),
+             "expert": int(getattr(mesh_cfg, "mesh_expert", 1)),
              "context": int(getattr(mesh_cfg, "mesh_context", 1)), "tensor": int(mesh_cfg.mesh_tensor)}
     source = getattr(mesh_cfg, "mesh_config", None)
     where = (f"{source}: " if source else "") + ", ".join(f"mesh_{k}={v}" for k, v in sizes.items())
@@ -75,7 +76,7 @@ def mesh_shape(mesh_cfg: MeshSizes, num_devices: int) -> dict[str, int]:
 
 
 def build_mesh(mesh_cfg: MeshSizes, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A `Mesh` with axes `MESH_AXES` ("data", "fsdp", "context", "tensor") and explicit `AxisType.Auto`.
+    """A `Mesh` with axes `MESH_AXES` ("data", "fsdp", "expert", "context", "tensor") and explicit `AxisType.Auto`.
 
     Auto, not jax's default Explicit: the model relies on sharding propagation, and
     `with_sharding_constraint` raises under Explicit axes. `devices` defaults to all (global) devices.

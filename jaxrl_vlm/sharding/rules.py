@@ -5,12 +5,20 @@ to a mesh axis, a tuple of mesh axes, or None (replicated). One change of rules 
 new layout; presets live in `configs/mesh/*.yaml` (MaxText's scheme).
 
 Mesh axes, outermost first: `data` (pure replicas of the parameters), `fsdp` (parameters sharded,
-gathered per layer; ZeRO-3), `context` (context parallelism: one long row's positions split into
-contiguous blocks, one per device of a context group) and `tensor` (Megatron-style: heads / MLP / vocab
-split). `tensor` is innermost so a tensor-parallel group is made of neighbouring devices (same host,
-fastest links); `context` next, since attention gathers keys and values over it every layer.
-Batch rows are split over the axes of the `batch` rule (default `("data", "fsdp")`), a row's positions over
-those of the `sequence` rule (default `context`).
+gathered per layer; ZeRO-3), `expert` (expert parallelism: the routed experts of an MoE layer split over it),
+`context` (context parallelism: one long row's positions split into contiguous blocks, one per device of a
+context group) and `tensor` (Megatron-style: heads / MLP / vocab split). `tensor` is innermost so a
+tensor-parallel group is made of neighbouring devices (same host, fastest links); `context` next, since
+attention gathers keys and values over it every layer; `expert` next, for its two all-to-alls per MoE layer.
+Batch rows are split over the axes of the `batch` rule (default `("data", "fsdp", "expert")`), a row's
+positions over those of the `sequence` rule (default `context`).
+
+How `expert` composes (Megatron's expert-parallel group, carved out of data parallelism): for every dense
+tensor it is one more data-parallel axis (rows split over it, weights replicated over it, gradients reduced
+over it), so with `mesh_expert=1` nothing changes. MoE expert weights [E, ...] split their expert dimension over
+it; each device routes its own tokens and sends each (token, expert) copy to the device of its expert group
+that owns the expert (`models.moe`, an all-to-all inside `shard_map`), which runs its local experts and sends
+the results back.
 
 How a tensor's PartitionSpec is resolved from its logical names, dimension by dimension:
   1. look the name up in the rules (unknown names are errors);
@@ -41,7 +49,7 @@ from jaxrl_vlm.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-MESH_AXES: tuple[str, ...] = ("data", "fsdp", "context", "tensor")
+MESH_AXES: tuple[str, ...] = ("data", "fsdp", "expert", "context", "tensor")
 
 # The logical names the model declares (one per parameter dimension), plus `batch` for input rows.
 PARAM_LOGICAL_AXES: tuple[str, ...] = (
@@ -56,7 +64,7 @@ PATCH_AXIS = "patches"
 
 MeshAxes = str | tuple[str, ...] | None
 Rules = Mapping[str, MeshAxes]
-# Anything with axis sizes: a Mesh, an AbstractMesh, or {"data": d, "fsdp": f, "context": c, "tensor": t}.
+# Anything with axis sizes: a Mesh, an AbstractMesh, or {"data": d, "fsdp": f, "expert": e, "context": c, "tensor": t}.
 AnyMesh = Mesh | jax.sharding.AbstractMesh | Mapping[str, int]
 
 # FSDP shards the model ("embed") dimension of every matrix; tensor parallelism splits the dimension
@@ -83,14 +91,15 @@ DEFAULT_RULES: dict[str, MeshAxes] = {
     "linear_v_heads": "tensor",
     "linear_head_dim": None,
     "conv_taps": None,
-    # MoE expert weights [E, ...]: replicated until an expert-parallel layout ships.
-    "expert": None,
-    BATCH_AXIS: ("data", "fsdp"),
+    # MoE expert weights [E, ...]: their experts split over the expert-parallel axis (a no-op at mesh_expert=1).
+    "expert": "expert",
+    # Rows over every data-parallel axis; `expert` is one for the dense layers (see the module docstring).
+    BATCH_AXIS: ("data", "fsdp", "expert"),
     # Context parallelism: positions of a row split in contiguous blocks over `context`; vision patches over
     # every device of the rows' and positions' axes (the tower is position-wise but for its attention, which
     # gathers keys across shards; merged image features are scattered to whichever sequence shard owns them).
     SEQUENCE_AXIS: "context",
-    PATCH_AXIS: ("data", "fsdp", "context"),
+    PATCH_AXIS: ("data", "fsdp", "expert", "context"),
 }
 
 
