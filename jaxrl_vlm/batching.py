@@ -64,6 +64,9 @@ class TrainArrays(NamedTuple):
     sequence_ids      int32   [K, R, T]     sequence index within the micro-batch, -1 on padding
     vision            VisionInputs (WindowedVisionInputs for Qwen2.5-VL) with leading K (P patches each), or None
                       when no sample has images
+    routed_experts    int32   [K, R, T, L_sparse, k] MoE routing replay: the engine's top-k experts of INPUT token
+                      t in each sparse layer (aligned to `tokens`, not targets); -1 where none was recorded (the
+                      trainer routes that token itself) and on padding. None without --use-rollout-routing-replay.
     """
 
     tokens: np.ndarray
@@ -76,6 +79,7 @@ class TrainArrays(NamedTuple):
     token_weights: np.ndarray
     sequence_ids: np.ndarray
     vision: Any  # the family's vision inputs (models/vision.py: VisionInputs, WindowedVisionInputs, ...) or None
+    routed_experts: np.ndarray | None = None
 
 
 class Placement(NamedTuple):
@@ -256,6 +260,33 @@ def _prepare(position: int, sample: Sample, cfg: ModelConfig, max_len: int, over
             kept = int(grid.prod(-1).sum())
             pixels = pixels[:kept] if n_images else None
     return _Seq(position, sample, tokens.astype(np.int32), mask, lp, response, grid, pixels, n)
+
+
+def replay_ids(seq: _Seq, cfg: ModelConfig) -> np.ndarray:
+    """int32 [length, L_sparse, k]: the engine's expert ids of each (possibly truncated) input token of `seq` in
+    the model's sparse layers, -1 past the recorded positions (the last token; an episode's trailing observation
+    that no request forwarded). The sample's array is SGLang's ids, [positions, num_hidden_layers * k]."""
+    t = cfg.text
+    sparse = list(getattr(t, "sparse_layers", ()))
+    where = f"{seq.sample.name} (position {seq.position} in the batch)"
+    if not sparse:
+        raise BatchingError(f"routing replay needs a mixture-of-experts model; {type(cfg).__name__} has no sparse layer")
+    routed = seq.sample.rollout_routed_experts
+    if routed is None:
+        raise BatchingError(f"{where} has no rollout_routed_experts: with --use-rollout-routing-replay the engine must "
+                            "return them (its request sends return_routed_experts)")
+    routed = np.asarray(routed)
+    expected = (t.num_hidden_layers, t.num_experts_per_tok)
+    if routed.ndim != 2 or routed.shape[1] != expected[0] * expected[1]:
+        raise BatchingError(f"{where}: rollout_routed_experts has shape {routed.shape}, expected [positions, "
+                            f"{expected[0]} layers x {expected[1]} experts per token]")
+    picked = routed[: seq.length].reshape(-1, *expected)[:, sparse].astype(np.int32)
+    if picked.size and (picked.max() >= t.num_experts or picked.min() < 0):
+        raise BatchingError(f"{where}: rollout_routed_experts holds an expert id outside [0, {t.num_experts}) in a "
+                            "sparse layer")
+    out = np.full((seq.length, len(sparse), expected[1]), -1, np.int32)
+    out[: picked.shape[0]] = picked
+    return out
 
 
 def _sample_images(sample: Sample, tokens: np.ndarray, cfg: ModelConfig, where: str) -> tuple[np.ndarray, np.ndarray | None]:
@@ -444,6 +475,7 @@ def build_train_batch(
     overlong_policy: str,
     micro_batch_buckets: Sequence[int] | None = None,
     max_tokens_per_micro_batch: int | None = None,
+    routing_replay: bool = False,
 ) -> TrainBatch:
     """Lay `samples` out as fixed-shape [K, R, T] arrays (see the module docstring for alignment).
 
@@ -461,6 +493,7 @@ def build_train_batch(
     aggregation / aggregation_constant: as `rl.aggregation.aggregation_weights`, over the whole batch.
     overlong_policy: "error" or "truncate" (cut the tail to the largest seq bucket, never through an
     image; the mask follows; see `BatchLayout.truncated`).
+    routing_replay: carry each sample's `rollout_routed_experts` (sparse layers only) as `routed_experts`.
     """
     n = len(samples)
     if n == 0:
@@ -523,7 +556,8 @@ def build_train_batch(
         for t in candidates
     ]
     plan = min(plans, key=lambda p: (p.slots, p.seq_len))
-    return _materialize(seqs, adv, plan, model_cfg, patch_choices, has_vision, packing, aggregation, aggregation_constant)
+    return _materialize(seqs, adv, plan, model_cfg, patch_choices, has_vision, packing, aggregation, aggregation_constant,
+                        routing_replay)
 
 
 def _materialize(
@@ -536,6 +570,7 @@ def _materialize(
     packing: bool,
     aggregation: str,
     aggregation_constant: float | None,
+    routing_replay: bool = False,
 ) -> TrainBatch:
     """Scatter the sequences into the planned slots; every per-token array is filled in O(total tokens)."""
     k_n, r_n, t_n = len(plan.micro_batches), plan.rows_per_mb, plan.seq_len
@@ -623,8 +658,16 @@ def _materialize(
             per_mb.append(v._replace(pixel_values=v.pixel_values.astype(dtype, copy=False)))
         vision = type(per_mb[0])(*(np.stack(field) for field in zip(*per_mb)))
 
+    routed = None
+    if routing_replay:
+        ids = np.concatenate([replay_ids(s, cfg) for s in seqs])  # [total, L_sparse, k], aligned to tokens
+        routed = np.full((size, *ids.shape[1:]), -1, np.int32)
+        routed[dest] = ids
+        routed = routed.reshape(*shape, *ids.shape[1:])
+
     arrays = TrainArrays(
-        arrays_tokens, targets, positions, segment_ids, loss_mask, rollout_lp, advantages, token_weights, sequence_ids, vision
+        arrays_tokens, targets, positions, segment_ids, loss_mask, rollout_lp, advantages, token_weights, sequence_ids, vision,
+        routed,
     )
     layout = BatchLayout(
         placements=tuple(places),

@@ -674,6 +674,7 @@ class SGLangClient:
         rid: str | None = None,
         routing_key: str | None = None,
         timeout_s: float | None = None,
+        return_routed_experts: bool = False,
     ) -> GenerateResult:
         """POST `/generate` with token ids (and every image of the conversation so far).
 
@@ -686,9 +687,14 @@ class SGLangClient:
         """
         base_rid = rid if rid is not None else uuid.uuid4().hex
         body = self._generate_body(input_ids, image_data, sampling_params, return_logprob, base_rid)
+        if return_routed_experts:  # SGLang's field (an MoE engine answers with meta_info.routed_experts)
+            body["return_routed_experts"] = True
 
         def body_for_attempt(attempt: int) -> dict[str, Any]:
-            return body if attempt == 1 else self._with_rid(body, f"{base_rid}.retry{attempt - 1}")
+            # The adapter is chosen when the attempt is sent (after the weight-update gate): a request that waited
+            # out an adapter sync goes to the new adapter, never to the unloaded one.
+            sent = body if attempt == 1 else self._with_rid(body, f"{base_rid}.retry{attempt - 1}")
+            return self._with_adapter(sent)
 
         headers = {ROUTING_KEY_HEADER: routing_key} if routing_key is not None else None
         sent_in_epoch = self.update_gate.epoch
@@ -729,6 +735,15 @@ class SGLangClient:
     @staticmethod
     def _with_rid(body: dict[str, Any], rid: str) -> dict[str, Any]:
         return {**body, "rid": rid}
+
+    def _with_adapter(self, body: dict[str, Any]) -> dict[str, Any]:
+        """`body` selecting the adapter loaded now (`lora_name`), or none (the base)."""
+        if body.get("lora_path") == self.lora_name:
+            return body
+        out = {k: v for k, v in body.items() if k != "lora_path"}
+        if self.lora_name is not None:
+            out["lora_path"] = self.lora_name
+        return out
 
     def _parse_generate(self, reply: _Reply, return_logprob: bool) -> GenerateResult:
         return parse_generate_response(
@@ -917,6 +932,46 @@ class SGLangClient:
         await self._each_worker(one, f"loading LoRA adapter {name!r}")
         self.lora_name = name
 
+    # The route that labels the weights a worker serves (SGLang's and vLLM's alike: {"new_version": ...}).
+    weight_version_path = "/update_weight_version"
+
+    async def load_lora_version(self, path: str, weight_version: str | None = None, *, lora_name: str,
+                                url: str | None = None) -> dict[str, Any]:
+        """One worker: load the PEFT adapter directory `path` as `lora_name` (a new name per version, so no cached
+        prefix of an older adapter is reused), then label the worker's weights `weight_version`. Returns SGLang's
+        `{"success", "message"}` shape; a load the engine refuses (4xx) is `success: false` with its message."""
+        worker = self._worker(url)
+        reply = await self._request("POST", worker, self.lora_load_path, json_body={"lora_name": lora_name,
+                                    "lora_path": str(path)}, timeout_s=self.weight_update_timeout_s,
+                                    answer_statuses=frozenset({400, 404}))
+        data = reply.data if isinstance(reply.data, dict) else {}
+        refused = reply.status >= 400 or data.get("success") is False
+        if refused:
+            error = data.get("error")  # vLLM's ErrorResponse: {"error": {"message", "type", "code"}}
+            why = (data.get("error_message") or data.get("message")
+                   or (error.get("message") if isinstance(error, dict) else error) or reply.text)
+            return {"success": False, "message": f"{self.lora_load_path} refused adapter {lora_name!r} from {path}: "
+                                                 f"{_snippet(str(why))}"}
+        loaded = data.get("loaded_adapters")  # SGLang lists the worker's adapters after the load
+        if isinstance(loaded, dict) and lora_name not in loaded:
+            return {"success": False, "message": f"{self.lora_load_path} answered success but lists adapters "
+                                                 f"{sorted(loaded)}, not {lora_name!r}"}
+        if weight_version is not None:
+            await self._post_json(worker, self.weight_version_path, {"new_version": str(weight_version)})
+        return {"success": True, "message": f"adapter {lora_name!r} loaded from {path}", "lora_name": lora_name}
+
+    async def _unload_quietly(self, name: str) -> None:
+        """Unload `name` from every worker that has it; a refusal (not loaded there) or an error is only logged: an
+        adapter left loaded costs engine memory, not correctness (no request selects it)."""
+        async def one(url: str) -> None:
+            try:
+                await self._request("POST", url, self.lora_unload_path, json_body={"lora_name": name},
+                                    timeout_s=self.control_timeout_s, answer_statuses=frozenset({400, 404}))
+            except EngineError as exc:
+                logger.warning("could not unload LoRA adapter %r from %s: %s", name, url, exc)
+
+        await asyncio.gather(*(one(u) for u in list(self.worker_urls)))
+
     async def unload_lora_adapter(self, name: str) -> None:
         """Unload the adapter `name` from every worker (requests then use the base unless another is selected)."""
         await self._each_worker(lambda url: self._post_json(url, self.lora_unload_path, {"lora_name": name}),
@@ -1073,9 +1128,13 @@ class SGLangClient:
                     return exc
                 raise
             await self._flush_until_idle(url, flush_timeout_s, poll_s)
-            response = await self.update_weights_from_disk(model_path, weight_version, url=url, **update_options)
+            if "lora_name" in update_options:  # an adapter version (LoRA), not a whole model
+                response = await self.load_lora_version(model_path, weight_version, url=url, **update_options)
+            else:
+                response = await self.update_weights_from_disk(model_path, weight_version, url=url, **update_options)
             if not response.get("success"):
-                failure = f"update_weights_from_disk({model_path!r}) returned success=false: " \
+                call = "load_lora_version" if "lora_name" in update_options else "update_weights_from_disk"
+                failure = f"{call}({model_path!r}) returned success=false: " \
                           f"{_snippet(str(response.get('message', response)))}"
         except (EngineError, TimeoutError) as exc:
             failure = str(exc)
@@ -1106,11 +1165,15 @@ class SGLangClient:
 
         Workers are synced concurrently; returns each worker's update answer keyed by URL. Raises
         `WeightSyncError` listing every failed worker; `continue_generation` has been attempted on
-        all of them first. `update_options` go to `update_weights_from_disk` (load_format, ...).
+        all of them first. `update_options` go to `update_weights_from_disk` (load_format, ...); with
+        `lora_name=NAME` the update is `load_lora_version` instead (`model_path` is a PEFT adapter directory): once
+        every worker loaded it, every later request selects NAME and the adapter loaded before is unloaded.
         """
         pause_mode = as_pause_mode(pause_mode)
         if flush_timeout_s < 0 or flush_poll_s <= 0:
             raise ValueError("flush_timeout_s must be >= 0 and flush_poll_s > 0 seconds")
+        lora_name = update_options.get("lora_name")
+        previous = self.lora_name
         self.update_gate.close()  # this client's /generate calls wait until every worker continued
         urls = list(self.worker_urls)
         try:
@@ -1119,8 +1182,16 @@ class SGLangClient:
                                     update_options) for u in urls),
                 return_exceptions=True,
             )
+            adapter_loaded = lora_name is not None and not any(isinstance(r, WeightSyncError) for r in results)
+            if adapter_loaded:
+                self.lora_name = lora_name  # before the gate opens: no request goes out with the old adapter
         finally:
             self.update_gate.open()
+        if lora_name is not None:
+            # The old adapter after a success; after a failure the new one where it loaded, so a retry can load it.
+            drop = previous if adapter_loaded else lora_name
+            if drop is not None and drop != self.lora_name:
+                await self._unload_quietly(drop)
         failures: dict[str, str] = {}
         answers: dict[str, dict[str, Any]] = {}
         for url, res in zip(urls, results):  # lost workers first: the policy may stop the run naming one

@@ -67,6 +67,7 @@ from rollout.sample import (
     TruncationCause,
     TurnRecord,
 )
+from rollout.sglang_wire import decode_routed_experts
 
 logger = logging.getLogger(__name__)
 
@@ -481,6 +482,7 @@ class _EpisodeRun:
                     sampling_params=params,
                     rid=f"g{sample.group_index}-s{sample.index}-t{record.turn}-{uuid.uuid4().hex[:8]}",
                     routing_key=state.routing_key if ctx.router_mode else None,
+                    return_routed_experts=self.opts.use_rollout_routing_replay,
                 )
             except EngineLost as e:  # the engine did not come back (--engine-reconnect-timeout): the run stops
                 record.error = f"engine lost: {e}"
@@ -513,6 +515,15 @@ class _EpisodeRun:
             record.error = f"engine sampled banned vision token ids {sorted(banned)}"
             return _Ending(Termination(TerminationKind.BANNED_TOKEN), record.error)
         sample.append_model_tokens(result.output_ids, result.output_log_probs or [])
+        # The latest answer's routing covers the whole conversation so far (SGLang keeps it by KV slot, so a
+        # reused prefix comes back too): it replaces the previous turn's.
+        routed = decode_routed_experts(result.meta_info)
+        if routed is not None:
+            if routed.shape[0] != len(sample.tokens) - 1:
+                record.error = (f"engine routed_experts cover {routed.shape[0]} positions, the sample has "
+                                f"{len(sample.tokens)} tokens (expected one fewer)")
+                return _Ending(Termination(TerminationKind.ENGINE_ERROR), record.error)
+            sample.rollout_routed_experts = routed
         state.wire_ids.extend(result.output_ids)
         if state.open_turn:  # a resumed turn continues the suspended one
             state.model_turns[-1].extend(result.output_ids)

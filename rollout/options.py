@@ -122,6 +122,11 @@ class RolloutOptions(ArgsOptions):
     rollout_seed: int = opt(42, "Seed of the rollout sampler.")
     rollout_stop: list[str] = opt([], "Stop strings (slime's --rollout-stop); the matched text stays in the turn.")
     rollout_stop_token_ids: list[int] = opt([], "Extra stop token ids (the model's EOS ids always stop).")
+    use_rollout_routing_replay: bool = opt(
+        False, "MoE (slime's R3): every request asks the engine for its routed experts (SGLang's "
+        "return_routed_experts; meta_info.routed_experts), the sample keeps them, and the trainer's forwards (old, "
+        "reference and current policy) route each token to the experts the engine chose; the expert weights stay "
+        "the trainer router's probabilities at those ids, so the router still learns.")
     sglang_server_concurrency: int = opt(
         512,
         "Maximum in-flight /generate requests per engine, as slime's: the rollout allows this times the number of "

@@ -214,6 +214,13 @@ class Sample:
     # slime's `remove_sample`: set by a `--rollout-sample-filter-path` hook to leave the sample out of the loss
     # (the batch gives it no trainable token); it still counts in its group's advantage statistics.
     remove_sample: bool = False
+    # MoE routing replay (slime's name; SGLang's ids): int32 [positions, num_hidden_layers * top_k], row i the
+    # experts the engine routed token i to, layer-major (-1 in a dense layer; the rollout does not know the
+    # model's shape, the trainer reshapes), for the first positions of `tokens` (at most len(tokens) - 1: the last
+    # token is never forwarded). Set from the latest request's
+    # `meta_info.routed_experts`, which covers its whole input (prompt, earlier turns, observations) and its
+    # output; None when the engine was not asked (--use-rollout-routing-replay off).
+    rollout_routed_experts: np.ndarray | None = None
 
     # ------------------------------------------------------------------ views
     @property
@@ -300,6 +307,11 @@ class Sample:
             if self.termination.status is not self.status:
                 raise SampleError(f"{self.name}: termination {self.termination} gives status "
                                   f"{self.termination.status.value}, but the status is {self.status.value}")
+        routed = self.rollout_routed_experts
+        if routed is not None and (not isinstance(routed, np.ndarray) or routed.ndim != 2
+                                   or routed.shape[0] > max(len(self.tokens) - 1, 0)):
+            raise SampleError(f"{self.name}: rollout_routed_experts must be an ndarray [positions <= len(tokens) - 1 = "
+                              f"{len(self.tokens) - 1}, layers * top_k], got {getattr(routed, 'shape', routed)!r}")
         for key, value in (self.multimodal_train_inputs or {}).items():
             if not isinstance(value, np.ndarray):
                 raise SampleError(f"{self.name}: multimodal_train_inputs[{key!r}] is {type(value).__name__}, not ndarray")
@@ -360,6 +372,8 @@ class Sample:
         mm = kwargs.get("multimodal_train_inputs")
         if mm is not None:
             kwargs["multimodal_train_inputs"] = {k: decode_array(v) for k, v in mm.items()}
+        if kwargs.get("rollout_routed_experts") is not None:
+            kwargs["rollout_routed_experts"] = decode_array(kwargs["rollout_routed_experts"])
         if "metadata" in kwargs:
             kwargs["metadata"] = _from_json_safe(kwargs["metadata"])
             if "termination" not in kwargs:

@@ -8,6 +8,7 @@ control bodies and answers, and the route table. Pure data and small functions: 
 
 from __future__ import annotations
 
+import base64
 import datetime
 import enum
 import hmac
@@ -18,6 +19,8 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
+
+import numpy as np
 
 # ---------------------------------------------------------------------------------------------- fields
 
@@ -301,6 +304,7 @@ class RawGenerate:
     params: SamplingParams
     return_logprob: bool
     return_text_in_logprobs: bool
+    return_routed_experts: bool = False
 
 
 def check_generate_keys(body: Any) -> None:
@@ -383,6 +387,7 @@ def parse_generate(body: Any, vocab_size: int, unsupported: Unsupported,
             raise RequestError(f"image_data of a batch must be a list with one entry per prompt ({n_prompts})")
     logprob = _flag(body, "return_logprob", False, "")
     text_in_lp = _flag(body, "return_text_in_logprobs", False, "")
+    routed = _flag(body, "return_routed_experts", False, "")
     all_params = [SamplingParams.from_json(p, vocab_size, unsupported, max_n) for p in params_list]
     total = sum(p.n for p in all_params)
     if total > max_n:
@@ -405,6 +410,7 @@ def parse_generate(body: Any, vocab_size: int, unsupported: Unsupported,
                 params=params,
                 return_logprob=logprob,
                 return_text_in_logprobs=text_in_lp,
+                return_routed_experts=routed,
             ))
     return out, is_batch or len(out) > 1
 
@@ -536,9 +542,11 @@ def generate_response(
     token_text: Callable[[int], str] | None = None,
     cached_tokens: int = 0,
     num_retractions: int = 0,
+    routed_experts: str | None = None,
 ) -> dict[str, Any]:
     """One `/generate` answer as SGLang builds it. `token_text` (return_text_in_logprobs) fills the third
-    entry of each `output_token_logprobs` item; `finish` may be a raw object (a scripted fault)."""
+    entry of each `output_token_logprobs` item; `finish` may be a raw object (a scripted fault);
+    `routed_experts` (`encode_routed_experts`) is added to `meta_info` when given (return_routed_experts)."""
     meta: dict[str, Any] = {
         "id": rid,
         "finish_reason": finish.to_json() if isinstance(finish, FinishReason) else dict(finish),
@@ -551,8 +559,33 @@ def generate_response(
     }
     if return_logprob:
         meta.update(_logprob_fields(output_ids, output_logprobs, token_text))
+    if routed_experts is not None:
+        meta["routed_experts"] = routed_experts
     meta["e2e_latency"] = e2e_latency
     return {"text": text, "output_ids": list(output_ids), "meta_info": meta}
+
+
+def encode_routed_experts(ids: Any) -> str:
+    """`meta_info.routed_experts` as SGLang sends it (0.5.7+, `return_routed_experts`): the base64 of the int32
+    bytes of [prompt_tokens + completion_tokens - 1, num_hidden_layers, top_k] expert ids, C order (every
+    forwarded position: the prompt's and every output token's but the last, which was never fed back)."""
+    return base64.b64encode(np.ascontiguousarray(ids, dtype="<i4").tobytes()).decode("ascii")
+
+
+def decode_routed_experts(meta: Mapping[str, Any]) -> Any:
+    """int32 [positions, num_hidden_layers * top_k] from `meta_info.routed_experts` (None when absent); the row
+    count is prompt_tokens + completion_tokens - 1, as SGLang sends it (a ValueError names a mismatch)."""
+    raw = meta.get("routed_experts")
+    if raw is None:
+        return None
+    if not isinstance(raw, str):
+        raise ValueError(f"meta_info.routed_experts must be a base64 string, got {type(raw).__name__}")
+    flat = np.frombuffer(base64.b64decode(raw), dtype="<i4").astype(np.int32)
+    rows = int(meta.get("prompt_tokens", 0)) + int(meta.get("completion_tokens", 0)) - 1
+    if rows <= 0 or flat.size % rows:
+        raise ValueError(f"meta_info.routed_experts holds {flat.size} ids, not a multiple of prompt_tokens + "
+                         f"completion_tokens - 1 = {rows} positions")
+    return flat.reshape(rows, -1)
 
 
 def _logprob_fields(output_ids: Sequence[int], output_logprobs: Sequence[float],

@@ -60,6 +60,15 @@ class VLLMClient(SGLangClient):
     def _with_rid(body: dict[str, Any], rid: str) -> dict[str, Any]:
         return {**body, "request_id": rid}
 
+    def _with_adapter(self, body: dict[str, Any]) -> dict[str, Any]:
+        """`body` selecting the adapter loaded now by its name as `model` (vLLM's convention), or the base."""
+        if body.get("model") == self.lora_name:
+            return body
+        out = {k: v for k, v in body.items() if k != "model"}
+        if self.lora_name is not None:
+            out["model"] = self.lora_name
+        return out
+
     def _parse_generate(self, reply: Any, return_logprob: bool) -> GenerateResult:
         """The answer mapped onto SGLang's `/generate` answer, then checked by the same parser."""
         endpoint = self.url + self.generate_path

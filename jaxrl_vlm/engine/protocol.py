@@ -30,6 +30,7 @@ from rollout.sglang_wire import (
     RequestError,
     SamplingParams,
     Unsupported,
+    encode_routed_experts,
     generate_response,
     queued_abort_response,
 )
@@ -39,7 +40,7 @@ EMBEDDED_UNSUPPORTED = Unsupported(
     server="the embedded engine",
     request={
         "input_embeds": None, "video_data": None, "audio_data": None, "stream": False, "top_logprobs_num": None,
-        "token_ids_logprob": None, "return_hidden_states": False, "return_routed_experts": False,
+        "token_ids_logprob": None, "return_hidden_states": False,
         "custom_logit_processor": None, "lora_path": None, "lora_id": None,
     },
     sampling={
@@ -81,6 +82,7 @@ class GenerateRequest:
     return_logprob: bool = False
     return_text_in_logprobs: bool = False
     metadata: dict[str, Any] = field(default_factory=dict)
+    return_routed_experts: bool = False  # SGLang's field: answer with meta_info.routed_experts (MoE families)
 
 
 class PromptPreparer:
@@ -147,7 +149,8 @@ class PromptPreparer:
         # Hashing the pixels here keeps it off the scheduler thread.
         images = image_spans(input_ids, pixel_values, grid, self.cfg.image_token_id, self.cfg.vision.spatial_merge_size)
         prompt = PreparedPrompt(input_ids, positions[:, 0], int(deltas[0]), pixel_values, grid, images)
-        return GenerateRequest(raw.rid, prompt, raw.params, raw.return_logprob, raw.return_text_in_logprobs)
+        return GenerateRequest(raw.rid, prompt, raw.params, raw.return_logprob, raw.return_text_in_logprobs,
+                               return_routed_experts=raw.return_routed_experts)
 
 
 @dataclass
@@ -165,6 +168,9 @@ class GenerateOutput:
     error: str | None = None  # an engine failure (HTTP 500), not a finish reason
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     queued: bool = False  # aborted while waiting (never scheduled, or retracted): SGLang's queued-abort answer
+    # return_routed_experts: int32 [prompt_tokens + completion_tokens - 1, num_hidden_layers, top_k] (None: not
+    # asked, or the request holds no pages any more)
+    routed_experts: Any = None
 
 
 def response_body(req: GenerateRequest, out: GenerateOutput, tokenizer: Any) -> dict[str, Any]:
@@ -191,4 +197,5 @@ def response_body(req: GenerateRequest, out: GenerateOutput, tokenizer: Any) -> 
         prompt_tokens=out.prompt_tokens, weight_version=out.weight_version, e2e_latency=out.e2e_latency,
         return_logprob=req.return_logprob, cached_tokens=out.cached_tokens, num_retractions=out.num_retractions,
         token_text=token_text,
+        routed_experts=None if out.routed_experts is None else encode_routed_experts(out.routed_experts),
     )

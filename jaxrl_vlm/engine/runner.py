@@ -25,6 +25,7 @@ from jaxrl_vlm.engine.options import EngineOptions, bucket_for
 from jaxrl_vlm.engine.placement import ReplicaPlacement
 from jaxrl_vlm.engine.sampling import SamplingRows, sample_tokens
 from jaxrl_vlm.engine.weights import load_params_state
+from jaxrl_vlm.models.activation_sharding import activation_sharding
 from jaxrl_vlm.models.config import ModelConfig
 from jaxrl_vlm.models.families import DecodeCache, PolicyModel
 from jaxrl_vlm.models.vision import VisionInputs, build_vision_inputs
@@ -112,6 +113,8 @@ class ModelRunner:
         abstract_cache = jax.eval_shape(new_cache)
         # Rows of recurrent state past the slots: the snapshots the prefix cache keeps (none without such state).
         self.stateful = abstract_cache.state_rows > 0
+        # A mixture-of-experts family's cache keeps each position's routed experts by page (return_routed_experts).
+        self.records_experts = hasattr(abstract_cache, "routed_experts")
         self.snapshot_rows = max(0, abstract_cache.state_rows - config.max_batch)
         # Each array of the family's cache in the sharding its logical axes say (pages split by kv heads).
         self._cache_sharding = self.placement.cache(abstract_cache)
@@ -129,10 +132,12 @@ class ModelRunner:
         self.banned_ids = tuple(int(t) for t in np.flatnonzero(banned))
         banned_v = jnp.asarray(banned)
         graphdef = self._graphdef
+        layout = self.placement.activations  # None but with expert parallelism (--ep-size)
 
         def prefill_program(params, cache, bias, slot, table, start, tokens, positions, length, vision, bias_row, ints, floats):
             model = nnx.merge(graphdef, params)
-            cache, logits = forward.prefill(model, cache, slot, table, start, tokens, positions, length, vision)
+            with activation_sharding(layout):
+                cache, logits = forward.prefill(model, cache, slot, table, start, tokens, positions, length, vision)
             bias = bias.at[slot].set(bias_row)
             # Always the filtered sampler: sorting one row is cheap next to a prefill, and it halves the programs.
             ids, lps = sample_tokens(logits[None], bias_row[None], banned_v, _rows(ints, floats), filtered=True)
@@ -140,8 +145,9 @@ class ModelRunner:
 
         def decode_program(params, cache, bias, slots, tables, ints, floats, *, filtered):
             model = nnx.merge(graphdef, params)
-            cache, logits = forward.decode(model, cache, slots, tables, ints[IntRow.TOKEN], ints[IntRow.LENGTH],
-                                           ints[IntRow.ROPE_DELTA])
+            with activation_sharding(layout):
+                cache, logits = forward.decode(model, cache, slots, tables, ints[IntRow.TOKEN], ints[IntRow.LENGTH],
+                                               ints[IntRow.ROPE_DELTA])
             ids, lps = sample_tokens(logits, bias[slots], banned_v, _rows(ints, floats), filtered=filtered)
             return cache, ids, lps
 
@@ -261,6 +267,16 @@ class ModelRunner:
         )
         tok, lp = jax.device_get((tok, lp))
         return int(tok), float(lp)
+
+    def routed_experts(self, pages: Sequence[int], n: int) -> np.ndarray:
+        """int32 [n, num_hidden_layers, top_k]: the experts positions [0, n) of the request with page table
+        `pages` were routed to (SGLang's `routed_experts`; -1 in dense layers). Only for `records_experts`."""
+        if not self.records_experts:
+            raise ValueError(f"{type(self.cfg).__name__} has no routed experts to return")
+        if n <= 0:
+            return np.zeros((0, self.cfg.text.num_hidden_layers, self.cfg.text.num_experts_per_tok), np.int32)
+        pages = np.asarray(pages[: -(-n // self.config.page_size)], np.int32)
+        return np.asarray(jax.device_get(self.cache.routed_experts(pages, n)))
 
     def copy_page(self, src: int, dst: int) -> None:
         """Copy the K/V of page `src` into page `dst` (a reused, partly shared last page)."""

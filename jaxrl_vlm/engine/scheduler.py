@@ -631,6 +631,11 @@ class Scheduler:
 
     def _finish(self, seq: ActiveRequest, reason: FinishReason | None, error: str | None = None,
                 queued: bool = False) -> None:
+        routed = None
+        if seq.request.return_routed_experts and seq.pages and error is None:
+            # Every forwarded position, read before the pages go: the prompt and all output tokens but the last.
+            n = seq.request.prompt.num_tokens + len(seq.output_ids) - 1
+            routed = self.runner.routed_experts(seq.pages, n)
         if seq.slot is not None:
             if self._running.get(seq.slot) is seq:
                 del self._running[seq.slot]
@@ -651,6 +656,7 @@ class Scheduler:
             cached_tokens=seq.cached_tokens,
             error=error,
             queued=queued,
+            routed_experts=routed,
         )
         try:
             seq.on_finish(out)

@@ -188,6 +188,10 @@ async def generate(request: web.Request) -> web.Response:
         # Tokenizing and image preprocessing are CPU work: keep them off the event loop.
         prepared = await asyncio.gather(*(loop.run_in_executor(executor, engine.preparer.prepare, r) for r in raws))
         for req in prepared:
+            if req.return_routed_experts and not engine.runner.records_experts:
+                raise RequestError(f"return_routed_experts: the embedded engine records no routed experts for "
+                                   f"{engine.cfg.model_type} (a dense model: only the mixture-of-experts families, "
+                                   "qwen3_vl_moe and qwen3_5_moe, route tokens to experts)")
             if req.prompt.num_tokens >= engine.config.max_seq_len:
                 raise RequestError(
                     f"The input ({req.prompt.num_tokens} tokens, image pads expanded) is longer than the model's "

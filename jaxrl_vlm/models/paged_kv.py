@@ -109,21 +109,28 @@ def _decoder(
     read: Callable[[jax.Array, int], jax.Array],
     deepstack: Sequence[jax.Array] = (),
     image_slots: jax.Array | None = None,
-) -> tuple[KVCache, jax.Array]:
+) -> tuple[KVCache, jax.Array, list[jax.Array]]:
     """The decoder layers against the cache, shared by prefill and decode: per layer, project,
     `write(cache_part, layer, new)` the new K (and V), attend to `read(cache_part, layer)` under
-    `mask`, MLP, and add deepstack features after the first layers. Returns the cache and the
-    final-normed hidden states."""
+    `mask`, MLP, and add deepstack features after the first layers. Returns the cache, the
+    final-normed hidden states and the top-k expert ids [B, T, k] of each routed MoE layer (a layer with
+    `sparse` set, in layer order; none for a dense decoder)."""
     k_all, v_all = cache.k, cache.v
+    routed: list[jax.Array] = []
     for i, layer in enumerate(model.layers):
         q, k, v = layer.attn.project(layer.input_norm(x), cos, sin)
         k_all, v_all = write(k_all, i, k.astype(k_all.dtype)), write(v_all, i, v.astype(v_all.dtype))
         keys, values = read(k_all, i).astype(q.dtype), read(v_all, i).astype(q.dtype)
         x = x + layer.attn.output(attention(q, keys, values, mask, layer.attn.scale))
-        x = x + layer.mlp(layer.post_attn_norm(x))
+        if getattr(layer, "sparse", False):
+            y, routing = layer.mlp.forward(layer.post_attn_norm(x))
+            routed.append(routing.topk_ids)
+            x = x + y
+        else:
+            x = x + layer.mlp(layer.post_attn_norm(x))
         if i < len(deepstack):
             x = add_at_slots(x, image_slots, deepstack[i])
-    return KVCache(k_all, v_all), model.final_norm(x)
+    return KVCache(k_all, v_all), model.final_norm(x), routed
 
 
 def prefill(
@@ -137,6 +144,21 @@ def prefill(
     length: jax.Array,
     vision: Any,
 ) -> tuple[KVCache, jax.Array]:
+    """`prefill_routed` without the expert ids."""
+    return prefill_routed(model, cache, slot, table_p, start, tokens_1t, positions_31t, length, vision)[:2]
+
+
+def prefill_routed(
+    model: VisionLanguageDecoder,
+    cache: KVCache,
+    slot: jax.Array,
+    table_p: jax.Array,
+    start: jax.Array,
+    tokens_1t: jax.Array,
+    positions_31t: jax.Array,
+    length: jax.Array,
+    vision: Any,
+) -> tuple[KVCache, jax.Array, list[jax.Array]]:
     """Run prompt tokens [start, start + T) (padded to a bucket of T) and store their K/V at those
     positions of the request whose page table is `table_p` int32 [P] (padded with num_pages; its
     width bounds the attended cache: start + length <= P * page_size); they attend to its cached
@@ -148,7 +170,8 @@ def prefill(
     positions_31t int32 [3, 1, T] (the full prompt's M-RoPE ids, sliced), length int32 scalar (real
     tokens in tokens_1t), vision: the images inside these T tokens only (its `image_token_index`
     indexes the flattened [1 * T] tokens) or None.
-    Returns the updated cache and the fp32 logits [V] at the last real token.
+    Returns the updated cache, the fp32 logits [V] at the last real token and each routed MoE layer's top-k
+    expert ids [1, T, k] (`_decoder`).
 
     Padding tokens write K/V beyond start + length, into the request's own last page or nowhere (a
     table entry of num_pages); decode overwrites position start + length before it is ever attended
@@ -168,9 +191,9 @@ def prefill(
     def read(part: jax.Array, i: int) -> jax.Array:
         return gather_pages(part, i, table_p[None])
 
-    cache, hidden = _decoder(model, cache, x, cos, sin, mask, write, read, deepstack, image_slots)
+    cache, hidden, routed = _decoder(model, cache, x, cos, sin, mask, write, read, deepstack, image_slots)
     last = jax.lax.dynamic_slice_in_dim(hidden[0], length - 1, 1, axis=0)
-    return cache, _logits(model, last)[0]
+    return cache, _logits(model, last)[0], routed
 
 
 def decode(
@@ -182,6 +205,19 @@ def decode(
     lengths_b: jax.Array,
     rope_deltas_b: jax.Array,
 ) -> tuple[KVCache, jax.Array]:
+    """`decode_routed` without the expert ids."""
+    return decode_routed(model, cache, slots_b, tables_bp, tokens_b, lengths_b, rope_deltas_b)[:2]
+
+
+def decode_routed(
+    model: VisionLanguageDecoder,
+    cache: KVCache,
+    slots_b: jax.Array,
+    tables_bp: jax.Array,
+    tokens_b: jax.Array,
+    lengths_b: jax.Array,
+    rope_deltas_b: jax.Array,
+) -> tuple[KVCache, jax.Array, list[jax.Array]]:
     """One decode step: feed each row its last token, append its K/V, return logits.
 
     slots_b int32 [B]: the rows' running slots (unused: no per-request state outside the pages);
@@ -191,7 +227,7 @@ def decode(
     rope_deltas_b int32 [B]. Padding rows carry a table of num_pages only: their K/V writes are
     dropped, so no page but the rows' own is ever written (shared and cached pages stay intact),
     and their logits are discarded.
-    Returns the updated cache and fp32 logits [B, V].
+    Returns the updated cache, fp32 logits [B, V] and each routed MoE layer's top-k expert ids [B, 1, k].
     """
     b = tokens_b.shape[0]
     num_pages, page_size = cache.k.shape[1], cache.k.shape[2]
@@ -208,5 +244,5 @@ def decode(
     def read(part: jax.Array, i: int) -> jax.Array:
         return gather_pages(part, i, tables_bp)
 
-    cache, hidden = _decoder(model, cache, x, cos, sin, mask, write, read)
-    return cache, _logits(model, hidden[:, 0])
+    cache, hidden, routed = _decoder(model, cache, x, cos, sin, mask, write, read)
+    return cache, _logits(model, hidden[:, 0]), routed

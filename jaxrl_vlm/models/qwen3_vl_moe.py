@@ -20,7 +20,7 @@ transposes them at load time; so does our reader (`Link.stored_layouts`).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -41,9 +41,11 @@ from jaxrl_vlm.models.layers import (
     VisionLanguageDecoder,
     add_at_slots,
     mrope_cos_sin,
+    remat_runner,
     text_mask,
 )
 from jaxrl_vlm.models.moe import Routing, SparseMoE
+from jaxrl_vlm.models.remat import RematPlan
 
 
 class MoeDecoderLayer(nnx.Module):
@@ -80,7 +82,6 @@ def run_moe_layer(layer: MoeDecoderLayer, x: jax.Array, cos: jax.Array, sin: jax
     return layer.forward(x, cos, sin, mask, forced)
 
 
-run_moe_layer_remat = nnx.remat(run_moe_layer)
 
 
 class Qwen3VLMoe(VisionLanguageDecoder):
@@ -96,11 +97,12 @@ class Qwen3VLMoe(VisionLanguageDecoder):
         rngs: nnx.Rngs,
         param_dtype: jnp.dtype = jnp.float32,
         compute_dtype: jnp.dtype = jnp.float32,
-        remat: bool = False,
+        remat: bool | str | RematPlan = False,
         attention_impl: str = "xla",
         patch_attention_block: int | None = None,
     ):
-        """remat, attention_impl and patch_attention_block as for `Qwen3VL`."""
+        """remat, attention_impl and patch_attention_block as for `Qwen3VL`; sparse layers run under the remat
+        plan's `moe` policy, the dense ones under `full_attention`."""
         super().__init__(cfg, LearnedPositionVisionTower, rngs=rngs, param_dtype=param_dtype,
                          compute_dtype=compute_dtype, remat=remat, attention_impl=attention_impl,
                          patch_attention_block=patch_attention_block,
@@ -120,10 +122,10 @@ class Qwen3VLMoe(VisionLanguageDecoder):
         x, deepstack, slots = self.embed_inputs(tokens, vision)
         cos, sin = mrope_cos_sin(positions, self.cfg, self.compute_dtype)
         mask = text_mask(segment_ids, self.attention_impl)
-        run = run_moe_layer_remat if self.remat else run_moe_layer
         routings: list[Routing] = []
         for i, layer in enumerate(self.layers):
             forced = None if routed_experts is None or not layer.sparse else routed_experts[len(routings)]
+            run = remat_runner(run_moe_layer, self.remat.moe if layer.sparse else self.remat.full_attention)
             x, routing = run(layer, x, cos, sin, mask, forced)
             if routing is not None:
                 routings.append(routing)
@@ -197,11 +199,89 @@ def init_std(path: tuple[Any, ...], shape: tuple[int, ...], cfg: Qwen3VLMoeConfi
     raise ValueError(f"no init rule for qwen3_vl_moe parameter {'.'.join(map(str, path))} {shape}")
 
 
+# ----------------------------------------------------------------------------- engine: paged K/V + routed experts
+
+
+class MoeKVCache(NamedTuple):
+    """`paged_kv.KVCache` plus the experts each cached position was routed to: experts int32 [num_pages,
+    page_size, num_hidden_layers, k] (-1 in dense layers). Stored by page like the K/V, as SGLang keeps them by KV
+    slot: a reused prefix brings the routing its first request computed, and copy-on-write copies it."""
+
+    k: jax.Array
+    v: jax.Array
+    experts: jax.Array
+
+    @property
+    def num_pages(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def page_size(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def state_rows(self) -> int:
+        return 0
+
+    def copy_page(self, src: jax.Array, dst: jax.Array) -> "MoeKVCache":
+        kv = paged_kv.KVCache(self.k, self.v).copy_page(src, dst)
+        return MoeKVCache(kv.k, kv.v, self.experts.at[dst].set(self.experts[src]))
+
+    def copy_state(self, src: jax.Array, dst: jax.Array) -> "MoeKVCache":
+        return self
+
+    def logical_axes(self) -> "MoeKVCache":
+        return MoeKVCache(paged_kv.KV_LOGICAL_AXES, paged_kv.KV_LOGICAL_AXES, (None, None, None, None))
+
+    def routed_experts(self, pages: jax.Array, n: int) -> jax.Array:
+        """int32 [n, num_hidden_layers, k]: the experts of positions [0, n) of the request with page table
+        `pages` [P] (SGLang's `routed_experts` layout)."""
+        rows = self.experts[pages]
+        return rows.reshape(-1, *rows.shape[2:])[:n]
+
+
+def init_cache(cfg: Qwen3VLMoeConfig, num_pages: int, page_size: int, max_slots: int, dtype: jnp.dtype) -> MoeKVCache:
+    kv = paged_kv.init_cache(cfg, num_pages, page_size, max_slots, dtype)
+    shape = (num_pages, page_size, cfg.text.num_hidden_layers, cfg.text.num_experts_per_tok)
+    return MoeKVCache(kv.k, kv.v, jnp.full(shape, -1, jnp.int32))
+
+
+def _store(cache: MoeKVCache, kv: paged_kv.KVCache, routed: list[jax.Array], sparse: tuple[int, ...], page: jax.Array,
+           row: jax.Array) -> MoeKVCache:
+    """The new K/V, with the sparse layers' ids [N, k] of the positions at (page, row) [N] written where their
+    K/V went (writes to page num_pages are dropped)."""
+    if not routed:
+        return MoeKVCache(kv.k, kv.v, cache.experts)
+    ids = jnp.stack([r.reshape(-1, r.shape[-1]) for r in routed], axis=1)  # [N, L_sparse, k]
+    layers = jnp.asarray(sparse, jnp.int32)
+    experts = cache.experts.at[page[:, None], row[:, None], layers[None, :]].set(ids, mode="drop")
+    return MoeKVCache(kv.k, kv.v, experts)
+
+
+def prefill(model: Qwen3VLMoe, cache: MoeKVCache, slot: jax.Array, table_p: jax.Array, start: jax.Array,
+            tokens_1t: jax.Array, positions_31t: jax.Array, length: jax.Array, vision: Any) -> tuple[MoeKVCache, jax.Array]:
+    """`paged_kv.prefill`, recording each prompt position's experts next to its K/V."""
+    kv, logits, routed = paged_kv.prefill_routed(model, paged_kv.KVCache(cache.k, cache.v), slot, table_p, start,
+                                                 tokens_1t, positions_31t, length, vision)
+    t = tokens_1t.shape[1]
+    page, row = paged_kv.page_slots(table_p, start + jnp.arange(t), cache.page_size, cache.num_pages)
+    return _store(cache, kv, routed, model.cfg.text.sparse_layers, page, row), logits
+
+
+def decode(model: Qwen3VLMoe, cache: MoeKVCache, slots_b: jax.Array, tables_bp: jax.Array, tokens_b: jax.Array,
+           lengths_b: jax.Array, rope_deltas_b: jax.Array) -> tuple[MoeKVCache, jax.Array]:
+    """`paged_kv.decode`, recording the experts of each row's input token (position lengths_b)."""
+    kv, logits, routed = paged_kv.decode_routed(model, paged_kv.KVCache(cache.k, cache.v), slots_b, tables_bp,
+                                                tokens_b, lengths_b, rope_deltas_b)
+    page, row = paged_kv.page_slots(tables_bp, lengths_b[:, None], cache.page_size, cache.num_pages)
+    return _store(cache, kv, routed, model.cfg.text.sparse_layers, page[:, 0], row[:, 0]), logits
+
+
 FAMILY_MODEL = FamilyModel(
     model_class=Qwen3VLMoe,
     weight_links=weight_links,
-    init_cache=paged_kv.init_cache,
-    prefill=paged_kv.prefill,
-    decode=paged_kv.decode,
+    init_cache=init_cache,
+    prefill=prefill,
+    decode=decode,
     init_std=init_std,
 )

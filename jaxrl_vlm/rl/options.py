@@ -34,3 +34,10 @@ class LossOptions:
     kl_loss_coef: float = opt(0.0, "Coefficient of the KL loss term.", ge=0.0)
     kl_loss_type: str = opt("k1", "KL estimator of the KL loss (slime's default k1).", choices=KL_ESTIMATORS)
     entropy_coef: float = opt(0.0, "Entropy bonus coefficient.", ge=0.0)
+    # Mixture-of-experts families only (a dense model has no router: these cost nothing there).
+    router_aux_loss_coef: float = opt(
+        0.0, "MoE: coefficient of the router load-balancing loss (transformers' load_balancing_loss_func over every "
+        "sparse layer's real tokens) added to the policy loss.", ge=0.0)
+    router_z_loss_coef: float = opt(
+        0.0, "MoE: coefficient of the router z-loss (ST-MoE): mean over sparse layers and real tokens of "
+        "logsumexp(router logits)^2, added to the policy loss.", ge=0.0)

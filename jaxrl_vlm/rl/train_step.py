@@ -11,6 +11,10 @@ One `jax.jit` per batch shape, with explicit in/out shardings on the configured 
 * old log-probs: with one optimizer step per rollout they are the current policy's own (detached) log-probs,
   as slime does, so the ratio is exactly 1; with several steps they are computed once before the first step
   (`compute_logprobs`) and passed in;
+* a mixture-of-experts family adds its router terms (`rl/router_losses.py`: --router-aux-loss-coef,
+  --router-z-loss-coef, over real tokens) to the loss and logs per-layer expert load as `moe/...`; a batch with
+  `routed_experts` (--use-rollout-routing-replay) routes every forward (old, reference, current) with the engine's
+  expert ids; a dense family computes and logs none of it;
 * a non-finite loss or gradient (norm) skips the update (params and optimizer state unchanged) and is reported in
   the metrics (`train/skipped_nonfinite`), never written into the weights.
 """
@@ -31,7 +35,8 @@ from jaxrl_vlm.models.activation_sharding import ActivationLayout, activation_sh
 from jaxrl_vlm.models.families import PolicyModel
 from jaxrl_vlm.models.layers import token_logprobs
 from jaxrl_vlm.rl.losses import LossConfig, LossFn, LossInputs, select_loss
-from jaxrl_vlm.rl.metrics import accumulate_metrics, finalize_metrics, init_metrics
+from jaxrl_vlm.rl.metrics import Metric, accumulate_metrics, finalize_metrics, init_metrics
+from jaxrl_vlm.rl.router_losses import load_metrics, router_terms
 
 
 class TrainState(NamedTuple):
@@ -90,15 +95,39 @@ def _micro(tree: Any, k: jax.Array | int) -> Any:
     return jax.tree.map(lambda x: x[k], tree)
 
 
+def routes_experts(model: PolicyModel) -> bool:
+    """True for a mixture-of-experts family: its text config lists `sparse_layers` and its model has
+    `forward(tokens, positions, segment_ids, vision, routed_experts) -> (hidden, Routing | None)`."""
+    return bool(getattr(model.cfg.text, "sparse_layers", ()))
+
+
+def replay_ids(mb: Any) -> jax.Array | None:
+    """The micro-batch's engine top-k ids [L_sparse, R, T, k] for routing replay (-1: the trainer routes that
+    token itself), or None when the batch carries none."""
+    routed = getattr(mb, "routed_experts", None)
+    return None if routed is None else jnp.moveaxis(routed, 2, 0)
+
+
+def policy_forward(model: PolicyModel, mb: Any) -> tuple[jax.Array, Any]:
+    """(hidden [R, T, D], `moe.Routing` [L_sparse, R, T, ...] or None for a dense family) of one micro-batch; an
+    MoE family replays `mb.routed_experts` when the batch carries them."""
+    if not routes_experts(model):
+        return model(mb.tokens, mb.positions, mb.segment_ids, mb.vision), None
+    return model.forward(mb.tokens, mb.positions, mb.segment_ids, mb.vision, replay_ids(mb))
+
+
 def policy_logprobs(
-    graphdef: nnx.GraphDef, params: Any, mb: Any, *, chunk_size: int, need_entropy: bool, temperature: float = 1.0
+    graphdef: nnx.GraphDef, params: Any, mb: Any, *, chunk_size: int, need_entropy: bool, temperature: float = 1.0,
+    with_routing: bool = False,
 ):
-    """Per-token log-probs (and entropy) of `mb.targets` under `params` at `temperature`, one micro-batch [R, T]."""
+    """Per-token log-probs (and entropy) of `mb.targets` under `params` at `temperature`, one micro-batch [R, T];
+    with `with_routing` also the routing (None for a dense family) as a third value."""
     model: PolicyModel = nnx.merge(graphdef, params)
-    hidden = model(mb.tokens, mb.positions, mb.segment_ids, mb.vision)
-    return token_logprobs(
+    hidden, routing = policy_forward(model, mb)
+    lp, ent = token_logprobs(
         model, hidden, mb.targets, chunk_size=chunk_size, return_entropy=need_entropy, temperature=temperature
     )
+    return (lp, ent, routing) if with_routing else (lp, ent)
 
 
 def _loss_inputs(mb: Any, logprobs, entropy, old, ref) -> LossInputs:
@@ -131,6 +160,10 @@ def train_step(
         return _train_step(graphdef, tx, cfg, state, batch, old_logprobs, ref_logprobs, frozen)
 
 
+_LOAD = "moe/_load"  # the [L_sparse, E] token counts, summed over micro-batches, turned into `load_metrics`
+_DROPPED = "moe/_dropped"
+
+
 def step_loss(cfg: StepConfig) -> LossFn:
     """The loss the step trains: the `LOSS_TYPES` entry of `cfg.loss_type`."""
     return select_loss(cfg.loss_type, cfg.policy_loss, cfg.custom_loss_path)
@@ -139,24 +172,36 @@ def step_loss(cfg: StepConfig) -> LossFn:
 def _train_step(graphdef, tx, cfg: StepConfig, state: TrainState, batch, old_logprobs, ref_logprobs, frozen=None):
     loss_fn = step_loss(cfg)
     num_micro = batch.tokens.shape[0]
+    # MoE: the batch's real tokens, to weight each micro-batch's router terms by its share.
+    real_total = jnp.maximum(jnp.sum(batch.segment_ids > 0), 1).astype(jnp.float32)
+
+    # The step's randomness (LoRA's rank dropout) comes from `state.rng`, which the step advances: each call draws
+    # fresh masks (also the retry of a skipped step), and a resumed run, which restores `rng`, draws the same ones.
+    step_key, next_rng = jax.random.split(jax.random.wrap_key_data(state.rng))
 
     def policy(params, k):
         """The parameter state the model runs with: `params`, or the base adapted by them (rank dropout drawn per
         optimizer step and micro-batch)."""
         if cfg.lora is None:
             return params
-        key = jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step), k)
-        return merged_params(frozen, with_rank_dropout(params, cfg.lora, key), cfg.lora)
+        return merged_params(frozen, with_rank_dropout(params, cfg.lora, jax.random.fold_in(step_key, k)), cfg.lora)
 
     def micro_loss(params, k):
         mb = _micro(batch, k)
-        lp, ent = policy_logprobs(
+        lp, ent, routing = policy_logprobs(
             graphdef, policy(params, k), mb, chunk_size=cfg.logprob_chunk_size, need_entropy=cfg.need_entropy,
-            temperature=cfg.temperature,
+            temperature=cfg.temperature, with_routing=True,
         )
         old = jax.lax.stop_gradient(lp) if cfg.old_from_current else old_logprobs[k]
         ref = None if ref_logprobs is None else ref_logprobs[k]
         loss, metrics = loss_fn(_loss_inputs(mb, lp, ent, old, ref), cfg.loss)
+        if routing is not None:  # an MoE family: router losses and expert load (a dense one pays nothing)
+            valid = mb.segment_ids > 0
+            terms = router_terms(routing, valid, jnp.sum(valid) / real_total, top_k=routing.topk_ids.shape[-1],
+                                 aux_coef=cfg.loss.router_aux_loss_coef, z_coef=cfg.loss.router_z_loss_coef)
+            loss = loss + terms.loss
+            metrics = {**metrics, "moe/aux_loss": Metric.sum(terms.aux_loss), "moe/z_loss": Metric.sum(terms.z_loss),
+                       _LOAD: Metric.sum(terms.load), _DROPPED: Metric.sum(terms.dropped)}
         return loss, metrics
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
@@ -186,10 +231,13 @@ def _train_step(graphdef, tx, cfg: StepConfig, state: TrainState, batch, old_log
         params=keep(new_params, state.params),
         opt_state=keep(new_opt_state, state.opt_state),
         step=state.step + finite.astype(jnp.int32),
-        rng=state.rng,
+        rng=jax.random.key_data(next_rng),
     )
     metrics = finalize_metrics(metrics_acc)
-    metrics = {f"train/{k}": v for k, v in metrics.items()}
+    load, dropped = metrics.pop(_LOAD, None), metrics.pop(_DROPPED, None)
+    metrics = {k if k.startswith("moe/") else f"train/{k}": v for k, v in metrics.items()}
+    if load is not None:
+        metrics.update(load_metrics(load, dropped))
     metrics["train/loss_total"] = loss
     metrics["train/grad_norm"] = grad_norm
     metrics["train/skipped_nonfinite"] = 1.0 - finite.astype(jnp.float32)
