@@ -191,6 +191,17 @@ def _cmd_untie_embeddings(ns: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
+def _cmd_export_lora(ns: argparse.Namespace, rest: list[str]) -> int:
+    config_path, overrides = split_config_argv(rest)
+    cfg = load_config(config_path, overrides)
+    from jaxrl_vlm.job.export_lora import export_checkpoint  # jax only for this command
+
+    done = export_checkpoint(cfg, ns.checkpoint, ns.out, step=ns.step, merged=not ns.no_merged)
+    merged = f"; merged model -> {done.merged}" if done.merged is not None else ""
+    print(f"step {done.step}: PEFT adapter -> {done.adapter}{merged}")
+    return 0
+
+
 def _cmd_make_tiny(ns: argparse.Namespace, rest: list[str]) -> int:
     if rest:
         raise ConfigError(f"make-tiny: unexpected arguments {rest}")
@@ -378,6 +389,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("src", help="HF checkpoint directory.")
     p.add_argument("out", help="Output directory.")
     p.set_defaults(func=_cmd_untie_embeddings)
+
+    p = sub.add_parser("export-lora", help="Write a LoRA run's checkpoint as a PEFT adapter directory (OUT/adapter) "
+                       "and the merged HF model (OUT/merged).")
+    p.usage = "jaxrl-vlm export-lora CONFIG.yaml [--checkpoint DIR] [--out DIR] [--step N] [--no-merged] [--flag value ...]"
+    p.add_argument("--checkpoint", default=None, help="The run's checkpoint directory (default OUTPUT_DIR/checkpoints).")
+    p.add_argument("--out", default=None, help="Output directory: adapter/ and merged/ under it (default OUTPUT_DIR/export).")
+    p.add_argument("--step", type=int, default=None, help="Checkpoint step (default: the latest complete one).")
+    p.add_argument("--no-merged", action="store_true", help="Write the adapter directory only.")
+    p.set_defaults(func=_cmd_export_lora)
 
     p = sub.add_parser("dump-shardings", help="Print/write each mesh layout's parameter and input shardings as JSON.")
     p.usage = (

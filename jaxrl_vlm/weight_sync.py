@@ -21,8 +21,15 @@ set. The weights are rounded through the sync dtype first, so both paths serve t
 
 LoRA (a model from `Trainer.policy_model` carries its adapters, `lora.adapters.adapters_of`): in memory only the
 adapters move; the engine merges them into the base it keeps (read once from `copy_from`, the run's base checkpoint)
-on its own devices (`engine.weights.merge_adapters`). `sync/gbytes` is then the adapters' bytes in the sync dtype.
-An engine reached over HTTP is sent the merged model (it is not asked to serve adapters).
+on its own devices (`engine.weights.merge_adapters`). An engine reached over HTTP (SGLang, vLLM) serves the adapters
+itself: each version is written as a PEFT adapter directory (`lora_v000012/`, atomically), and the same pause ->
+flush -> update -> continue sequence loads it under a name of its own (`policy_v000012`: a new name per version, so
+no prefix cached under an older adapter is reused), labels the worker's weights with the version
+(`/update_weight_version`, which `confirm` and every sample's `weight_version` then read as for a full sync), and
+makes every later request select it; the previous adapter is unloaded. `sync/gbytes` is then the adapters' bytes
+(in memory, in the sync dtype; on disk, the directory's). Merged into the base instead, and sent whole (`sync/
+adapters_only` 0): with `--lora-sync merged`, and for adapters SGLang's and vLLM's LoRA serving does not cover
+(`serves_adapters`: the vision tower, `--lora-modules-to-save`).
 
 Multi-host: every process calls `push` (gathering a sharded parameter is a collective); only process 0
 writes files and talks to the engines.
@@ -44,7 +51,8 @@ from flax import nnx
 
 from jaxrl_vlm.distributed import barrier, export_hf, is_main_process
 from jaxrl_vlm.engine.weights import load_params_state, merge_adapters
-from jaxrl_vlm.lora.adapters import adapter_nbytes, adapters_of
+from jaxrl_vlm.lora.adapters import PolicyAdapters, adapter_nbytes, adapters_of
+from jaxrl_vlm.lora.export import save_peft_adapter
 from rollout.client import EngineError, SGLangClient, WeightSyncError
 from rollout.engine_link import MAX_OUTAGES_PER_REQUEST, EngineLost, LinkState
 from rollout.sglang_wire import IN_MEMORY_LOAD_FORMAT
@@ -52,6 +60,18 @@ from rollout.sglang_wire import IN_MEMORY_LOAD_FORMAT
 logger = logging.getLogger(__name__)
 
 VERSION_PREFIX = "weights_v"
+ADAPTER_PREFIX = "lora_v"  # a LoRA version for an engine over HTTP: a PEFT adapter directory
+
+
+def adapter_name(version: int) -> str:
+    """The name a LoRA version is loaded under in SGLang / vLLM (and selected by per request)."""
+    return f"policy_v{version:06d}"
+
+
+def serves_adapters(lora: PolicyAdapters) -> bool:
+    """Whether SGLang's and vLLM's LoRA serving covers these adapters: linear layers of the language model only (no
+    vision-tower adapters, no fully trained modules_to_save, which neither engine applies)."""
+    return not lora.setup.saved and not any(site.vision for site in lora.setup.sites)
 
 
 class WeightSyncFailed(RuntimeError):
@@ -70,7 +90,7 @@ class SyncReport:
     attempts: int
     errors: list[str] = field(default_factory=list)
     in_memory: bool = False  # staged in the in-process engine under `path.name`, not written to disk
-    adapters_only: bool = False  # LoRA: only the adapters moved (`bytes_written` counts them), merged by the engine
+    adapters_only: bool = False  # LoRA: only the adapters moved (`bytes_written` counts them)
 
     def metrics(self) -> dict[str, float]:
         """The step metrics of this version's publication: export seconds, gigabytes written, in memory (0/1)."""
@@ -130,10 +150,14 @@ class WeightSyncer:
         flush_poll_s: float = 1.0,
         mode: str = "disk",
         untie_embeddings: bool = False,
+        lora_sync: str = "auto",
     ):
         if mode not in ("auto", "disk", "memory"):
             raise ValueError(f"weight sync mode must be auto, disk or memory, got {mode!r}")
+        if lora_sync not in ("auto", "merged"):
+            raise ValueError(f"lora_sync must be auto or merged, got {lora_sync!r}")
         self.mode = mode
+        self.lora_sync = lora_sync
         self.client = client
         # Versions carry an explicit LM head (models.hf_io.to_hf): set for a launched vLLM, and whenever the attached
         # client's engine needs it (`needs_untied_export`).
@@ -175,9 +199,9 @@ class WeightSyncer:
         on meanwhile), or stage it in the in-process engine's memory; `load` then makes the engines take it."""
         t0 = time.perf_counter()
         engine = self.memory_engine()
+        lora = adapters_of(model) if self.lora_sync == "auto" else None
         if engine is not None:
             name = version_dir(Path(), version).name
-            lora = adapters_of(model)
             if lora is not None:
                 merged = merge_adapters(self._engine_base(engine), lora.adapters, lora.setup, via_dtype=self.dtype)
                 engine.stage_weights(name, merged)
@@ -187,13 +211,22 @@ class WeightSyncer:
             engine.stage_weights(name, nnx.state(model, nnx.Param), via_dtype=self.dtype)
             return SyncReport(version=version, path=Path(name), export_s=time.perf_counter() - t0, sync_s=0.0,
                               bytes_written=0, attempts=0, in_memory=True)
+        main = jax.process_index() == 0
+        if self.client is not None and self.http_adapters(lora):
+            path = save_peft_adapter(lora.setup, lora.adapters, self.root / f"{ADAPTER_PREFIX}{version:06d}",
+                                     dtype=self.dtype, base_model=self.copy_from)
+            return SyncReport(version=version, path=path, export_s=time.perf_counter() - t0, sync_s=0.0,
+                              bytes_written=_dir_bytes(path) if main else 0, attempts=0, adapters_only=True)
         untie = self.untie_embeddings or bool(getattr(self.client, "needs_untied_export", False))
         path = export_version(model, self.root, version, dtype=self.dtype, copy_from=self.copy_from,
                               untie_embeddings=untie)
         export_s = time.perf_counter() - t0
-        main = jax.process_index() == 0
         return SyncReport(version=version, path=path, export_s=export_s, sync_s=0.0,
                           bytes_written=_dir_bytes(path) if main else 0, attempts=0)
+
+    def http_adapters(self, lora: PolicyAdapters | None) -> bool:
+        """Whether an engine over HTTP is sent these adapters (not the merged model): it must then hold the base."""
+        return lora is not None and self.lora_sync == "auto" and serves_adapters(lora)
 
     def _engine_base(self, engine: Any) -> Any:
         """The base parameters the adapters are merged into, in the first replica's shardings (`stage_weights` copies
@@ -241,10 +274,16 @@ class WeightSyncer:
                 "stopping rather than training on rollouts of other weights")
 
     async def _push(self, report: SyncReport) -> None:
+        if report.in_memory:
+            how = {"load_format": IN_MEMORY_LOAD_FORMAT}
+        elif report.adapters_only:  # a PEFT adapter directory, loaded under this version's adapter name
+            how = {"lora_name": adapter_name(report.version)}
+        else:
+            how = {}
         async with self._engine_ops:
             await self.client.sync_weights_from_disk(
                 str(report.path), str(report.version), flush_timeout_s=self.flush_timeout_s,
-                flush_poll_s=self.flush_poll_s, **({"load_format": IN_MEMORY_LOAD_FORMAT} if report.in_memory else {}))
+                flush_poll_s=self.flush_poll_s, **how)
 
     async def _sync(self, report: SyncReport) -> None:
         link = self.client.link
@@ -299,7 +338,9 @@ class WeightSyncer:
 
     def _delete_old_versions(self, keep: int) -> None:
         """Remove versions older than the newest `keep_versions` ones (only ever after a successful sync)."""
-        versions = sorted(p for p in self.root.glob(f"{VERSION_PREFIX}*") if p.is_dir() and not p.name.endswith(".partial"))
-        for path in versions[: -self.keep_versions]:
-            if path.name != version_dir(self.root, keep).name:
-                shutil.rmtree(path, ignore_errors=False)
+        current = {version_dir(self.root, keep).name, f"{ADAPTER_PREFIX}{keep:06d}"}
+        for prefix in (VERSION_PREFIX, ADAPTER_PREFIX):
+            versions = sorted(p for p in self.root.glob(f"{prefix}*") if p.is_dir() and not p.name.endswith(".partial"))
+            for path in versions[: -self.keep_versions]:
+                if path.name not in current:
+                    shutil.rmtree(path, ignore_errors=False)

@@ -1,10 +1,10 @@
 """LoRA in the learner: only the adapters train and have optimizer state, the base stays frozen in the compute dtype,
 the reference policy is the base itself (no copy), every mesh layout shards the adapters like their kernels (goldens),
-and an orbax checkpoint restores adapters and optimizer state bit for bit."""
+an orbax checkpoint restores adapters and optimizer state bit for bit (and a resumed step with rank dropout is the
+uninterrupted one), and `jaxrl-vlm export-lora` writes what peft and transformers load."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -16,6 +16,7 @@ from _train_samples import train_samples
 from flax import nnx
 
 from jaxrl_vlm.checkpoint import CheckpointStore, abstract_like
+from jaxrl_vlm.cli import main as cli_main
 from jaxrl_vlm.config import load_config
 from jaxrl_vlm.errors import ConfigError
 from jaxrl_vlm.job.trainer import Trainer
@@ -50,11 +51,21 @@ def _trainer(tiny_dir: Path, out: Path, *extra: str) -> Trainer:
     return t
 
 
-def _export_script():
-    spec = importlib.util.spec_from_file_location("export_lora", REPO / "scripts" / "export_lora.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def _peft_matches_merged(base_dir: Path, export: Path) -> None:
+    import torch
+    from _hf_tiny import hf_logits, make_batch
+    from peft import PeftModel
+    from transformers import Qwen3VLForConditionalGeneration
+
+    def load(path):
+        return Qwen3VLForConditionalGeneration.from_pretrained(str(path), dtype=torch.float32).eval()
+
+    batch = make_batch([[12], [7]], [], seed=3)
+    peft_logits = hf_logits(PeftModel.from_pretrained(load(base_dir), str(export / "adapter")).eval(), batch)
+    merged_logits = hf_logits(load(export / "merged"), batch)
+    mask = batch.attention_mask.astype(bool)
+    assert np.abs(peft_logits - hf_logits(load(base_dir), batch))[mask].max() > 1e-3  # the adapters change the model
+    assert np.abs(peft_logits - merged_logits)[mask].max() <= 1e-4
 
 
 def _host_pairs(adapters) -> list[dict[str, np.ndarray]]:
@@ -117,17 +128,30 @@ def test_only_adapters_train_on_a_frozen_base_that_is_the_reference(tiny_dir, tm
     assert step == 2
     assert jax.tree.structure(restored) == jax.tree.structure(trainer.state)
     assert all(np.array_equal(a, b) for a, b in zip(_host(restored), _host(trainer.state)))
+    saved_pairs = _host_pairs(trainer.state.params)
+    saved_policy = [(path, np.asarray(v.get_value())) for path, v in nnx.to_flat_state(trainer.policy_params())]
 
-    # The export script writes the checkpoint's adapters as a PEFT directory, and the merged model.
-    export = _export_script()
-    export.main(["--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "export"),
-                 *trainer_argv(tiny_dir, tmp_path / "x"), "--lora-modules-to-save", "model.language_model.norm",
-                 "--train-devices", "0"])
-    for got, put in zip(load_peft_adapter(tmp_path / "export" / "adapter", trainer.lora), _host_pairs(trainer.state.params)):
+    # Resume is exact with dropout on: each step advances the state's RNG (fresh masks every step), and the step
+    # after a restore draws the masks the uninterrupted run drew.
+    rng2 = np.asarray(trainer.state.rng)
+    trainer.train_on(samples)
+    uninterrupted = _host(trainer.state)
+    assert not np.array_equal(np.asarray(trainer.state.rng), rng2)
+    trainer.state = restored
+    trainer.train_on(samples)
+    assert all(np.array_equal(a, b) for a, b in zip(_host(trainer.state), uninterrupted))
+
+    # `jaxrl-vlm export-lora` writes the checkpoint's adapters as a PEFT directory, and the merged model.
+    assert cli_main(["export-lora", "--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "export"),
+                     *trainer_argv(tiny_dir, tmp_path / "x"), "--lora-modules-to-save", "model.language_model.norm",
+                     "--train-devices", "0"]) == 0
+    for got, put in zip(load_peft_adapter(tmp_path / "export" / "adapter", trainer.lora), saved_pairs):
         assert got.keys() == put.keys() and all(np.array_equal(got[k], put[k]) for k in got)
     merged = nnx.state(from_hf(str(tmp_path / "export" / "merged")), nnx.Param)
-    for (path, var), (_, want) in zip(nnx.to_flat_state(merged), nnx.to_flat_state(trainer.policy_params())):
-        np.testing.assert_array_equal(np.asarray(var.get_value()), np.asarray(want.get_value()), err_msg=str(path))
+    for (path, var), (_, want) in zip(nnx.to_flat_state(merged), saved_policy):
+        np.testing.assert_array_equal(np.asarray(var.get_value()), want, err_msg=str(path))
+    # In PyTorch: peft applies the exported adapter to the transformers base and gives the merged export's logits.
+    _peft_matches_merged(tiny_dir, tmp_path / "export")
 
 
 def test_a_sharded_remat_lora_step_equals_the_single_device_step(tiny_dir, tmp_path, make_test_image):
@@ -143,7 +167,7 @@ def test_a_sharded_remat_lora_step_equals_the_single_device_step(tiny_dir, tmp_p
     ])
     sharded = Trainer(cfg, devices=jax.devices()[:8])
     sharded.build_policy(tiny_dir)
-    assert dict(sharded.mesh.shape) == {"data": 1, "fsdp": 4, "context": 1, "tensor": 2}
+    assert dict(sharded.mesh.shape) == {"data": 1, "fsdp": 4, "expert": 1, "context": 1, "tensor": 2}
     q = sharded.state.params[0]  # layers.0 q_proj: lora_A [r, d] over fsdp, lora_B [n*h, r] over tensor
     assert tuple(q["lora_A"].sharding.spec) == (None, "fsdp") and tuple(q["lora_B"].sharding.spec)[:1] == ("tensor",)
     a, b = one.train_on(samples), sharded.train_on(samples)
@@ -159,6 +183,12 @@ def test_target_modules_select_by_peft_names_and_unknown_names_fail(tiny_dir):
     assert {m.rsplit(".", 2)[-2] + "." + m.rsplit(".", 1)[-1] for m in picked.modules} == {"self_attn.q_proj", "mlp.down_proj"}
     vision = lora_setup(cfg, params, LoraOptions(lora_rank=2, lora_target_modules=["qkv"], lora_vision=True))
     assert vision.modules and all(m.startswith("model.visual.blocks.") and m.endswith(".attn.qkv") for m in vision.modules)
+    # The patch embedding's convolution is adapted only when named (all-linear leaves it out), as a [out, C*T*P*P] map.
+    every = lora_setup(cfg, params, LoraOptions(lora_rank=2, lora_vision=True))
+    assert "model.visual.patch_embed.proj" not in every.modules
+    (conv,) = lora_setup(cfg, params, LoraOptions(lora_rank=2, lora_target_modules=["patch_embed.proj"],
+                                                  lora_vision=True)).sites
+    assert conv.conv_shape == (32, 3, 2, 16, 16) and (conv.out_features, conv.in_features) == (32, 3 * 2 * 16 * 16)
     with pytest.raises(ConfigError, match=r"qkv.*--lora-vision"):
         lora_setup(cfg, params, LoraOptions(lora_rank=2, lora_target_modules=["qkv"]))
     with pytest.raises(ConfigError, match="q_prj"):
@@ -204,6 +234,14 @@ def test_a_lora_run_syncs_only_adapters_and_the_engine_serves_the_trainers_log_p
         "--train-devices", "1", "--mesh-data", "1", "--lora-rank", "4", "--lora-alpha", "16",
     ])
     job = MainJob(cfg)
+    # Each step's samples, with the policy that sampled them (the trainer's before the step trains).
+    steps, train_on = [], job.trainer.train_on
+
+    def recording(samples, *args, **kwargs):
+        steps.append((samples, jax.tree.map(jnp.copy, job.trainer.policy_params())))
+        return train_on(samples, *args, **kwargs)
+
+    job.trainer.train_on = recording
     asyncio.run(job.run())
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["weight_version"] for r in records] == [1, 2]
@@ -215,6 +253,13 @@ def test_a_lora_run_syncs_only_adapters_and_the_engine_serves_the_trainers_log_p
         assert r["sync/gbytes"] * 1e9 == pytest.approx(adapter_bytes)
     assert model_bytes >= 5 * adapter_bytes
     assert records[1]["train/train_rollout_logprob_abs_diff"] < 1e-4
+    # Token by token: the engine's log-probs of step 2's rollouts (sampled from the base plus the version-1 adapters)
+    # are the trainer's under the same adapters within 1e-4.
+    samples, adapted = steps[1]
+    _, batch = job.trainer._batch(samples, np.zeros(len(samples), np.float32))
+    mask = np.asarray(batch.loss_mask).astype(bool)
+    ours = np.asarray(job.trainer._logprobs(adapted, batch))
+    assert mask.sum() > 0 and np.abs(ours - np.asarray(batch.rollout_logprobs))[mask].max() <= 1e-4
     # The engine serves exactly the trainer's adapted kernels (the last version: the base plus the adapters).
     served = dict(nnx.to_flat_state(job.syncer.client.local_engine.runner.params))
     ours = dict(nnx.to_flat_state(trainer.policy_params()))
@@ -222,6 +267,9 @@ def test_a_lora_run_syncs_only_adapters_and_the_engine_serves_the_trainers_log_p
     np.testing.assert_allclose(np.asarray(served[path].get_value()), np.asarray(ours[path].get_value()), atol=1e-6)
     assert not np.allclose(np.asarray(ours[path].get_value()), np.asarray(dict(nnx.to_flat_state(trainer.frozen))[path].get_value()))
     assert not list((tmp_path / "run").rglob("weights_v*"))
+    # The finished run wrote its adapters as a PEFT directory beside final_model/.
+    final = load_peft_adapter(tmp_path / "run" / "final_adapter", trainer.lora)
+    assert all(np.array_equal(got[k], put[k]) for got, put in zip(final, _host_pairs(trainer.state.params)) for k in got)
 
 
 def regenerate_goldens() -> None:

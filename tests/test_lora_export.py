@@ -1,7 +1,7 @@
 """LoRA exports against PyTorch: peft applies our PEFT adapter directory to the transformers base, and transformers
 loads our merged export; both give our adapted model's logits within 1e-4 (text and image rows, fp32), with adapters
-on the text decoder, the vision tower (its fused qkv included) and the patch mergers, and the final norm trained in
-full (PEFT's modules_to_save)."""
+on the text decoder, the vision tower (its fused qkv included), the patch mergers and the patch embedding's
+convolution, and the final norm trained in full (PEFT's modules_to_save)."""
 
 from __future__ import annotations
 
@@ -66,9 +66,11 @@ def test_peft_adapter_and_merged_export_give_our_logits_in_pytorch(name, tmp_pat
     ours = from_hf(str(base_dir))
     graphdef, params = nnx.split(ours, nnx.Param)
     setup = lora_setup(ours.cfg, params, LoraOptions(lora_rank=4, lora_alpha=8.0, lora_vision=True,
+                                                     lora_target_modules=["all-linear", "patch_embed.proj"],
                                                      lora_modules_to_save=["model.language_model.norm"]))
     modules = setup.modules
     assert any(m.endswith("attn.qkv") for m in modules) and any("merger" in m for m in modules)
+    assert "model.visual.patch_embed.proj" in modules  # the patch embedding's Conv3d: PEFT's conv LoRA
     assert any(m.endswith("self_attn.q_proj") for m in modules) and not any("lm_head" in m for m in modules)
     # Trained-looking adapters: lora_B is no longer zero.
     adapters = init_adapters(setup, jax.random.key(0), params)

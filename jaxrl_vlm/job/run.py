@@ -72,6 +72,7 @@ from jaxrl_vlm.job.sft import SFTJob
 from jaxrl_vlm.job.sources import LiveRollout, ReplaySource, RunState, SampleSource, StreamingSource
 from jaxrl_vlm.job.tracking import open_sinks
 from jaxrl_vlm.job.trainer import Trainer
+from jaxrl_vlm.lora.export import save_peft_adapter
 from jaxrl_vlm.weight_sync import WeightSyncer
 from rollout.driver import RolloutResult, call_rollout_function
 from rollout.dump import dump_samples
@@ -190,7 +191,7 @@ class MainJob:
         sync_dtype = cfg.engine.weight_sync_dtype or ("bfloat16" if cfg.engine.engine_url else cfg.model.param_dtype)
         syncer = WeightSyncer(None, weight_sync_root(cfg, self.out_dir), copy_from=str(self.model_dir),
                               dtype=jnp.dtype(sync_dtype), mode=cfg.engine.weight_sync_mode,
-                              untie_embeddings=cfg.engine.launch_vllm)
+                              untie_embeddings=cfg.engine.launch_vllm, lora_sync=cfg.lora.lora_sync)
         parts = dict(args=self.args, main=self.main, model_dir=self.model_dir, prompts=prompts, syncer=syncer,
                      trainer=self.trainer,
                      saver=RolloutSaver(cfg) if cfg.debug.save_debug_rollout_data and self.main else None)
@@ -297,6 +298,9 @@ class MainJob:
 
     def finish(self) -> None:
         export_hf(self.trainer.policy_model(), self.out_dir / "final_model", copy_from=str(self.model_dir))
+        if self.trainer.lora is not None:  # LoRA: the adapters too, as a PEFT directory on the base checkpoint
+            save_peft_adapter(self.trainer.lora, self.trainer.state.params, self.out_dir / "final_adapter",
+                              base_model=str(self.model_dir))
         if self.log is not None:
             plot_run(self.log.path, self.out_dir / "plots")
 

@@ -16,6 +16,7 @@ from typing import Any
 from jaxrl_vlm.config import Config
 from jaxrl_vlm.engine import EmbeddedEngine
 from jaxrl_vlm.engine.options import EngineOptions
+from jaxrl_vlm.lora.serving import VLLM_LORA_ENV, engine_serves, sglang_lora_args, vllm_lora_args
 from jaxrl_vlm.sglang_launcher import SGLangProcess
 from jaxrl_vlm.vllm_launcher import VLLMProcess
 from rollout.client import RetryPolicy, SGLangClient
@@ -59,15 +60,19 @@ async def rollout_session(
         elif cfg.engine.launch_vllm:
             launched = VLLMProcess(
                 cfg.engine.vllm_python or "", str(serve_dir), host=cfg.engine.engine_host, port=cfg.engine.engine_port,
-                extra_args=[*cfg.engine.vllm_args, *_vllm_dtype_args(cfg), *(["--api-key", key] if key else [])],
+                extra_args=[*cfg.engine.vllm_args, *_vllm_dtype_args(cfg), *vllm_lora_args(cfg.lora, cfg.engine.vllm_args),
+                            *(["--api-key", key] if key else [])],
                 log_path=Path(cfg.train.output_dir) / "vllm.log",
             )
+            if engine_serves(cfg.lora):  # the adapter routes exist only with runtime LoRA updating on
+                launched.extra_env = {**launched.extra_env, **VLLM_LORA_ENV}
             client = VLLMClient(launched.start(), **client_options)
             await launched.wait_ready(client, timeout_s=cfg.engine.engine_start_timeout)
         elif cfg.engine.launch_sglang:
             launched = SGLangProcess(
                 cfg.engine.sglang_python or "", str(serve_dir), host=cfg.engine.engine_host, port=cfg.engine.engine_port,
-                extra_args=[*cfg.engine.sglang_args, *_parallel_args(cfg), *(["--api-key", key] if key else [])],
+                extra_args=[*cfg.engine.sglang_args, *_parallel_args(cfg), *sglang_lora_args(cfg.lora, cfg.engine.sglang_args),
+                            *(["--api-key", key] if key else [])],
                 log_path=Path(cfg.train.output_dir) / "sglang.log",
             )
             client = SGLangClient(launched.start(), **client_options)
@@ -113,9 +118,10 @@ def rollout_run(cfg: Config, args: Any) -> RolloutRun:
 
 
 def _parallel_args(cfg: Config) -> list[str]:
-    """--tp-size / --dp-size for a launched SGLang, unless its own arguments already say (they win)."""
+    """--tp-size / --dp-size / --ep-size for a launched SGLang, unless its own arguments already say (they win)."""
     out: list[str] = []
-    for flag, value in (("--tp-size", cfg.engine.tp_size), ("--dp-size", cfg.engine.dp_size)):
+    for flag, value in (("--tp-size", cfg.engine.tp_size), ("--dp-size", cfg.engine.dp_size),
+                        ("--ep-size", cfg.engine.ep_size)):
         given = any(a == flag or a.startswith(flag + "=") for a in cfg.engine.sglang_args)
         if value > 1 and not given:
             out += [flag, str(value)]

@@ -31,6 +31,7 @@ from jaxrl_vlm.job.checkpointing import ResumePoint
 from jaxrl_vlm.job.eval import passrate_metrics
 from jaxrl_vlm.job.replay import RolloutReplay, RolloutSaver
 from jaxrl_vlm.job.session import rollout_run, rollout_session
+from jaxrl_vlm.lora.adapters import adapters_of
 from jaxrl_vlm.job.staleness import VersionReport, check_bounded_staleness, check_sample_versions, too_stale, \
     unreported_versions
 from jaxrl_vlm.weight_sync import SyncReport, WeightSyncer
@@ -249,7 +250,15 @@ class EngineSource(SampleSource):
         """The weights an engine this job starts (embedded or launched) starts from: the trainer's own weights,
         exported here (not yet loaded anywhere) when `exported_start`, or the original checkpoint."""
         if exported_start and not self.cfg.engine.engine_url:
-            self.resumed_export = await self.syncer.push(self.trainer.policy_model(), version)
+            model = self.trainer.policy_model()
+            launched_http = self.cfg.engine.launch_sglang or self.cfg.engine.launch_vllm
+            if launched_http and self.syncer.http_adapters(adapters_of(model)):
+                # LoRA served by SGLang / vLLM: the engine starts from the base (vLLM: its untied export), and
+                # `attach` loads the trainer's adapters on it.
+                if not self.cfg.engine.launch_vllm:
+                    return self.model_dir
+                return self.syncer.export(self.trainer.base_model(), version).path
+            self.resumed_export = await self.syncer.push(model, version)
             return self.resumed_export.path
         return self.model_dir
 

@@ -51,10 +51,17 @@ class AdapterSite:
     kernel_shape: tuple[int, ...]
     kernel_names: tuple[str | None, ...]
     split: int
+    # A convolution (the vision patch embedding, a torch Conv3d [out, C, T, P, P]) adapted as the linear map it is
+    # (stride = kernel): its torch weight's shape; None for a Linear. PEFT's conv LoRA is the same update.
+    conv_shape: tuple[int, ...] | None = None
 
     @property
     def vision(self) -> bool:
         return self.module.startswith("model.visual.")
+
+    def torch_shaped(self, update: jax.Array) -> jax.Array:
+        """A [out, in] update in the shape of the torch weight it adds to."""
+        return update if self.conv_shape is None else update.reshape(self.conv_shape)
 
 
 @dataclass(frozen=True)
@@ -94,6 +101,13 @@ def _is_linear(link: Link) -> bool:
     return all("_kernel_" in leaf and not leaf.startswith("patch_") for leaf in leaves)
 
 
+def _is_patch_conv(link: Link) -> bool:
+    """The vision patch embedding's convolution weight: adapted only when named (it is not a linear layer)."""
+    leaves = [str(p[-1]) for p in link.ours]
+    return link.hf_key.endswith(".weight") and len(link.hf_shape) > 2 and len(leaves) == 1 and \
+        leaves[0].startswith("patch_kernel")
+
+
 def _matches(module: str, targets: Sequence[str]) -> bool:
     """PEFT's rule for a list of target names: the full module name or a '.'-suffix of it."""
     return any(module == t or module.endswith("." + t) for t in targets)
@@ -115,7 +129,8 @@ def adapter_sites(cfg: ModelConfig, params: nnx.State, options: LoraOptions) -> 
     flat = dict(nnx.to_flat_state(params))
     sites, matched = [], set()
     for link in weight_links(cfg):
-        if not _is_linear(link):
+        conv = _is_patch_conv(link)
+        if not (_is_linear(link) or conv):
             continue
         module = link.hf_key[: -len(".weight")]
         site_is_vision = module.startswith("model.visual.")
@@ -123,16 +138,17 @@ def adapter_sites(cfg: ModelConfig, params: nnx.State, options: LoraOptions) -> 
             continue
         hit = [t for t in names if _matches(module, [t])]
         matched.update(hit)
-        if not (all_linear or hit):
+        if not ((all_linear and not conv) or hit):
             continue
-        out_features, in_features = link.hf_shape
+        out_features, in_features = link.hf_shape[0], math.prod(link.hf_shape[1:])
         var = flat[link.ours[0]]
         shape = tuple(var.get_value().shape)
         logical = tuple(var.get_metadata().get("out_sharding") or (None,) * len(shape))
         split = next((k for k in range(1, len(shape)) if math.prod(shape[:k]) == in_features), None)
         if split is None:
             raise ValueError(f"{link.hf_key}: our kernel {shape} has no leading dims of the torch input size {in_features}")
-        sites.append(AdapterSite(module, in_features, out_features, link, shape, logical, split))
+        sites.append(AdapterSite(module, in_features, out_features, link, shape, logical, split,
+                                 tuple(link.hf_shape) if conv else None))
     unknown = sorted(set(names) - matched)
     if unknown:
         scope = "" if options.lora_vision else " of the text decoder (the vision tower needs --lora-vision)"
@@ -243,7 +259,7 @@ def merged_params(base: nnx.State, adapters: Adapters, setup: LoraSetup) -> nnx.
     index = {path: i for i, (path, _) in enumerate(flat)}
     values = [var.get_value() for _, var in flat]
     for site, adapter in zip(setup.sites, adapters):
-        parts = site.link.to_ours(torch_update(adapter, setup.scale))
+        parts = site.link.to_ours(site.torch_shaped(torch_update(adapter, setup.scale)))
         for path, part in zip(site.link.ours, parts):
             i = index[path]
             w = values[i]

@@ -5,13 +5,15 @@ read: `adapter_config.json` (peft_type LORA, r, lora_alpha, target_modules = the
 PEFT's suffix match selects exactly them) and `adapter_model.safetensors` with
 `base_model.model.<module>.lora_A.weight` [r, in] and `.lora_B.weight` [out, r], PEFT's own names and layout. The
 modules trained in full (`--lora-modules-to-save`) are PEFT's
-`modules_to_save`, their tensors stored as `base_model.model.<module>.weight`. The merged HF model is the ordinary export of the merged policy (`Trainer.policy_model()` with `models.hf_io.to_hf`).
+`modules_to_save`, their tensors stored as `base_model.model.<module>.weight`. The merged HF model is the ordinary export of the merged policy (`Trainer.policy_model()` with `models.hf_io.to_hf`);
+`export_checkpoint` writes both from a run's checkpoint (`jaxrl-vlm export-lora`).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +21,8 @@ import jax
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
-from jaxrl_vlm.lora.adapters import Adapters, LoraSetup
+from jaxrl_vlm.distributed import barrier, gather_tree, is_main_process
+from jaxrl_vlm.lora.adapters import Adapters, AdapterSite, LoraSetup
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -45,13 +48,23 @@ def peft_config(setup: LoraSetup, base_model: str | None = None) -> dict[str, An
     }
 
 
+def _peft_shapes(site: AdapterSite, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """PEFT's shapes of a site's lora_A and lora_B: [r, in] and [out, r] for a Linear; for a convolution lora_A is a
+    convolution with the layer's kernel [r, C, *kernel] and lora_B a 1x..x1 one [out, r, 1, ...]."""
+    if site.conv_shape is None:
+        return (rank, site.in_features), (site.out_features, rank)
+    ones = (1,) * (len(site.conv_shape) - 2)
+    return (rank, *site.conv_shape[1:]), (site.out_features, rank, *ones)
+
+
 def peft_tensors(setup: LoraSetup, adapters: Adapters, dtype: Any = np.float32) -> dict[str, np.ndarray]:
     """PEFT's tensor names -> host arrays in `dtype` (a collective under several processes: every leaf is gathered)."""
-    host = jax.device_get(adapters)
+    host = gather_tree(adapters) if jax.process_count() > 1 else jax.device_get(adapters)
     out = {}
     for site, ad in zip(setup.sites, host):
-        out[f"{PREFIX}{site.module}.lora_A.weight"] = np.ascontiguousarray(np.asarray(ad["lora_A"]).astype(dtype))
-        out[f"{PREFIX}{site.module}.lora_B.weight"] = np.ascontiguousarray(np.asarray(ad["lora_B"]).astype(dtype))
+        a, b = _peft_shapes(site, setup.rank)
+        out[f"{PREFIX}{site.module}.lora_A.weight"] = np.ascontiguousarray(np.asarray(ad["lora_A"]).astype(dtype).reshape(a))
+        out[f"{PREFIX}{site.module}.lora_B.weight"] = np.ascontiguousarray(np.asarray(ad["lora_B"]).astype(dtype).reshape(b))
     for saved, tensors in zip(setup.saved, host[len(setup.sites):]):
         for name, _, _, _ in saved.tensors:
             out[f"{PREFIX}{saved.module}.{name}"] = np.ascontiguousarray(np.asarray(tensors[name]).astype(dtype))
@@ -60,11 +73,22 @@ def peft_tensors(setup: LoraSetup, adapters: Adapters, dtype: Any = np.float32) 
 
 def save_peft_adapter(setup: LoraSetup, adapters: Adapters, out_dir: str | os.PathLike, *, dtype: Any = np.float32,
                       base_model: str | None = None) -> Path:
-    """Write the adapters as a PEFT adapter directory (created; existing files replaced). Returns it."""
+    """Write the adapters as a PEFT adapter directory, atomically (a temporary sibling renamed when complete, so an
+    engine never reads half a version; an existing directory is replaced). Returns it. A collective under several
+    processes: every process gathers, process 0 writes."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(peft_tensors(setup, adapters, dtype), str(out / WEIGHTS_NAME), metadata={"format": "pt"})
-    (out / CONFIG_NAME).write_text(json.dumps(peft_config(setup, base_model), indent=2) + "\n")
+    tensors = peft_tensors(setup, adapters, dtype)
+    if is_main_process():
+        tmp = out.with_name(out.name + ".partial")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        (tmp / CONFIG_NAME).write_text(json.dumps(peft_config(setup, base_model), indent=2) + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    if jax.process_count() > 1:
+        barrier(f"save_peft_adapter:{out}")
     return out
 
 
@@ -80,13 +104,14 @@ def load_peft_adapter(path: str | os.PathLike, setup: LoraSetup) -> Adapters:
     out = []
     for site in setup.sites:
         pair = {}
-        for name, shape in (("lora_A", (setup.rank, site.in_features)), ("lora_B", (site.out_features, setup.rank))):
+        ours = {"lora_A": (setup.rank, site.in_features), "lora_B": (site.out_features, setup.rank)}
+        for name, shape in zip(("lora_A", "lora_B"), _peft_shapes(site, setup.rank)):
             key = f"{PREFIX}{site.module}.{name}.weight"
             if key not in tensors:
                 raise ValueError(f"{root / WEIGHTS_NAME}: no tensor {key}")
             if tuple(tensors[key].shape) != shape:
                 raise ValueError(f"{root / WEIGHTS_NAME}: {key} has shape {tuple(tensors[key].shape)}, expected {shape}")
-            pair[name] = tensors[key].astype(np.float32)
+            pair[name] = tensors[key].astype(np.float32).reshape(ours[name])
         out.append(pair)
     for saved in setup.saved:
         whole = {}

@@ -29,8 +29,15 @@ class LoraOptions:
         [], "Modules trained in full beside the adapters, as PEFT's modules_to_save (names matched like "
             "--lora-target-modules; their weight and bias tensors, e.g. the final norm model.language_model.norm). "
             "They are part of the trained state, the sync and the PEFT export.")
+    lora_sync: str = opt(
+        "auto", "What a weight sync sends the engine: 'auto' the adapters alone wherever the engine serves them (the "
+                "embedded engine merges them into its base in memory; SGLang and vLLM load each version as a PEFT "
+                "directory, lora_vNNNNNN/, selected per request) and the merged model elsewhere (adapters on the "
+                "vision tower or --lora-modules-to-save, which their LoRA serving does not cover); 'merged' always "
+                "the merged model.", choices=("auto", "merged"))
     lora_vision: bool = opt(False, "Adapters also on the vision tower and the patch mergers (their linears that match "
-                                   "--lora-target-modules).")
+                                   "--lora-target-modules), and on the patch embedding's convolution when named "
+                                   "(patch_embed.proj: all-linear leaves it out).")
 
     @property
     def enabled(self) -> bool:
