@@ -24,10 +24,10 @@ import pytest
 from flax import nnx
 from jax.experimental.pallas import tpu as pltpu
 
-from jaxrl_vlm.models import build_vision_inputs, get_rope_index
+from jaxrl_vlm.models import build_vision_inputs, get_rope_index, get_rope_index_packed
 from jaxrl_vlm.models.activation_sharding import activation_sharding
 from jaxrl_vlm.models.flash_attention import block_size, flash_attention
-from jaxrl_vlm.models.layers import attention
+from jaxrl_vlm.models.layers import apply_rotary, attention, mrope_cos_sin
 from jaxrl_vlm.models.qwen3_vl import Qwen3VL
 from jaxrl_vlm.sharding import layout as SL
 from jaxrl_vlm.sharding.activations import ActivationSharding
@@ -104,6 +104,60 @@ def test_kernel_under_a_mesh_splits_rows_and_heads_like_the_activations(impl):
         got = run(q, k, v, seg)
     assert got.sharding.spec[0] == ("data", "fsdp") and got.addressable_shards[0].data.shape == (1, T, N // 2, H)
     np.testing.assert_allclose(got, want, atol=1e-6)
+
+
+def _packed_rows_with_mrope(t: int):
+    """q [2, t, N, H], k/v [2, t, K, H] of the tiny Qwen3-VL's shapes, q and k rotated by the M-RoPE positions of
+    packed rows (row 0: two sequences, each with an image, then padding; row 1: one sequence with an image), and
+    the rows' segment ids."""
+    cfg = tiny_model_config()
+    rng = np.random.default_rng(4)
+    tokens = rng.integers(10, 500, size=(2, t))
+    seg = np.zeros((2, t), np.int32)
+    seg[0, :90], seg[0, 90:200], seg[1, :] = 1, 2, 1
+    for row, start in ((0, 10), (0, 150), (1, 120)):
+        tokens[row, start : start + 4] = cfg.image_token_id  # an image of grid (1, 4, 4): 4 merged tokens
+    grid = np.array([[1, 4, 4]] * 3)
+    positions, _ = get_rope_index_packed(tokens, seg, grid, cfg)
+    cos, sin = mrope_cos_sin(jnp.asarray(positions), cfg, jnp.float32)
+    cos, sin = cos[:, :, None], sin[:, :, None]
+    t_cfg = cfg.text
+    q, k, v = (jnp.asarray(rng.normal(size=(2, t, n, t_cfg.head_dim)), jnp.float32)
+               for n in (t_cfg.num_attention_heads, t_cfg.num_key_value_heads, t_cfg.num_key_value_heads))
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, jnp.asarray(seg)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_each_context_shard_attends_its_own_query_block(cp):
+    """Context parallelism with `pallas_gpu`: each device runs the query-offset kernel on its block of the row's
+    queries against the gathered keys (rows split over `data` too), and the result and gradients are the dense
+    XLA attention's on packed rows with M-RoPE positions."""
+    t = 256
+    q, k, v, seg = _packed_rows_with_mrope(t)
+    scale = q.shape[-1] ** -0.5
+    idx = jnp.arange(t)
+    mask = (seg[:, :, None] == seg[:, None, :]) & (idx[:, None] >= idx[None, :])[None]
+    valid = (seg > 0)[..., None, None]
+    w = jnp.asarray(np.random.default_rng(5).normal(size=q.shape), jnp.float32)
+    mesh = SL.build_mesh(SimpleNamespace(mesh_data=2, mesh_fsdp=1, mesh_tensor=1, mesh_context=cp),
+                         jax.devices()[: 2 * cp])
+    spec = ActivationSharding.create(mesh, SR.resolve_rules())
+
+    def fused(q, k, v):
+        with activation_sharding(spec):
+            return flash_attention(q, k, v, seg, impl="pallas_gpu", scale=scale, causal=True)
+
+    def xla(q, k, v):
+        return attention(q, k, v, mask, scale)
+
+    loss = lambda f: lambda *a: jnp.sum(jnp.where(valid, f(*a), 0.0) * w)  # noqa: E731
+    text = str(jax.make_jaxpr(fused)(q, k, v))
+    assert "block_flash_forward" in text and "axis_index" in text  # the local block's kernel, at its offset
+    out, grads = jax.jit(lambda *a: (fused(*a), jax.grad(loss(fused), argnums=(0, 1, 2))(*a)))(q, k, v)
+    assert out.sharding.spec[1] == "context" and out.addressable_shards[0].data.shape[1] == t // cp
+    np.testing.assert_allclose(np.where(valid, out, 0), np.where(valid, xla(q, k, v), 0), atol=2e-6)
+    for name, a, b in zip("qkv", grads, jax.grad(loss(xla), argnums=(0, 1, 2))(q, k, v)):
+        np.testing.assert_allclose(a, b, atol=2e-5, err_msg=f"d{name}")
 
 
 def test_block_size_must_tile_the_sequence():

@@ -226,7 +226,7 @@ class Trainer:
         self.frame_patch_cap = frame_patch_cap(model_dir)
         model = from_hf(
             str(model_dir), param_dtype=jnp.dtype(cfg.model.param_dtype), shardings_for=placement,
-            compute_dtype=jnp.dtype(cfg.model.compute_dtype), remat=cfg.model.remat != "none",
+            compute_dtype=jnp.dtype(cfg.model.compute_dtype), remat=cfg.model.remat,
             attention_impl=cfg.model.attention_impl, patch_attention_block=self.frame_patch_cap,
         )
         self.model_cfg = model.cfg
@@ -316,6 +316,7 @@ class Trainer:
             aggregation=aggregation_mode(cfg), aggregation_constant=aggregation_constant(cfg),
             overlong_policy=cfg.batching.overlong_policy,
             max_tokens_per_micro_batch=None if budget is None else budget * shards * per_row_devices,
+            routing_replay=cfg.rollout.use_rollout_routing_replay,
         )
         # Each process uploads only the rows its devices hold (plain device_put would first gather and compare
         # the whole batch across processes).
@@ -433,6 +434,12 @@ class Trainer:
             self._merge_fn = jax.jit(lambda base, adapters: merged_params(base, adapters, self.lora),
                                      out_shardings=self.frozen_shardings)
         return self._merge_fn(self.frozen, self.state.params)
+
+    def base_model(self) -> Any:
+        """LoRA's frozen base as a model (in the compute dtype): what an engine that serves the adapters starts from."""
+        if self.lora is None:
+            raise RuntimeError("base_model: this run trains every parameter (no LoRA base)")
+        return nnx.merge(self.graphdef, self.frozen)
 
     def policy_model(self) -> Any:
         """The current policy as a model (for export and weight sync); with LoRA the merged model, which carries its

@@ -14,10 +14,13 @@ used by the tests to check it against the XLA attention); `pallas_tpu` does when
 
 Pallas calls cannot be split by XLA's sharding propagation, so under a mesh (`activation_sharding`
 context) the call is wrapped in `shard_map`: rows split over the batch axes and heads over `tensor`,
-the same layout the activation constraints give q/k/v, so no data moves. Under context parallelism the
-row's positions are gathered for the call (the kernels take no query offset for a causal block of a longer
-row): memory stays O(T), and the attention is computed on each device of the context group. Vision patches are attended
-whole (keys of one image may sit in another batch shard): inside the vision tower rows are gathered
+the same layout the activation constraints give q/k/v, so no data moves. Under context parallelism (the
+positions split over the `context` axis) each device keeps its contiguous block of queries and receives the
+row's keys and values whole (one all-gather, as the XLA attention's `KV_WHOLE`): with `pallas_gpu` the causal
+text attention runs our query-offset kernel (`block_flash.block_causal_attention`) on the local block only,
+skipping key blocks after it. jax's kernels take no query offset, so `pallas_tpu` (and bidirectional attention)
+still gathers the whole row for the call and repeats its attention on each device of the group. Vision patches
+are attended whole (keys of one image may sit in another batch shard): inside the vision tower rows are gathered
 for the attention call and split again after it.
 """
 
@@ -30,6 +33,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jaxrl_vlm.models import activation_sharding as act
+from jaxrl_vlm.models.block_flash import block_causal_attention
 
 IMPLS = ("pallas_gpu", "pallas_tpu")
 # Sequence tiles each kernel accepts, largest first (the kernels tile the sequence exactly; Mosaic's
@@ -52,10 +56,7 @@ def _kernel(
     q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, impl: str, scale: float, causal: bool
 ) -> jax.Array:
     """q [B, T, N, H], k/v [B, T, K, H], segment_ids [B, T] -> [B, T, N, H] on one device's block."""
-    n, kv = q.shape[2], k.shape[2]
-    if n != kv:  # grouped-query attention: query head i uses kv head i // (n // kv)
-        k = jnp.repeat(k, n // kv, axis=2)
-        v = jnp.repeat(v, n // kv, axis=2)
+    k, v = _expand_kv_heads(q, k, v)
     block = block_size(q.shape[1], impl)
     segment_ids = segment_ids.astype(jnp.int32)
     if impl == "pallas_tpu":
@@ -83,6 +84,24 @@ def _kernel(
         q, k, v, segment_ids, sm_scale=scale, causal=causal, block_sizes=sizes,
         interpret=jax.default_backend() == "cpu",
     )
+
+
+def _expand_kv_heads(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Grouped-query attention for kernels with one kv head per query head: query head i uses kv head i // g."""
+    n, kv = q.shape[2], k.shape[2]
+    if n == kv:
+        return k, v
+    return jnp.repeat(k, n // kv, axis=2), jnp.repeat(v, n // kv, axis=2)
+
+
+def _local_block(q: jax.Array, k: jax.Array, v: jax.Array, q_segment_ids: jax.Array, kv_segment_ids: jax.Array,
+                 *, impl: str, scale: float, sequence_axes: str | tuple[str, ...]) -> jax.Array:
+    """Inside shard_map: this device's query block q [B, Tq, N, H] (block `axis_index(sequence_axes)` of the row)
+    against the row's k/v [B, T, K, H], causal at global positions."""
+    offset = jax.lax.axis_index(sequence_axes) * q.shape[1]
+    k, v = _expand_kv_heads(q, k, v)
+    return block_causal_attention(q, k, v, q_segment_ids, kv_segment_ids, offset, scale=scale,
+                                  block_q=block_size(q.shape[1], impl), block_k=block_size(k.shape[1], impl))
 
 
 def _whole_rows(spec: PartitionSpec) -> tuple:
@@ -116,8 +135,10 @@ def flash_attention(
         return fn(q, k, v, segment_ids)
     q_spec = spec.sharding(q_names, q.shape).spec
     kv_spec = spec.sharding(kv_names, k.shape).spec
-    # Whole rows per device: a kernel call needs every key of its queries' row, and the kernels have no
-    # query offset for a causal block of a longer row (context parallelism gathers the row for the call).
+    # Keys whole per device: a kernel call needs every key of its queries' row. The queries stay split over the
+    # positions only for our query-offset kernel (causal, pallas_gpu); jax's kernels get whole rows.
+    sequence_axes = (tuple(q_spec) + (None,) * 2)[1]
+    per_shard = sequence_axes is not None and causal and impl == "pallas_gpu"
     q_entries, kv_entries = _whole_rows(q_spec), _whole_rows(kv_spec)
     if q_entries[2] != kv_entries[2]:
         # The kv heads cannot be split like the query heads (e.g. 2 kv heads on 4 tensor shards): keep
@@ -128,7 +149,15 @@ def flash_attention(
         q_entries = (None,) + q_entries[1:]
         kv_entries = (None,) + kv_entries[1:]
     seg_spec = PartitionSpec(q_entries[0], None)
-    q_p, kv_p = PartitionSpec(*q_entries), PartitionSpec(*kv_entries)
+    kv_p = PartitionSpec(*kv_entries)
+    if per_shard:
+        q_p = PartitionSpec(q_entries[0], sequence_axes, *q_entries[2:])
+        local = partial(_local_block, impl=impl, scale=scale, sequence_axes=sequence_axes)
+        return jax.shard_map(
+            local, mesh=spec.mesh, in_specs=(q_p, kv_p, kv_p, PartitionSpec(q_entries[0], sequence_axes), seg_spec),
+            out_specs=q_p, check_vma=False,
+        )(q, k, v, segment_ids, segment_ids)
+    q_p = PartitionSpec(*q_entries)
     return jax.shard_map(
         fn, mesh=spec.mesh, in_specs=(q_p, kv_p, kv_p, seg_spec), out_specs=q_p, check_vma=False
     )(q, k, v, segment_ids)

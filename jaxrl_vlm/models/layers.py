@@ -26,6 +26,7 @@ Inputs are fixed-shape host-prepared arrays (see `rope.py`, `vision.py`):
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Sequence
 
 import jax
@@ -53,6 +54,7 @@ from jaxrl_vlm.models.activation_sharding import (
 from jaxrl_vlm.models.config import ModelConfig, VisionConfig
 from jaxrl_vlm.models.families import PolicyModel
 from jaxrl_vlm.models.flash_attention import flash_attention
+from jaxrl_vlm.models.remat import POLICIES, RematPlan
 from jaxrl_vlm.models.rope import mrope_frequency_axis, rope_inv_freq
 
 ATTENTION_IMPLS = ("xla", "pallas_gpu", "pallas_tpu")
@@ -178,8 +180,9 @@ def text_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: "AttentionMas
     layer, and the [Tq/cp, T] logits and mask of its block. The causal mask uses global positions, so a block
     attends to every earlier block and packing segments may cross block boundaries. Work is balanced without a
     zig-zag order because the XLA attention computes every (query, key) pair of its block, masked or not. The
-    fused kernels (`mask.impl != "xla"`) run whole rows per device inside their `shard_map` (see
-    `flash_attention`): O(T) memory, the attention itself repeated over the context group.
+    fused kernels (`mask.impl != "xla"`) run inside a `shard_map` (see `flash_attention`): `pallas_gpu` on the
+    local query block at its row offset, skipping key blocks after it (the last block of the row does the most
+    work), `pallas_tpu` on whole rows, repeated over the context group.
     """
     if mask.dense is None:
         return flash_attention(q, k, v, mask.segment_ids, impl=mask.impl, scale=scale, causal=True)
@@ -340,14 +343,28 @@ def run_layer(layer: DecoderLayer, x: jax.Array, cos: jax.Array, sin: jax.Array,
     return layer(x, cos, sin, mask)
 
 
-run_layer_remat = nnx.remat(run_layer)
-
-
 def run_block(block: nnx.Module, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: AttentionMask) -> jax.Array:
     return block(x, cos, sin, mask)
 
 
-run_block_remat = nnx.remat(run_block)
+def checkpoint_policy(policy: str) -> Callable[..., bool] | None:
+    """The jax checkpoint policy of a `remat.POLICIES` name other than none (None: save nothing, recompute all)."""
+    if policy == "full":
+        return None
+    if policy == "dots":
+        return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    if policy == "offload":
+        return jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host")
+    raise ValueError(f"no checkpoint policy {policy!r}; choose one of {POLICIES}")
+
+
+@functools.cache
+def remat_runner(run: Callable[..., Any], policy: str) -> Callable[..., Any]:
+    """`run` (a function of a layer and its inputs) rematerialised under `policy` (`remat.POLICIES`); `run` itself
+    for none. Cached, so every layer of a kind shares one transformed function."""
+    if policy == "none":
+        return run
+    return nnx.remat(run, policy=checkpoint_policy(policy))
 
 
 # ----------------------------------------------------------------------------- vision tower
@@ -460,19 +477,20 @@ class VisionLanguageDecoder(nnx.Module):
         rngs: nnx.Rngs,
         param_dtype: jnp.dtype,
         compute_dtype: jnp.dtype,
-        remat: bool,
+        remat: bool | str | RematPlan,
         attention_impl: str,
         patch_attention_block: int | None = None,
         make_layer: Callable[..., nnx.Module] | None = None,
     ):
-        """make_layer(cfg, i, **kw) builds decoder layer i (default: `DecoderLayer`; a family with other layers,
-        e.g. Qwen3-VL-MoE's routed MLPs, passes its own with the same attribute names)."""
+        """remat: `RematPlan.of`'s argument (decoder layers run under its `full_attention` policy, the vision tower
+        under `vision`). make_layer(cfg, i, **kw) builds decoder layer i (default: `DecoderLayer`; a family with
+        other layers, e.g. Qwen3-VL-MoE's routed MLPs, passes its own with the same attribute names)."""
         if attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"attention_impl={attention_impl!r} is not available; choose one of {ATTENTION_IMPLS}")
         t = cfg.text
         self.cfg = cfg
         self.compute_dtype = compute_dtype
-        self.remat = remat
+        self.remat = RematPlan.of(remat)
         self.attention_impl = attention_impl
         kw = dict(rngs=rngs, param_dtype=param_dtype, compute_dtype=compute_dtype)
         self.embed_vd = param(rngs, (t.vocab_size, t.hidden_size), ("vocab", "embed"), param_dtype)
@@ -483,7 +501,7 @@ class VisionLanguageDecoder(nnx.Module):
             self.lm_head_dv = param(rngs, (t.hidden_size, t.vocab_size), ("embed", "vocab"), param_dtype)
         if patch_attention_block is not None and patch_attention_block < 1:
             raise ValueError(f"patch_attention_block must be >= 1 or None, got {patch_attention_block}")
-        self.visual = make_visual(cfg, remat=remat, attention_impl=attention_impl,
+        self.visual = make_visual(cfg, remat=self.remat, attention_impl=attention_impl,
                                   patch_attention_block=patch_attention_block, **kw)
 
     def lm_head_kernel(self) -> jax.Array:
@@ -505,7 +523,7 @@ class VisionLanguageDecoder(nnx.Module):
         x, deepstack, slots = self.embed_inputs(tokens, vision)
         cos, sin = mrope_cos_sin(positions, self.cfg, self.compute_dtype)
         mask = text_mask(segment_ids, self.attention_impl)
-        run = run_layer_remat if self.remat else run_layer
+        run = remat_runner(run_layer, self.remat.full_attention)
         for i, layer in enumerate(self.layers):
             x = run(layer, x, cos, sin, mask)
             if i < len(deepstack):
@@ -642,14 +660,14 @@ class LearnedPositionVisionTower(nnx.Module):
         rngs: nnx.Rngs,
         param_dtype: jnp.dtype,
         compute_dtype: jnp.dtype,
-        remat: bool = False,
+        remat: bool | str | RematPlan = False,
         attention_impl: str = "xla",
         patch_attention_block: int | None = None,
     ):
         v = cfg.vision
         self.cfg = cfg
         self.compute_dtype = compute_dtype
-        self.remat = remat
+        self.remat = RematPlan.of(remat)
         self.attention_impl = attention_impl
         self.patch_attention_block = patch_attention_block
         self.patch_kernel_cd = param(rngs, (v.patch_dim, v.hidden_size), ("vision_patch", "vision_embed"), param_dtype)
@@ -672,7 +690,7 @@ class LearnedPositionVisionTower(nnx.Module):
         mask = patch_mask(vis.patch_segment_ids, self.attention_impl, self.patch_attention_block)
         deepstack = []
         ds_index = {layer: j for j, layer in enumerate(self.cfg.vision.deepstack_visual_indexes)}
-        run = run_block_remat if self.remat else run_block
+        run = remat_runner(run_block, self.remat.vision)
         for i, block in enumerate(self.blocks):
             x = run(block, x, cos, sin, mask)
             if i in ds_index:

@@ -49,10 +49,11 @@ from jaxrl_vlm.models.layers import (
     activation,
     param,
     patch_mask,
+    remat_runner,
     run_block,
-    run_block_remat,
     vision_rotary_cos_sin,
 )
+from jaxrl_vlm.models.remat import RematPlan
 from jaxrl_vlm.models.vision import WindowedVisionInputs
 
 _VISION_NORM_EPS = 1e-6
@@ -102,14 +103,14 @@ class VisionTower25(nnx.Module):
         rngs: nnx.Rngs,
         param_dtype: jnp.dtype,
         compute_dtype: jnp.dtype,
-        remat: bool = False,
+        remat: bool | str | RematPlan = False,
         attention_impl: str = "xla",
         patch_attention_block: int | None = None,
     ):
         v = cfg.vision
         self.cfg = cfg
         self.compute_dtype = compute_dtype
-        self.remat = remat
+        self.remat = RematPlan.of(remat)
         self.attention_impl = attention_impl
         self.patch_attention_block = patch_attention_block  # bounds frames, so their windows too
         self.full_attention_blocks = frozenset(v.fullatt_block_indexes)
@@ -124,7 +125,7 @@ class VisionTower25(nnx.Module):
         cos, sin = vision_rotary_cos_sin(vis.patch_rotary_pos, self.cfg.vision)
         frame_mask = patch_mask(vis.patch_segment_ids, self.attention_impl, self.patch_attention_block)
         window_mask = patch_mask(vis.patch_window_ids, self.attention_impl, self.patch_attention_block)
-        run = run_block_remat if self.remat else run_block
+        run = remat_runner(run_block, self.remat.vision)
         for i, block in enumerate(self.blocks):
             x = run(block, x, cos, sin, frame_mask if i in self.full_attention_blocks else window_mask)
         return self.merger(x), []
@@ -141,7 +142,7 @@ class Qwen25VL(VisionLanguageDecoder):
         rngs: nnx.Rngs,
         param_dtype: jnp.dtype = jnp.float32,
         compute_dtype: jnp.dtype = jnp.float32,
-        remat: bool = False,
+        remat: bool | str | RematPlan = False,
         attention_impl: str = "xla",
         patch_attention_block: int | None = None,
     ):

@@ -20,6 +20,7 @@ from jaxrl_vlm.models.config import Qwen3VLConfig
 from jaxrl_vlm.models.families import FamilyModel
 from jaxrl_vlm.models.hf_links import Link, learned_position_vision_links, text_decoder_links
 from jaxrl_vlm.models.layers import LearnedPositionVisionTower, VisionLanguageDecoder
+from jaxrl_vlm.models.remat import RematPlan
 
 
 class Qwen3VL(VisionLanguageDecoder):
@@ -32,12 +33,12 @@ class Qwen3VL(VisionLanguageDecoder):
         rngs: nnx.Rngs,
         param_dtype: jnp.dtype = jnp.float32,
         compute_dtype: jnp.dtype = jnp.float32,
-        remat: bool = False,
+        remat: bool | str | RematPlan = False,
         attention_impl: str = "xla",
         patch_attention_block: int | None = None,
     ):
-        """remat: recompute each decoder layer and vision block in the backward pass (activation
-        memory ~ one layer); attention_impl: "xla" (einsums, dense masks), or "pallas_gpu" / "pallas_tpu"
+        """remat: recompute each decoder layer and vision block in the backward pass (True: activation memory ~
+        one layer), or a policy per layer kind (`remat.RematPlan`, or its `--remat` spec string); attention_impl: "xla" (einsums, dense masks), or "pallas_gpu" / "pallas_tpu"
         (the fused segment-aware kernels of `flash_attention.py`); patch_attention_block: the most patches of
         one image frame (`rollout.processing.max_frame_patches`), which lets the XLA vision attention work
         chunk by chunk (`local_segment_attention`; None: dense)."""
