@@ -47,6 +47,7 @@ from jaxrl_vlm.engine.options import EngineOptions
 from jaxrl_vlm.errors import ConfigError
 from jaxrl_vlm.lora.options import LoraOptions
 from jaxrl_vlm.models.config import FAMILY_PARSERS
+from jaxrl_vlm.models.remat import RematPlan
 from jaxrl_vlm.rl.options import LossOptions
 from jaxrl_vlm.rl.registries import ADVANTAGE_ESTIMATORS, AGGREGATION_MODES, LOSS_TYPES, POLICY_LOSSES
 from rollout.hooks import HOOK_OPTIONS, load_hook
@@ -82,7 +83,10 @@ class ModelConfig:
         "Qwen2.5-VL) comes from its config.json model_type.")
     param_dtype: str = opt("float32", "Dtype of the trainable parameters.", choices=("float32", "bfloat16"))
     compute_dtype: str = opt("float32", "Dtype of activations/matmuls (bfloat16 on GPU/TPU).", choices=("float32", "bfloat16"))
-    remat: str = opt("none", "Rematerialisation per decoder layer.", choices=("none", "full"))
+    remat: str = opt(
+        "none", "Rematerialisation policy per layer kind: a policy for every layer (none, full, dots, offload) or "
+        "comma-separated KIND=POLICY items after an optional default, kinds full_attention, linear_attention, moe, "
+        "vision; e.g. 'full,vision=none' (jaxrl_vlm/models/remat.py).")
     attention_impl: str = opt(
         "xla",
         "Attention of the training forward: xla (einsums, dense masks), pallas_gpu or pallas_tpu (fused "
@@ -412,6 +416,16 @@ class MeshConfig:
         1, "Size of the context axis: each row's positions are split in contiguous blocks over this many devices "
         "(context parallelism; slime's --context-parallel-size; -1: fill).")
     mesh_tensor: int = opt(1, "Size of the tensor axis (-1: fill).")
+    mesh_expert: int = opt(
+        1, "Size of the expert axis: the routed experts of MoE layers are split over this many devices, each "
+        "device's tokens sent to their experts' devices by an all-to-all; a data-parallel axis for everything else "
+        "(expert parallelism; slime's --expert-model-parallel-size; -1: fill).")
+    moe_capacity_factor: float | None = opt(
+        None, "Expert parallelism: (token, expert) copies one device may send to one device of its expert group, as "
+        "a multiple of the balanced share (local tokens x top-k / expert-parallel size). Copies over it are dropped "
+        "(that expert's output left out) and counted in the routing's `dropped`. None: room for the worst case, so "
+        "nothing is ever dropped and the result equals one device's (as transformers and the engine compute it).",
+        gt=0.0)
     train_devices: str | None = opt(
         None, "Local devices of the trainer's mesh, e.g. '4-7' (None: all local devices). See --rollout-devices.")
 
@@ -968,6 +982,10 @@ def validate(cfg: Config) -> None:
     """Cross-field checks that types alone cannot express."""
     b = cfg.batching
     _validate_numbers(cfg)
+    try:
+        RematPlan.parse(cfg.model.remat)
+    except ValueError as e:
+        raise ConfigError(f"--remat: {e}") from None
     if cfg.engine.engine_api_key is not None and not cfg.engine.engine_api_key.strip():
         raise ConfigError("engine_api_key must be a non-empty string (or unset for no key)")
     if any(arg.split("=", 1)[0] == "--api-key" for arg in cfg.engine.sglang_args):
@@ -993,6 +1011,9 @@ def _validate_placement(cfg: Config) -> None:
     e, m = cfg.engine, cfg.mesh
     rollout = parse_device_ids(e.rollout_devices, "--rollout-devices") if e.rollout_devices is not None else None
     train = parse_device_ids(m.train_devices, "--train-devices") if m.train_devices is not None else None
+    if e.tp_size % e.ep_size:
+        raise ConfigError(f"--ep-size {e.ep_size} must divide --tp-size {e.tp_size}: the experts are split over ep of "
+                          "a replica's tp devices (SGLang's rule)")
     if rollout is not None and len(rollout) != e.tp_size * e.dp_size:
         raise ConfigError(f"--rollout-devices {e.rollout_devices} names {len(rollout)} devices, but the engine has "
                           f"tp_size {e.tp_size} x dp_size {e.dp_size} = {e.tp_size * e.dp_size}")

@@ -21,6 +21,8 @@ are small and built offline (nothing may be fetched from a hub):
   tokenizer class, Qwen3-VL's preprocessing and `tiny_qwen3_5_hf_config` (3 linear : 1 full attention).
 - Qwen3-VL-MoE (`arch="qwen3_vl_moe"`): Qwen3-VL's template, tokenizer and preprocessing with
   `tiny_qwen3_vl_moe_hf_config` (one routed MoE layer of 4 experts, top-2, and one dense layer).
+- Qwen3.5-MoE (`arch="qwen3_5_moe"`): Qwen3.5's template, tokenizer and preprocessing with
+  `tiny_qwen3_5_moe_hf_config` (the tiny Qwen3.5's stack, every MLP 4 routed experts + a gated shared expert).
 - Qwen2.5-VL (`arch="qwen2_5_vl"`): `QWEN2_5_VL_CHAT_TEMPLATE` (default system
   prompt, no tool rendering), patch-14 CLIP-normalized preprocessing and
   `tiny_qwen2_5_vl_hf_config`; `TINY_CHAT_TEMPLATES` / `TINY_HF_CONFIGS` map
@@ -431,6 +433,7 @@ _PREPROCESSING: dict[str, tuple[int, tuple[float, ...], tuple[float, ...], str]]
     "qwen3_vl": (16, (0.5, 0.5, 0.5), (0.5, 0.5, 0.5), "Qwen3VLProcessor"),
     "qwen3_5": (16, (0.5, 0.5, 0.5), (0.5, 0.5, 0.5), "Qwen3VLProcessor"),  # Qwen3.5 ships Qwen3-VL's processor
     "qwen3_vl_moe": (16, (0.5, 0.5, 0.5), (0.5, 0.5, 0.5), "Qwen3VLProcessor"),
+    "qwen3_5_moe": (16, (0.5, 0.5, 0.5), (0.5, 0.5, 0.5), "Qwen3VLProcessor"),  # as Qwen3.5
     "qwen2_5_vl": (14, CLIP_IMAGE_MEAN, CLIP_IMAGE_STD, "Qwen2_5_VLProcessor"),
 }
 TINY_ARCHS: tuple[str, ...] = tuple(_PREPROCESSING)
@@ -724,10 +727,28 @@ def tiny_qwen3_vl_moe_hf_config(tokenizer: PreTrainedTokenizerFast, **overrides:
     return config
 
 
+def tiny_qwen3_5_moe_hf_config(tokenizer: PreTrainedTokenizerFast, **overrides: Any) -> dict[str, Any]:
+    """A transformers-5 `Qwen3_5MoeConfig` dict for a small random Qwen3.5-MoE matching `tokenizer`.
+
+    The tiny Qwen3.5's hybrid stack (3 Gated DeltaNet layers, then 1 gated full attention) whose every MLP is 4
+    routed experts of width 32, top-2 (renormalised), plus a gated shared expert of width 64; no dense
+    `intermediate_size`, as the released configs. `overrides` as in `tiny_qwen3_vl_hf_config`.
+    """
+    base = tiny_qwen3_5_hf_config(tokenizer)
+    text = {k: v for k, v in base["text_config"].items() if k != "intermediate_size"}
+    text.update(model_type="qwen3_5_moe_text", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                shared_expert_intermediate_size=64, router_aux_loss_coef=0.001)
+    config: dict[str, Any] = dict(base, architectures=["Qwen3_5MoeForConditionalGeneration"], model_type="qwen3_5_moe",
+                                  text_config=text, vision_config=dict(base["vision_config"], model_type="qwen3_5_moe_vision"))
+    return _merge_overrides(config, overrides)
+
+
 # Per architecture (config.json model_type): the chat template, config builder and tokenizer class of its tiny model.
 TINY_CHAT_TEMPLATES: dict[str, str] = {"qwen3_vl": QWEN3_VL_CHAT_TEMPLATE, "qwen2_5_vl": QWEN2_5_VL_CHAT_TEMPLATE,
-                                       "qwen3_5": QWEN3_5_CHAT_TEMPLATE, "qwen3_vl_moe": QWEN3_VL_CHAT_TEMPLATE}
+                                       "qwen3_5": QWEN3_5_CHAT_TEMPLATE, "qwen3_vl_moe": QWEN3_VL_CHAT_TEMPLATE,
+                                       "qwen3_5_moe": QWEN3_5_CHAT_TEMPLATE}
 TINY_HF_CONFIGS = {"qwen3_vl": tiny_qwen3_vl_hf_config, "qwen2_5_vl": tiny_qwen2_5_vl_hf_config,
-                   "qwen3_5": tiny_qwen3_5_hf_config, "qwen3_vl_moe": tiny_qwen3_vl_moe_hf_config}
-TINY_PRETOKENIZE_REGEX = {"qwen3_5": QWEN3_5_PRETOKENIZE_REGEX}  # the others: Qwen2's
-TINY_TOKENIZER_CLASS = {"qwen3_5": "Qwen3_5Tokenizer"}  # the others: Qwen2Tokenizer
+                   "qwen3_5": tiny_qwen3_5_hf_config, "qwen3_vl_moe": tiny_qwen3_vl_moe_hf_config,
+                   "qwen3_5_moe": tiny_qwen3_5_moe_hf_config}
+TINY_PRETOKENIZE_REGEX = {"qwen3_5": QWEN3_5_PRETOKENIZE_REGEX, "qwen3_5_moe": QWEN3_5_PRETOKENIZE_REGEX}  # others: Qwen2's
+TINY_TOKENIZER_CLASS = {"qwen3_5": "Qwen3_5Tokenizer", "qwen3_5_moe": "Qwen3_5Tokenizer"}  # the others: Qwen2Tokenizer

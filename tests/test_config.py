@@ -240,3 +240,10 @@ def test_every_shipped_run_config_resolves():
     assert (three_b.optim.lr, three_b.rollout.n_samples_per_prompt, three_b.rollout.rollout_temperature) == (1e-6, 5, 1.0)
     assert (three_b.algo.use_kl_loss, three_b.algo.kl_loss_type, three_b.algo.kl_loss_coef) == (True, "low_var_kl", 0.01)
     assert three_b.model.hf_checkpoint.endswith("Qwen2.5-VL-3B-Instruct") and three_b.multiturn.max_turns == 3
+    # Qwen3.5-2B: slime's run_geo3k_qwen35.sh (T 0.8, constant lr 1e-6, eval every 20) with the 2B's non-thinking
+    # default spelled out, so the prompt, the deltas and the finalize check render alike.
+    q35 = load_config(str(root / "configs/geo3k_qwen3_5_2b.yaml"), ["--custom-config-path", str(root / "configs/geo3k_multiturn.yaml")])
+    assert q35.model.hf_checkpoint.endswith("Qwen3.5-2B") and q35.multiturn.max_turns == 3
+    assert q35.multiturn.apply_chat_template_kwargs == {"enable_thinking": False}
+    assert (q35.rollout.rollout_temperature, q35.optim.lr, q35.optim.lr_decay_style, q35.eval.eval_interval) == (0.8, 1e-6, "constant", 20)
+    assert (q35.rollout.n_samples_per_prompt, q35.rollout.rollout_max_response_len) == (8, 4096)

@@ -5,6 +5,9 @@ for the linear ones) against transformers' PyTorch Qwen3.5 and the trainer's ful
   second turn continues from the state the first left (`cached_tokens` is exactly the first turn's fed tokens);
 - a GRPO group of 8 prefills its image prompt once: the first sample keeps the state before the last prompt token,
   the other 7 copy it and compute that one token; their log-probs at T = 0.7 equal the trainer's;
+- tensor-parallel (tp 2) and tp 2 x dp 2 engines give the one-device engine's tokens, log-probs and `cached_tokens`;
+- weights updated in memory (no flush) serve what a new engine on those weights serves, and no prefix or state
+  snapshot of the old weights is reused;
 - `make-tiny --arch qwen3_5` writes a checkpoint that transformers loads with our logits, with Qwen3.5's tokenizer
   class, pre-tokenizer and thinking template.
 """
@@ -12,7 +15,10 @@ for the linear ones) against transformers' PyTorch Qwen3.5 and the trainer's ful
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -108,6 +114,87 @@ async def test_a_group_of_8_prefills_its_image_prompt_once_and_matches_the_train
     for r in results:  # each sample's state came from the snapshot: its log-probs are the full forward's
         trainer = our_logits_logprobs(engine, seg.train_ids, r.output_ids, seg.mm_inputs, temperature=temperature)
         np.testing.assert_allclose(r.output_log_probs, trainer, atol=TOL, rtol=0)
+
+
+GREEDY_6 = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}
+
+
+def _episode_start(encoder: ChatEncoder, make_test_image) -> Conversation:
+    return Conversation(encoder, [image_item(make_test_image(3, (96, 64))), text_item("Which color is the square?")])
+
+
+async def _two_turns(engine: EmbeddedEngine, encoder: ChatEncoder, make_test_image) -> list:
+    """Greedy results of a two-turn episode (a picture in the prompt, a new one in the observation) from a flushed
+    engine: the second turn continues from the state the first stored."""
+    conv = _episode_start(encoder, make_test_image)
+    async with client(engine) as c:
+        await c.flush_cache()
+        first = await c.generate(conv.ids, image_data=conv.images, sampling_params=GREEDY_6)
+        conv.add_turn(first.output_ids, [image_item(make_test_image(4, (64, 96))), text_item("And now?")])
+        second = await c.generate(conv.ids, image_data=conv.images, sampling_params=GREEDY_6)
+    return [first, second]
+
+
+def _assert_same_results(got: list, want: list) -> None:
+    for g, w in zip(got, want, strict=True):
+        assert (g.output_ids, g.cached_tokens, g.prompt_tokens) == (w.output_ids, w.cached_tokens, w.prompt_tokens)
+        np.testing.assert_allclose(g.output_log_probs, w.output_log_probs, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("tp,dp", [(2, 2), (2, 1)])
+async def test_tensor_and_data_parallel_engines_equal_the_one_device_engine(served, make_test_image, tp, dp):
+    """The linear layers' heads and state split over `tensor` (2 key heads, 4 value heads: 1 and 2 per device), the
+    conv and recurrent state snapshots per replica: tokens, log-probs and `cached_tokens` are the one-device engine's."""
+    engine, _, encoder = served
+    want = await _two_turns(engine, encoder, make_test_image)
+    assert want[1].cached_tokens > 0 and len(set(want[0].output_ids + want[1].output_ids)) > 2
+    # Devices 4.. (not the first n): tp 2 alone runs on dp 2's first replica's devices, whose programs it can reuse
+    # from the compilation cache.
+    options = dataclasses.replace(engine.config, tp_size=tp, dp_size=dp, device_ids=tuple(range(4, 4 + tp * dp)))
+    with EmbeddedEngine(engine.model_dir, config=options) as sharded:
+        runners = sharded.engine.runners
+        assert len(runners) == dp
+        layer = runners[0].cfg.text.linear_layers[0]
+        kernel = runners[0].params["layers"][layer]["linear_attn"]["v_kernel_dhv"].get_value()
+        assert kernel.addressable_shards[0].data.shape[1] == kernel.shape[1] // tp  # value heads split over tp
+        got = await _two_turns(sharded, ChatEncoder(sharded.engine.tokenizer, sharded.engine.image_processor),
+                               make_test_image)
+    _assert_same_results(got, want)
+
+
+async def test_in_memory_weight_update_serves_a_fresh_engine_and_no_stale_state(served, make_test_image, tmp_path):
+    """New weights staged in memory and swapped in without a flush: the prefix cache and the conv / recurrent state
+    snapshots of the old weights are never served (the next request prefills from 0), and every output is what a new
+    engine built on those weights from disk gives, including a second turn continuing from a post-update state."""
+    from flax import nnx
+
+    from jaxrl_vlm.models import from_hf, to_hf
+    from rollout.sglang_wire import IN_MEMORY_LOAD_FORMAT
+
+    engine, _, encoder = served
+    before = await _two_turns(engine, encoder, make_test_image)  # leaves both turns' prefixes and states cached
+    model = from_hf(engine.model_dir)
+    rng = np.random.default_rng(5)
+    state = jax.tree.map(lambda x: x + jnp.asarray(rng.normal(0, 0.05, x.shape), x.dtype), nnx.state(model, nnx.Param))
+    nnx.update(model, state)
+    to_hf(model, tmp_path / "v1", dtype=jnp.float32, copy_from=engine.model_dir)  # fp32: the staged values exactly
+    conv = _episode_start(encoder, make_test_image)
+    try:
+        engine.engine.stage_weights("v1", state)
+        async with client(engine) as c:
+            answer = await c.update_weights_from_disk("v1", "1", load_format=IN_MEMORY_LOAD_FORMAT, flush_cache=False)
+            assert answer["success"], answer
+            stale = await c.generate(conv.ids, image_data=conv.images, sampling_params=GREEDY_6)
+        assert stale.cached_tokens == 0 and stale.weight_version == "1"
+        after = await _two_turns(engine, encoder, make_test_image)
+        with EmbeddedEngine(str(tmp_path / "v1"), config=engine.config) as fresh:
+            want = await _two_turns(fresh, encoder, make_test_image)
+        assert [r.output_ids for r in want] != [r.output_ids for r in before], "the new weights change nothing"
+        _assert_same_results([stale], want[:1])
+        _assert_same_results(after, want)
+    finally:  # the module's engine serves the transformers reference's weights again
+        async with client(engine) as c:
+            assert (await c.update_weights_from_disk(engine.model_dir, "default"))["success"]
 
 
 @pytest.mark.slow

@@ -116,6 +116,75 @@ def test_checkpoint_killed_mid_write_is_never_restored(tmp_path):
     assert not any(".orbax-checkpoint-tmp" in p.name for p in ckpt.iterdir())
 
 
+def _text_episodes(vocab: int) -> list:
+    """Two groups of four finished text episodes (prompt, model turn, observation, closing turn) from token ids."""
+    from rollout.sample import Sample, Status
+
+    rng = np.random.default_rng(1)
+    samples = []
+    for g in range(2):
+        prompt = rng.integers(10, vocab - 10, size=20 + 7 * g).tolist()
+        for i in range(4):
+            s = Sample(group_index=g, index=i, prompt=[{"role": "user", "content": "x"}], label="1")
+            s.set_prompt_tokens(prompt)
+            n = 6 + 3 * i
+            s.append_model_tokens(rng.integers(10, vocab - 10, size=n).tolist(), (-rng.uniform(0.1, 3.0, size=n)).tolist())
+            s.append_observation_tokens(rng.integers(10, vocab - 10, size=5).tolist())
+            s.append_model_tokens([int(rng.integers(10, vocab - 10))], [-0.2])
+            s.reward = float((i + g) % 3)
+            s.set_status(Status.COMPLETED)
+            samples.append(s)
+    return samples
+
+
+def test_qwen3_5_resumes_from_its_orbax_checkpoint_exactly(tmp_path):
+    """A tiny Qwen3.5 (linear-attention A_log / dt_bias / conv kernels among its parameters) through the main job's
+    own checkpoint path (`CheckpointCadence.save`, then `restore` for --load): parameters, Adam moments, step and
+    RNG come back bit for bit, and the next step from them gives the same metrics and the same new state as the
+    step that followed the save in the uninterrupted run. Text-only episodes and a weights-only checkpoint keep it
+    cheap (no tokenizer files, no vision tower in the compiled step)."""
+    import json
+
+    from flax import nnx
+
+    from jaxrl_vlm.job.checkpointing import CheckpointCadence, restore
+    from jaxrl_vlm.models import to_hf
+    from jaxrl_vlm.models.hf_io import abstract_model
+    from jaxrl_vlm.tiny import tiny_model_config
+
+    cfg_model = tiny_model_config(arch="qwen3_5")
+    model = tmp_path / "tiny_qwen3_5"
+    # Host-drawn weights into the abstract model: an initializer would run one eager program per tensor (~20 s here).
+    shell, rng = abstract_model(cfg_model), np.random.default_rng(3)
+    nnx.update(shell, jax.tree.map(lambda s: jax.numpy.asarray(rng.normal(0, 0.05, s.shape).astype(np.float32)),
+                                   nnx.state(shell, nnx.Param)))
+    to_hf(shell, model, dtype=jax.numpy.float32)
+    (model / "config.json").write_text(json.dumps(cfg_model.to_hf_dict()))
+    argv = ["--hf-checkpoint", str(model), "--lr", "1e-2", "--seq-buckets", "64", "--row-buckets", "8",
+            "--patch-buckets", "0", "--logprob-chunk-size", "64", "--mesh-data", "1", "--output-dir", str(tmp_path / "run")]
+    cfg = load_config(None, argv)
+    trainer = Trainer(cfg, devices=jax.devices()[:1])
+    trainer.build_policy(model)
+    samples = _text_episodes(cfg_model.text.vocab_size)
+    trainer.train_on(samples)
+    cadence = CheckpointCadence(cfg, tmp_path / "run")
+    cadence.save(1, trainer.state, weight_version=1, prompt_iterator={}, driver_state=None)
+    cadence.close()
+    saved = [np.asarray(x) for x in jax.tree.leaves(trainer.state)]  # the step donates its state: copy it out first
+    uninterrupted = trainer.train_on(samples)
+    after = [np.asarray(x) for x in jax.tree.leaves(trainer.state)]
+    assert any(not np.array_equal(a, b) for a, b in zip(after, saved))
+
+    point = restore(load_config(None, [*argv, "--load", str(tmp_path / "run" / "checkpoints")]), trainer.state)
+    assert (point.step, point.weight_version) == (1, 1)
+    restored = jax.tree.leaves(point.state)
+    assert len(restored) == len(saved) and all(np.array_equal(np.asarray(a), b) for a, b in zip(restored, saved))
+    trainer.state = point.state
+    resumed = trainer.train_on(samples)
+    assert resumed == uninterrupted and uninterrupted["train/loss_total"] != 0.0
+    assert all(np.array_equal(np.asarray(a), b) for a, b in zip(jax.tree.leaves(trainer.state), after))
+
+
 # ------------------------------------------------------------------------------------------- weight sync
 async def test_weight_sync_keeps_old_version_until_success_and_stops_on_failure(trainer, tmp_path, tiny_dir):
     model = trainer.policy_model()

@@ -142,7 +142,7 @@ def load_params_state(path: str | os.PathLike, cfg: ModelConfig, like: nnx.State
     flat = dict(nnx.to_flat_state(like))
     new_values: dict[tuple, jax.Array] = {}
     for link in links:
-        parts = link.to_ours(reader.get(link.hf_key))
+        parts = link.to_ours(hf_io.read_link(reader, link))  # any stored layout (transposed, per-expert)
         for our_path, part in zip(link.ours, parts):
             if our_path not in flat:
                 raise RuntimeError(f"engine model has no parameter {our_path} for {link.hf_key}")

@@ -1,5 +1,5 @@
-"""Flax NNX Qwen-VL families (Qwen3-VL, Qwen2.5-VL, Qwen3.5, Qwen3-VL-MoE): configs, host-side positions, models,
-HF import/export.
+"""Flax NNX Qwen-VL families (Qwen3-VL, Qwen2.5-VL, Qwen3.5, Qwen3-VL-MoE, Qwen3.5-MoE): configs, host-side
+positions, models, HF import/export.
 
 One file per family (`qwen3_vl.py`, `qwen2_5_vl.py`) on the shared layers (`layers.py`), found by model_type in
 the registry (`families.py`).
@@ -29,6 +29,7 @@ _EXPORTS = {
     "Qwen3_5Config": "config", "Qwen35TextConfig": "config", "Qwen3_5": "qwen3_5", "HybridCache": "qwen3_5",
     "Qwen3VLMoeConfig": "config", "Qwen3VLMoeTextConfig": "config", "Qwen3VLMoe": "qwen3_vl_moe",
     "SparseMoE": "moe", "Routing": "moe", "load_balancing_loss": "moe", "expert_load": "moe",
+    "Qwen3_5MoeConfig": "config", "Qwen35MoeTextConfig": "config", "Qwen3_5Moe": "qwen3_5_moe",
 }
 __all__ = sorted(_EXPORTS)
 

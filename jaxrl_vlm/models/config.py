@@ -3,7 +3,8 @@
 Two families share the text decoder config (`TextConfig`) and differ in the vision tower:
 `Qwen3VLConfig` (learned position grid, deepstack, interleaved M-RoPE) and `Qwen25VLConfig` (window
 attention, RMSNorm + SwiGLU blocks, contiguous M-RoPE, q/k/v bias, no q/k norm); `Qwen3VLMoeConfig` is
-Qwen3-VL's with routed-expert fields in its text config (`Qwen3VLMoeTextConfig`). Each family is registered
+Qwen3-VL's with routed-expert fields in its text config (`Qwen3VLMoeTextConfig`), `Qwen3_5MoeConfig` Qwen3.5's
+with routed and shared experts (`Qwen35MoeTextConfig`). Each family is registered
 here (`families.register`: model_type, config class, parser, the file of its model); `from_hf_dict` is the
 one place that reads `config.json`'s `model_type`, and everything downstream finds the family from the
 config's type (`families.family_of`). This module never imports jax.
@@ -809,14 +810,108 @@ def qwen3_vl_moe_from_hf_dict(d: dict[str, Any]) -> Qwen3VLMoeConfig:
     return Qwen3VLMoeConfig(text=text, vision=base.vision, **top)
 
 
+# ----------------------------------------------------------------------------- Qwen3.5-MoE
+
+# text_config keys that transformers' Qwen3.5-MoE does not have (it has a shared expert, routes every layer and
+# always renormalises the top-k), with the values under which they change nothing.
+_QWEN3_5_MOE_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    **{k: v for k, v in _QWEN3_VL_MOE_UNSUPPORTED.items() if k != "shared_expert_intermediate_size"},
+    "norm_topk_prob": (None, True),
+    "decoder_sparse_step": (None, 1),
+    "mlp_only_layers": (None, [], ()),
+}
+
+
+@dataclass(frozen=True)
+class Qwen35MoeTextConfig(Qwen35TextConfig):
+    """Qwen3.5-MoE's hybrid text decoder (HF `text_config` of model_type `qwen3_5_moe_text`): Qwen3.5's linear and
+    full-attention layers, each with an MoE MLP: `num_experts` routed SwiGLU experts of width
+    `moe_intermediate_size` (top `num_experts_per_tok` of a softmax, renormalised) plus one shared SwiGLU expert that
+    every token passes through, scaled by a per-token sigmoid gate. `intermediate_size` is that shared expert's width
+    (HF's `shared_expert_intermediate_size`): the family has no other dense MLP."""
+
+    num_experts: int = 0
+    num_experts_per_tok: int = 1
+    moe_intermediate_size: int = 0
+    router_aux_loss_coef: float = 0.001
+    norm_topk_prob: ClassVar[bool] = True  # transformers' Qwen3.5-MoE router always renormalises the top-k
+
+    @property
+    def shared_expert_intermediate_size(self) -> int:
+        return self.intermediate_size
+
+    @property
+    def sparse_layers(self) -> tuple[int, ...]:
+        """Decoder layers with a routed MoE block, in order (the index space of routing arrays): all of them."""
+        return tuple(range(self.num_hidden_layers))
+
+    def validate(self) -> None:
+        super().validate()
+        if self.num_experts < 1:
+            raise ConfigError(f"text_config.num_experts must be >= 1, got {self.num_experts}")
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ConfigError(f"text_config.num_experts_per_tok={self.num_experts_per_tok} must lie in "
+                              f"[1, num_experts={self.num_experts}]")
+        if self.moe_intermediate_size <= 0:
+            raise ConfigError(f"text_config.moe_intermediate_size must be positive, got {self.moe_intermediate_size}")
+
+
+@dataclass(frozen=True)
+class Qwen3_5MoeConfig(Qwen3_5Config):
+    """Qwen3.5-MoE: Qwen3.5's hybrid decoder with routed + shared-expert MLPs, and its vision tower."""
+
+    model_type: ClassVar[str] = "qwen3_5_moe"
+    text: Qwen35MoeTextConfig
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """transformers-5 style `config.json` content, loadable by transformers' `Qwen3_5MoeConfig`."""
+        t, dense = self.text, super().to_hf_dict()
+        text = {k: v for k, v in dense["text_config"].items() if k != "intermediate_size"}
+        text.update(model_type="qwen3_5_moe_text", num_experts=t.num_experts, num_experts_per_tok=t.num_experts_per_tok,
+                    moe_intermediate_size=t.moe_intermediate_size,
+                    shared_expert_intermediate_size=t.shared_expert_intermediate_size,
+                    router_aux_loss_coef=t.router_aux_loss_coef)
+        vision = dict(dense["vision_config"], model_type="qwen3_5_moe_vision")
+        return dict(dense, architectures=["Qwen3_5MoeForConditionalGeneration"], text_config=text, vision_config=vision)
+
+
+def qwen3_5_moe_from_hf_dict(d: dict[str, Any]) -> Qwen3_5MoeConfig:
+    """Parse an HF Qwen3.5-MoE `config.json` dict (released, or as transformers 5 saves it). Missing MoE fields take
+    transformers' defaults; keys of MoE variants this family does not implement are errors unless neutral."""
+    t = d.get("text_config")
+    if not isinstance(t, dict):
+        raise ConfigError("config has no 'text_config' object")
+    for key, neutral in _QWEN3_5_MOE_UNSUPPORTED.items():
+        if key in t and t[key] not in neutral:
+            raise ConfigError(f"text_config.{key}={t[key]!r} is not supported by qwen3_5_moe (every layer routes over "
+                              f"its experts and has a gated shared expert; expected one of {list(neutral)})")
+    shared = int(t.get("shared_expert_intermediate_size", 512))
+    if shared <= 0:
+        raise ConfigError(f"text_config.shared_expert_intermediate_size={shared}: qwen3_5_moe's every layer has a "
+                          "shared expert, whose width must be positive")
+    # Qwen3.5's parser reads the hybrid stack; the shared expert's width stands in for the dense MLP's.
+    base = qwen3_5_from_hf_dict(dict(d, text_config=dict(t, intermediate_size=shared)))
+    fields = {f.name: getattr(base.text, f.name) for f in dataclasses.fields(Qwen35TextConfig)}
+    text = Qwen35MoeTextConfig(
+        **fields,
+        num_experts=int(t.get("num_experts", 256)),
+        num_experts_per_tok=int(t.get("num_experts_per_tok", 8)),
+        moe_intermediate_size=int(t.get("moe_intermediate_size", 512)),
+        router_aux_loss_coef=float(t.get("router_aux_loss_coef", 0.001)),
+    )
+    top = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.name not in ("text", "vision")}
+    return Qwen3_5MoeConfig(text=text, vision=base.vision, **top)
+
+
 # The families, keyed by `config.json`'s model_type: config class, parser and the file of the model (`families.py`).
 register(Family(Qwen3VLConfig.model_type, Qwen3VLConfig, qwen3_vl_from_hf_dict, "jaxrl_vlm.models.qwen3_vl"))
 register(Family(Qwen25VLConfig.model_type, Qwen25VLConfig, qwen2_5_vl_from_hf_dict, "jaxrl_vlm.models.qwen2_5_vl"))
 register(Family(Qwen3_5Config.model_type, Qwen3_5Config, qwen3_5_from_hf_dict, "jaxrl_vlm.models.qwen3_5"))
 register(Family(Qwen3VLMoeConfig.model_type, Qwen3VLMoeConfig, qwen3_vl_moe_from_hf_dict, "jaxrl_vlm.models.qwen3_vl_moe"))
+register(Family(Qwen3_5MoeConfig.model_type, Qwen3_5MoeConfig, qwen3_5_moe_from_hf_dict, "jaxrl_vlm.models.qwen3_5_moe"))
 # model_type -> parser, read from the registry (the config's choices of `--make-tiny-arch`, `make-tiny --arch`).
 FAMILY_PARSERS: dict[str, Callable[[dict[str, Any]], Any]] = {name: f.from_hf_dict for name, f in FAMILIES.items()}
-ModelConfig = Qwen3VLConfig | Qwen25VLConfig | Qwen3_5Config | Qwen3VLMoeConfig
+ModelConfig = Qwen3VLConfig | Qwen25VLConfig | Qwen3_5Config | Qwen3VLMoeConfig | Qwen3_5MoeConfig
 
 
 def from_hf_dict(d: dict[str, Any]) -> ModelConfig:
@@ -922,12 +1017,107 @@ def qwen2_5_vl_3b_instruct() -> Qwen25VLConfig:
     )
 
 
+def _qwen3_5_dense(*, hidden: int, mlp: int, layers: int, heads: int, kv_heads: int, linear_v_heads: int,
+                   vision: tuple[int, int, int, int], tied: bool) -> Qwen3_5Config:
+    """A released Qwen3.5 dense architecture. What every size shares (the model cards' 'Token Embedding 248320',
+    'Head Dimension 256' / '128', 'Rotary Position Embedding Dimension: 64', 16 linear key heads, 3 linear : 1 full)
+    is fixed here; `vision` is the tower's (depth, hidden_size, intermediate_size, num_heads)."""
+    depth, v_hidden, v_mlp, v_heads = vision
+    return Qwen3_5Config(
+        text=Qwen35TextConfig(
+            vocab_size=248320, hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=layers,
+            num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=256,
+            layer_types=_qwen3_5_layer_types({"full_attention_interval": 4}, layers),
+            linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
+            linear_num_value_heads=linear_v_heads, rope_theta=10_000_000.0, partial_rotary_factor=0.25,
+            mrope_section=(11, 11, 10), max_position_embeddings=262144,
+        ),
+        vision=VisionConfig(depth=depth, hidden_size=v_hidden, intermediate_size=v_mlp, num_heads=v_heads,
+                            out_hidden_size=hidden, num_position_embeddings=2304, deepstack_visual_indexes=()),
+        tie_word_embeddings=tied,
+    )
+
+
+# Sources. Text: each model card's "Model Overview" (Qwen/Qwen3.5-<size> README: hidden, layers, heads, FFN, tying).
+# Vision: a copy of the released config.json's vision_config, as named per size.
+def qwen3_5_0_8b() -> Qwen3_5Config:
+    """Qwen3.5-0.8B: card; vision from a test fixture mirroring Qwen/Qwen3.5-0.8B's config.json (12 x 768)."""
+    return _qwen3_5_dense(hidden=1024, mlp=3584, layers=24, heads=8, kv_heads=2, linear_v_heads=16,
+                          vision=(12, 768, 3072, 12), tied=True)
+
+
+def qwen3_5_2b() -> Qwen3_5Config:
+    """Qwen3.5-2B: card; vision from the config.json of a byte-identical-architecture fine-tune (24 x 1024)."""
+    return _qwen3_5_dense(hidden=2048, mlp=6144, layers=24, heads=8, kv_heads=2, linear_v_heads=16,
+                          vision=(24, 1024, 4096, 16), tied=True)
+
+
+def qwen3_5_4b() -> Qwen3_5Config:
+    """Qwen3.5-4B: card; vision from the config.json of a fine-tune with the card's text config (24 x 1024)."""
+    return _qwen3_5_dense(hidden=2560, mlp=9216, layers=32, heads=16, kv_heads=4, linear_v_heads=32,
+                          vision=(24, 1024, 4096, 16), tied=True)
+
+
+def qwen3_5_9b() -> Qwen3_5Config:
+    """Qwen3.5-9B: card, and a fixture copy of its config.json (revision c2022362; 27 x 1152 tower, untied)."""
+    return _qwen3_5_dense(hidden=4096, mlp=12288, layers=32, heads=16, kv_heads=4, linear_v_heads=32,
+                          vision=(27, 1152, 4304, 16), tied=False)
+
+
+def qwen3_5_27b() -> Qwen3_5Config:
+    """Qwen3.5-27B: card and slime scripts/models/qwen3.5-27B.sh (untied); 27 x 1152 tower as in its quant cards."""
+    return _qwen3_5_dense(hidden=5120, mlp=17408, layers=64, heads=24, kv_heads=4, linear_v_heads=48,
+                          vision=(27, 1152, 4304, 16), tied=False)
+
+
+def qwen3_vl_30b_a3b() -> Qwen3VLMoeConfig:
+    """Qwen3-VL-30B-A3B: slime scripts/models/qwen3-vl-30b-a3b.sh (text, experts) and the released GGUF's metadata
+    (vision: 27 blocks of 1152, deepstack 8/16/24; the 1152-wide tower's MLP is 4304 as in Qwen3-VL-8B)."""
+    return Qwen3VLMoeConfig(
+        text=Qwen3VLMoeTextConfig(
+            vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+            num_attention_heads=32, num_key_value_heads=4, head_dim=128, rope_theta=5_000_000.0,
+            mrope_section=(24, 20, 20), max_position_embeddings=262144,
+            num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+        ),
+        vision=VisionConfig(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=2048,
+                            num_position_embeddings=2304, deepstack_visual_indexes=(8, 16, 24)),
+        tie_word_embeddings=False,
+    )
+
+
+# Qwen3.5-35B-A3B (the qwen3_5_moe family). Card: 40 layers = 10 x (3 linear + 1 full),
+# hidden 2048, 248320 vocabulary (untied), gated attention 16 Q / 2 KV heads of 256 (rotary 64), Gated DeltaNet
+# 16 QK / 32 V heads of 128; 256 experts, 8 routed + 1 shared, expert intermediate 512. slime
+# scripts/models/qwen3.5-35B-A3B.sh agrees (--num-experts 256 --moe-router-topk 8 --moe-ffn-hidden-size 512
+# --moe-shared-expert-intermediate-size 512 --moe-shared-expert-gate, softmax router, every layer sparse).
+# config.json copies of the same architecture (Qwen3.6-35B-A3B) add: num_experts_per_tok 8,
+# shared_expert_intermediate_size 512, router_aux_loss_coef 0.001, no dense `intermediate_size`; vision tower
+# 27 x 1152 (MLP 4304, 16 heads) -> 2048.
+def qwen3_5_35b_a3b() -> Qwen3_5MoeConfig:
+    """Qwen3.5-35B-A3B from the sources above; the hybrid stack's shared values (head 256, rotary 0.25, M-RoPE
+    [11, 11, 10], theta 1e7, linear heads of 128) as the dense sizes'. `intermediate_size` is the shared expert's."""
+    dense = _qwen3_5_dense(hidden=2048, mlp=512, layers=40, heads=16, kv_heads=2, linear_v_heads=32,
+                           vision=(27, 1152, 4304, 16), tied=False)
+    text = Qwen35MoeTextConfig(**{f.name: getattr(dense.text, f.name) for f in dataclasses.fields(Qwen35TextConfig)},
+                               num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+                               router_aux_loss_coef=0.001)
+    return Qwen3_5MoeConfig(text=text, vision=dense.vision, tie_word_embeddings=False)
+
+
 # The one table of named architectures (the benchmark's `--model`, tests). The `tiny` test model is not
 # here: its special-token ids come from the tiny tokenizer that `jaxrl_vlm.tiny` trains.
 MODEL_PRESETS: dict[str, Callable[[], ModelConfig]] = {
     "small": small_model_config,
     "qwen3_vl_2b": qwen3_vl_2b_instruct,
     "qwen2_5_vl_3b": qwen2_5_vl_3b_instruct,
+    "qwen3_5_0_8b": qwen3_5_0_8b,
+    "qwen3_5_2b": qwen3_5_2b,
+    "qwen3_5_4b": qwen3_5_4b,
+    "qwen3_5_9b": qwen3_5_9b,
+    "qwen3_5_27b": qwen3_5_27b,
+    "qwen3_vl_30b_a3b": qwen3_vl_30b_a3b,
+    "qwen3_5_35b_a3b": qwen3_5_35b_a3b,
 }
 
 

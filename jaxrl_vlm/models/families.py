@@ -126,6 +126,9 @@ class FamilyModel:
     init_std: (path, shape, cfg) -> std of the tiny model's scaled init (`tiny.py`), or None to keep the
       constructor's value, for the family's parameters whose names the generic rule does not know (it covers
       norms, biases, embeddings and einsum-named `*_kernel_*` matrices).
+    ignored_checkpoint_keys: regexes (`re.search`) of checkpoint tensors that import skips, exactly those the
+      family's transformers class ignores (its `_keys_to_ignore_on_load_unexpected`); any other tensor the
+      family does not read is an error.
     """
 
     model_class: Callable[..., PolicyModel]
@@ -135,6 +138,7 @@ class FamilyModel:
     decode: Decode
     stored_tensor_name: Callable[[str], str] = lambda key: key
     init_std: Callable[[tuple[Any, ...], tuple[int, ...], Any], float | None] | None = None
+    ignored_checkpoint_keys: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

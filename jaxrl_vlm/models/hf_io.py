@@ -11,7 +11,12 @@ Import reads `model.safetensors` or shards listed in `model.safetensors.index.js
 memory-mapped safetensors reader (bf16 included, via ml_dtypes), converts torch layouts to ours with
 numpy *views*, and fills an `nnx.eval_shape` model, so neither a random init nor a whole checkpoint
 is ever materialised. With `shardings_for`, each tensor goes straight into its sharding through
-`jax.make_array_from_callback`, which reads only the slice each device needs.
+`jax.make_array_from_callback`, which reads only the slice each device needs. A tensor may be stored in another
+layout (`Link.stored_layouts`: released Qwen3-VL-MoE's transposed experts) or split into several tensors
+(`Link.stored_splits`: Qwen3.5-MoE's experts one by one, as transformers saves them; joined into one host copy of
+that tensor). Tensors that the family's transformers class ignores on load (`FamilyModel.ignored_checkpoint_keys`:
+Qwen3.5's multi-token-prediction head `mtp.*`) are skipped and counted in the log; any other unread tensor is an
+error.
 
 Export writes HF key names and torch layouts, bf16 by default, safetensors metadata
 `{"format": "pt"}`, shard by shard and tensor by tensor: a shard's header is computed from shapes
@@ -24,11 +29,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
+import re
 import shutil
 import struct
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Container, Iterable
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +45,9 @@ from flax import nnx
 
 from jaxrl_vlm.models.config import ModelConfig, from_hf_dict
 from jaxrl_vlm.models.families import PolicyModel, family_model
-from jaxrl_vlm.models.hf_links import Link, ParamPath, current_tensor_name
+from jaxrl_vlm.models.hf_links import Link, ParamPath, SplitLayout, current_tensor_name
+
+logger = logging.getLogger(__name__)
 
 ShardingsFor = Callable[[tuple[str | None, ...]], jax.sharding.Sharding]
 
@@ -101,6 +110,9 @@ class SafetensorsReader:
 
     def keys(self) -> list[str]:
         return list(self._entries)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
 
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self._entries[key][1]["shape"])
@@ -176,14 +188,49 @@ def param_count(cfg: ModelConfig) -> int:
     return int(sum(int(np.prod(var.get_value().shape)) for _, var in nnx.to_flat_state(state)))
 
 
-def check_checkpoint_keys(reader: SafetensorsReader, links: list[Link], cfg: ModelConfig) -> None:
+def ignored_checkpoint_keys(keys: Iterable[str], cfg: ModelConfig) -> list[str]:
+    """The keys among `keys` that `cfg`'s family ignores on load, as its transformers class does
+    (`FamilyModel.ignored_checkpoint_keys`: e.g. Qwen3.5's multi-token-prediction head `mtp.*`)."""
+    patterns = [re.compile(p) for p in family_model(cfg).ignored_checkpoint_keys]
+    return sorted(k for k in keys if any(p.search(k) for p in patterns))
+
+
+def _stored_split(present: Container[str], link: Link) -> SplitLayout | None:
+    """The split form of `link` that the checkpoint holds (any of its tensors present), when `hf_key` is absent."""
+    if link.hf_key in present:
+        return None
+    return next((split for split in link.stored_splits if any(k in present for k in split.keys)), None)
+
+
+def read_link(reader: SafetensorsReader, link: Link) -> np.ndarray:
+    """`link`'s tensor in its `hf_shape` layout, from whichever form the checkpoint stores (fused, another
+    layout of the same tensor, or split into several tensors); checked by `check_checkpoint_keys` first."""
+    split = _stored_split(reader, link)
+    if split is None:
+        return link.canonical(reader.get(link.hf_key))
+    return split.join([reader.get(k) for k in split.keys])
+
+
+def check_checkpoint_keys(reader: SafetensorsReader, links: list[Link], cfg: ModelConfig) -> list[str]:
+    """Raise CheckpointError naming every missing, unexpected and mis-shaped tensor; return the keys the family
+    ignores (`ignored_checkpoint_keys`), which are present but not read."""
     present = set(reader.keys())
-    expected = {link.hf_key: link.hf_shape for link in links}
-    accepted = {link.hf_key: {link.hf_shape, *(shape for shape, _ in link.stored_layouts)} for link in links}
+    expected: dict[str, tuple[int, ...]] = {}
+    accepted: dict[str, set[tuple[int, ...]]] = {}
+    for link in links:
+        split = _stored_split(present, link)
+        if split is None:
+            expected[link.hf_key] = link.hf_shape
+            accepted[link.hf_key] = {link.hf_shape, *(shape for shape, _ in link.stored_layouts)}
+        else:
+            for key, shape in zip(split.keys, split.shapes):
+                expected[key], accepted[key] = shape, {shape}
     tolerated = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    ignored = ignored_checkpoint_keys(present - expected.keys(), cfg)
     missing = sorted(k for k in expected if k not in present)
     unexpected = sorted(
-        k for k in present if k not in expected and k not in tolerated and not k.endswith(_IGNORED_SUFFIXES)
+        k for k in present - set(ignored)
+        if k not in expected and k not in tolerated and not k.endswith(_IGNORED_SUFFIXES)
     )
     bad_shape = sorted(
         f"{k}: checkpoint {reader.shape(k)} != expected {expected[k]}"
@@ -203,6 +250,7 @@ def check_checkpoint_keys(reader: SafetensorsReader, links: list[Link], cfg: Mod
         if bad_shape:
             parts.append(f"mis-shaped keys ({len(bad_shape)}): {bad_shape}")
         raise CheckpointError(f"{reader.path}: checkpoint does not match its config.json; " + "; ".join(parts))
+    return ignored
 
 
 def from_hf(
@@ -221,14 +269,17 @@ def from_hf(
     cfg = load_hf_config(path)
     reader = SafetensorsReader(path)
     links = weight_links(cfg)
-    check_checkpoint_keys(reader, links, cfg)
+    ignored = check_checkpoint_keys(reader, links, cfg)
+    if ignored:
+        logger.info("%s: ignored %d tensors that %s does not use, as transformers does (e.g. %s)", path,
+                    len(ignored), type(cfg).model_type, ignored[0])
     abstract = abstract_model(cfg, param_dtype=param_dtype, **model_kwargs)
     graphdef, state = nnx.split(abstract)
     variables = dict(nnx.to_flat_state(state))
     np_dtype = np.dtype(jnp.dtype(param_dtype))
     filled: set[ParamPath] = set()
     for link in links:
-        parts = link.to_ours(link.canonical(reader.get(link.hf_key)))
+        parts = link.to_ours(read_link(reader, link))
         for our_path, part in zip(link.ours, parts):
             var = variables[our_path]
             want = tuple(var.get_value().shape)

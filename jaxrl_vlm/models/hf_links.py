@@ -44,6 +44,19 @@ def stored_tensor_name(key: str) -> str:
 
 
 @dataclass(frozen=True)
+class SplitLayout:
+    """A tensor that a checkpoint may store as several tensors instead (transformers' `save_pretrained` writes
+    Qwen3.5-MoE's fused experts one tensor per expert and reads either form back).
+
+    keys / shapes: the stored tensors, in the order `join` takes them; join: those arrays -> the tensor in its
+    `Link.hf_shape` layout (a copy: the parts live in different places of the file)."""
+
+    keys: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    join: Callable[[Sequence[np.ndarray]], np.ndarray]
+
+
+@dataclass(frozen=True)
 class Link:
     """One HF tensor <-> one or more of our parameters.
 
@@ -52,6 +65,8 @@ class Link:
     stored_layouts: other layouts a checkpoint may hold the tensor in, as (stored shape, view of it in the
     `hf_shape` layout), which transformers converts alike at load time (released Qwen3-VL-MoE stores its expert
     tensors transposed); a shape equal to `hf_shape` is read as `hf_shape`'s layout, as transformers does.
+    stored_splits: other ways a checkpoint may hold the tensor as several tensors (`SplitLayout`), read when
+    `hf_key` itself is absent. Export always writes `hf_key`.
     """
 
     hf_key: str
@@ -60,12 +75,27 @@ class Link:
     to_ours: Callable[[np.ndarray], Sequence[np.ndarray]]
     to_hf: Callable[[Sequence[np.ndarray]], np.ndarray]
     stored_layouts: tuple[tuple[tuple[int, ...], Callable[[np.ndarray], np.ndarray]], ...] = ()
+    stored_splits: tuple[SplitLayout, ...] = ()
 
     def canonical(self, stored: np.ndarray) -> np.ndarray:
         """`stored` (as read from a checkpoint) in the `hf_shape` layout."""
         if tuple(stored.shape) == self.hf_shape:
             return stored
         return dict(self.stored_layouts)[tuple(stored.shape)](stored)
+
+
+def per_expert_split(prefix: str, projections: Sequence[str], num_experts: int, shape: tuple[int, ...]) -> SplitLayout:
+    """The per-expert form of a stacked expert tensor: `{prefix}{e}.{proj}.weight` of `shape` (torch Linear
+    [out, in]) for each projection in `projections` and expert e; joined as [E, *shape] per projection,
+    concatenated along dim 1 (gate rows then up rows for a fused gate_up tensor)."""
+    keys = tuple(f"{prefix}{e}.{proj}.weight" for proj in projections for e in range(num_experts))
+    n = len(projections)
+
+    def join(parts: Sequence[np.ndarray]) -> np.ndarray:
+        stacks = [np.stack(parts[j * num_experts : (j + 1) * num_experts]) for j in range(n)]
+        return stacks[0] if n == 1 else np.concatenate(stacks, axis=1)
+
+    return SplitLayout(keys, (tuple(shape),) * len(keys), join)
 
 
 def copy_link(key: str, shape: tuple[int, ...], path: ParamPath) -> Link:

@@ -28,7 +28,7 @@ Logical axes of the linear layers: `linear_k_heads`, `linear_v_heads` (on the `t
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -56,13 +56,15 @@ from jaxrl_vlm.models.layers import (
     apply_rotary,
     attention,
     param,
+    remat_runner,
     run_block,
-    run_block_remat,
     text_attention,
     text_mask,
 )
 from jaxrl_vlm.models.linear_context import context_causal_conv, context_chunk_gated_delta_rule, context_split
+from jaxrl_vlm.models.moe import SparseMoE
 from jaxrl_vlm.models.paged_kv import gather_pages, page_slots
+from jaxrl_vlm.models.remat import RematPlan
 from jaxrl_vlm.models.rope import rope_inv_freq
 
 F32 = jnp.float32
@@ -76,19 +78,44 @@ def _pad_time(x: jax.Array, pad: int, value: Any = 0) -> jax.Array:
     return jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=value) if pad else x
 
 
+@jax.custom_vjp
 def unit_lower_inverse(strict_lower: jax.Array) -> jax.Array:
-    """(I + L)^-1 for strictly lower-triangular L [..., C, C], by matmuls only: L is nilpotent, so
-    (I + L)^-1 = (I - L)(I + L^2)(I + L^4)... up to L^(2^m) >= C. Replaces a triangular solve (transformers'
-    `solve_triangular` of the UT system): plain matmuls suit accelerators, and XLA:CPU's triangular-solve call
-    inside a rematerialised scan stalled intermittently in our runs."""
+    """(I + L)^-1 for strictly lower-triangular L [..., C, C], by block doubling: the inverse of
+    [[A, 0], [X, B]] is [[A^-1, 0], [-B^-1 X A^-1, B^-1]], applied to 1x1, 2x2, 4x4, ... diagonal blocks (C padded
+    to a power of two with the identity). Every product is of blocks of the inverse itself, so the rounding is that
+    of forward substitution (a triangular solve). Plain batched matmuls: XLA:CPU's triangular-solve call inside a
+    rematerialised scan stalled intermittently in our runs, and the Neumann product (I - L)(I + L^2)(I + L^4)...
+    formed powers of L that reach 1e17 when keys are correlated and decay is slow (errors of 1e10 measured)."""
     c = strict_lower.shape[-1]
-    eye = jnp.eye(c, dtype=strict_lower.dtype)
-    inverse, power, reach = eye - strict_lower, strict_lower, 2
-    while reach < c:
-        power = power @ power
-        inverse = inverse @ (eye + power)
-        reach *= 2
-    return inverse
+    size = 1 << max(c - 1, 0).bit_length()
+    lead = strict_lower.shape[:-2]
+    m = jnp.pad(strict_lower, [(0, 0)] * len(lead) + [(0, size - c)] * 2) if size > c else strict_lower
+    inverse, s = jnp.ones((*lead, size, 1, 1), m.dtype), 1  # the inverses of the s x s diagonal blocks
+    while s < size:
+        p = size // (2 * s)
+        pairs = jnp.diagonal(m.reshape(*lead, p, 2 * s, p, 2 * s), axis1=-4, axis2=-2)  # [..., 2s, 2s, P]
+        lower = jnp.moveaxis(pairs, -1, -3)[..., s:, :s]  # [..., P, s, s]: X of each pair of blocks
+        blocks = inverse.reshape(*lead, p, 2, s, s)
+        a, b = blocks[..., 0, :, :], blocks[..., 1, :, :]
+        top = jnp.concatenate([a, jnp.zeros_like(a)], axis=-1)
+        inverse = jnp.concatenate([top, jnp.concatenate([-(b @ lower @ a), b], axis=-1)], axis=-2)
+        s *= 2
+    return inverse.reshape(*lead, size, size)[..., :c, :c]
+
+
+def _unit_lower_inverse_fwd(strict_lower: jax.Array) -> tuple[jax.Array, jax.Array]:
+    inverse = unit_lower_inverse(strict_lower)
+    return inverse, inverse
+
+
+def _unit_lower_inverse_bwd(inverse: jax.Array, cotangent: jax.Array) -> tuple[jax.Array]:
+    """d(M^-1) = -M^-1 dM M^-1, restricted to the strictly lower L: two matmuls with the inverse (differentiating
+    the doubling steps instead compiles ~2x slower and rounds no better)."""
+    t = jnp.swapaxes(inverse, -1, -2)
+    return (jnp.tril(-(t @ cotangent @ t), -1),)
+
+
+unit_lower_inverse.defvjp(_unit_lower_inverse_fwd, _unit_lower_inverse_bwd)
 
 
 def chunk_gated_delta_rule(
@@ -133,16 +160,20 @@ def chunk_gated_delta_rule(
     surv = (run_nc == last).astype(F32)  # step i still reaches the state leaving the chunk
 
     cum = jnp.cumsum(g, axis=-1)  # [B, H, N, C]
+    # decay[i, j] = sum of g over (j, i], summed on its own: cum_i - cum_j would carry the rounding of the whole
+    # |cum| (up to ~300 over a chunk) into every factor (10x the error of the rule, measured against float64).
+    strict_mask = jnp.tril(jnp.ones((c, c), bool), -1)
+    decay = jnp.cumsum(jnp.where(strict_mask, g[..., :, None], 0.0), axis=-2)  # [B, H, N, C, C]
     keep = causal & same
-    pair = jnp.where(keep, jnp.exp(jnp.where(keep, cum[..., :, None] - cum[..., None, :], 0.0)), 0.0)
+    pair = jnp.where(keep, jnp.exp(jnp.where(keep, decay, 0.0)), 0.0)
     kb, vb = k * beta[..., None], v * beta[..., None]
-    strict = jnp.where(jnp.tril(jnp.ones((c, c), bool), -1), jnp.einsum("bhnik,bhnjk->bhnij", kb, k) * pair, 0.0)
+    strict = jnp.where(strict_mask, jnp.einsum("bhnik,bhnjk->bhnij", kb, k) * pair, 0.0)
     inverse = unit_lower_inverse(strict)
     new_values = inverse @ vb  # [B, H, N, C, Dv]
     k_cumdecay = inverse @ (kb * (jnp.exp(cum) * cont)[..., None])  # [B, H, N, C, Dk]
     intra = jnp.einsum("bhnik,bhnjk->bhnij", q, k) * pair
     q_dec = q * (jnp.exp(cum) * cont)[..., None]
-    k_dec = k * (jnp.exp(cum[..., -1:] - cum) * surv)[..., None]
+    k_dec = k * (jnp.exp(decay[..., -1, :]) * surv)[..., None]  # decay from step j to the chunk's end
     chunk_decay = jnp.exp(cum[..., -1]) * cont[..., -1]  # [B, H, N]
 
     def step(s: jax.Array, xs: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
@@ -407,37 +438,48 @@ class GatedAttention(nnx.Module):
 
 
 class FullAttentionLayer(nnx.Module):
-    """Pre-norm decoder layer with gated full attention and a SwiGLU MLP."""
+    """Pre-norm decoder layer with gated full attention and a SwiGLU MLP (`make_mlp(cfg, **kw)` builds another
+    MLP in its place: Qwen3.5-MoE's routed experts)."""
 
-    def __init__(self, cfg: Qwen3_5Config, *, rngs: nnx.Rngs, param_dtype: jnp.dtype, compute_dtype: jnp.dtype):
+    def __init__(self, cfg: Qwen3_5Config, *, rngs: nnx.Rngs, param_dtype: jnp.dtype, compute_dtype: jnp.dtype,
+                 make_mlp: Callable[..., nnx.Module] = TextMLP):
         d, eps = cfg.text.hidden_size, cfg.text.rms_norm_eps
         self.input_norm = OffsetRMSNorm(d, eps, param_dtype=param_dtype)
         self.attn = GatedAttention(cfg, rngs=rngs, param_dtype=param_dtype, compute_dtype=compute_dtype)
         self.post_attn_norm = OffsetRMSNorm(d, eps, param_dtype=param_dtype)
-        self.mlp = TextMLP(cfg, rngs=rngs, param_dtype=param_dtype, compute_dtype=compute_dtype)
+        self.mlp = make_mlp(cfg, rngs=rngs, param_dtype=param_dtype, compute_dtype=compute_dtype)
+
+    def mix(self, x_btd: jax.Array, cos: jax.Array, sin: jax.Array, mask: AttentionMask) -> jax.Array:
+        """The token mixer with its residual: x + attention(norm(x))."""
+        x_btd = constrain(x_btd, ROWS_HIDDEN)
+        return x_btd + self.attn(self.input_norm(x_btd), cos, sin, mask)
 
     def __call__(self, x_btd: jax.Array, cos: jax.Array, sin: jax.Array, mask: AttentionMask) -> jax.Array:
-        x_btd = constrain(x_btd, ROWS_HIDDEN)
-        x = x_btd + self.attn(self.input_norm(x_btd), cos, sin, mask)
+        x = self.mix(x_btd, cos, sin, mask)
         return constrain(x + self.mlp(self.post_attn_norm(x)), ROWS_HIDDEN)
 
 
 class LinearAttentionLayer(nnx.Module):
     """Pre-norm decoder layer with Gated DeltaNet and a SwiGLU MLP; every packed segment starts from zero state."""
 
-    def __init__(self, cfg: Qwen3_5Config, *, rngs: nnx.Rngs, param_dtype: jnp.dtype, compute_dtype: jnp.dtype):
+    def __init__(self, cfg: Qwen3_5Config, *, rngs: nnx.Rngs, param_dtype: jnp.dtype, compute_dtype: jnp.dtype,
+                 make_mlp: Callable[..., nnx.Module] = TextMLP):
         d, eps = cfg.text.hidden_size, cfg.text.rms_norm_eps
         self.input_norm = OffsetRMSNorm(d, eps, param_dtype=param_dtype)
         self.linear_attn = GatedDeltaNet(cfg, rngs=rngs, param_dtype=param_dtype, compute_dtype=compute_dtype)
         self.post_attn_norm = OffsetRMSNorm(d, eps, param_dtype=param_dtype)
-        self.mlp = TextMLP(cfg, rngs=rngs, param_dtype=param_dtype, compute_dtype=compute_dtype)
+        self.mlp = make_mlp(cfg, rngs=rngs, param_dtype=param_dtype, compute_dtype=compute_dtype)
 
-    def __call__(self, x_btd: jax.Array, cos: jax.Array, sin: jax.Array, mask: AttentionMask) -> jax.Array:
+    def mix(self, x_btd: jax.Array, cos: jax.Array, sin: jax.Array, mask: AttentionMask) -> jax.Array:
+        """The token mixer with its residual: x + GatedDeltaNet(norm(x)), each segment from zero state."""
         x_btd = constrain(x_btd, ROWS_HIDDEN)
         seg = mask.segment_ids
         out, _ = self.linear_attn(self.input_norm(x_btd), segment_runs(seg),
                                   self.linear_attn.zero_state(x_btd.shape[0]), valid_bt=seg > 0)
-        x = x_btd + out
+        return x_btd + out
+
+    def __call__(self, x_btd: jax.Array, cos: jax.Array, sin: jax.Array, mask: AttentionMask) -> jax.Array:
+        x = self.mix(x_btd, cos, sin, mask)
         return constrain(x + self.mlp(self.post_attn_norm(x)), ROWS_HIDDEN)
 
 
@@ -455,12 +497,15 @@ class Qwen3_5(nnx.Module):
         rngs: nnx.Rngs,
         param_dtype: jnp.dtype = jnp.float32,
         compute_dtype: jnp.dtype = jnp.float32,
-        remat: bool = False,
+        remat: bool | str | RematPlan = False,
         attention_impl: str = "xla",
         patch_attention_block: int | None = None,
+        make_mlp: Callable[..., nnx.Module] = TextMLP,
     ):
         """remat, attention_impl and patch_attention_block as for `Qwen3VL` (attention_impl applies to the
-        full-attention layers and the vision tower)."""
+        full-attention layers and the vision tower; each decoder layer runs under the remat policy of its
+        `text.layer_types` kind). make_mlp(cfg, **kw) builds every decoder layer's MLP (Qwen3.5-MoE passes its
+        routed experts)."""
         if attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"attention_impl={attention_impl!r} is not available; choose one of {ATTENTION_IMPLS}")
         if patch_attention_block is not None and patch_attention_block < 1:
@@ -468,15 +513,15 @@ class Qwen3_5(nnx.Module):
         t = cfg.text
         self.cfg = cfg
         self.compute_dtype = compute_dtype
-        self.remat = remat
+        self.remat = RematPlan.of(remat)
         self.attention_impl = attention_impl
         kw = dict(rngs=rngs, param_dtype=param_dtype, compute_dtype=compute_dtype)
         self.embed_vd = param(rngs, (t.vocab_size, t.hidden_size), ("vocab", "embed"), param_dtype)
-        self.layers = nnx.List([LAYER_CLASSES[kind](cfg, **kw) for kind in t.layer_types])
+        self.layers = nnx.List([LAYER_CLASSES[kind](cfg, make_mlp=make_mlp, **kw) for kind in t.layer_types])
         self.final_norm = OffsetRMSNorm(t.hidden_size, t.rms_norm_eps, param_dtype=param_dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head_dv = param(rngs, (t.hidden_size, t.vocab_size), ("embed", "vocab"), param_dtype)
-        self.visual = LearnedPositionVisionTower(cfg, remat=remat, attention_impl=attention_impl,
+        self.visual = LearnedPositionVisionTower(cfg, remat=self.remat, attention_impl=attention_impl,
                                                  patch_attention_block=patch_attention_block, **kw)
 
     def lm_head_kernel(self) -> jax.Array:
@@ -502,9 +547,8 @@ class Qwen3_5(nnx.Module):
         x = self.embed_inputs(tokens, vision)
         cos, sin = partial_mrope_cos_sin(positions, self.cfg.text, self.compute_dtype)
         mask = text_mask(segment_ids, self.attention_impl)
-        run = run_block_remat if self.remat else run_block
-        for layer in self.layers:
-            x = run(layer, x, cos, sin, mask)
+        for kind, layer in zip(self.cfg.text.layer_types, self.layers):
+            x = remat_runner(run_block, self.remat.policy(kind))(layer, x, cos, sin, mask)
         return self.final_norm(x)
 
     def logits(self, hidden_btd: jax.Array) -> jax.Array:
@@ -701,11 +745,14 @@ def init_cache(cfg: Qwen3_5Config, num_pages: int, page_size: int, max_slots: in
 
 def _run_layers(model: Qwen3_5, cache: HybridCache, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array,
                 write_kv: Any, tables_bp: jax.Array, load: Any, store: Any, valid_bt: jax.Array | None,
-                length: jax.Array | None) -> tuple[HybridCache, jax.Array]:
+                length: jax.Array | None) -> tuple[HybridCache, jax.Array, list[jax.Array]]:
     """The decoder against the cache, shared by prefill and decode: a full layer writes its K/V (`write_kv`) and
-    attends to its pages under `mask`; a linear layer runs from `load(cache, j)` and `store`s its new state."""
+    attends to its pages under `mask`; a linear layer runs from `load(cache, j)` and `store`s its new state.
+    Returns the cache (its other fields, e.g. Qwen3.5-MoE's expert ids, untouched), the final-normed hidden states
+    and the top-k expert ids [B, T, k] of each layer whose MLP is a routed `SparseMoE` (in layer order)."""
     k_all, v_all, conv_all, rec_all = cache.k, cache.v, cache.conv, cache.recurrent
     kinds = model.cfg.text.layer_types
+    routed: list[jax.Array] = []
     fi = li = 0
     for layer, kind in zip(model.layers, kinds):
         h = layer.input_norm(x)
@@ -721,8 +768,13 @@ def _run_layers(model: Qwen3_5, cache: HybridCache, x: jax.Array, cos: jax.Array
             conv_all, rec_all = store(conv_all, rec_all, li, state)
             x = x + out
             li += 1
-        x = x + layer.mlp(layer.post_attn_norm(x))
-    return HybridCache(k_all, v_all, conv_all, rec_all), model.final_norm(x)
+        if isinstance(layer.mlp, SparseMoE):
+            y, routing = layer.mlp.forward(layer.post_attn_norm(x))
+            routed.append(routing.topk_ids)
+            x = x + y
+        else:
+            x = x + layer.mlp(layer.post_attn_norm(x))
+    return cache.replace(k=k_all, v=v_all, conv=conv_all, recurrent=rec_all), model.final_norm(x), routed
 
 
 def _lm_logits(model: Qwen3_5, hidden_nd: jax.Array) -> jax.Array:
@@ -741,13 +793,29 @@ def prefill(
     length: jax.Array,
     vision: Any,
 ) -> tuple[HybridCache, jax.Array]:
+    """`prefill_routed` without the expert ids."""
+    return prefill_routed(model, cache, slot, table_p, start, tokens_1t, positions_31t, length, vision)[:2]
+
+
+def prefill_routed(
+    model: Qwen3_5,
+    cache: HybridCache,
+    slot: jax.Array,
+    table_p: jax.Array,
+    start: jax.Array,
+    tokens_1t: jax.Array,
+    positions_31t: jax.Array,
+    length: jax.Array,
+    vision: Any,
+) -> tuple[HybridCache, jax.Array, list[jax.Array]]:
     """Prompt tokens [start, start + T) of the request in `slot` into the cache; arguments as `paged_kv.prefill`.
 
     Full-attention layers write K/V at those positions of `table_p` and attend to [0, start + i]. Linear layers
     start from the slot's stored conv / recurrent state when start > 0 (it must be the state after token
     start - 1: the slot's own earlier prefill, or one restored with `with_slot_state` / `copy_state`), from zero
     when start = 0, and store the state after the last real token (start + length - 1) back into the slot; the
-    padding after `length` changes nothing. Returns the cache and the fp32 logits [V] at the last real token."""
+    padding after `length` changes nothing. Returns the cache, the fp32 logits [V] at the last real token and each
+    routed MoE layer's top-k expert ids [1, T, k] (`_run_layers`; none for Qwen3.5's dense MLPs)."""
     _, t = tokens_1t.shape
     num_pages, page_size = cache.k.shape[1], cache.k.shape[2]
     x = model.embed_inputs(tokens_1t, vision)
@@ -769,9 +837,10 @@ def prefill(
         return conv_all, rec_all.at[slot, j].set(s.recurrent[0], mode="drop")
 
     valid = (jnp.arange(t) < length)[None]
-    cache, hidden = _run_layers(model, cache, x, cos, sin, mask, write_kv, table_p[None], load, store, valid, length)
+    cache, hidden, routed = _run_layers(model, cache, x, cos, sin, mask, write_kv, table_p[None], load, store, valid,
+                                        length)
     last = jax.lax.dynamic_slice_in_dim(hidden[0], length - 1, 1, axis=0)
-    return cache, _lm_logits(model, last)[0]
+    return cache, _lm_logits(model, last)[0], routed
 
 
 def decode(
@@ -783,11 +852,25 @@ def decode(
     lengths_b: jax.Array,
     rope_deltas_b: jax.Array,
 ) -> tuple[HybridCache, jax.Array]:
+    """`decode_routed` without the expert ids."""
+    return decode_routed(model, cache, slots_b, tables_bp, tokens_b, lengths_b, rope_deltas_b)[:2]
+
+
+def decode_routed(
+    model: Qwen3_5,
+    cache: HybridCache,
+    slots_b: jax.Array,
+    tables_bp: jax.Array,
+    tokens_b: jax.Array,
+    lengths_b: jax.Array,
+    rope_deltas_b: jax.Array,
+) -> tuple[HybridCache, jax.Array, list[jax.Array]]:
     """One decode step of the requests in `slots_b` [B] (arguments as `paged_kv.decode`): full-attention layers
     append K/V and attend to their pages, linear layers take one recurrent step from their slot's state and store
     it back. Padding rows are those whose table starts with num_pages (a running request always has a first
     page), as `paged_kv.decode` has them: whatever slot they carry (the engine pads with 0), their state writes
-    are dropped, so they never touch a running slot. Returns the cache and fp32 logits [B, V]."""
+    are dropped, so they never touch a running slot. Returns the cache, fp32 logits [B, V] and each routed MoE
+    layer's top-k expert ids [B, 1, k]."""
     b = tokens_b.shape[0]
     num_pages, page_size = cache.k.shape[1], cache.k.shape[2]
     x = model.embed(tokens_b[:, None])
@@ -810,8 +893,8 @@ def decode(
         conv_all = conv_all.at[write_rows, j].set(jnp.swapaxes(s.conv, 1, 2).astype(conv_all.dtype), mode="drop")
         return conv_all, rec_all.at[write_rows, j].set(s.recurrent, mode="drop")
 
-    cache, hidden = _run_layers(model, cache, x, cos, sin, mask, write_kv, tables_bp, load, store, None, None)
-    return cache, _lm_logits(model, hidden[:, 0])
+    cache, hidden, routed = _run_layers(model, cache, x, cos, sin, mask, write_kv, tables_bp, load, store, None, None)
+    return cache, _lm_logits(model, hidden[:, 0]), routed
 
 
 def init_std(path: tuple[Any, ...], shape: tuple[int, ...], cfg: Qwen3_5Config) -> float | None:
@@ -825,6 +908,10 @@ def init_std(path: tuple[Any, ...], shape: tuple[int, ...], cfg: Qwen3_5Config) 
     raise ValueError(f"no init rule for qwen3_5 parameter {'.'.join(map(str, path))} {shape}")
 
 
+# Released checkpoints carry a multi-token-prediction head (`mtp.fc`, `mtp.layers.*`, `mtp.norm`, ...) that
+# transformers' Qwen3.5 classes skip on load (`_keys_to_ignore_on_load_unexpected`); so does our import.
+IGNORED_CHECKPOINT_KEYS = (r"^mtp.*",)
+
 FAMILY_MODEL = FamilyModel(
     model_class=Qwen3_5,
     weight_links=weight_links,
@@ -832,4 +919,5 @@ FAMILY_MODEL = FamilyModel(
     prefill=prefill,
     decode=decode,
     init_std=init_std,
+    ignored_checkpoint_keys=IGNORED_CHECKPOINT_KEYS,
 )
