@@ -11,6 +11,15 @@ import os
 _DEVICE_FLAG = "--xla_force_host_platform_device_count=8"
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _DEVICE_FLAG).strip()
+# XLA:CPU aborts the process (SIGABRT) when a collective's 8 simulated devices do not all arrive within its
+# rendezvous timeout (40 s by default). On the 2-core machine under full load (two workers plus a subprocess
+# compiling) a device thread can be starved that long: a run lost a worker so in `Trainer.train_on`
+# (tests/test_eval.py) and xdist's replacement worker then failed the whole session. A genuinely deadlocked
+# collective still aborts, after 15 minutes.
+_COLLECTIVE_TIMEOUTS = ("--xla_cpu_collective_timeout_seconds=900",
+                        "--xla_cpu_collective_call_terminate_timeout_seconds=900")
+if "xla_cpu_collective_timeout_seconds" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] = " ".join([os.environ["XLA_FLAGS"], *_COLLECTIVE_TIMEOUTS])
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # JAX's persistent compilation cache, for this process and every subprocess the tests start (servers, CLI runs,
 # multi-host workers inherit the environment): the suite builds the same tiny models, train steps and engines in

@@ -71,7 +71,7 @@ def test_layout_matches_one_device(tiny_dir, baseline, layout):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tiny_dir", ["qwen3_vl", "qwen2_5_vl"], indirect=True)
+@pytest.mark.parametrize("tiny_dir", ["qwen3_vl_moe", "qwen2_5_vl"], indirect=True)  # their one-device baselines are shared
 def test_fused_attention_under_fsdp_tp_matches_xla_on_one_device(tiny_dir, baseline):
     """`attention_impl: pallas_gpu` (the flash kernel, run by Pallas' interpreter on CPU, inside shard_map over
     the mesh) follows the same trajectory as the XLA attention on one device: text rows (packed, causal) and
