@@ -1,4 +1,5 @@
-"""Subprocess launching for the multi-process CPU tests (`test_multihost.py`, `test_multihost_trainer.py`).
+"""Subprocess launching for the multi-process CPU tests (`test_multihost.py`, `test_multihost_trainer.py`), and the
+XLA flags of every child process the tests start (`xla_flags`).
 
 A multi-host job on one machine is N copies of one command, each with the JAXRL_* settings of its process
 and a share of simulated CPU devices, talking gloo over loopback. The helpers here start such a job (or a
@@ -50,10 +51,18 @@ def _clean_environ() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COORDINATOR", "JAXRL_"))}
 
 
+def xla_flags(num_devices: int) -> str:
+    """conftest's XLA flags (the suite's optimisation level, collective timeouts) with `num_devices` simulated CPU
+    devices instead of the test process's 8: a child compiles like the suite does, so it shares its speed and the
+    persistent compilation cache's entries (the flags are part of the cache key)."""
+    kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+    return " ".join([*kept, f"--xla_force_host_platform_device_count={num_devices}"])
+
+
 def single_process_env(num_devices: int) -> dict[str, str]:
     """Environment of a one-process run on `num_devices` simulated CPU devices."""
     env = _clean_environ()
-    env.update({"XLA_FLAGS": f"--xla_force_host_platform_device_count={num_devices}", "JAX_PLATFORMS": "cpu"})
+    env.update({"XLA_FLAGS": xla_flags(num_devices), "JAX_PLATFORMS": "cpu"})
     return env
 
 

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from _launch import xla_flags
 
 from jaxrl_vlm.config import load_config
 from jaxrl_vlm.errors import ConfigError
@@ -446,7 +447,7 @@ def _fake_engine_process() -> Iterator[str]:
 
 
 def _cli_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CLI runs like a user's: one CPU device
+    return {**os.environ, "XLA_FLAGS": xla_flags(1)}  # the CLI runs like a user's: one CPU device
 
 
 def _async_train_cmd(tiny: Path, tmp: Path, url: str, *extra: str) -> list[str]:

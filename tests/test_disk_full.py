@@ -16,6 +16,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from _launch import xla_flags
 
 from jaxrl_vlm.checkpoint import CheckpointStore, abstract_like
 from jaxrl_vlm.models.hf_io import from_hf
@@ -57,7 +58,7 @@ _CHILD = textwrap.dedent("""
 @pytest.mark.slow
 def test_a_full_disk_fails_the_save_and_the_export_and_keeps_the_previous_ones(tmp_path):
     ckpt = tmp_path / "ckpt"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(1)}
     proc = subprocess.run([sys.executable, "-c", _CHILD, str(ckpt), str(tmp_path / "weights")], capture_output=True,
                           text=True, env=env, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

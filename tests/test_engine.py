@@ -29,6 +29,7 @@ import pytest
 import torch
 from _hf_tiny import spread_weights
 from flax import nnx
+from _launch import xla_flags
 
 from jaxrl_vlm.engine import EmbeddedEngine, EngineOptions
 from jaxrl_vlm.models import build_vision_inputs, from_hf, get_rope_index, to_hf, token_logprobs
@@ -503,7 +504,7 @@ def test_cli_serve_process_answers_generate_and_exits_on_sigterm(checkpoint, tmp
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(1)}
     log = open(tmp_path / "serve.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "jaxrl_vlm.cli", "serve", "--model", str(checkpoint[0]), "--port", str(port),
                              "--max-batch", "2", "--max-seq-len", "128", "--disable-radix-cache"], stdout=log, stderr=subprocess.STDOUT, env=env,

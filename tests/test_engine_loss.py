@@ -20,6 +20,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from _launch import xla_flags
 
 from rollout.client import RetryPolicy, SGLangClient, WorkerLost
 from rollout.engine_link import EngineLost, LinkState
@@ -219,7 +220,7 @@ def _free_port() -> int:
 
 def _env() -> dict[str, str]:
     """One CPU device, and this tree's code in every process."""
-    return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "PYTHONPATH": str(ROOT)}
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(1), "PYTHONPATH": str(ROOT)}
 
 
 def _serve(model: Path, port: int, log: Path) -> subprocess.Popen:

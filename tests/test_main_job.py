@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _launch import xla_flags
 
 from jaxrl_vlm.job.run_log import read_metrics
 
@@ -28,9 +29,7 @@ def _cmd(tmp: Path, out: str, *extra: str) -> list[str]:
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # the CLI runs like a user's: one CPU device
-    return env
+    return {**os.environ, "XLA_FLAGS": xla_flags(1)}  # the CLI runs like a user's: one CPU device
 
 
 @pytest.fixture(scope="module")

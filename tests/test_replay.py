@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from _slime_geo3k_args import argv as slime_argv
+from _launch import xla_flags
 
 from jaxrl_vlm.config import ConfigError, load_config
 from jaxrl_vlm.job.compare import (
@@ -260,9 +261,7 @@ STEPS = 2
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # the CLI runs like a user's: one CPU device
-    return env
+    return {**os.environ, "XLA_FLAGS": xla_flags(1)}  # the CLI runs like a user's: one CPU device
 
 
 def _run_argv(tmp: Path, *extra: str) -> list[str]:

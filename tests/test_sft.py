@@ -20,6 +20,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 from flax import nnx
+from _launch import xla_flags
 
 from envs.color_reveal.answers import parse_answer
 from jaxrl_vlm.config import ConfigError, load_config
@@ -72,9 +73,7 @@ def test_sft_config_rejects_rl_only_options_and_accepts_slimes_sft_run_line():
 
 # ----------------------------------------------------------------------------- end to end (the README's commands)
 def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # the CLI runs like a user's: one CPU device
-    return env
+    return {**os.environ, "XLA_FLAGS": xla_flags(1)}  # the CLI runs like a user's: one CPU device
 
 
 def _cli(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:

@@ -15,6 +15,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from _launch import xla_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "soak_engine.py"
@@ -55,7 +56,7 @@ def test_injected_faults_never_count_as_unexpected_and_options_are_checked(soak)
 @pytest.mark.slow
 def test_soak_of_the_served_engine_has_no_unexpected_failure_leak_or_drift(tmp_path):
     report_path = tmp_path / "soak.json"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the server runs on one CPU device
+    env = {**os.environ, "XLA_FLAGS": xla_flags(1)}  # the server runs on one CPU device
     env.update({"JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))})
     # A 256-token context keeps the set of compiled shapes small, so warm-up ends well before the load does; a KV
     # memory of two such requests makes the prefix cache evict and long requests get retracted.

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 import pytest
 from _train_samples import train_samples
+from _launch import xla_flags
 
 from jaxrl_vlm.checkpoint import CheckpointStore, abstract_like
 from jaxrl_vlm.config import load_config
@@ -93,7 +94,7 @@ _SAVER = textwrap.dedent(
 
 def test_checkpoint_killed_mid_write_is_never_restored(tmp_path):
     ckpt = tmp_path / "ckpt"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(1)}
     proc = subprocess.Popen([sys.executable, "-c", _SAVER, str(ckpt)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=ROOT)
     try:
         assert proc.stdout.readline().decode().strip() == "saved 1", proc.stderr.read().decode()[-2000:]
