@@ -145,6 +145,20 @@ def reference(tiny_dir, make_test_image):
 
 @pytest.mark.parametrize("cp", [2, 4])
 def test_context_parallel_matches_one_device(tiny_dir, reference, cp):
+    _assert_context_parallel_matches(tiny_dir, reference, cp, [])
+
+
+@pytest.mark.parametrize("tiny_dir", ["qwen3_vl"], indirect=True)  # its one-device (XLA attention) reference is shared
+def test_fused_attention_in_zigzag_order_matches_one_device(tiny_dir, reference):
+    """`--attention-impl pallas_gpu` under cp 4 (Pallas' interpreter): each device attends its zig-zag query chunks
+    of the 512-token row (64 tokens each, segment boundaries inside chunks) with the query-offset kernel, the vision
+    tower runs jax's kernel; loss and gradient equal the XLA attention on one device."""
+    seg = np.asarray(reference[1].arrays.segment_ids)[0, 0]
+    assert any((np.flatnonzero(np.diff(seg)) + 1) % (ROW // 8))  # a packing boundary inside a chunk
+    _assert_context_parallel_matches(tiny_dir, reference, 4, ["--attention-impl", "pallas_gpu"])
+
+
+def _assert_context_parallel_matches(tiny_dir, reference, cp: int, overrides: list[str]) -> None:
     assert len(jax.devices()) == 8
     samples, batch, ref_value, ref_grads = reference
     tokens = np.asarray(batch.arrays.tokens)
@@ -153,7 +167,7 @@ def test_context_parallel_matches_one_device(tiny_dir, reference, cp):
     # Pure context parallelism on cp of the 8 devices: other axes add their own rounding (Qwen3.5's gradients move
     # by ~2e-5 relative under tp 2 alone: its per-head norms of 16-dim vectors magnify round-off); the shipped
     # fsdp x context layout is checked against one device over 3 steps in test_train_layouts.
-    trainer = _trainer(tiny_dir, ["--mesh-data", "1", "--mesh-context", str(cp)], jax.devices()[:cp])
+    trainer = _trainer(tiny_dir, ["--mesh-data", "1", "--mesh-context", str(cp), *overrides], jax.devices()[:cp])
     assert dict(trainer.mesh.shape)["context"] == cp
     image_token = trainer.model_cfg.image_token_id
     assert _straddling(tokens[0, 0], image_token, cp), f"no image crosses a cp {cp} block boundary"

@@ -23,8 +23,10 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.experimental.pallas import tpu as pltpu
+from _launch import xla_flags
 
 from jaxrl_vlm.models import build_vision_inputs, get_rope_index, get_rope_index_packed
+from jaxrl_vlm.models import block_flash
 from jaxrl_vlm.models.activation_sharding import activation_sharding
 from jaxrl_vlm.models.flash_attention import block_size, flash_attention
 from jaxrl_vlm.models.layers import apply_rotary, attention, mrope_cos_sin
@@ -128,10 +130,11 @@ def _packed_rows_with_mrope(t: int):
 
 
 @pytest.mark.parametrize("cp", [2, 4])
-def test_each_context_shard_attends_its_own_query_block(cp):
-    """Context parallelism with `pallas_gpu`: each device runs the query-offset kernel on its block of the row's
-    queries against the gathered keys (rows split over `data` too), and the result and gradients are the dense
-    XLA attention's on packed rows with M-RoPE positions."""
+def test_each_context_shard_attends_its_zigzag_query_chunks(cp):
+    """Context parallelism with `pallas_gpu`: each device runs the query-offset kernel on its two zig-zag chunks of
+    the row's queries (moved there and back by ppermute) against the gathered keys (rows split over `data` too),
+    and the result and gradients are the dense XLA attention's on packed rows with M-RoPE positions. Row 0's
+    segment boundary at 90 lies inside a chunk ([64, 128) at cp 2, [64, 96) at cp 4)."""
     t = 256
     q, k, v, seg = _packed_rows_with_mrope(t)
     scale = q.shape[-1] ** -0.5
@@ -152,12 +155,73 @@ def test_each_context_shard_attends_its_own_query_block(cp):
 
     loss = lambda f: lambda *a: jnp.sum(jnp.where(valid, f(*a), 0.0) * w)  # noqa: E731
     text = str(jax.make_jaxpr(fused)(q, k, v))
-    assert "block_flash_forward" in text and "axis_index" in text  # the local block's kernel, at its offset
+    # one kernel call per chunk, at offsets read from this device's place in the group; queries and outputs moved
+    assert text.count("name=block_flash_forward") == 2 and "axis_index" in text and text.count("ppermute") == 4
     out, grads = jax.jit(lambda *a: (fused(*a), jax.grad(loss(fused), argnums=(0, 1, 2))(*a)))(q, k, v)
     assert out.sharding.spec[1] == "context" and out.addressable_shards[0].data.shape[1] == t // cp
     np.testing.assert_allclose(np.where(valid, out, 0), np.where(valid, xla(q, k, v), 0), atol=2e-6)
     for name, a, b in zip("qkv", grads, jax.grad(loss(xla), argnums=(0, 1, 2))(q, k, v)):
         np.testing.assert_allclose(a, b, atol=2e-5, err_msg=f"d{name}")
+
+
+def _causal_tiles_brute_force(offset: int, tq: int, tk: int, bq: int, bk: int) -> int:
+    """(query block, key block) pairs holding at least one causal (query, key) pair: the tiles a causal kernel needs."""
+    q_pos, k_pos = offset + np.arange(tq), np.arange(tk)
+    allowed = (k_pos[None, :] <= q_pos[:, None]).reshape(tq // bq, bq, tk // bk, bk)
+    return int(allowed.any(axis=(1, 3)).sum())
+
+
+@pytest.mark.parametrize("offset,tq,tk,bq,bk", [(0, 256, 256, 32, 128), (96, 32, 256, 32, 128), (64, 64, 256, 64, 64),
+                                                (192, 64, 256, 16, 128), (6144, 2048, 8192, 128, 128)])
+def test_kernel_loop_bounds_visit_exactly_the_causal_tiles(offset, tq, tk, bq, bk):
+    forward, dkdv = block_flash.tiles_visited(offset, tq, tk, bq, bk)
+    assert forward == dkdv == _causal_tiles_brute_force(offset, tq, tk, bq, bk)
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_zigzag_chunks_balance_the_kernel_work_over_the_context_group(cp):
+    """The zig-zag routes put chunks d and 2cp - 1 - d on device d, and its work (the kernels' loop bounds) is the
+    same on every device: max/mean exactly 1, against ((2cp - 1) M + 1) / (cp M + 1) -> 2 - 1/cp for contiguous
+    blocks of M query blocks (1.50 / 1.75 / 1.87 at 32k tokens). Exact because the query block divides the key
+    block (powers of two): with m query blocks per chunk, block m - 1 - i of chunk d ends at e, block i of chunk
+    2cp - 1 - d at T - e + bq, and their key-block bounds ceil(e / bk) + (T / bk - floor((e - bq) / bk)) add up to
+    nk + 1 whatever e is; every device does m (nk + 1)."""
+    first, second = block_flash.zigzag_routes(cp)
+    got = {dst: set() for dst in range(cp)}
+    for src, dst in first:
+        got[dst].add(2 * src)
+    for src, dst in second:
+        got[dst].add(2 * src + 1)
+    assert got == {d: {d, 2 * cp - 1 - d} for d in range(cp)}
+
+    t, nk = 32768, 32768 // 128
+    zigzag = block_flash.device_tiles(t, cp, block_size(t // (2 * cp)), block_size(t))
+    contiguous = block_flash.device_tiles(t, cp, block_size(t // cp), block_size(t), zigzag=False)
+    big_m = nk // cp  # query blocks per contiguous device: d visits d M + 1 ... (d + 1) M key blocks per block
+    assert contiguous == [big_m * big_m * d + big_m * (big_m + 1) // 2 for d in range(cp)]
+    assert sum(zigzag) == sum(contiguous) == nk * (nk + 1) // 2  # every causal tile once
+    assert zigzag == [big_m // 2 * (nk + 1)] * cp
+    assert max(contiguous) / np.mean(contiguous) == pytest.approx(((2 * cp - 1) * big_m + 1) / (cp * big_m + 1))
+
+    t = 256  # the kernel test's rows: chunks of 64 / 32 / 16 queries, each one query block, keys in 2 blocks of 128
+    bq = block_size(t // (2 * cp))
+    tiles = block_flash.device_tiles(t, cp, bq, block_size(t))
+    assert sum(tiles) == _causal_tiles_brute_force(0, t, t, bq, 128)
+    assert tiles == [3] * cp
+
+
+def test_context_parallel_rows_must_split_into_tileable_chunks():
+    mesh = SL.build_mesh(SimpleNamespace(mesh_data=1, mesh_fsdp=1, mesh_tensor=1, mesh_context=8))
+    spec = ActivationSharding.create(mesh, SR.resolve_rules())
+    q = jnp.zeros((1, 128, N, H))
+
+    def run(q):
+        with activation_sharding(spec):
+            return flash_attention(q, q, q, jnp.ones((1, 128), jnp.int32), impl="pallas_gpu", scale=1.0, causal=True)
+
+    with pytest.raises(ValueError, match="16 queries into two chunks.*rows of 128 tokens over 8 devices need a "
+                                         "multiple of 256"):
+        jax.eval_shape(run, q)
 
 
 def test_block_size_must_tile_the_sequence():
@@ -212,7 +276,7 @@ TPU_CHILD_ATTEMPT_TIMEOUTS_S = (100, 420)
 @pytest.mark.slow
 def test_tpu_kernel_cases_in_a_single_device_process():
     """The `pallas_tpu` parametrizations of this file, in a fresh process with one CPU device (see the docstring)."""
-    env = {**os.environ, TPU_PROCESS_ENV: "1", "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, TPU_PROCESS_ENV: "1", "XLA_FLAGS": xla_flags(1), "JAX_PLATFORMS": "cpu"}
     hangs = []
     for timeout_s in TPU_CHILD_ATTEMPT_TIMEOUTS_S:
         argv = [sys.executable, "-m", "pytest", __file__, "-q", "-n", "0", "-k", "pallas_tpu", "-p", "no:cacheprovider",

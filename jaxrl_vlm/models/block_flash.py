@@ -1,15 +1,21 @@
 """Causal, segment-aware flash attention of ONE BLOCK of a row's queries against the whole row's keys: the fused
-kernel each device of a context-parallel group runs on its own query block (`flash_attention`, `pallas_gpu`).
+kernel each device of a context-parallel group runs on its queries (`flash_attention`, `pallas_gpu`).
 
 Why a kernel of our own: jax's Pallas kernels take one segment-id array for queries and keys of equal length and
 put the causal diagonal at query i = key i, so a device holding queries [s, s + Tq) of a T-token row could only call
 them on the whole gathered row, repeating the row's attention on every device of the group. Here the queries carry
-their global offset `s` (a traced scalar: the device's place in the group), their own segment ids, and the keys
-the whole row's; query s + i attends to key j when j <= s + i and the segments match. Key blocks wholly after a
-query block are never visited (forward and dq loop over key blocks [0, last needed); dk/dv over query blocks from
-the first that can see the key block), so a device does the work of its own causal slice: device d of a
-contiguous split does (2d + 1) / cp^2 of the row's causal work, the last device 2 - 1/cp times the mean. A zig-zag
-split (chunks i and 2cp - 1 - i per device) would even it: two calls of this kernel, one per chunk.
+their global offset `s` (a traced scalar), their own segment ids, and the keys the whole row's; query s + i attends
+to key j when j <= s + i and the segments match. Key blocks wholly after a query block are never visited (forward
+and dq loop over key blocks [0, last needed); dk/dv over query blocks from the first that can see the key block).
+
+Load balance (`zigzag_block_attention`): with contiguous blocks device d of cp would do (2d + 1) / cp^2 of the
+row's causal work, the last device 2 - 1/cp times the mean. So each device's block is cut in two chunks (2cp
+chunks of the row in order), the chunks are exchanged inside the context group so that device d computes chunks d
+and 2cp - 1 - d (one early, one late), one kernel call per chunk, and the outputs go back to their owners. Only
+queries and outputs move; everything outside attention keeps the contiguous layout. The work is then exactly equal
+when the query block divides the key block (the model's blocks are powers of two): m query blocks per chunk and
+nk key blocks give every device m (nk + 1) tiles. `device_tiles` counts each device's work from the kernels' own
+loop bounds (the same formulas, run on ints); tests/test_flash_attention.py checks both claims.
 
 Written in Pallas' GPU (Triton) dialect: `interpret=True` on a CPU backend (the tests), compiled on GPUs.
 Softmax in fp32 (natural log), forward saves the log-sum-exp per query row; backward is the FlashAttention-2
@@ -19,7 +25,9 @@ recomputation: delta = rowsum(o * do) in XLA, then one kernel for dq (grid over 
 
 from __future__ import annotations
 
+import operator
 from functools import partial
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -37,10 +45,20 @@ def _mask(q_seg: jax.Array, kv_seg: jax.Array, q_start: jax.Array, k_start: jax.
     return (q_seg[:, None] == kv_seg[None, :]) & (q_pos >= k_pos)
 
 
-def _key_blocks(offset: jax.Array, q_block: jax.Array, bq: int, bk: int, nk: int) -> jax.Array:
+# The arithmetic of the kernels' loop bounds: traced inside the kernels, on Python ints in `tiles_visited`.
+_TRACED = SimpleNamespace(div=lax.div, minimum=jnp.minimum, maximum=jnp.maximum)
+_INTS = SimpleNamespace(div=operator.floordiv, minimum=min, maximum=max)
+
+
+def _key_blocks(offset, q_block, bq: int, bk: int, nk: int, ops=_TRACED):
     """Key blocks [0, n) that queries of block `q_block` (global start offset + q_block * bq) may attend to."""
     last = offset + (q_block + 1) * bq - 1
-    return jnp.minimum(nk, lax.div(last, bk) + 1)
+    return ops.minimum(nk, ops.div(last, bk) + 1)
+
+
+def _first_query_block(offset, k_block, bq: int, bk: int, nq: int, ops=_TRACED):
+    """The first query block whose last position reaches key block `k_block` (dk/dv loop over [first, nq))."""
+    return ops.minimum(nq, ops.div(ops.maximum(k_block * bk - offset, 0), bq))
 
 
 def _forward_kernel(off_ref, q_ref, k_ref, v_ref, qs_ref, ks_ref, o_ref, lse_ref, *, scale, bq, bk):
@@ -96,8 +114,7 @@ def _dkdv_kernel(off_ref, q_ref, k_ref, v_ref, qs_ref, ks_ref, do_ref, lse_ref, 
     k, v, k_seg = k_ref[...], v_ref[...], ks_ref[...]
     k_start = j * bk
     nq = q_ref.shape[0] // bq
-    # The first query block whose last position reaches this key block.
-    first = jnp.clip(lax.div(jnp.maximum(k_start - offset, 0), bq), 0, nq)
+    first = _first_query_block(offset, j, bq, bk, nq)
 
     def body(i, carry):
         dk, dv = carry
@@ -212,3 +229,65 @@ def block_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_segment_i
     offset = jnp.reshape(jnp.asarray(offset, jnp.int32), (1,))
     return _block_attention(q, k, v, q_segment_ids.astype(jnp.int32), kv_segment_ids.astype(jnp.int32), offset,
                             float(scale), block_q, block_k, interpret)
+
+
+def tiles_visited(offset: int, tq: int, tk: int, block_q: int, block_k: int) -> tuple[int, int]:
+    """(query block, key block) tiles one call of the kernel visits per row and head, for queries
+    [offset, offset + tq) over tk keys: (forward = dq tiles, dk/dv tiles), each counted from its kernel's loop
+    bounds. Both cover the same causal tiles, so they are equal."""
+    nq, nk = tq // block_q, tk // block_k
+    forward = sum(_key_blocks(offset, i, block_q, block_k, nk, _INTS) for i in range(nq))
+    dkdv = sum(nq - _first_query_block(offset, j, block_q, block_k, nq, _INTS) for j in range(nk))
+    return forward, dkdv
+
+
+def query_chunks(device: int, cp: int, zigzag: bool = True) -> tuple[int, int]:
+    """The chunks (of the row's 2cp equal chunks, in order) whose queries device `device` of cp attends:
+    d and 2cp - 1 - d (zig-zag), or its own contiguous block 2d, 2d + 1."""
+    return (device, 2 * cp - 1 - device) if zigzag else (2 * device, 2 * device + 1)
+
+
+def device_tiles(t: int, cp: int, block_q: int, block_k: int, zigzag: bool = True) -> list[int]:
+    """Forward tiles per device of a cp context group on a t-token row (the backward's are the same): kernel calls
+    on chunks of t / (2cp) queries (zig-zag), or one call on the contiguous block of t / cp. `block_q`: the query
+    block of those calls."""
+    if zigzag:
+        c = t // (2 * cp)
+        return [sum(tiles_visited(ch * c, c, t, block_q, block_k)[0] for ch in query_chunks(d, cp)) for d in range(cp)]
+    return [tiles_visited(d * t // cp, t // cp, t, block_q, block_k)[0] for d in range(cp)]
+
+
+def zigzag_routes(cp: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """`ppermute` pairs (owner, attending device) that move every device's first half (chunk 2e) and second half
+    (chunk 2e + 1) to the device that attends it (`query_chunks`); the inverse pairs bring the outputs back."""
+    home = {chunk: d for d in range(cp) for chunk in query_chunks(d, cp)}
+    return [(e, home[2 * e]) for e in range(cp)], [(e, home[2 * e + 1]) for e in range(cp)]
+
+
+def zigzag_block_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_segment_ids: jax.Array, *,
+                           axis: str | tuple[str, ...], scale: float, block_q: int, block_k: int,
+                           interpret: bool | None = None) -> jax.Array:
+    """Inside `shard_map` over the context axis `axis`: this device's contiguous query block q [B, Tq, N, H]
+    (block `axis_index(axis)` of a row of T = cp * Tq) against the row's k/v [B, T, N, H] and segment ids
+    kv_segment_ids [B, T]; returns this block's outputs [B, Tq, N, H], causal at global positions.
+
+    The block's halves are chunks 2e and 2e + 1 of the row. Two `ppermute`s (`zigzag_routes`) send every device's
+    first and second halves to the devices that attend them; device d then holds its chunks d and 2cp - 1 - d (one
+    even, one odd: their sum is odd), runs the kernel on each at its own offset (query segment ids are sliced from
+    the row's, so only q moves), and the inverse permutations bring the outputs home. `block_q` tiles a chunk."""
+    tq, t = q.shape[1], k.shape[1]
+    cp = t // tq
+    if cp * tq != t or tq % 2:
+        raise ValueError(f"zig-zag attention needs the row's {t} keys to be cp x {tq} queries, an even block")
+    c = tq // 2
+    # [cp, 2]: each device's (even, odd) chunk, the order in which the two routes deliver them.
+    chunks = jnp.asarray([sorted(query_chunks(d, cp), key=lambda ch: ch % 2) for d in range(cp)], jnp.int32)
+    mine = chunks[lax.axis_index(axis)]
+    outs = []
+    for half, route, chunk in zip((q[:, :c], q[:, c:]), zigzag_routes(cp), (mine[0], mine[1])):
+        start = chunk * c
+        q_seg = lax.dynamic_slice_in_dim(kv_segment_ids, start, c, axis=1)
+        o = block_causal_attention(lax.ppermute(half, axis, route), k, v, q_seg, kv_segment_ids, start,
+                                   scale=scale, block_q=block_q, block_k=block_k, interpret=interpret)
+        outs.append(lax.ppermute(o, axis, [(dst, src) for src, dst in route]))
+    return jnp.concatenate(outs, axis=1)

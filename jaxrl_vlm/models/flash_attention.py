@@ -17,11 +17,13 @@ context) the call is wrapped in `shard_map`: rows split over the batch axes and 
 the same layout the activation constraints give q/k/v, so no data moves. Under context parallelism (the
 positions split over the `context` axis) each device keeps its contiguous block of queries and receives the
 row's keys and values whole (one all-gather, as the XLA attention's `KV_WHOLE`): with `pallas_gpu` the causal
-text attention runs our query-offset kernel (`block_flash.block_causal_attention`) on the local block only,
-skipping key blocks after it. jax's kernels take no query offset, so `pallas_tpu` (and bidirectional attention)
-still gathers the whole row for the call and repeats its attention on each device of the group. Vision patches
-are attended whole (keys of one image may sit in another batch shard): inside the vision tower rows are gathered
-for the attention call and split again after it.
+text attention runs our query-offset kernel (`block_flash.block_causal_attention`) on query chunks only,
+skipping key blocks after them, in zig-zag order (device d attends chunks d and 2cp - 1 - d of the row's 2cp, the
+queries and outputs exchanged by `ppermute` inside the shard_map) so the causal work is equal. jax's kernels
+take no query offset, so `pallas_tpu` (and bidirectional attention) still gathers the whole row for the call
+and repeats its attention on each device of the group. Vision patches are attended whole (keys of one image may
+sit in another batch shard): inside the vision tower rows are gathered for the attention call and split again
+after it.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jaxrl_vlm.models import activation_sharding as act
-from jaxrl_vlm.models.block_flash import block_causal_attention
+from jaxrl_vlm.models.block_flash import zigzag_block_attention
 
 IMPLS = ("pallas_gpu", "pallas_tpu")
 # Sequence tiles each kernel accepts, largest first (the kernels tile the sequence exactly; Mosaic's
@@ -94,14 +96,21 @@ def _expand_kv_heads(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Arra
     return jnp.repeat(k, n // kv, axis=2), jnp.repeat(v, n // kv, axis=2)
 
 
-def _local_block(q: jax.Array, k: jax.Array, v: jax.Array, q_segment_ids: jax.Array, kv_segment_ids: jax.Array,
-                 *, impl: str, scale: float, sequence_axes: str | tuple[str, ...]) -> jax.Array:
+def _local_block(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *, impl: str, scale: float,
+                 sequence_axes: str | tuple[str, ...]) -> jax.Array:
     """Inside shard_map: this device's query block q [B, Tq, N, H] (block `axis_index(sequence_axes)` of the row)
-    against the row's k/v [B, T, K, H], causal at global positions."""
-    offset = jax.lax.axis_index(sequence_axes) * q.shape[1]
+    against the row's k/v [B, T, K, H] and segment ids [B, T], causal at global positions. The queries are
+    attended in zig-zag chunk order (`block_flash.zigzag_block_attention`), so every device does equal work."""
+    tile = BLOCK_CANDIDATES[impl][-1]
+    if q.shape[1] % (2 * tile):
+        raise ValueError(
+            f"attention_impl={impl} under context parallelism splits each device's {q.shape[1]} queries into two "
+            f"chunks of a multiple of {tile} tokens: rows of {k.shape[1]} tokens over {k.shape[1] // q.shape[1]} "
+            f"devices need a multiple of {2 * tile * (k.shape[1] // q.shape[1])} (use larger seq buckets)"
+        )
     k, v = _expand_kv_heads(q, k, v)
-    return block_causal_attention(q, k, v, q_segment_ids, kv_segment_ids, offset, scale=scale,
-                                  block_q=block_size(q.shape[1], impl), block_k=block_size(k.shape[1], impl))
+    return zigzag_block_attention(q, k, v, segment_ids, axis=sequence_axes, scale=scale,
+                                  block_q=block_size(q.shape[1] // 2, impl), block_k=block_size(k.shape[1], impl))
 
 
 def _whole_rows(spec: PartitionSpec) -> tuple:
@@ -154,9 +163,8 @@ def flash_attention(
         q_p = PartitionSpec(q_entries[0], sequence_axes, *q_entries[2:])
         local = partial(_local_block, impl=impl, scale=scale, sequence_axes=sequence_axes)
         return jax.shard_map(
-            local, mesh=spec.mesh, in_specs=(q_p, kv_p, kv_p, PartitionSpec(q_entries[0], sequence_axes), seg_spec),
-            out_specs=q_p, check_vma=False,
-        )(q, k, v, segment_ids, segment_ids)
+            local, mesh=spec.mesh, in_specs=(q_p, kv_p, kv_p, seg_spec), out_specs=q_p, check_vma=False
+        )(q, k, v, segment_ids)
     q_p = PartitionSpec(*q_entries)
     return jax.shard_map(
         fn, mesh=spec.mesh, in_specs=(q_p, kv_p, kv_p, seg_spec), out_specs=q_p, check_vma=False

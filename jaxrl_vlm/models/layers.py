@@ -180,9 +180,9 @@ def text_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: "AttentionMas
     layer, and the [Tq/cp, T] logits and mask of its block. The causal mask uses global positions, so a block
     attends to every earlier block and packing segments may cross block boundaries. Work is balanced without a
     zig-zag order because the XLA attention computes every (query, key) pair of its block, masked or not. The
-    fused kernels (`mask.impl != "xla"`) run inside a `shard_map` (see `flash_attention`): `pallas_gpu` on the
-    local query block at its row offset, skipping key blocks after it (the last block of the row does the most
-    work), `pallas_tpu` on whole rows, repeated over the context group.
+    fused kernels (`mask.impl != "xla"`) run inside a `shard_map` (see `flash_attention`): `pallas_gpu` on query
+    chunks at their row offsets, skipping key blocks after them, in zig-zag chunk order so every device does equal
+    causal work, `pallas_tpu` on whole rows, repeated over the context group.
     """
     if mask.dense is None:
         return flash_attention(q, k, v, mask.segment_ids, impl=mask.impl, scale=scale, causal=True)
