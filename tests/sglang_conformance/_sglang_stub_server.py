@@ -1,21 +1,29 @@
 """SGLang 0.5.23's own HTTP server, with a scripted scheduler in place of the model. Run by the SGLang venv's python.
 
-    .venv-sglang/bin/python tests/sglang_conformance/_sglang_stub_server.py --port-file PATH [--api-key KEY]
+    .venv-sglang/bin/python tests/sglang_conformance/_sglang_stub_server.py --port-file PATH [--api-key KEY] \
+        [SGLANG SERVER FLAGS...]   (parsed, resolved and checked by SGLang's ServerArgs, as at launch)
 
 What is SGLang's here, unchanged: the FastAPI app of `sglang/srt/entrypoints/http_server.py` (every route, the
 `/generate` schema gate, body parsing into `GenerateReqInput`, error handlers, API-key middleware, `/health`),
 `GenerateReqInput.normalize_batch_and_arguments`, `SamplingParams.normalize/verify`, and the TokenizerManager's
 own answer builders: `_handle_batch_output` (meta_info, log-prob triples, weight-version spans),
 `_handle_abort_req` (the answer to a request aborted in the waiting queue), `pause_generation` /
-`continue_generation` / `abort_request` with their pause condition and model-update lock, and the finish
-reasons of `schedule_batch.py`.
+`continue_generation` / `abort_request` with their pause condition and model-update lock, the finish
+reasons of `schedule_batch.py`, the LoRA routes' tokenizer-manager side (`load_lora_adapter`, `unload_lora_adapter`,
+LoRARegistry, `_validate_and_resolve_lora` on every /generate, `/update_weight_version`), and the detokenizer's
+base64 encoding of routed experts (`DetokenizerManager._b64_encode_per_request`).
 
 What is scripted (`StubScheduler`): the model. It "generates" token `(last_id + 1) % vocab` per step, one step every
 `STEP_S`, and answers the scheduler messages the way `managers/scheduler.py` does: an abort of a waiting request
 echoes an AbortReq (the tokenizer manager builds the queued-abort answer), an abort of a running one finishes it
 with FINISH_ABORT; pause in abort mode aborts all, retract re-queues, in_place keeps them; a weight update
-records weight-version events for requests alive across it. `POST /stub/hold {"hold": true}` keeps new requests
-waiting (never scheduled), so a test can abort a queued request on purpose.
+records weight-version events for requests alive across it. With `--enable-return-routed-experts` a request that
+asks gets int32 [seqlen - 1, MOE_LAYERS, MOE_TOP_K] routed experts, as the capturer's `get_topk` hands them over.
+A LoRA load reads the PEFT directory with SGLang's `LoRAConfig` and is checked as `LoRAManager.validate_new_adapter`
+does (name taken, rank and targets against the memory pool via `LoRAMemoryPool.can_support`); the answer is
+`create_lora_update_result`'s. `POST /stub/hold {"hold": true}` keeps new requests waiting (never scheduled), so a
+test can abort a queued request on purpose; `GET /stub/seen[/RID]` says which adapter a request resolved to and
+which routed experts it was given.
 
 The lifespan of SGLang's app is replaced, so no scheduler or detokenizer process starts. The chosen port is
 written to `--port-file` once uvicorn listens.
@@ -40,21 +48,30 @@ sglang_standins.install()
 
 os.environ.setdefault("SGLANG_HEALTH_CHECK_TIMEOUT", "3")  # SGLang's default is 20 s; the tests wait for it
 
+import torch  # noqa: E402
 import uvicorn  # noqa: E402
 from contextlib import asynccontextmanager  # noqa: E402
 from fastapi import Request  # noqa: E402
 from transformers import Qwen3VLConfig  # noqa: E402
 
 from sglang.srt.entrypoints import http_server  # noqa: E402
+from sglang.srt.lora.lora_config import LoRAConfig  # noqa: E402
+from sglang.srt.lora.lora_registry import LoRARef  # noqa: E402
+from sglang.srt.lora.mem_pool import LoRAMemoryPool  # noqa: E402
+from sglang.srt.lora.utils import get_normalized_target_modules  # noqa: E402
+from sglang.srt.managers.detokenizer_manager import DetokenizerManager  # noqa: E402
 from sglang.srt.managers.io_struct import (  # noqa: E402
     AbortReq,
     BatchStrOutput,
     ContinueGenerationReqInput,
+    LoadLoRAAdapterReqInput,
+    LoRAUpdateOutput,
     PauseGenerationReqInput,
+    UpdateWeightVersionReqOutput,
 )
 from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH, FINISH_MATCHED_TOKEN  # noqa: E402
 from sglang.srt.managers.tokenizer_manager import ReqState, ServerStatus, TokenizerManager  # noqa: E402
-from sglang.srt.observability.req_time_stats import APIServerReqTimeStats  # noqa: E402
+from sglang.srt.runtime_context import get_exec, get_lora  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 from sglang.srt.server_args import ServerArgs  # noqa: E402
 from sglang.srt.utils.weight_versions import WeightVersionEvent, compute_weight_version_spans  # noqa: E402
@@ -62,9 +79,21 @@ from sglang.srt.utils.weight_versions import WeightVersionEvent, compute_weight_
 VOCAB_SIZE = 151936  # Qwen3-VL's
 EOS_ID = 2
 STEP_S = 0.02
+# The MoE the stand-in "routes" through (return_routed_experts): what RoutedExpertsCapturer reads from the text config
+# (num_hidden_layers, num_experts_per_tok); 512 experts, so ids above one byte.
+MOE_LAYERS, MOE_TOP_K, MOE_EXPERTS = 3, 2, 512
 from sglang.srt.managers.load_snapshot import LoadSnapshot  # noqa: E402
 from sglang.srt.managers.io_struct import FlushCacheReqOutput  # noqa: E402
-from sglang.srt.utils.aio_rwlock import RWLock  # noqa: E402
+
+
+def routed_experts(token_ids: list[int]) -> torch.Tensor:
+    """What the capturer's host cache gives a finished request (`get_topk`): int32 [seqlen - 1, layers, top_k], a row
+    per forwarded position (the last token never was). Made up from each position and its token, so a prefix that
+    two requests share routes alike, as SGLang's cache keyed by KV slot does."""
+    ids = torch.tensor(token_ids[:-1], dtype=torch.int64).view(-1, 1, 1)
+    pos = torch.arange(ids.shape[0]).view(-1, 1, 1)
+    layer, k = torch.arange(MOE_LAYERS).view(1, -1, 1), torch.arange(MOE_TOP_K).view(1, 1, -1)
+    return ((ids * 131 + pos * 7 + layer * 17 + k * 257) % MOE_EXPERTS).to(torch.int32)
 
 
 class _ByteTokenizer:
@@ -79,8 +108,11 @@ class _ByteTokenizer:
 class _Running:
     """One request the stub scheduler holds: its state in the tokenizer manager and what it has generated."""
 
-    def __init__(self, rid: str, state: ReqState, input_ids: list[int], params: SamplingParams) -> None:
+    def __init__(self, rid: str, state: ReqState, input_ids: list[int], params: SamplingParams,
+                 return_routed_experts: bool = False) -> None:
         self.rid, self.state, self.params = rid, state, params
+        self.input_ids = list(input_ids)
+        self.return_routed_experts = return_routed_experts
         self.prompt_tokens = len(input_ids)
         self.last_id = input_ids[-1]
         self.output_ids: list[int] = []
@@ -98,6 +130,10 @@ class StubScheduler:
         self.hold = False  # new requests stay in the waiting queue
         self.paused_mode: str | None = None
         self.memory_released = False
+        # RoutedExpertsCapturer.create: no capturer (and no routed_experts) without --enable-return-routed-experts.
+        self.captures_experts = bool(get_exec().features.enable_return_routed_experts)
+        self.lora_refs: dict[str, LoRARef] = {}  # LoRAManager.lora_refs: the adapters loaded, by lora_id
+        self.seen: dict[str, dict[str, Any]] = {}  # per rid, what the scheduler got and produced (GET /stub/seen/RID)
 
     def add(self, req: _Running) -> None:
         self.reqs[req.rid] = req
@@ -127,6 +163,11 @@ class StubScheduler:
         n = len(req.output_ids)
         version = self.tm.config_value("weight_version")
         spans = compute_weight_version_spans(req.events, version, n) if req.events else None
+        routed = None
+        if self.captures_experts and req.return_routed_experts:  # batch_result_processor._maybe_collect_routed_experts
+            routed = routed_experts(req.input_ids + req.output_ids)
+            self.seen.setdefault(req.rid, {})["routed_experts"] = {
+                "ids": routed.tolist(), "shape": list(routed.shape), "dtype": str(routed.dtype)}
         out = BatchStrOutput(
             rids=[req.rid], finished_reasons=[finish_reason],
             output_strs=[" ".join(f"t{t}" for t in req.output_ids)], output_ids=[array("l", req.output_ids)],
@@ -136,7 +177,9 @@ class StubScheduler:
             input_top_logprobs_val=[[]], input_top_logprobs_idx=[[]], output_top_logprobs_val=[[]],
             output_top_logprobs_idx=[[]], input_token_ids_logprobs_val=[[]], input_token_ids_logprobs_idx=[[]],
             output_token_ids_logprobs_val=[[]], output_token_ids_logprobs_idx=[[]], output_token_entropy_val=None,
-            output_token_sampling_mask=None, output_hidden_states=None, routed_experts=None, indexer_topk=None,
+            output_token_sampling_mask=None, output_hidden_states=None, indexer_topk=None,
+            # The detokenizer's encoding of the scheduler's per-request tensors (handle_batch_token_id_out).
+            routed_experts=DetokenizerManager._b64_encode_per_request(None if routed is None else [routed]),
             placeholder_tokens_idx=None, placeholder_tokens_val=None, retraction_counts=[0],
             weight_versions=None if spans is None else [spans],
         )
@@ -154,6 +197,52 @@ class StubScheduler:
             else:
                 asyncio.get_running_loop().create_task(
                     self.finish(req, FINISH_ABORT(message or "Abort before prefill").to_json()))
+
+    # ---- LoRA: the scheduler's LoRAManager (load_lora_adapter / unload_lora_adapter), on the adapter's own files
+    async def update_lora_adapter(self, obj: Any) -> list[LoRAUpdateOutput]:
+        """TokenizerManager.update_lora_adapter_communicator: one rank's answer to a load or an unload."""
+        ref = obj.to_ref()
+        if not isinstance(obj, LoadLoRAAdapterReqInput):
+            self.lora_refs.pop(ref.lora_id, None)
+            return [self._lora_result(True)]
+        try:
+            config = LoRAConfig(ref.lora_path, base_vocab_size=VOCAB_SIZE)  # SGLang's own adapter_config.json reader
+            self._validate_adapter(config, ref)
+            if not (Path(ref.lora_path) / "adapter_model.safetensors").is_file():
+                raise ValueError(f"{ref.lora_path} has no adapter_model.safetensors")
+        except Exception as e:  # LoRAManager._load_lora_adapter answers any failure as success=False
+            return [self._lora_result(False, str(e))]
+        self.lora_refs[ref.lora_id] = ref
+        return [self._lora_result(True)]
+
+    def _validate_adapter(self, config: LoRAConfig, ref: LoRARef) -> None:
+        """LoRAManager.validate_new_adapter, its checks in its order and words; the pool check is SGLang's own
+        LoRAMemoryPool.can_support over the server's --max-lora-rank / --lora-target-modules."""
+        if config.lora_added_tokens_size > 0:
+            raise ValueError(f"Failed to load {ref.lora_name} because LoRA serving currently doesn't support "
+                             "adapters that add tokens to the vocabulary")
+        if config.use_dora:
+            raise ValueError(f"Failed to load {ref.lora_name} because LoRA serving currently doesn't support DoRA "
+                             "adapters")
+        if any(r.lora_name == ref.lora_name for r in self.lora_refs.values()):
+            raise ValueError(f"Failed to load LoRA adapter {ref.lora_name} because it is already loaded")
+        lora = get_lora()
+        targets = set(lora.lora_target_modules or ())
+        pool = type("Pool", (), {"max_lora_rank": lora.max_lora_rank, "lora_added_tokens_size": 0,
+                                 # "all" resolves to every module of the model (auto_detect_lora_target_modules)
+                                 "target_modules": {"all"} if "all" in targets
+                                 else get_normalized_target_modules(targets)})()
+        if "all" not in pool.target_modules and not LoRAMemoryPool.can_support(pool, config) \
+                or config.r > pool.max_lora_rank:
+            raise ValueError(f"LoRA adapter {ref.lora_name} with rank {config.r} is incompatible with the current "
+                             "LoRA memory pool configuration. Please ensure that the LoRA adapter's rank is within the "
+                             "configured `--max-lora-rank` and that the target modules are included in "
+                             "`--lora-target-modules`.")
+
+    def _lora_result(self, success: bool, error_message: str = "") -> LoRAUpdateOutput:
+        """LoRAManager.create_lora_update_result: loaded_adapters maps each loaded name to its path."""
+        return LoRAUpdateOutput(success=success, error_message=error_message,
+                                loaded_adapters={r.lora_name: r.lora_path for r in self.lora_refs.values()})
 
     def update_weights(self, old_version: str) -> None:
         """A weight change under requests that have output (pause retract / in_place): record the event."""
@@ -183,7 +272,11 @@ class StubTokenizerManager(TokenizerManager):
         self.served_model_name = server_args.model_path
         self.is_generation = True
         self.enable_metrics = False
-        self.enable_lora = False
+        self.enable_lora = bool(get_lora().enable_lora)
+        self.init_lora()
+        self._lora_release_tasks: set[asyncio.Task] = set()
+        self.update_lora_adapter_communicator = self.scheduler.update_lora_adapter
+        self.update_weight_version_communicator = self._update_weight_version_in_scheduler
         self.crash_dump_folder = None
         self.enable_trace = False
         self.skip_tokenizer_init = True
@@ -191,7 +284,7 @@ class StubTokenizerManager(TokenizerManager):
         self.tokenizer = None
         self.disaggregation_mode = "null"
         self.model_config = type("StubModelConfig", (), {
-            "is_image_understandable_model": True, "is_audio_understandable_model": False,
+            "is_image_understandable_model": True, "is_audio_understandable_model": False, "context_len": 4096,
             "hf_config": type("StubHFConfig", (), {"model_type": "qwen3_vl",
                                                     "architectures": ["Qwen3VLForConditionalGeneration"]})(),
         })()
@@ -199,6 +292,16 @@ class StubTokenizerManager(TokenizerManager):
     # ---- what SGLang's __init__ would have set up
     def config_value(self, name: str) -> Any:
         return self.versions.get(name)
+
+    def record_config_updates(self, source: str, **fields: Any) -> None:
+        self.versions.update(fields)
+
+    async def _update_weight_version_in_scheduler(self, obj: Any) -> list[UpdateWeightVersionReqOutput]:
+        """scheduler.handle_update_weight_version: requests alive across the change get a weight-version event."""
+        old = self.versions["weight_version"]
+        if obj.new_version != old:
+            self.scheduler.update_weights(old)
+        return [UpdateWeightVersionReqOutput()]
 
     def auto_create_handle_loop(self) -> None:
         return None
@@ -232,12 +335,17 @@ class StubTokenizerManager(TokenizerManager):
             async with self.is_pause_cond:
                 await self.is_pause_cond.wait_for(lambda: not self.is_pause)
             async with self.model_update_lock.reader_lock:
+                await self._validate_and_resolve_lora(obj)  # SGLang's: lora_path -> lora_id, or a refusal
                 if obj.input_ids is None:
                     raise ValueError("the stub takes input_ids only")
                 params = SamplingParams(**(obj.sampling_params or {}))
                 params.normalize(_ByteTokenizer())
                 params.verify(VOCAB_SIZE)
-                self.scheduler.add(_Running(obj.rid, state, list(obj.input_ids), params))
+                adapter = self.scheduler.lora_refs.get(obj.lora_id) if obj.lora_id else None
+                self.scheduler.seen[obj.rid] = {"lora_path": obj.lora_path, "lora_id": obj.lora_id,
+                                                "adapter_dir": adapter.lora_path if adapter else None}
+                self.scheduler.add(_Running(obj.rid, state, list(obj.input_ids), params,
+                                            return_routed_experts=obj.return_routed_experts))
                 await state.event.wait()
         except BaseException:
             self.rid_to_state.pop(obj.rid, None)
@@ -300,16 +408,38 @@ def _hold_route(tm: StubTokenizerManager) -> Any:
     return hold
 
 
+def _seen_route(tm: StubTokenizerManager) -> Any:
+    """GET /stub/seen/RID: the adapter the request resolved to and the routed experts produced for it."""
+    async def seen(rid: str) -> dict[str, Any]:
+        return tm.scheduler.seen.get(rid, {})
+
+    return seen
+
+
+def _seen_rids_route(tm: StubTokenizerManager) -> Any:
+    async def rids() -> list[str]:
+        return list(tm.scheduler.seen)
+
+    return rids
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port-file", required=True)
     parser.add_argument("--api-key", default=None)
-    args = parser.parse_args()
+    args, server_flags = parser.parse_known_args()  # the rest: SGLang server flags, as our launcher passes them
 
     model_dir = tempfile.mkdtemp(prefix="sglang-stub-model-")
     Qwen3VLConfig(architectures=["Qwen3VLForConditionalGeneration"]).save_pretrained(model_dir)  # read by ServerArgs
-    server_args = ServerArgs(model_path=model_dir, weight_version="default", api_key=args.api_key,
-                             skip_server_warmup=True, device="cpu")
+    sglang_parser = argparse.ArgumentParser(exit_on_error=False)
+    ServerArgs.add_cli_args(sglang_parser)
+    server_args = ServerArgs.from_cli_args(sglang_parser.parse_args(
+        ["--model-path", model_dir, "--weight-version", "default", "--skip-server-warmup", "--device", "cpu",
+         *(["--api-key", args.api_key] if args.api_key else []), *server_flags]))
+    # What Engine._launch_subprocesses does before publishing: resolution, then SGLang's argument checks
+    # (check_lora_server_args among them).
+    server_args.resolve_once()
+    server_args.check_server_args()
     from sglang.srt.runtime_context import publish
     publish(server_args, role="tokenizer")
     tm = StubTokenizerManager(server_args)
@@ -323,6 +453,8 @@ def main() -> None:
     app.is_single_tokenizer_mode = True
     app.server_args = server_args
     app.add_api_route("/stub/hold", _hold_route(tm), methods=["POST"])
+    app.add_api_route("/stub/seen", _seen_rids_route(tm), methods=["GET"])
+    app.add_api_route("/stub/seen/{rid}", _seen_route(tm), methods=["GET"])
     http_server.set_global_state(http_server._GlobalState(tokenizer_manager=tm, template_manager=None,
                                                           scheduler_info={}))
     if args.api_key:

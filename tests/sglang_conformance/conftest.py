@@ -25,6 +25,7 @@ HERE = Path(__file__).resolve().parent
 STUB_SERVER = HERE / "_sglang_stub_server.py"
 SGLANG_VERSION = "0.5.23"
 START_TIMEOUT_S = 120.0
+LORA_RANK = 4  # the suite's server serves adapters up to this rank (--max-lora-rank)
 
 
 def sglang_python() -> Path:
@@ -55,11 +56,21 @@ class StubServer:
     api_key: str | None
 
 
+def server_flags() -> list[str]:
+    """The SGLang flags the suite's server runs with, as our launcher passes them: LoRA serving for a rank-LORA_RANK
+    run (`lora.serving.sglang_lora_args`) and routed-expert capture (routing replay)."""
+    from jaxrl_vlm.lora.options import LoraOptions
+    from jaxrl_vlm.lora.serving import sglang_lora_args
+
+    return [*sglang_lora_args(LoraOptions(lora_rank=LORA_RANK), []), "--enable-return-routed-experts"]
+
+
 def _start(api_key: str | None) -> Iterator[StubServer]:
     python = sglang_python()
     workdir = Path(tempfile.mkdtemp(prefix="sglang-conformance-"))
     port_file, log = workdir / "port", workdir / "server.log"
-    cmd = [str(python), str(STUB_SERVER), "--port-file", str(port_file)] + (["--api-key", api_key] if api_key else [])
+    cmd = ([str(python), str(STUB_SERVER), "--port-file", str(port_file)] + (["--api-key", api_key] if api_key else [])
+           + server_flags())
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env={**os.environ, "HF_HUB_OFFLINE": "1"}, start_new_session=True)
