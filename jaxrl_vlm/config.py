@@ -46,6 +46,7 @@ from jaxrl_vlm.devices import check_disjoint, parse_device_ids
 from jaxrl_vlm.engine.options import EngineOptions
 from jaxrl_vlm.errors import ConfigError
 from jaxrl_vlm.lora.options import LoraOptions
+from jaxrl_vlm.lora.serving import engine_serves
 from jaxrl_vlm.models.config import FAMILY_PARSERS
 from jaxrl_vlm.models.remat import RematPlan
 from jaxrl_vlm.rl.options import LossOptions
@@ -195,6 +196,13 @@ class TrainConfig:
                                         ge=1)
     micro_batch_size: int | None = opt(None, "Rows per micro-batch for gradient accumulation (None: no accumulation).")
     num_steps_per_rollout: int = opt(1, "Optimizer steps per rollout (>1 recomputes old log-probs).", ge=1)
+    use_routing_replay: bool = opt(
+        False, "MoE (slime's flag; GSPO's Routing Replay): the experts each token went to in the old-policy forward, "
+        "computed before a rollout's first optimizer step, are replayed in the current policy's forwards of every "
+        "optimizer step of that rollout, so the importance ratio compares the same experts while the router moves. "
+        "A no-op with one optimizer step per rollout (one global batch, --num-steps-per-rollout 1: the old policy "
+        "is the current one). --use-rollout-routing-replay implies it (the engine's ids are replayed in every "
+        "forward, as in slime). The reference forward routes itself, as slime's. A dense model is an error.")
     seed: int = opt(1234, "Seed of parameter init, data order and the trainer RNG.")
     output_dir: str = opt("runs/default", "Where metrics, plots, exports and checkpoints go.")
 
@@ -1032,6 +1040,10 @@ def _validate_placement(cfg: Config) -> None:
     if external and rollout is not None:
         raise ConfigError(f"--rollout-devices places the embedded engine; with {external} the engine's devices are "
                           "its own (CUDA_VISIBLE_DEVICES of its process)")
+    if e.launch_sglang and engine_serves(cfg.lora) and max(e.dp_size, _flag_int(e.sglang_args, "--dp-size", 1)) > 1:
+        raise ConfigError("--lora-rank with --launch-sglang and --dp-size > 1: SGLang loads adapters at run time only "
+                          "with one data-parallel replica (sglang 0.5.23 asserts dp_size == 1 in /load_lora_adapter); "
+                          "use --lora-sync merged, or one replica per engine behind the router")
     if e.engine_url and (e.tp_size > 1 or e.dp_size > 1):
         raise ConfigError("--tp-size / --dp-size configure an engine this job starts; the one at --engine-url was "
                           "started with its own")
@@ -1045,6 +1057,22 @@ def _validate_placement(cfg: Config) -> None:
         if cfg.rollout.max_staleness > 0:
             raise ConfigError(f"--colocate is synchronous (the engine frees its memory while training); it does not "
                               f"combine with --max-staleness {cfg.rollout.max_staleness}")
+
+
+def _flag_int(args: list[str], flag: str, default: int) -> int:
+    """The integer value of `flag` in a server's argument list (`--flag N` or `--flag=N`), else `default`."""
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+        else:
+            continue
+        try:
+            return int(value)
+        except ValueError:
+            raise ConfigError(f"sglang_args: {flag} {value!r} is not an integer") from None
+    return default
 
 
 def _validate_numbers(cfg: Config) -> None:

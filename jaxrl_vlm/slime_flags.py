@@ -159,8 +159,27 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
     "--context-parallel-size": SlimeFlag(1, "-> --mesh-context N", _one("mesh_context", int), "megatron"),
     "--expert-model-parallel-size": SlimeFlag(1, "-> --mesh-expert N", _one("mesh_expert", int), "megatron"),
     "--expert-tensor-parallel-size": SlimeFlag(
-        1, "accepted when 1 (dense models only)",
-        _must_equal("--expert-tensor-parallel-size", 1, "Qwen3-VL dense models have no experts"), "megatron"),
+        1, "accepted when 1: there is no separate expert tensor parallelism here (the experts' hidden dimension "
+        "follows the layout's `mlp` rule, like every MLP's)",
+        _must_equal("--expert-tensor-parallel-size", 1, "experts shard by the mesh layout's rules: `expert` over "
+                    "--mesh-expert, their hidden dimension like every MLP's"), "megatron"),
+    # Megatron's router losses, per sparse layer and summed over the layers; ours are transformers' (the aux loss
+    # pooled over the layers) and ST-MoE's averaged over the layers, so the same coefficient is a different
+    # strength. The exact conversion needs the model's layer count and top-k, which the config does not read:
+    # the value is passed through and the note says how to convert it (tests/test_slime_compat.py checks it
+    # against both closed forms).
+    "--moe-aux-loss-coeff": SlimeFlag(
+        1, "-> --router-aux-loss-coef, the same value, but normalised differently: Megatron adds, per sparse layer, "
+        "c * (E/k) * sum_e f_e * P_e (f_e: the layer's fraction of tokens whose top-k holds expert e, P_e: its mean "
+        "router probability); ours is transformers' c * E * sum_e f_e * P_e with f and P pooled over the L sparse "
+        "layers. For Megatron's strength pass --router-aux-loss-coef c*L/k: equal in value and gradient when every "
+        "sparse layer has the same expert load, exactly with one sparse layer",
+        _one("router_aux_loss_coef", float), "megatron"),
+    "--moe-z-loss-coeff": SlimeFlag(
+        1, "-> --router-z-loss-coef, the same value, but normalised differently: Megatron adds c * mean_t "
+        "logsumexp(router logits)^2 per sparse layer (a sum over layers); ours averages over the L sparse layers. "
+        "For Megatron's strength pass --router-z-loss-coef c*L (then equal in value and gradient)",
+        _one("router_z_loss_coef", float), "megatron"),
     "--recompute-granularity": SlimeFlag(
         1, "-> --remat full (full) or none (selective: XLA already recomputes cheap ops)",
         lambda values: {"remat": "full" if values[0] == "full" else "none"}, "megatron"),

@@ -86,7 +86,7 @@ class SyncReport:
     path: Path
     export_s: float
     sync_s: float
-    bytes_written: int
+    bytes_written: int  # written to disk, or staged into the in-process engine (in the sync dtype)
     attempts: int
     errors: list[str] = field(default_factory=list)
     in_memory: bool = False  # staged in the in-process engine under `path.name`, not written to disk
@@ -208,9 +208,11 @@ class WeightSyncer:
                 return SyncReport(version=version, path=Path(name), export_s=time.perf_counter() - t0, sync_s=0.0,
                                   bytes_written=adapter_nbytes(lora.adapters, self.dtype), attempts=0, in_memory=True,
                                   adapters_only=True)
-            engine.stage_weights(name, nnx.state(model, nnx.Param), via_dtype=self.dtype)
+            params = nnx.state(model, nnx.Param)
+            engine.stage_weights(name, params, via_dtype=self.dtype)
+            # What was staged (in the sync dtype), counted as the adapters are: full and LoRA syncs compare.
             return SyncReport(version=version, path=Path(name), export_s=time.perf_counter() - t0, sync_s=0.0,
-                              bytes_written=0, attempts=0, in_memory=True)
+                              bytes_written=adapter_nbytes(params, self.dtype), attempts=0, in_memory=True)
         main = jax.process_index() == 0
         if self.client is not None and self.http_adapters(lora):
             path = save_peft_adapter(lora.setup, lora.adapters, self.root / f"{ADAPTER_PREFIX}{version:06d}",

@@ -310,7 +310,8 @@ def test_main_job_with_engine_and_trainer_on_disjoint_devices(tiny_dir, tmp_path
     assert {d.id for d in job.trainer.mesh.devices.flat} == {d.id for d in devices[4:8]}
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["weight_version"] for r in records] == [1, 2]
-    assert all(r["sync/in_memory"] == 1.0 and r["sync/gbytes"] == 0 for r in records)
+    # Every version went to the engine in memory (none through the disk), the whole model each time.
+    assert all(r["sync/in_memory"] == 1.0 and r["sync/gbytes"] == records[0]["sync/gbytes"] > 0 for r in records)
     if staleness == 0:  # step 2 sampled from the weights trained on devices 4-7 and moved to 0-3: they agree
         assert records[1]["train/train_rollout_logprob_abs_diff"] < 1e-4
     else:  # nothing trained more than one version behind

@@ -22,9 +22,11 @@ from jaxrl_vlm.errors import ConfigError
 from jaxrl_vlm.job.trainer import Trainer
 from jaxrl_vlm.lora.adapters import adapter_layouts, adapter_nbytes, adapters_of, lora_setup
 from jaxrl_vlm.lora.export import load_peft_adapter
+from jaxrl_vlm.lora.optim import adapter_optimizer
 from jaxrl_vlm.lora.options import LoraOptions
 from jaxrl_vlm.models import from_hf
 from jaxrl_vlm.models.hf_io import abstract_model
+from jaxrl_vlm.rl.train_step import make_optimizer
 from jaxrl_vlm.tiny import make_tiny, tiny_model_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -193,6 +195,35 @@ def test_target_modules_select_by_peft_names_and_unknown_names_fail(tiny_dir):
         lora_setup(cfg, params, LoraOptions(lora_rank=2, lora_target_modules=["qkv"]))
     with pytest.raises(ConfigError, match="q_prj"):
         lora_setup(cfg, params, LoraOptions(lora_rank=2, lora_target_modules=["q_prj"]))
+
+
+def test_lora_plus_trains_lora_b_at_ratio_times_the_learning_rate(tmp_path):
+    """--lora-plus-lr-ratio k: the run's optimizer moves lora_B k times as far as a plain Adam step at --lr (its first
+    step after global-norm clipping, closed form: -lr * (g / (|g| + eps) + wd * p)), and lora_A and the modules to save exactly
+    that far; ratio 1 is the plain optimizer (its state layout too)."""
+    cfg = load_config(None, ["--lr", "1e-2", "--lora-rank", "4", "--lora-plus-lr-ratio", "16"])
+    tx = make_optimizer(cfg.optim, 10)
+    assert adapter_optimizer(tx, 1.0) is tx
+    plus = adapter_optimizer(tx, cfg.lora.lora_plus_lr_ratio)
+    keys = iter(jax.random.split(jax.random.key(5), 10))
+    params = [{"lora_A": jax.random.normal(next(keys), (4, 24)), "lora_B": jax.random.normal(next(keys), (40, 4))},
+              {"lora_A": jax.random.normal(next(keys), (4, 40)), "lora_B": jax.random.normal(next(keys), (24, 4))},
+              {"weight": jax.random.normal(next(keys), (24,))}]
+    grads = jax.tree.map(lambda p, k: jax.random.normal(k, p.shape), params,
+                         jax.tree.unflatten(jax.tree.structure(params), list(keys)[:5]))
+    updates, _ = plus.update(grads, plus.init(params), params)
+    optim = cfg.optim
+    norm = np.sqrt(sum(float(np.sum(np.asarray(g, np.float64) ** 2)) for g in jax.tree.leaves(grads)))
+    clip = min(1.0, optim.clip_grad / norm)  # global-norm clipping first
+    assert optim.weight_decay > 0  # AdamW's decoupled decay is part of the update LoRA+ scales
+    for pair, grad, param in zip(updates, grads, params):
+        for name, u in pair.items():
+            g = np.asarray(grad[name], np.float64) * clip
+            adam = g / (np.abs(g) + optim.adam_eps) + optim.weight_decay * np.asarray(param[name], np.float64)
+            want = -optim.lr * (16.0 if name == "lora_B" else 1.0) * adam
+            np.testing.assert_allclose(np.asarray(u), want, rtol=1e-4, atol=0, err_msg=name)
+    with pytest.raises(ConfigError, match=r"lora.plus.lr.ratio"):
+        load_config(None, ["--output-dir", str(tmp_path), "--lora-plus-lr-ratio", "0"])
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda p: p.stem)

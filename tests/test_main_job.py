@@ -69,7 +69,7 @@ def test_tiny_config_runs_to_the_end_and_writes_everything(full_run):
     assert config["model_type"] == "qwen3_vl" and (final / "model.safetensors").stat().st_size > 0
     assert (final / "tokenizer.json").exists() and (final / "preprocessor_config.json").exists()
     # The embedded engine lives in this process: every version went to it in memory, none through the disk.
-    assert all(r["sync/in_memory"] == 1.0 and r["sync/gbytes"] == 0 for r in records)
+    assert all(r["sync/in_memory"] == 1.0 and r["sync/gbytes"] == records[0]["sync/gbytes"] > 0 for r in records)
     assert not (out / "weights").exists()
     assert "run finished" in done.stdout
 

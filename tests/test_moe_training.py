@@ -10,7 +10,10 @@ top-k over real tokens; packed batches carry each sample's engine expert ids exa
 padding and unrecorded positions); replaying the router's own ids reproduces the log-probs bit for bit, replaying
 other ids changes them, and a dense family logs no MoE metric; the embedded engine's runner records each fed
 position's experts by page (prefill, decode, and an extend over a reused prefix) equal to the trainer's router, and
-SGLang's base64 `meta_info.routed_experts` carries them unchanged.
+SGLang's base64 `meta_info.routed_experts` carries them unchanged. With --use-routing-replay and two optimizer
+steps on one rollout, the trainer records the old policy's experts before the first update and the second
+update's current forward routes with them (its `ppo_kl` is that of a forward with those ids forced, not of the
+router's new choice); the flag is a no-op with one update per rollout or under R3, and an error on a dense model.
 """
 
 from __future__ import annotations
@@ -25,7 +28,11 @@ from flax import nnx
 import jax
 import jax.numpy as jnp
 from jaxrl_vlm.batching import build_train_batch
+from jaxrl_vlm.config import load_config
+from jaxrl_vlm.errors import ConfigError
+from jaxrl_vlm.job.trainer import Trainer, check_routing_replay, replays_old_routing
 from jaxrl_vlm.models.config import from_hf_dict
+from jaxrl_vlm.models.hf_io import to_hf
 from jaxrl_vlm.rl.losses import LossConfig
 from jaxrl_vlm.rl.train_step import StepConfig, TrainState, policy_logprobs, train_step
 from jaxrl_vlm.tiny import init_tiny_model
@@ -285,3 +292,88 @@ def test_engine_records_each_fed_position_s_experts_by_page_and_sends_them_as_sg
     np.testing.assert_array_equal(decode_routed_experts(body["meta_info"]), got.reshape(n, LAYERS * K))
     with pytest.raises(ValueError, match="prompt_tokens"):
         decode_routed_experts({**body["meta_info"], "prompt_tokens": 12})
+
+
+@pytest.fixture(scope="module")
+def old_routing_replayed(moe, tmp_path_factory):
+    """A Trainer on the tiny MoE (exported without torch) with --use-routing-replay and two optimizer steps on one
+    rollout; each update's parameters (before it), batch, old log-probs and metrics are captured."""
+    _, model, _, _ = moe
+    tmp = tmp_path_factory.mktemp("routing_replay")
+    model_dir = to_hf(model, tmp / "model", dtype=jnp.float32)
+    run = load_config(None, ["--hf-checkpoint", str(model_dir), "--use-routing-replay", "--num-steps-per-rollout", "2",
+                             "--lr", "0.05", "--seq-buckets", "32", "--row-buckets", "2,4,8", "--logprob-chunk-size",
+                             "32", "--mesh-data", "1", "--output-dir", str(tmp / "run")])
+    trainer = Trainer(run, devices=jax.devices()[:1])
+    trainer.build_policy(model_dir)
+    compiled, calls = trainer._step_fn, []
+
+    def spied(num_sequences, single):
+        step = compiled(num_sequences, single)
+
+        def run_step(state, batch, old, ref, frozen):
+            before = jax.tree.map(np.asarray, state.params)  # the state is donated to the step
+            new_state, metrics = step(state, batch, old, ref, frozen)
+            calls.append((before, jax.tree.map(np.asarray, batch), np.asarray(old), jax.device_get(metrics)))
+            return new_state, metrics
+
+        return run_step
+
+    trainer._step_fn = spied
+    trainer.train_on(_samples(False))
+    return trainer, calls
+
+
+def _ppo_kl(old, lp, arrays):
+    w = arrays.token_weights * arrays.loss_mask
+    return float(np.sum(w * (old - lp)) / np.sum(w))
+
+
+def _own_routing(graphdef, params, arrays) -> np.ndarray:
+    """The router's own top-k ids [K, R, T, L_sparse, k] of every micro-batch of `arrays` under `params`."""
+    model = nnx.merge(graphdef, params)
+    return np.stack([np.moveaxis(np.asarray(_route(model, jnp.asarray(arrays.tokens[k]), jnp.asarray(arrays.positions[k]),
+                                                   jnp.asarray(arrays.segment_ids[k]))[1]), 0, 2)
+                     for k in range(arrays.tokens.shape[0])])
+
+
+def test_old_policy_routing_is_replayed_in_every_update_of_the_rollout(old_routing_replayed):
+    trainer, calls = old_routing_replayed
+    graphdef = trainer.graphdef
+    assert len(calls) == 2
+    (params0, first, _, _), (params1, second, old, metrics) = calls
+    real = first.segment_ids > 0
+    # Both updates carry the old policy's own routing (the weights before the first update), -1 on padding.
+    np.testing.assert_array_equal(first.routed_experts[real], _own_routing(graphdef, params0, first)[real])
+    assert (first.routed_experts[~real] == -1).all()
+    np.testing.assert_array_equal(second.routed_experts, first.routed_experts)
+    # After the first update the router itself would choose other experts for some tokens...
+    own1 = _own_routing(graphdef, params1, second)
+    assert (np.sort(own1, -1) != np.sort(first.routed_experts, -1))[real].any()
+
+    # ...but the second update's current forward routed with the recorded ids: its ppo_kl is the one of a forward
+    # with those ids forced, not of one that routes anew (all ids -1: each token routed by the router itself).
+    logprobs = jax.jit(lambda mb: policy_logprobs(graphdef, params1, mb, chunk_size=32, need_entropy=False)[0])
+
+    def all_logprobs(arrays):
+        return np.stack([np.asarray(logprobs(jax.tree.map(lambda x: x[k], arrays))) for k in range(arrays.tokens.shape[0])])
+
+    replayed = _ppo_kl(old, all_logprobs(second), second)
+    anew = _ppo_kl(old, all_logprobs(second._replace(routed_experts=np.full_like(second.routed_experts, -1))), second)
+    assert float(metrics["train/ppo_kl"]) == pytest.approx(replayed, abs=1e-6)
+    assert abs(anew - replayed) > 1e-4, (anew, replayed)
+
+
+def test_routing_replay_is_a_no_op_with_one_update_or_under_r3_and_an_error_on_a_dense_model(moe):
+    flag = load_config(None, ["--use-routing-replay"])
+    both = load_config(None, ["--use-routing-replay", "--use-rollout-routing-replay"])
+    assert replays_old_routing(flag, single=False)
+    assert not replays_old_routing(flag, single=True)  # one update per rollout: the old policy is the current one
+    assert not replays_old_routing(both, single=False)  # R3: the engine's ids, already in the batch, win
+    assert not replays_old_routing(load_config(None, []), single=False)
+    check_routing_replay(flag, moe[0])
+    for cfg, name in ((flag, "--use-routing-replay"), (load_config(None, ["--use-rollout-routing-replay"]),
+                                                        "--use-rollout-routing-replay")):
+        with pytest.raises(ConfigError, match=f"{name} replays a mixture-of-experts router.*dense"):
+            check_routing_replay(cfg, _cfg("qwen3_vl"))
+    check_routing_replay(load_config(None, []), _cfg("qwen3_vl"))

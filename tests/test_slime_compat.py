@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -15,6 +17,8 @@ from _slime_geo3k_args import MODEL, TRAIN_DATA, argv, flags
 from jaxrl_vlm import slime_flags
 from jaxrl_vlm.cli import main
 from jaxrl_vlm.config import FLAGS, ConfigError, load_config
+from jaxrl_vlm.models.moe import load_balancing_loss
+from jaxrl_vlm.rl.router_losses import router_z_loss
 from jaxrl_vlm.rl.train_step import make_optimizer
 from jaxrl_vlm.sglang_launcher import JAX_MEM_FRACTION_ENV, SGLangLaunchError, apply_colocation
 
@@ -170,3 +174,56 @@ def test_adam_is_slimes_adam_with_decoupled_weight_decay():
     # exactly lr * wd * w (coupled L2 would have gone through the moments: 0.1 * sign(...) instead).
     adam_step = 0.1 * 1.0 / (1.0 + 1e-8)  # m_hat / (sqrt(v_hat) + eps) = 1 for the first step
     np.testing.assert_allclose(results[0], [2.0 - adam_step - 0.1 * 0.5 * 2.0, -4.0 - 0.1 * 0.5 * -4.0], rtol=1e-6)
+
+
+def _megatron_router_losses(logits_lne: jax.Array, top_k: int, aux_coeff: float, z_coeff: float) -> jax.Array:
+    """Megatron-LM's router terms as its `TopKRouter` adds them: per sparse layer `switch_load_balancing_loss_func`
+    (softmax probs summed over tokens, times the top-k count per expert (no gradient), times
+    E * coeff / (k * T^2)) and `z_loss_func` (coeff * mean over tokens of logsumexp^2); every layer's terms reach
+    the gradient (MoEAuxLossAutoScaler), so the total is their sum over layers."""
+    e = logits_lne.shape[-1]
+    total = jnp.zeros((), jnp.float32)
+    for layer in logits_lne:
+        probs = jax.nn.softmax(layer, axis=-1)
+        counts = jax.lax.stop_gradient(jax.nn.one_hot(jax.lax.top_k(probs, top_k)[1], e).sum(axis=(0, 1)))
+        t = layer.shape[0]
+        total += jnp.sum(probs.sum(0) * counts) * e * aux_coeff / (top_k * t * t)
+        total += z_coeff * jnp.mean(jax.nn.logsumexp(layer, axis=-1) ** 2)
+    return total
+
+
+def test_megatrons_router_loss_coefficients_map_with_the_conversion_the_note_states():
+    cfg = load_config(None, ["--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.002",
+                             "--expert-model-parallel-size", "2"])
+    assert (cfg.algo.router_aux_loss_coef, cfg.algo.router_z_loss_coef, cfg.mesh.mesh_expert) == (0.01, 0.002, 2)
+    assert any("--router-aux-loss-coef c*L/k" in n for n in cfg.notes)
+    assert any("--router-z-loss-coef c*L" in n for n in cfg.notes)
+    # The conversions the notes give, against Megatron's closed form: ours (transformers' aux loss, ST-MoE's z-loss
+    # averaged over layers) with c*L/k and c*L equals Megatron's with c, in value and gradient, whenever every
+    # sparse layer has the same expert load; the aux loss differs otherwise (it pools the layers' loads).
+    k, c, cz = 2, 0.01, 0.002
+    x = jax.random.normal(jax.random.key(0), (12, 5), jnp.float32)
+    valid = jnp.ones(12, bool)
+
+    @jax.jit
+    def both(logits, aux_coeff, z_coeff):
+        """(Megatron's value and gradient with c, ours with the notes' conversion of c), for [L, N, E] logits."""
+        layers = logits.shape[0]
+
+        def ours(x):
+            return (aux_coeff * layers / k * load_balancing_loss(x, k, valid)
+                    + z_coeff * layers * router_z_loss(x, valid))
+
+        return (jax.value_and_grad(_megatron_router_losses)(logits, k, aux_coeff, z_coeff),
+                jax.value_and_grad(ours)(logits))
+
+    same_load = jnp.stack([x, 2.0 * x, 0.5 * x])  # positive scales: each token's top-k, so each layer's load, agree
+    for logits in (jnp.stack([x, x, x]), same_load):
+        (want, want_grad), (got, got_grad) = both(logits, c, cz)
+        np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(got_grad), np.asarray(want_grad), rtol=1e-4, atol=1e-9)
+    other_loads = jax.random.normal(jax.random.key(1), (3, 12, 5), jnp.float32)
+    (want, _), (got, _) = both(other_loads, c, 0.0)
+    assert abs(float(got) - float(want)) > 1e-5 * float(want)
+    (want, _), (got, _) = both(other_loads, 0.0, cz)
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-5)

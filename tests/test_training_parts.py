@@ -19,6 +19,7 @@ from _launch import xla_flags
 
 from jaxrl_vlm.checkpoint import CheckpointStore, abstract_like
 from jaxrl_vlm.config import load_config
+from jaxrl_vlm.errors import ConfigError
 from jaxrl_vlm.job.run import weight_sync_root
 from jaxrl_vlm.job.session import rollout_session
 from jaxrl_vlm.job.trainer import Trainer
@@ -251,6 +252,25 @@ async def test_launch_sglang_that_dies_reports_its_log(tmp_path, monkeypatch):
             await proc.wait_ready(client, timeout_s=60)
     with pytest.raises(SGLangLaunchError, match="--sglang-python"):
         SGLangProcess("", "/m", log_path=tmp_path / "x.log")
+
+
+def test_launched_sglang_gets_routed_experts_for_replay_and_lora_refuses_data_parallel_replicas():
+    """SGLang returns routed experts only when started with --enable-return-routed-experts (silently none otherwise),
+    and loads adapters at run time only with one data-parallel replica (an assert: HTTP 500 without the cause)."""
+    from jaxrl_vlm.job.session import _routing_args
+
+    def cfg(*extra: str):
+        return load_config(None, ["--launch-sglang", "--sglang-python", sys.executable, *extra])
+
+    assert _routing_args(cfg("--use-rollout-routing-replay", "true")) == ["--enable-return-routed-experts"]
+    assert _routing_args(cfg()) == []
+    assert _routing_args(cfg("--use-rollout-routing-replay", "true",
+                             "--sglang-args=--enable-return-routed-experts")) == []  # the user's own flag stays
+    for dp in (["--dp-size", "2"], ["--sglang-args=--dp-size=2"]):
+        with pytest.raises(ConfigError, match=r"--dp-size > 1.*--lora-sync merged"):
+            cfg("--lora-rank", "4", *dp)
+        cfg("--lora-rank", "4", "--lora-sync", "merged", *dp)  # the merged model loads as a full update
+    cfg("--lora-rank", "4", "--dp-size", "1")
 
 
 @pytest.mark.slow

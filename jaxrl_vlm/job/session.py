@@ -72,7 +72,7 @@ async def rollout_session(
             launched = SGLangProcess(
                 cfg.engine.sglang_python or "", str(serve_dir), host=cfg.engine.engine_host, port=cfg.engine.engine_port,
                 extra_args=[*cfg.engine.sglang_args, *_parallel_args(cfg), *sglang_lora_args(cfg.lora, cfg.engine.sglang_args),
-                            *(["--api-key", key] if key else [])],
+                            *_routing_args(cfg), *(["--api-key", key] if key else [])],
                 log_path=Path(cfg.train.output_dir) / "sglang.log",
             )
             client = SGLangClient(launched.start(), **client_options)
@@ -126,6 +126,16 @@ def _parallel_args(cfg: Config) -> list[str]:
         if value > 1 and not given:
             out += [flag, str(value)]
     return out
+
+
+def _routing_args(cfg: Config) -> list[str]:
+    """`--enable-return-routed-experts` for routing replay, unless SGLang's arguments already say: without it SGLang
+    answers every request without `meta_info.routed_experts`, silently (sglang 0.5.23, RoutedExpertsCapturer), and
+    the run would stop at its first batch."""
+    flag = "--enable-return-routed-experts"
+    if not cfg.rollout.use_rollout_routing_replay or any(a == flag for a in cfg.engine.sglang_args):
+        return []
+    return [flag]
 
 
 def _vllm_dtype_args(cfg: Config) -> list[str]:

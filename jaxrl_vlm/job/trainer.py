@@ -31,6 +31,7 @@ from jaxrl_vlm.lora.adapters import (
     lora_setup,
     merged_params,
 )
+from jaxrl_vlm.lora.optim import adapter_optimizer
 from jaxrl_vlm.distributed import global_batch
 from jaxrl_vlm.models.hf_io import from_hf, load_hf_config
 from jaxrl_vlm.rl.advantages import compute_advantages
@@ -192,6 +193,24 @@ def check_frame_patches(samples: list[Sample], cap: int | None) -> None:
                 "preprocessed with the model directory's preprocessor_config.json")
 
 
+def check_routing_replay(cfg: Config, model_cfg: Any) -> None:
+    """Routing replay (either flag) on a dense model can only be a mistake: it has no router to replay."""
+    if not getattr(model_cfg.text, "sparse_layers", ()):
+        for flag, on in (("--use-routing-replay", cfg.train.use_routing_replay),
+                         ("--use-rollout-routing-replay", cfg.rollout.use_rollout_routing_replay)):
+            if on:
+                raise ConfigError(f"{flag} replays a mixture-of-experts router's choices, but {cfg.model.hf_checkpoint} "
+                                  f"is a dense {type(model_cfg).__name__} (no sparse layer): drop the flag")
+
+
+def replays_old_routing(cfg: Config, single: bool) -> bool:
+    """Whether the old-policy forward records its experts for the updates to replay (--use-routing-replay): not
+    with one update per rollout (`single`: the old policy is the current one, so the flag changes nothing), and
+    not under --use-rollout-routing-replay, whose engine ids the batch already carries for every forward (slime:
+    R3 implies routing replay, with the rollout's routing)."""
+    return cfg.train.use_routing_replay and not single and not cfg.rollout.use_rollout_routing_replay
+
+
 class Trainer:
     """The policy being trained: parameters and optimizer state on the mesh, and `train_on(samples)`."""
 
@@ -230,6 +249,7 @@ class Trainer:
             attention_impl=cfg.model.attention_impl, patch_attention_block=self.frame_patch_cap,
         )
         self.model_cfg = model.cfg
+        check_routing_replay(cfg, model.cfg)
         self.graphdef, params = nnx.split(model, nnx.Param)
         self.tx = make_optimizer(cfg.optim, cfg.rollout.num_rollout * cfg.train.num_steps_per_rollout)
         p_sh = param_shardings(params, self.mesh, self.rules)
@@ -243,6 +263,7 @@ class Trainer:
             del model, params
             p_sh = adapter_shardings(self.lora, self.mesh, self.rules)
             params = jax.device_put(adapters, p_sh)
+            self.tx = adapter_optimizer(self.tx, cfg.lora.lora_plus_lr_ratio)  # LoRA+: lora_B at ratio x lr
         # Optimizer moments are laid out like the parameters they track.
         opt_state = jax.jit(self.tx.init)(params)
         rng = jax.random.key_data(jax.random.key(cfg.train.seed))
@@ -283,18 +304,21 @@ class Trainer:
     def logprob_temperature(self) -> float:
         return training_temperature(self.cfg)
 
-    def _logprobs(self, params: Any, device_batch: Any) -> jax.Array:
-        """Old or reference log-probs of a batch, at the rollout temperature (one program per batch shape)."""
+    def _logprobs(self, params: Any, device_batch: Any, *, with_routing: bool = False) -> Any:
+        """Old or reference log-probs of a batch, at the rollout temperature (one program per batch shape); with
+        `with_routing`, (log-probs, the expert ids that forward used [K, R, T, L_sparse, k])."""
         if self._logprob_fn is None:
             # Laid out like the batch (rows split, positions whole), which the train step expects them in; under
-            # context parallelism they leave the model split over the positions.
+            # context parallelism they leave the model split over the positions. The expert ids too: one
+            # row-split sharding covers both outputs.
             self._logprob_fn = jax.jit(
-                compute_logprobs, static_argnums=(0,), static_argnames=("chunk_size", "temperature", "activations"),
+                compute_logprobs, static_argnums=(0,),
+                static_argnames=("chunk_size", "temperature", "activations", "with_routing"),
                 out_shardings=batch_sharding(self.mesh, self.rules),
             )
         return self._logprob_fn(
             self.graphdef, params, device_batch, chunk_size=self.cfg.model.logprob_chunk_size,
-            temperature=self.logprob_temperature, activations=self._activations(),
+            temperature=self.logprob_temperature, activations=self._activations(), with_routing=with_routing,
         )
 
     def compiled_programs(self) -> int:
@@ -330,8 +354,10 @@ class Trainer:
         optimizer batches of `--global-batch-size` (slime's meaning: samples per optimizer step), and each is
         trained `--num-steps-per-rollout` times. With one batch and one step the old log-probs are the current
         policy's own (the ratio is exactly 1, as in slime); otherwise they are computed for every batch with the
-        pre-update weights before the first update. SFT (`--loss-type sft_loss`): the samples are conversations;
-        there are no advantages and no old log-probs, and the loss is their assistant tokens' mean NLL.
+        pre-update weights before the first update; with --use-routing-replay that forward also records the
+        experts it used, and every update of this rollout replays them (`replays_old_routing`). SFT (`--loss-type
+        sft_loss`): the samples are conversations; there are no advantages and no old log-probs, and the loss is
+        their assistant tokens' mean NLL.
         """
         cfg = self.cfg
         sft = is_sft(cfg)
@@ -343,8 +369,14 @@ class Trainer:
         # The NLL needs no old log-probs: SFT steps always take the current ones (never read).
         single = sft or (len(batches) == 1 and cfg.train.num_steps_per_rollout == 1)
         current = None if single else self.policy_params()
-        old = [None if single else self._logprobs(current, dev) for _, dev in batches]
+        # The reference routes itself (as slime's), so it reads the batches before the old routing joins them.
         ref = [None if self.ref_params is None else self._logprobs(self.ref_params, dev) for _, dev in batches]
+        if replays_old_routing(cfg, single):
+            old_and_ids = [self._logprobs(current, dev, with_routing=True) for _, dev in batches]
+            old = [lp for lp, _ in old_and_ids]
+            batches = [(b, dev._replace(routed_experts=ids)) for (b, dev), (_, ids) in zip(batches, old_and_ids)]
+        else:
+            old = [None if single else self._logprobs(current, dev) for _, dev in batches]
         updates = []
         for _ in range(cfg.train.num_steps_per_rollout):
             for (batch, device_batch), old_lp, ref_lp in zip(batches, old, ref):

@@ -273,7 +273,7 @@ def merged_params(base: nnx.State, adapters: Adapters, setup: LoraSetup) -> nnx.
 
 
 def adapter_nbytes(adapters: Any, dtype: Any = None) -> int:
-    """Bytes of the adapters (in `dtype`, default their own): what an adapter-only weight sync moves."""
+    """Bytes of the adapters, or of any array tree (in `dtype`, default their own): what a weight sync moves."""
     return sum(int(np.prod(x.shape)) * (jnp.dtype(dtype).itemsize if dtype is not None else x.dtype.itemsize)
                for x in jax.tree.leaves(adapters))
 

@@ -21,6 +21,11 @@ class LoraOptions:
         0.0, "Rank dropout of the adapters while training: each of the r components is dropped with this "
              "probability per micro-batch (survivors scaled by 1/(1-p)). It is not PEFT's input dropout: the adapters "
              "are applied as a weight update, so the model code stays the engine's.", ge=0.0, lt=1.0)
+    lora_plus_lr_ratio: float = opt(
+        1.0, "LoRA+ (Hayou et al. 2024): lora_B learns at this multiple of --lr, lora_A and the modules to save at "
+             "--lr itself (schedule and weight decay alike); 1 is plain LoRA. With B starting at zero and A random, "
+             "a slower A keeps the random input directions B learns against from being rewritten by Adam's "
+             "full-size steps (the paper uses 16 for Adam).", gt=0.0)
     lora_target_modules: list[str] = opt(
         [ALL_LINEAR], f"Linear layers that get adapters: '{ALL_LINEAR}' (every linear of the text decoder; the LM head "
                       "and embeddings never) or HF module names, matched as PEFT does (a name or a '.'-suffix of "

@@ -13,8 +13,10 @@ One `jax.jit` per batch shape, with explicit in/out shardings on the configured 
   (`compute_logprobs`) and passed in;
 * a mixture-of-experts family adds its router terms (`rl/router_losses.py`: --router-aux-loss-coef,
   --router-z-loss-coef, over real tokens) to the loss and logs per-layer expert load as `moe/...`; a batch with
-  `routed_experts` (--use-rollout-routing-replay) routes every forward (old, reference, current) with the engine's
-  expert ids; a dense family computes and logs none of it;
+  `routed_experts` routes every forward that reads it with those expert ids: the engine's
+  (--use-rollout-routing-replay: old, reference and current forwards), or the old policy's own, which
+  `compute_logprobs(..., with_routing=True)` returns for the trainer to replay in the current forwards of every
+  optimizer step of a rollout (--use-routing-replay); a dense family computes and logs none of it;
 * a non-finite loss or gradient (norm) skips the update (params and optimizer state unchanged) and is reported in
   the metrics (`train/skipped_nonfinite`), never written into the weights.
 """
@@ -106,6 +108,14 @@ def replay_ids(mb: Any) -> jax.Array | None:
     token itself), or None when the batch carries none."""
     routed = getattr(mb, "routed_experts", None)
     return None if routed is None else jnp.moveaxis(routed, 2, 0)
+
+
+def used_expert_ids(routing: Any, segment_ids: jax.Array) -> jax.Array:
+    """The top-k ids a forward's sparse layers used, int32 [R, T, L_sparse, k] from `routing` ([L_sparse, R, T, k]
+    ids), -1 on padding (segment id 0): the layout of `TrainArrays.routed_experts`, so replaying the trainer's
+    own routing (--use-routing-replay) takes the same path as replaying the engine's (R3)."""
+    ids = jnp.moveaxis(routing.topk_ids, 0, 2).astype(jnp.int32)
+    return jnp.where((segment_ids > 0)[..., None, None], ids, -1)
 
 
 def policy_forward(model: PolicyModel, mb: Any) -> tuple[jax.Array, Any]:
@@ -252,15 +262,25 @@ def compute_logprobs(
     chunk_size: int,
     temperature: float = 1.0,
     activations: ActivationLayout | None = None,
-) -> jax.Array:
+    with_routing: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Log-probs [K, R, T] of the batch targets under `params` (old or reference policy) at the rollout
-    temperature, no gradient."""
+    temperature, no gradient. With `with_routing` (an MoE family; --use-routing-replay) also the expert ids this
+    forward used, laid out as the batch's `routed_experts` (`used_expert_ids`), for the current forwards to replay."""
 
     def one(k):
-        lp, _ = policy_logprobs(
-            graphdef, params, _micro(batch, k), chunk_size=chunk_size, need_entropy=False, temperature=temperature
+        mb = _micro(batch, k)
+        out = policy_logprobs(
+            graphdef, params, mb, chunk_size=chunk_size, need_entropy=False, temperature=temperature,
+            with_routing=with_routing,
         )
-        return lp
+        if not with_routing:
+            return out[0]
+        lp, _, routing = out
+        if routing is None:
+            raise ValueError("compute_logprobs(with_routing=True) needs a mixture-of-experts family: this model has "
+                             "no router (routing replay does not apply to a dense model)")
+        return lp, used_expert_ids(routing, mb.segment_ids)
 
     with activation_sharding(activations):
         return jax.lax.map(one, jnp.arange(batch.tokens.shape[0]))
