@@ -22,7 +22,8 @@ if "xla_cpu_collective_timeout_seconds" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] = " ".join([os.environ["XLA_FLAGS"], *_COLLECTIVE_TIMEOUTS])
 # The suite's programs are tiny and most of its time is XLA:CPU compilation, mostly LLVM's optimisation passes:
 # at backend optimisation level 0 a compile-bound module runs ~25% faster (tests/test_temperature.py: 73 -> 47 s
-# of CPU), and execution of tiny programs does not slow. Results move by float rounding only (its own math
+# of CPU; the whole suite 28 -> 24 min); execution slows less than that buys (the color_reveal learning run,
+# the longest: 163 -> 198 s outside compilation). Results move by float rounding only (its own math
 # functions and fused multiply-adds: a 2-step color_reveal run's grad norm 4.158713 vs 4.158712, same rewards);
 # every comparison in the suite is between programs compiled under the same flags, or has a float tolerance.
 # Set JAXRL_TEST_XLA_OPT_LEVEL to measure another level.
@@ -69,6 +70,11 @@ def pytest_configure(config: pytest.Config) -> None:
     # JAXRL_TEST_XLA_CACHE names a cache to keep as it is (e.g. to investigate the abort above).
     if not hasattr(config, "workerinput") and "JAXRL_TEST_XLA_CACHE" not in os.environ:
         shutil.rmtree(_XLA_CACHE, ignore_errors=True)
+        # Every process started from here on keeps it: a test that runs pytest in a child process
+        # (tests/test_flash_attention.py's TPU-interpreter child) would otherwise empty it mid-run, and every later
+        # compilation of the suite would miss the cache (measured: 180 failed cache writes, ~1 min of the suite's wall
+        # time).
+        os.environ["JAXRL_TEST_XLA_CACHE"] = _XLA_CACHE
     timing_path = os.environ.get("JAXRL_SUITE_TIMING")
     if timing_path:
         from _suite_timing import register

@@ -4,7 +4,7 @@ The fast tests hold the file format (every field back exactly, arrays to the byt
 foreign, newer, truncated or altered file), the flags and the variant specs. The slow ones run the tiny color-reveal
 task on one CPU device, as a user would (`jaxrl-vlm train`, images included): the run saves its rollouts, a replay
 of them with the same config starts no engine and reproduces every per-step train/* metric bit for bit, and
-`jaxrl-vlm compare-losses` trains ppo_clip, gspo, cispo and a user loss file on them from the same start and
+`jaxrl-vlm compare-losses` trains ppo_clip, gspo and a user loss file on them from the same start and
 writes the table and the plots.
 """
 
@@ -333,16 +333,18 @@ def test_a_replay_starts_no_engine_and_reproduces_every_per_step_loss_bit_for_bi
 
 
 @pytest.mark.slow
-def test_compare_losses_trains_ppo_gspo_cispo_and_a_user_loss_on_the_same_rollouts(saved_run):
+def test_compare_losses_trains_ppo_gspo_and_a_user_loss_on_the_same_rollouts(saved_run):
+    """Three variants (CISPO's loss is checked in closed form in tests/test_losses.py; a fourth variant here added
+    only another compilation)."""
     tmp, template = saved_run
     out = tmp / "compare"
     done = _cli(
         "compare-losses", *_run_argv(tmp, *NO_EVAL), "--load-debug-rollout-data", template, "--out", str(out),
-        "--variant", "ppo_clip=", "--variant", "gspo=--policy-loss gspo", "--variant", "cispo=--policy-loss cispo",
+        "--variant", "ppo_clip=", "--variant", "gspo=--policy-loss gspo",
         "--variant", "reinforce=--loss-type custom_loss --custom-loss-function-path configs/hooks/custom_loss.py:reinforce",
         timeout=1800,
     )
-    names = ["ppo_clip", "gspo", "cispo", "reinforce"]
+    names = ["ppo_clip", "gspo", "reinforce"]
     md = (out / "comparison.md").read_text()
     assert md.strip() in done.stdout
     assert [line.split("|")[1].strip() for line in md.splitlines()[2:]] == names
@@ -351,7 +353,7 @@ def test_compare_losses_trains_ppo_gspo_cispo_and_a_user_loss_on_the_same_rollou
     for row in rows:
         for metric in ("loss", "pg_loss", "behaviour_drift", "grad_norm", "entropy"):
             assert math.isfinite(float(row[f"{metric} mean"])) and math.isfinite(float(row[f"{metric} last"])), metric
-    assert rows[3]["clip_fraction mean"] == ""  # the user's REINFORCE has no clip
+    assert rows[2]["clip_fraction mean"] == ""  # the user's REINFORCE has no clip
     assert sorted(p.name for p in (out / "plots").iterdir()) == sorted(
         f"{m}.png" for m in ("loss", "pg_loss", "clip_fraction", "behaviour_drift", "grad_norm", "entropy"))
     assert all(p.stat().st_size > 0 for p in (out / "plots").iterdir())
