@@ -59,10 +59,13 @@ class StubServer:
 def server_flags() -> list[str]:
     """The SGLang flags the suite's server runs with, as our launcher passes them: LoRA serving for a rank-LORA_RANK
     run (`lora.serving.sglang_lora_args`) and routed-expert capture (routing replay)."""
+    from jaxrl_vlm.config import load_config
+    from jaxrl_vlm.job.session import _routing_args
     from jaxrl_vlm.lora.options import LoraOptions
     from jaxrl_vlm.lora.serving import sglang_lora_args
 
-    return [*sglang_lora_args(LoraOptions(lora_rank=LORA_RANK), []), "--enable-return-routed-experts"]
+    replay = load_config(None, ["--use-rollout-routing-replay", "true"])
+    return [*sglang_lora_args(LoraOptions(lora_rank=LORA_RANK), []), *_routing_args(replay)]
 
 
 def _start(api_key: str | None) -> Iterator[StubServer]:
