@@ -88,13 +88,33 @@ def test_generation_with_images_matches_transformers_at_the_rollout_temperature(
     assert np.abs(untempered - ref).max() > 1e-2, "the test cannot tell tempered from raw log-probs"
 
 
+async def _until_one_request_runs(url: str, timeout_s: float = 60.0) -> None:
+    """Poll vLLM's Prometheus gauge `vllm:num_requests_running` until a request runs: an abort sent before the
+    engine holds the request is ignored, and one sent after a fixed sleep can come too late on a fast machine
+    (CI's CPUs finished 1,800 tokens within 1 s)."""
+    import aiohttp
+
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    async with aiohttp.ClientSession() as session:
+        while asyncio.get_running_loop().time() < deadline:
+            async with session.get(url + "/metrics") as reply:
+                text = await reply.text()
+            running = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                       if line.startswith("vllm:num_requests_running")]
+            if running and max(running) >= 1:
+                return
+            await asyncio.sleep(0.01)
+    raise AssertionError(f"no request ran on {url} within {timeout_s} s")
+
+
 def test_a_straggler_abort_returns_its_partial_tokens_as_sglang_does(untied_server):
     async def run():
         async with VLLMClient(untied_server, vocab_size=1024) as client:
             task = asyncio.create_task(client.generate(
-                [1011, 400, 401], sampling_params={"max_new_tokens": 1800, "ignore_eos": True, "sampling_seed": 1},
+                [1011, 400, 401], sampling_params={"max_new_tokens": 2000, "ignore_eos": True, "sampling_seed": 1},
                 rid="straggler"))
-            await asyncio.sleep(1.0)
+            await _until_one_request_runs(untied_server)
+            await asyncio.sleep(0.05)  # a few decode steps, so the partial answer is not empty
             await client.abort_request(rid="straggler")
             result = await task
             await client.abort_all(timeout_s=30)
@@ -102,7 +122,7 @@ def test_a_straggler_abort_returns_its_partial_tokens_as_sglang_does(untied_serv
 
     result = asyncio.run(run())
     assert result.finish_reason is FinishType.ABORT
-    assert 0 < len(result.output_ids) < 1800 and len(result.output_log_probs) == len(result.output_ids)
+    assert 0 < len(result.output_ids) < 2000 and len(result.output_log_probs) == len(result.output_ids)
 
 
 def test_weight_sync_reloads_in_place_and_confirms_the_version(untied_server, tiny32_untied, tmp_path):
