@@ -49,6 +49,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import gc  # noqa: E402
 import json  # noqa: E402
 import shutil  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+import warnings  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
@@ -112,9 +115,30 @@ def _free_compiled_programs_after_each_module():
     between modules; those that are come back from the persistent compilation cache on disk (above), not from a
     new compilation.
     """
+    before = set(threading.enumerate())
     yield
+    _report_leaked_threads(before)
     jax.clear_caches()
     gc.collect()
+
+
+class LeakedThreadWarning(UserWarning):
+    pass
+
+
+def _report_leaked_threads(before: set[threading.Thread], grace_s: float = 5.0) -> None:
+    """Warn about the project's threads (engine scheduler, HTTP server, env hooks) that a module left running.
+
+    A leaked engine keeps dispatching programs to the simulated devices while later modules of the same worker
+    train on them; a stall in a full suite's test_eval (xdist worker asleep for 10 minutes) was never reproduced
+    alone, and a thread left behind by an earlier module is one way to get it."""
+    deadline = time.monotonic() + grace_s
+    ours = [t for t in threading.enumerate() if t not in before and t.name.startswith(("jaxrl-vlm", "env-hook"))]
+    for thread in ours:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    leaked = sorted(t.name for t in ours if t.is_alive())
+    if leaked:
+        warnings.warn(LeakedThreadWarning(f"threads left running after the module: {leaked}"))
 
 
 @pytest.fixture(scope="session")
