@@ -63,11 +63,12 @@ def tiny32_untied(tiny32: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
     return to_hf(from_hf(tiny32), out, dtype="float32", copy_from=tiny32, untie_embeddings=True)
 
 
-def start_server(model_dir: Path, log: Path):
-    """A vLLM server on `model_dir` started by the project's launcher (what --launch-vllm runs), and its client."""
+def start_server(model_dir: Path, log: Path, extra_args: tuple[str, ...] = (), extra_env: dict[str, str] | None = None):
+    """A vLLM server on `model_dir` started by the project's launcher (what --launch-vllm runs), and its URL."""
     from jaxrl_vlm.vllm_launcher import VLLMProcess
 
-    server = VLLMProcess(str(vllm_python()), str(model_dir), extra_args=list(SERVER_ARGS), log_path=log)
+    server = VLLMProcess(str(vllm_python()), str(model_dir), extra_args=[*SERVER_ARGS, *extra_args], log_path=log)
+    server.extra_env = {**server.extra_env, **(extra_env or {})}
     url = server.start()
     try:
         asyncio.run(_wait(server, url))
