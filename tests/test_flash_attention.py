@@ -1,7 +1,8 @@
 """`attention_impl: pallas_gpu | pallas_tpu`: the fused segment-aware kernels (run by Pallas' interpreters on this
 CPU) against the XLA attention — the kernel alone (GQA, packing, padding, causal or not, gradients), under
-shard_map on a mesh, and the whole Qwen3-VL forward with images. The train-step trajectory under fsdp_tp is in
-test_train_layouts.py.
+shard_map on a mesh, and the whole Qwen3-VL forward with images — and the per-shard step of context parallelism
+(one query chunk at a row offset: our query-offset kernel, or Splash for `pallas_tpu`) with its zig-zag exchange.
+The train-step trajectory under fsdp_tp is in test_train_layouts.py.
 
 jax 0.10.2's TPU interpreter (which simulates every device's memory, with barriers) hangs on CPU once the process
 has run 8-device programs, which the rest of the suite does. So the `pallas_tpu` cases run in a child pytest
@@ -164,6 +165,107 @@ def test_each_context_shard_attends_its_zigzag_query_chunks(cp):
         np.testing.assert_allclose(a, b, atol=2e-5, err_msg=f"d{name}")
 
 
+def _chunk_reference(q, k, v, seg, offset: int, scale: float) -> jax.Array:
+    """Dense XLA attention of the queries at row positions [offset, offset + c) over the whole row."""
+    c, t = q.shape[1], k.shape[1]
+    q_pos, k_pos = offset + jnp.arange(c), jnp.arange(t)
+    q_seg = _positions_slice(seg, offset, c)
+    mask = (q_seg[:, :, None] == seg[:, None, :]) & (q_pos[:, None] >= k_pos[None, :])[None]
+    return attention(q, k, v, mask, scale)
+
+
+def _positions_slice(x: jax.Array, start: int, size: int) -> jax.Array:
+    """x [B, T, ...] at positions [start, start + size)."""
+    return jax.lax.dynamic_slice_in_dim(x, start, size, axis=1)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("offset", [0, 128])
+def test_one_query_chunk_at_a_row_offset_equals_dense_attention(impl, offset):
+    """The per-shard kernel step of context parallelism: 128 queries at row positions [offset, offset + 128)
+    against the row's 256 keys, causal at global positions and within segments (row 0's boundary at 90 lies in
+    the first chunk, row 1 is one sequence), forward and gradients: `pallas_gpu` our query-offset kernel (a traced
+    offset), `pallas_tpu` jax's Splash kernel built for that static offset."""
+    from jaxrl_vlm.models.splash_block import splash_chunk_attention
+
+    q_row, k, v, seg = _packed_rows_with_mrope(256)
+    n = q_row.shape[2]
+    k, v = jnp.repeat(k, n // k.shape[2], axis=2), jnp.repeat(v, n // v.shape[2], axis=2)
+    q = q_row[:, offset:offset + 128]
+    scale = q.shape[-1] ** -0.5
+    valid = (_positions_slice(seg, offset, 128) > 0)[..., None, None]
+    w = jnp.asarray(np.random.default_rng(6).normal(size=q.shape), jnp.float32)
+
+    def fused(q, k, v):
+        if impl == "pallas_tpu":
+            return splash_chunk_attention(q, k, v, seg, offset, scale=scale, block_q=128, block_k=128)
+        return block_flash.block_causal_attention(q, k, v, _positions_slice(seg, offset, 128), seg, jnp.int32(offset),
+                                                  scale=scale, block_q=64, block_k=128)
+
+    loss = lambda f: lambda *a: jnp.sum(jnp.where(valid, f(*a), 0.0) * w)  # noqa: E731
+    with interpreted(impl):
+        out, got = jax.jit(lambda *a: (fused(*a), jax.grad(loss(fused), argnums=(0, 1, 2))(*a)))(q, k, v)
+    reference = lambda *a: _chunk_reference(*a, seg, offset, scale)  # noqa: E731
+    np.testing.assert_allclose(np.where(valid, out, 0), np.where(valid, reference(q, k, v), 0), atol=2e-6)
+    for name, a, b in zip("qkv", got, jax.grad(loss(reference), argnums=(0, 1, 2))(q, k, v)):
+        np.testing.assert_allclose(a, b, atol=3e-5, err_msg=f"d{name}")
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_static_offset_zigzag_attends_each_chunk_at_its_owners_offset(cp):
+    """`pallas_tpu` under context parallelism: Splash needs each chunk's offset as a static number, so each chunk is
+    attended by a `lax.switch` over the group whose branch d is built for device d's chunk. The exchange and the
+    branches are checked here on simulated devices with an XLA chunk attention in the kernel's place (jax's TPU
+    interpreter cannot run multi-device programs on this CPU; the Splash step itself is the test above): output
+    and gradients equal the dense attention of the whole row. The traced `pallas_tpu` program has 2 cp Splash
+    calls (two chunks, cp branches each) and the same 4 ppermutes as `pallas_gpu`."""
+    from jax.sharding import PartitionSpec as P
+
+    from jaxrl_vlm.models.splash_block import zigzag_static_offset_attention
+
+    t = 256
+    q, k, v, seg = _packed_rows_with_mrope(t)
+    n = q.shape[2]
+    k, v = jnp.repeat(k, n // k.shape[2], axis=2), jnp.repeat(v, n // v.shape[2], axis=2)
+    scale = q.shape[-1] ** -0.5
+    valid = (seg > 0)[..., None, None]
+    w = jnp.asarray(np.random.default_rng(7).normal(size=q.shape), jnp.float32)
+    mesh = SL.build_mesh(SimpleNamespace(mesh_data=1, mesh_fsdp=1, mesh_tensor=1, mesh_context=cp),
+                         jax.devices()[:cp])
+
+    def xla_chunk(cq, ck, cv, cseg, offset):
+        return _chunk_reference(cq, ck, cv, cseg, offset, scale)
+
+    def sharded(q, k, v):
+        local = lambda q, k, v, s: zigzag_static_offset_attention(  # noqa: E731
+            q, k, v, s, axis="context", chunk_attention=xla_chunk)
+        return jax.shard_map(local, mesh=mesh, in_specs=(P(None, "context"), P(), P(), P()),
+                             out_specs=P(None, "context"), check_vma=False)(q, k, v, seg)
+
+    def dense(q, k, v):
+        return _chunk_reference(q, k, v, seg, 0, scale)
+
+    loss = lambda f: lambda *a: jnp.sum(jnp.where(valid, f(*a), 0.0) * w)  # noqa: E731
+    out, got = jax.jit(lambda *a: (sharded(*a), jax.grad(loss(sharded), argnums=(0, 1, 2))(*a)))(q, k, v)
+    np.testing.assert_allclose(np.where(valid, out, 0), np.where(valid, dense(q, k, v), 0), atol=2e-6)
+    for name, a, b in zip("qkv", got, jax.grad(loss(dense), argnums=(0, 1, 2))(q, k, v)):
+        np.testing.assert_allclose(a, b, atol=2e-5, err_msg=f"d{name}")
+
+    # The real pallas_tpu program under a context mesh (traced only: running it needs a TPU or the interpreter).
+    spec = ActivationSharding.create(
+        SL.build_mesh(SimpleNamespace(mesh_data=1, mesh_fsdp=1, mesh_tensor=1, mesh_context=cp), jax.devices()[:cp]),
+        SR.resolve_rules())
+    row = jnp.zeros((1, 256 * cp, n, q.shape[-1]))  # chunks of 128 queries: Splash's smallest TPU tile
+
+    def tpu(q, k, v):
+        with activation_sharding(spec):
+            return flash_attention(q, k, v, jnp.ones(q.shape[:2], jnp.int32), impl="pallas_tpu", scale=scale,
+                                   causal=True)
+
+    text = str(jax.make_jaxpr(tpu)(row, row, row))
+    assert text.count("pallas_call") == 2 * cp and text.count("ppermute") == 4 and "axis_index" in text
+
+
 def _causal_tiles_brute_force(offset: int, tq: int, tk: int, bq: int, bk: int) -> int:
     """(query block, key block) pairs holding at least one causal (query, key) pair: the tiles a causal kernel needs."""
     q_pos, k_pos = offset + np.arange(tq), np.arange(tk)
@@ -293,4 +395,5 @@ def test_tpu_kernel_cases_in_a_single_device_process():
         warnings.warn(f"the TPU interpreter child hung once ({hangs[0][0]} s) and passed on its second attempt; "
                       f"stacks of the hang: {hangs[0][2]!r}", stacklevel=1)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    assert "3 passed" in done.stdout, done.stdout[-2000:]  # causal + bidirectional kernel, model with images
+    # causal + bidirectional kernel, model with images, the Splash chunk at two row offsets
+    assert "5 passed" in done.stdout, done.stdout[-2000:]

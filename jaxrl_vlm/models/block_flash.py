@@ -26,6 +26,7 @@ recomputation: delta = rowsum(o * do) in XLA, then one kernel for dq (grid over 
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from functools import partial
 from types import SimpleNamespace
 
@@ -264,6 +265,29 @@ def zigzag_routes(cp: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]
     return [(e, home[2 * e]) for e in range(cp)], [(e, home[2 * e + 1]) for e in range(cp)]
 
 
+def zigzag_delivered_chunks(cp: int) -> list[tuple[int, int]]:
+    """Per device, the chunks the two `zigzag_routes` deliver to it, in route order: (its even one, its odd one)."""
+    return [tuple(sorted(query_chunks(d, cp), key=lambda ch: ch % 2)) for d in range(cp)]
+
+
+def zigzag_exchange(q: jax.Array, axis: str | tuple[str, ...], cp: int,
+                    attend: Callable[[jax.Array, int], jax.Array]) -> jax.Array:
+    """Inside `shard_map` over the context axis `axis` (cp devices): this device's contiguous query block
+    q [B, Tq, ...] (block `axis_index(axis)` of a row of cp * Tq positions) in zig-zag order and back.
+
+    The block's halves are chunks 2e and 2e + 1 of the row. Two `ppermute`s (`zigzag_routes`) send every device's
+    halves to the devices that attend them; device d then holds its chunks d and 2cp - 1 - d (one even, one odd:
+    their sum is odd). `attend(chunk_queries, which)` computes the outputs of the chunk delivered by route `which`
+    (0: this device's even chunk, 1: its odd one; `zigzag_delivered_chunks`), and the inverse permutations bring
+    the outputs home. Returns [B, Tq, ...] outputs in q's layout."""
+    c = q.shape[1] // 2
+    outs = []
+    for which, (half, route) in enumerate(zip((q[:, :c], q[:, c:]), zigzag_routes(cp))):
+        o = attend(lax.ppermute(half, axis, route), which)
+        outs.append(lax.ppermute(o, axis, [(dst, src) for src, dst in route]))
+    return jnp.concatenate(outs, axis=1)
+
+
 def zigzag_block_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_segment_ids: jax.Array, *,
                            axis: str | tuple[str, ...], scale: float, block_q: int, block_k: int,
                            interpret: bool | None = None) -> jax.Array:
@@ -271,23 +295,19 @@ def zigzag_block_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_segment_
     (block `axis_index(axis)` of a row of T = cp * Tq) against the row's k/v [B, T, N, H] and segment ids
     kv_segment_ids [B, T]; returns this block's outputs [B, Tq, N, H], causal at global positions.
 
-    The block's halves are chunks 2e and 2e + 1 of the row. Two `ppermute`s (`zigzag_routes`) send every device's
-    first and second halves to the devices that attend them; device d then holds its chunks d and 2cp - 1 - d (one
-    even, one odd: their sum is odd), runs the kernel on each at its own offset (query segment ids are sliced from
-    the row's, so only q moves), and the inverse permutations bring the outputs home. `block_q` tiles a chunk."""
+    The queries go through `zigzag_exchange`; each chunk runs the kernel at its own offset, read from this device's
+    place in the group (query segment ids are sliced from the row's, so only q moves). `block_q` tiles a chunk."""
     tq, t = q.shape[1], k.shape[1]
     cp = t // tq
     if cp * tq != t or tq % 2:
         raise ValueError(f"zig-zag attention needs the row's {t} keys to be cp x {tq} queries, an even block")
     c = tq // 2
-    # [cp, 2]: each device's (even, odd) chunk, the order in which the two routes deliver them.
-    chunks = jnp.asarray([sorted(query_chunks(d, cp), key=lambda ch: ch % 2) for d in range(cp)], jnp.int32)
-    mine = chunks[lax.axis_index(axis)]
-    outs = []
-    for half, route, chunk in zip((q[:, :c], q[:, c:]), zigzag_routes(cp), (mine[0], mine[1])):
-        start = chunk * c
+    mine = jnp.asarray(zigzag_delivered_chunks(cp), jnp.int32)[lax.axis_index(axis)]
+
+    def attend(chunk_q: jax.Array, which: int) -> jax.Array:
+        start = mine[which] * c
         q_seg = lax.dynamic_slice_in_dim(kv_segment_ids, start, c, axis=1)
-        o = block_causal_attention(lax.ppermute(half, axis, route), k, v, q_seg, kv_segment_ids, start,
-                                   scale=scale, block_q=block_q, block_k=block_k, interpret=interpret)
-        outs.append(lax.ppermute(o, axis, [(dst, src) for src, dst in route]))
-    return jnp.concatenate(outs, axis=1)
+        return block_causal_attention(chunk_q, k, v, q_seg, kv_segment_ids, start, scale=scale, block_q=block_q,
+                                      block_k=block_k, interpret=interpret)
+
+    return zigzag_exchange(q, axis, cp, attend)

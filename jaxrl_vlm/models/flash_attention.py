@@ -17,13 +17,12 @@ context) the call is wrapped in `shard_map`: rows split over the batch axes and 
 the same layout the activation constraints give q/k/v, so no data moves. Under context parallelism (the
 positions split over the `context` axis) each device keeps its contiguous block of queries and receives the
 row's keys and values whole (one all-gather, as the XLA attention's `KV_WHOLE`): with `pallas_gpu` the causal
-text attention runs our query-offset kernel (`block_flash.block_causal_attention`) on query chunks only,
-skipping key blocks after them, in zig-zag order (device d attends chunks d and 2cp - 1 - d of the row's 2cp, the
-queries and outputs exchanged by `ppermute` inside the shard_map) so the causal work is equal. jax's kernels
-take no query offset, so `pallas_tpu` (and bidirectional attention) still gathers the whole row for the call
-and repeats its attention on each device of the group. Vision patches are attended whole (keys of one image may
-sit in another batch shard): inside the vision tower rows are gathered for the attention call and split again
-after it.
+text attention runs on query chunks only, skipping key blocks after them, in zig-zag order (device d attends
+chunks d and 2cp - 1 - d of the row's 2cp, the queries and outputs exchanged by `ppermute` inside the shard_map)
+so the causal work is equal: `pallas_gpu` with our query-offset kernel (`block_flash.block_causal_attention`),
+`pallas_tpu` with jax's Splash kernel built for each chunk's static offset (`splash_block`). Bidirectional
+attention gathers the whole row for the call. Vision patches are attended whole (keys of one image may sit in
+another batch shard): inside the vision tower rows are gathered for the attention call and split again after it.
 """
 
 from __future__ import annotations
@@ -36,6 +35,7 @@ from jax.sharding import PartitionSpec
 
 from jaxrl_vlm.models import activation_sharding as act
 from jaxrl_vlm.models.block_flash import zigzag_block_attention
+from jaxrl_vlm.models.splash_block import splash_chunk_attention, zigzag_static_offset_attention
 
 IMPLS = ("pallas_gpu", "pallas_tpu")
 # Sequence tiles each kernel accepts, largest first (the kernels tile the sequence exactly; Mosaic's
@@ -100,7 +100,9 @@ def _local_block(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Arra
                  sequence_axes: str | tuple[str, ...]) -> jax.Array:
     """Inside shard_map: this device's query block q [B, Tq, N, H] (block `axis_index(sequence_axes)` of the row)
     against the row's k/v [B, T, K, H] and segment ids [B, T], causal at global positions. The queries are
-    attended in zig-zag chunk order (`block_flash.zigzag_block_attention`), so every device does equal work."""
+    attended in zig-zag chunk order, so every device does equal work: our query-offset kernel
+    (`block_flash.zigzag_block_attention`, pallas_gpu) or jax's Splash kernel at each chunk's static offset
+    (`splash_block`, pallas_tpu)."""
     tile = BLOCK_CANDIDATES[impl][-1]
     if q.shape[1] % (2 * tile):
         raise ValueError(
@@ -109,8 +111,12 @@ def _local_block(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Arra
             f"devices need a multiple of {2 * tile * (k.shape[1] // q.shape[1])} (use larger seq buckets)"
         )
     k, v = _expand_kv_heads(q, k, v)
-    return zigzag_block_attention(q, k, v, segment_ids, axis=sequence_axes, scale=scale,
-                                  block_q=block_size(q.shape[1] // 2, impl), block_k=block_size(k.shape[1], impl))
+    block_q, block_k = block_size(q.shape[1] // 2, impl), block_size(k.shape[1], impl)
+    if impl == "pallas_tpu":
+        chunk = partial(splash_chunk_attention, scale=scale, block_q=block_q, block_k=block_k)
+        return zigzag_static_offset_attention(q, k, v, segment_ids, axis=sequence_axes, chunk_attention=chunk)
+    return zigzag_block_attention(q, k, v, segment_ids, axis=sequence_axes, scale=scale, block_q=block_q,
+                                  block_k=block_k)
 
 
 def _whole_rows(spec: PartitionSpec) -> tuple:
@@ -145,9 +151,10 @@ def flash_attention(
     q_spec = spec.sharding(q_names, q.shape).spec
     kv_spec = spec.sharding(kv_names, k.shape).spec
     # Keys whole per device: a kernel call needs every key of its queries' row. The queries stay split over the
-    # positions only for our query-offset kernel (causal, pallas_gpu); jax's kernels get whole rows.
+    # positions for causal attention (each device attends its own, in zig-zag chunks); bidirectional attention
+    # (vision patches) gets whole rows.
     sequence_axes = (tuple(q_spec) + (None,) * 2)[1]
-    per_shard = sequence_axes is not None and causal and impl == "pallas_gpu"
+    per_shard = sequence_axes is not None and causal
     q_entries, kv_entries = _whole_rows(q_spec), _whole_rows(kv_spec)
     if q_entries[2] != kv_entries[2]:
         # The kv heads cannot be split like the query heads (e.g. 2 kv heads on 4 tensor shards): keep
