@@ -90,8 +90,11 @@ class ModelConfig:
         "vision; e.g. 'full,vision=none' (jaxrl_vlm/models/remat.py).")
     attention_impl: str = opt(
         "xla",
-        "Attention of the training forward: xla (einsums, dense masks), pallas_gpu or pallas_tpu (fused "
-        "segment-aware flash kernels, O(T) memory; seq/patch buckets must be multiples of 16 (GPU) / 128 (TPU)).",
+        "Attention of the training forward: xla (einsums, dense masks; under context parallelism K/V all-gathered), "
+        "pallas_gpu or pallas_tpu (fused segment-aware flash kernels, O(T) memory; seq/patch buckets must be "
+        "multiples of 16 (GPU) / 128 (TPU)), or ring (plain-XLA blockwise attention, no dense mask; under context "
+        "parallelism K/V passed around the context group in zig-zag order, seq buckets multiples of 2 x cp; the "
+        "vision tower keeps xla).",
         choices=NamesOf("jaxrl_vlm.models.layers", "ATTENTION_IMPLS"),
     )
     logprob_chunk_size: int = opt(512, "Sequence chunk for log-prob computation (bounds fp32 vocab logits memory).",

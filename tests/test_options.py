@@ -108,7 +108,8 @@ def test_the_algo_section_composes_the_loss_options():
 
 
 def test_choices_kept_by_jax_modules_are_read_from_them_when_a_value_is_checked():
-    with pytest.raises(ConfigError, match=r"attention_impl='flash' is not one of \['xla', 'pallas_gpu', 'pallas_tpu'\]"):
+    with pytest.raises(ConfigError,
+                       match=r"attention_impl='flash' is not one of \['xla', 'pallas_gpu', 'pallas_tpu', 'ring'\]"):
         load_config(None, ["--attention-impl", "flash"])
     with pytest.raises(ConfigError, match=r"prompt_style='fancy' is not one of"):
         load_config(None, ["--prompt-style", "fancy"])

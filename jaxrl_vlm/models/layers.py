@@ -53,11 +53,12 @@ from jaxrl_vlm.models.activation_sharding import (
 )
 from jaxrl_vlm.models.config import ModelConfig, VisionConfig
 from jaxrl_vlm.models.families import PolicyModel
-from jaxrl_vlm.models.flash_attention import flash_attention
+from jaxrl_vlm.models.flash_attention import IMPLS as FUSED_IMPLS, flash_attention
 from jaxrl_vlm.models.remat import POLICIES, RematPlan
+from jaxrl_vlm.models.ring_attention import ring_attention
 from jaxrl_vlm.models.rope import mrope_frequency_axis, rope_inv_freq
 
-ATTENTION_IMPLS = ("xla", "pallas_gpu", "pallas_tpu")
+ATTENTION_IMPLS = ("xla", "pallas_gpu", "pallas_tpu", "ring")
 _NEG_INF = float(np.finfo(np.float32).min)
 
 
@@ -180,10 +181,14 @@ def text_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: "AttentionMas
     layer, and the [Tq/cp, T] logits and mask of its block. The causal mask uses global positions, so a block
     attends to every earlier block and packing segments may cross block boundaries. Work is balanced without a
     zig-zag order because the XLA attention computes every (query, key) pair of its block, masked or not. The
-    fused kernels (`mask.impl != "xla"`) run inside a `shard_map` (see `flash_attention`): `pallas_gpu` on query
-    chunks at their row offsets, skipping key blocks after them, in zig-zag chunk order so every device does equal
-    causal work, `pallas_tpu` on whole rows, repeated over the context group.
+    fused kernels (`pallas_gpu`, `pallas_tpu`) run inside a `shard_map` (see `flash_attention`) on query chunks at
+    their row offsets, skipping key blocks after them, in zig-zag chunk order so every device does equal causal
+    work (`pallas_gpu`: our query-offset kernel; `pallas_tpu`: jax's Splash kernel per static offset). `ring`
+    (`ring_attention`) keeps each device's queries and passes the keys and values around the context group instead
+    of gathering them (no dense mask, no [Tq/cp, T] logits), also in zig-zag order.
     """
+    if mask.impl == "ring":
+        return ring_attention(q, k, v, mask.segment_ids, scale=scale)
     if mask.dense is None:
         return flash_attention(q, k, v, mask.segment_ids, impl=mask.impl, scale=scale, causal=True)
     k, v = constrain(k, KV_WHOLE), constrain(v, KV_WHOLE)
@@ -204,7 +209,8 @@ class AttentionMask:
 
 
 def text_mask(segment_ids_bt: jax.Array, attention_impl: str) -> AttentionMask:
-    """Causal AND same-segment attention for packed rows."""
+    """Causal AND same-segment attention for packed rows (a dense [B, T, T] mask only for the XLA attention; the
+    fused kernels and ring attention mask tile by tile from the segment ids and positions)."""
     if attention_impl != "xla":
         return AttentionMask(segment_ids_bt, None, attention_impl)
     idx = jnp.arange(segment_ids_bt.shape[1])
@@ -214,11 +220,12 @@ def text_mask(segment_ids_bt: jax.Array, attention_impl: str) -> AttentionMask:
 
 def patch_mask(segment_ids_p: jax.Array, attention_impl: str, block: int | None = None) -> AttentionMask:
     """Bidirectional attention within one image frame (or window). `block`: no frame has more patches than
-    this (the image processor's cap); the XLA attention then works chunk by chunk when that is cheaper."""
-    if attention_impl != "xla":
+    this (the image processor's cap); the XLA attention then works chunk by chunk when that is cheaper. Only the
+    fused kernels have a patch attention of their own: any other impl (`ring` is causal text attention) uses XLA's."""
+    if attention_impl in FUSED_IMPLS:
         return AttentionMask(segment_ids_p, None, attention_impl)
     if block is not None and 3 * block < segment_ids_p.shape[0]:
-        return AttentionMask(segment_ids_p, None, attention_impl, block)
+        return AttentionMask(segment_ids_p, None, "xla", block)
     return AttentionMask(segment_ids_p, segment_ids_p[:, None] == segment_ids_p[None, :])
 
 

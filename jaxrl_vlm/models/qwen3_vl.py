@@ -38,8 +38,9 @@ class Qwen3VL(VisionLanguageDecoder):
         patch_attention_block: int | None = None,
     ):
         """remat: recompute each decoder layer and vision block in the backward pass (True: activation memory ~
-        one layer), or a policy per layer kind (`remat.RematPlan`, or its `--remat` spec string); attention_impl: "xla" (einsums, dense masks), or "pallas_gpu" / "pallas_tpu"
-        (the fused segment-aware kernels of `flash_attention.py`); patch_attention_block: the most patches of
+        one layer), or a policy per layer kind (`remat.RematPlan`, or its `--remat` spec string); attention_impl: "xla" (einsums, dense masks), "pallas_gpu" / "pallas_tpu"
+        (the fused segment-aware kernels of `flash_attention.py`), or "ring" (text attention of `ring_attention.py`,
+        the vision tower on XLA's); patch_attention_block: the most patches of
         one image frame (`rollout.processing.max_frame_patches`), which lets the XLA vision attention work
         chunk by chunk (`local_segment_attention`; None: dense)."""
         super().__init__(cfg, LearnedPositionVisionTower, rngs=rngs, param_dtype=param_dtype, compute_dtype=compute_dtype,
