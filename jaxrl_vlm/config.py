@@ -779,7 +779,11 @@ def parse_cli_overrides(argv: list[str], notes: list[str] | None = None) -> dict
         if _is_bool(info.type) and not values:
             raw: Any = True
         elif not values:
-            raise ConfigError(f"option {flag} needs a value")
+            hint = ""
+            if i < len(argv) and argv[i].startswith("--") and typing.get_origin(_strip_optional(info.type)) is list:
+                # An engine's own flags look like ours: only the `=` form hands them over as values.
+                hint = f" (values that start with '--' go after '=': {flag}={argv[i]},...)"
+            raise ConfigError(f"option {flag} needs a value{hint}")
         elif len(values) > 1:
             if typing.get_origin(_strip_optional(info.type)) is not list:
                 raise ConfigError(f"option {flag} takes one value, got {values}")

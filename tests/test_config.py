@@ -72,6 +72,16 @@ def test_unknown_cli_flag_names_it_and_the_closest_valid_one():
         parse_cli_overrides(["--rollout-batch-sise", "8"])
 
 
+def test_engine_flags_as_a_list_value_go_after_an_equals_sign():
+    # `--sglang-args --enable-foo` cannot be told from two of our flags: the error shows the form that works.
+    with pytest.raises(ConfigError, match=r"--sglang-args needs a value .*--sglang-args=--enable-foo,\.\.\."):
+        parse_cli_overrides(["--sglang-args", "--enable-foo", "--lr", "1e-3"])
+    assert load_config(None, ["--sglang-args=--enable-foo,--mem-fraction-static,0.5"]).engine.sglang_args == [
+        "--enable-foo", "--mem-fraction-static", "0.5"]
+    with pytest.raises(ConfigError, match=r"option --lr needs a value$"):
+        parse_cli_overrides(["--lr"])
+
+
 def test_wrong_type_names_the_field():
     with pytest.raises(ConfigError, match=r"rollout\.rollout_batch_size.*integer.*'eight'"):
         load_config(None, ["--rollout-batch-size", "eight"])
