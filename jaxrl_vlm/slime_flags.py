@@ -71,6 +71,17 @@ def _must_equal(flag: str, allowed: float, instead: str) -> Callable[[Values], T
     return check
 
 
+# Megatron's --recompute-granularity values -> our --remat policy for every layer.
+_RECOMPUTE_GRANULARITY = {"full": "full", "selective": "dots"}
+
+
+def _recompute_granularity(values: Values) -> Translation:
+    if values[0] not in _RECOMPUTE_GRANULARITY:
+        raise SlimeFlagError(f"--recompute-granularity {values[0]}: Megatron's choices are "
+                             f"{sorted(_RECOMPUTE_GRANULARITY)}")
+    return {"remat": _RECOMPUTE_GRANULARITY[values[0]]}
+
+
 def _multimodal_keys(values: Values) -> Translation:
     try:
         mapping = json.loads(values[0])
@@ -181,8 +192,10 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
         "For Megatron's strength pass --router-z-loss-coef c*L (then equal in value and gradient)",
         _one("router_z_loss_coef", float), "megatron"),
     "--recompute-granularity": SlimeFlag(
-        1, "-> --remat full (full) or none (selective: XLA already recomputes cheap ops)",
-        lambda values: {"remat": "full" if values[0] == "full" else "none"}, "megatron"),
+        1, "-> --remat full (full) or dots (selective: Megatron recomputes the core attention and keeps the linear "
+        "layers' outputs; dots keeps the matmul outputs without batch dims and recomputes the attention einsums, "
+        "softmax, norms and activations)",
+        _recompute_granularity, "megatron"),
     "--recompute-method": SlimeFlag(1, "not applicable: --remat full recomputes every layer (uniform, 1 layer per "
                                     "checkpoint)", _NOTHING, "megatron"),
     "--recompute-num-layers": SlimeFlag(1, "not applicable: --remat full checkpoints each layer", _NOTHING, "megatron"),

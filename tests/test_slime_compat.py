@@ -82,6 +82,12 @@ def test_every_flag_of_the_script_is_in_the_readme_table():
         sorted(set(slime_flags.SLIME_FLAGS) - rows)
 
 
+@pytest.mark.parametrize(("granularity", "remat"), [("full", "full"), ("selective", "dots")])
+def test_megatrons_recompute_granularity_maps_to_a_remat_policy(granularity, remat):
+    # selective: Megatron recomputes the core attention and keeps the linear layers' outputs, as `dots` does.
+    assert load_config(None, ["--recompute-granularity", granularity]).model.remat == remat
+
+
 def test_context_parallel_size_maps_to_the_context_axis():
     assert load_config(None, ["--context-parallel-size", "4"]).mesh.mesh_context == 4
 
@@ -98,6 +104,7 @@ def test_context_parallel_size_maps_to_the_context_axis():
         (["--policy-loss", "grpo_plus"], r"policy_loss='grpo_plus' is not one of \['cispo', 'gspo', 'ppo_clip'"),
         (["--advantage-estimator", "ppo"], "not one of"),
         (["--use-wandbb"], "did you mean '--use-wandb'"),
+        (["--recompute-granularity", "partial"], r"Megatron's choices are \['full', 'selective'\]"),
     ],
 )
 def test_meaningless_values_are_clear_errors(extra, message):
