@@ -1,14 +1,17 @@
-"""The color-reveal learning proof: the README's main command and its two ablations, on one tiny model.
+"""The color-reveal learning proof: the README's main command, its two ablations and its LoRA run, on one tiny model.
 
-Arms (each is `jaxrl-vlm train configs/color_reveal_tiny.yaml` with a few overrides, from the same seed):
+Arms (each is `jaxrl-vlm train configs/color_reveal_tiny.yaml` with a few overrides, from the same seed; `lora`
+trains `configs/color_reveal_lora_tiny.yaml` instead, on the same model and data):
 
 - `learn`: the config as shipped. Its held-out eval reward must rise from chance.
 - `blind`: every picture blank. The prompt pictures come from the same rows generated with `blind=True` (same
   cards, same answers) and the env's `blind` option blanks its reveals, so nothing but the pictures changes.
   Without the pictures the best possible policy earns `blind_elimination_reward` (0.475), near chance (0.419).
 - `sync_off`: `--disable-weight-sync true`. The trainer learns, the engine never sees it: no rise.
+- `lora` (not run by default: it is the README's LoRA figure, not an ablation): adapters on a frozen copy of the
+  same random model, adapter-only weight sync. Its line adds the bytes each sync moved (`sync/gbytes`).
 
-Usage: `python scripts/color_reveal_ablations.py [--out DIR] [--arms learn blind sync_off] [-- EXTRA FLAGS]`.
+Usage: `python scripts/color_reveal_ablations.py [--out DIR] [--arms learn blind sync_off lora] [-- EXTRA FLAGS]`.
 It prints one line per arm (initial and final eval reward, early `rollout/turns/mean`, wall time) and a last
 line `color_reveal: learn +X, blind +Y, sync_off +Z (chance C)`. tests/test_color_reveal_learning.py runs the
 same arms through `run_arm` and asserts the margins the README states.
@@ -33,7 +36,9 @@ from envs.color_reveal.synthetic import make_dataset  # noqa: E402
 from jaxrl_vlm.config import Config, load_config, parse_eval_prompt_data  # noqa: E402
 
 CONFIG = REPO / "configs" / "color_reveal_tiny.yaml"
-ARMS = ("learn", "blind", "sync_off")
+LORA_CONFIG = REPO / "configs" / "color_reveal_lora_tiny.yaml"
+ARMS = ("learn", "blind", "sync_off", "lora")
+DEFAULT_ARMS = ("learn", "blind", "sync_off")
 EVAL_SET = "heldout"
 #: Training steps whose `rollout/turns/mean` is reported as "early" (the issue asks > 1.2 there).
 EARLY_STEPS = 5
@@ -49,6 +54,7 @@ class ArmResult:
     chance: float  # a blind random guesser's expected reward
     best_blind: float  # the best blind policy's expected reward (never repeat a color)
     wall_s: float
+    sync_bytes: float | None = None  # the largest `sync/gbytes` of a weight sync, in bytes (None: no sync)
 
     @property
     def initial(self) -> float:
@@ -63,8 +69,9 @@ class ArmResult:
         return self.final - self.initial
 
 
-def _config(argv: Sequence[str]) -> Config:
-    return load_config(str(CONFIG), list(argv))
+def _config(argv: Sequence[str], arm: str) -> Config:
+    """`arm`'s run config: the shipped one with `argv` on top (the LoRA config for `lora`)."""
+    return load_config(str(LORA_CONFIG if arm == "lora" else CONFIG), list(argv))
 
 
 def arm_argv(arm: str, root: Path, extra: Sequence[str] = ()) -> list[str]:
@@ -78,7 +85,7 @@ def arm_argv(arm: str, root: Path, extra: Sequence[str] = ()) -> list[str]:
             "--prompt-data", str(data / "train.parquet"), "--eval-prompt-data", EVAL_SET, str(data / "heldout.parquet"),
             *extra]
     if arm == "blind":
-        cfg = _config(argv)
+        cfg = _config(argv, arm)
         _write_blind_data(cfg)
         env_options = root / "blind_env.yaml"  # env keys reach the env through --custom-config-path (slime's way)
         env_options.parent.mkdir(parents=True, exist_ok=True)
@@ -106,7 +113,7 @@ def run_arm(arm: str, root: Path, extra: Sequence[str] = ()) -> ArmResult:
     from jaxrl_vlm.job.run import train  # jax: imported only when a run is asked for
     from jaxrl_vlm.job.run_log import read_metrics
 
-    cfg = _config(arm_argv(arm, root, extra))
+    cfg = _config(arm_argv(arm, root, extra), arm)
     t0 = time.perf_counter()
     train(cfg)
     wall = time.perf_counter() - t0
@@ -114,18 +121,21 @@ def run_arm(arm: str, root: Path, extra: Sequence[str] = ()) -> ArmResult:
     key = f"eval/{EVAL_SET}/raw_reward"
     evals = {int(r["step"]): float(r[key]) for r in records if r.get(key) is not None}
     turns = [float(r["rollout/turns/mean"]) for r in records if r.get("rollout/turns/mean") is not None][:EARLY_STEPS]
+    synced = [float(r["sync/gbytes"]) * 1e9 for r in records if r.get("sync/gbytes")]
     if not evals or not turns:
         raise RuntimeError(f"arm {arm}: {cfg.train.output_dir}/metrics.jsonl has no eval or rollout records")
     discount = ColorRevealOptions.from_args(cfg.to_namespace()).turn_discount
     max_turns = cfg.multiturn.max_turns
     return ArmResult(arm, evals, sum(turns) / len(turns), chance_reward(max_turns, discount),
-                     blind_elimination_reward(max_turns, discount), wall)
+                     blind_elimination_reward(max_turns, discount), wall, max(synced) if synced else None)
 
 
 def describe(result: ArmResult) -> str:
     curve = " ".join(f"{step}:{value:.3f}" for step, value in sorted(result.evals.items()))
+    synced = "" if result.sync_bytes is None else f"; sync {result.sync_bytes:,.0f} B"
     return (f"{result.arm:9s} eval {result.initial:.3f} -> {result.final:.3f} (rise {result.rise:+.3f}); "
-            f"turns/mean (first {EARLY_STEPS} steps) {result.early_turns:.2f}; curve {curve}; {result.wall_s:.0f} s")
+            f"turns/mean (first {EARLY_STEPS} steps) {result.early_turns:.2f}; curve {curve}{synced}; "
+            f"{result.wall_s:.0f} s")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         argv, extra = argv[:cut], argv[cut + 1:]
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="runs/color_reveal_ablations", help="root of the arms' files")
-    p.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
+    p.add_argument("--arms", nargs="+", default=list(DEFAULT_ARMS), choices=ARMS)
     ns = p.parse_args(argv)
     root = Path(ns.out)
     results = []

@@ -303,6 +303,36 @@ def test_a_lora_run_syncs_only_adapters_and_the_engine_serves_the_trainers_log_p
     assert all(np.array_equal(got[k], put[k]) for got, put in zip(final, _host_pairs(trainer.state.params)) for k in got)
 
 
+def test_the_color_reveal_config_trains_every_adapter_it_syncs(tiny_dir, tmp_path, make_test_image):
+    """configs/color_reveal_lora_tiny.yaml: every adapter and every module trained in full gets a gradient (two Adam
+    steps on a batch with a picture move every lora_B off zero and every saved module off the base), so no synced
+    byte is dead weight, and a sync moves >= 5x fewer bytes than the model's fp32 parameters. The tiny model's last
+    deepstack merger is the trap: its features are added after the last decoder layer, at the picture's own
+    positions, which no scored token reads (HF's Qwen3-VL does the same), so adapters there never train."""
+    cfg = load_config(str(REPO / "configs" / "color_reveal_lora_tiny.yaml"), [
+        "--hf-checkpoint", str(tiny_dir), "--output-dir", str(tmp_path / "run"), "--seq-buckets", "256",
+        "--row-buckets", "16", "--patch-buckets", "128", "--mesh-data", "1"])
+    trainer = Trainer(cfg, devices=jax.devices()[:1])
+    trainer.build_policy(tiny_dir)
+    base = nnx.state(abstract_model(trainer.model_cfg), nnx.Param)
+    last = len(trainer.model_cfg.vision.deepstack_visual_indexes) - 1
+    assert last == trainer.model_cfg.text.num_hidden_layers - 1  # the trap is there to avoid
+    assert not [m for m in trainer.lora.modules + tuple(s.module for s in trainer.lora.saved)
+                if f"deepstack_merger_list.{last}." in m]
+    before = _host_pairs(trainer.state.params)
+    samples = train_samples(tiny_dir, make_test_image)
+    trainer.train_on(samples)
+    trainer.train_on(samples)
+    after = _host_pairs(trainer.state.params)
+    n = len(trainer.lora.sites)
+    dead = [s.module for s, pair in zip(trainer.lora.sites, after) if not np.abs(pair["lora_B"]).max() > 0]
+    dead += [m.module for m, old, new in zip(trainer.lora.saved, before[n:], after[n:])
+             if all(np.array_equal(old[k], new[k]) for k in old)]
+    assert not dead, f"adapters that never train but are synced every step: {dead}"
+    model_bytes = 4 * sum(int(np.prod(v.get_value().shape)) for _, v in nnx.to_flat_state(base))
+    assert 5 * adapter_nbytes(trainer.state.params, jnp.float32) <= model_bytes
+
+
 def regenerate_goldens() -> None:
     GOLDENS.mkdir(parents=True, exist_ok=True)
     for layout in LAYOUTS:
