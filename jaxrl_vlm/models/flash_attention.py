@@ -16,8 +16,8 @@ Pallas calls cannot be split by XLA's sharding propagation, so under a mesh (`ac
 context) the call is wrapped in `shard_map`: rows split over the batch axes and heads over `tensor`,
 the same layout the activation constraints give q/k/v, so no data moves. Under context parallelism (the
 positions split over the `context` axis) each device keeps its contiguous block of queries and receives the
-row's keys and values whole (one all-gather, as the XLA attention's `KV_WHOLE`): with `pallas_gpu` the causal
-text attention runs on query chunks only, skipping key blocks after them, in zig-zag order (device d attends
+row's keys and values whole (one all-gather, as the XLA attention's `KV_WHOLE`): the causal text attention
+runs on query chunks only, skipping key blocks after them, in zig-zag order (device d attends
 chunks d and 2cp - 1 - d of the row's 2cp, the queries and outputs exchanged by `ppermute` inside the shard_map)
 so the causal work is equal: `pallas_gpu` with our query-offset kernel (`block_flash.block_causal_attention`),
 `pallas_tpu` with jax's Splash kernel built for each chunk's static offset (`splash_block`). Bidirectional
