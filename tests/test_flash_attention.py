@@ -375,13 +375,22 @@ def test_model_forward_with_images_equals_xla(impl):
 TPU_CHILD_ATTEMPT_TIMEOUTS_S = (75, 420)
 
 
+# The Splash chunk cases run in a child of their own: in the one full suite where they shared the kernels' child
+# (2026-12-05 09:46) that child hung in both attempts in the model forward, after them, where before it had hung at
+# most once; alone each child passed every time (the kernels' 3 cases and the 2 Splash cases in ~26 s together).
+TPU_CHILDREN = {"kernels": ("pallas_tpu and not row_offset", 3),  # causal + bidirectional kernel, model with images
+                "splash_chunk": ("pallas_tpu and row_offset", 2)}  # the Splash chunk at two row offsets
+
+
 @pytest.mark.slow
-def test_tpu_kernel_cases_in_a_single_device_process():
+@pytest.mark.parametrize("child", sorted(TPU_CHILDREN))
+def test_tpu_kernel_cases_in_a_single_device_process(child):
     """The `pallas_tpu` parametrizations of this file, in a fresh process with one CPU device (see the docstring)."""
+    selection, expected = TPU_CHILDREN[child]
     env = {**os.environ, TPU_PROCESS_ENV: "1", "XLA_FLAGS": xla_flags(1), "JAX_PLATFORMS": "cpu"}
     hangs = []
     for timeout_s in TPU_CHILD_ATTEMPT_TIMEOUTS_S:
-        argv = [sys.executable, "-m", "pytest", __file__, "-q", "-n", "0", "-k", "pallas_tpu", "-p", "no:cacheprovider",
+        argv = [sys.executable, "-m", "pytest", __file__, "-q", "-n", "0", "-k", selection, "-p", "no:cacheprovider",
                 "-o", f"faulthandler_timeout={timeout_s - 20}"]
         try:
             done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout_s,
@@ -395,5 +404,4 @@ def test_tpu_kernel_cases_in_a_single_device_process():
         warnings.warn(f"the TPU interpreter child hung once ({hangs[0][0]} s) and passed on its second attempt; "
                       f"stacks of the hang: {hangs[0][2]!r}", stacklevel=1)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    # causal + bidirectional kernel, model with images, the Splash chunk at two row offsets
-    assert "5 passed" in done.stdout, done.stdout[-2000:]
+    assert f"{expected} passed" in done.stdout, done.stdout[-2000:]
