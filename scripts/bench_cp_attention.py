@@ -23,7 +23,6 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT)]
@@ -33,12 +32,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxrl_vlm.bench import hlo  # noqa: E402
+from jaxrl_vlm.bench.context_row import collective_bytes, context_row  # noqa: E402
 from jaxrl_vlm.models.activation_sharding import ROWS_KV, ROWS_Q, activation_sharding  # noqa: E402
 from jaxrl_vlm.models.layers import text_attention, text_mask  # noqa: E402
-from jaxrl_vlm.sharding import layout as SL  # noqa: E402
-from jaxrl_vlm.sharding import rules as SR  # noqa: E402
-from jaxrl_vlm.sharding.activations import ActivationSharding  # noqa: E402
 
 IMPLS = ("xla", "ring")
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 64
@@ -57,11 +53,7 @@ def packed_segments(t: int, n: int = 5) -> np.ndarray:
 def compile_attention(impl: str, t: int, cp: int):
     """The compiled forward + backward of the text attention on a t-token row over cp devices, and its inputs'
     shardings."""
-    mesh = SL.build_mesh(SimpleNamespace(mesh_data=1, mesh_fsdp=1, mesh_tensor=1, mesh_context=cp), jax.devices()[:cp])
-    spec = ActivationSharding.create(mesh, SR.resolve_rules())
-    q = jax.ShapeDtypeStruct((1, t, HEADS, HEAD_DIM), jnp.float32)
-    kv = jax.ShapeDtypeStruct((1, t, KV_HEADS, HEAD_DIM), jnp.float32)
-    seg = jax.ShapeDtypeStruct((1, t), jnp.int32)
+    mesh, spec, q, kv, seg = context_row(t, cp, HEADS, KV_HEADS, HEAD_DIM)
 
     def loss(q, k, v, seg):
         with activation_sharding(spec):
@@ -74,8 +66,7 @@ def compile_attention(impl: str, t: int, cp: int):
     start = time.perf_counter()
     compiled = step.lower(q, kv, kv, seg).compile()
     compile_s = time.perf_counter() - start
-    axes = tuple(mesh.axis_names)
-    collectives = hlo.collective_summary(compiled.as_text(), axes, [mesh.shape[a] for a in axes]).bytes_by_kind
+    collectives = collective_bytes(compiled, mesh)
     return compiled, shardings, compile_s, collectives
 
 

@@ -21,7 +21,6 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT)]
@@ -31,13 +30,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
-from jaxrl_vlm.bench import hlo  # noqa: E402
+from jaxrl_vlm.bench.context_row import collective_bytes, context_row  # noqa: E402
 from jaxrl_vlm.models.activation_sharding import activation_sharding  # noqa: E402
 from jaxrl_vlm.models.block_flash import device_tiles  # noqa: E402
 from jaxrl_vlm.models.flash_attention import block_size, flash_attention  # noqa: E402
-from jaxrl_vlm.sharding import layout as SL  # noqa: E402
-from jaxrl_vlm.sharding import rules as SR  # noqa: E402
-from jaxrl_vlm.sharding.activations import ActivationSharding  # noqa: E402
 
 
 def balance(t: int, cp: int) -> dict[str, object]:
@@ -55,11 +51,7 @@ def balance(t: int, cp: int) -> dict[str, object]:
 def attention_collectives(t: int, cp: int, heads: int = 16, kv_heads: int = 8, head_dim: int = 128) -> dict[str, int]:
     """Per-device bytes by collective kind of the `pallas_gpu` attention's loss and gradients on one t-token row
     split over cp simulated devices (compiled only)."""
-    mesh = SL.build_mesh(SimpleNamespace(mesh_data=1, mesh_fsdp=1, mesh_tensor=1, mesh_context=cp), jax.devices()[:cp])
-    spec = ActivationSharding.create(mesh, SR.resolve_rules())
-    q = jax.ShapeDtypeStruct((1, t, heads, head_dim), jnp.float32)
-    kv = jax.ShapeDtypeStruct((1, t, kv_heads, head_dim), jnp.float32)
-    seg = jax.ShapeDtypeStruct((1, t), jnp.int32)
+    mesh, spec, q, kv, seg = context_row(t, cp, heads, kv_heads, head_dim)
 
     def loss(q, k, v, seg):
         with activation_sharding(spec):
@@ -69,9 +61,7 @@ def attention_collectives(t: int, cp: int, heads: int = 16, kv_heads: int = 8, h
     split = NamedSharding(mesh, PartitionSpec(None, "context"))
     step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)), in_shardings=(split, split, split, None),
                    out_shardings=(None, (split, split, split)))
-    compiled = step.lower(q, kv, kv, seg).compile()
-    axes = tuple(mesh.axis_names)
-    return hlo.collective_summary(compiled.as_text(), axes, [mesh.shape[a] for a in axes]).bytes_by_kind
+    return collective_bytes(step.lower(q, kv, kv, seg).compile(), mesh)
 
 
 def main(argv: list[str] | None = None) -> None:
