@@ -79,9 +79,8 @@ def test_kernel_equals_xla_attention_with_gradients(impl, causal):
         return attention(q, k, v, _dense_mask(seg, causal), H**-0.5)
 
     loss = lambda f: lambda *a: jnp.sum(jnp.where(valid, f(*a), 0.0) * w)  # noqa: E731
-    with interpreted(impl):
-        out = fused(q, k, v)
-        got = jax.grad(loss(fused), argnums=(0, 1, 2))(q, k, v)
+    with interpreted(impl):  # one program: see the note above TPU_CHILD_ATTEMPT_TIMEOUTS_S
+        out, got = jax.jit(lambda *a: (fused(*a), jax.grad(loss(fused), argnums=(0, 1, 2))(*a)))(q, k, v)
     np.testing.assert_allclose(np.where(valid, out, 0), np.where(valid, xla(q, k, v), 0), atol=2e-6)
     want = jax.grad(loss(xla), argnums=(0, 1, 2))(q, k, v)
     for name, a, b in zip("qkv", got, want):
@@ -358,20 +357,22 @@ def test_model_forward_with_images_equals_xla(impl):
     fused = Qwen3VL(cfg, rngs=nnx.Rngs(0), attention_impl=impl)
     args = (jnp.asarray(tokens), jnp.asarray(positions, jnp.int32), jnp.asarray(seg), vision)
     assert "pallas_call" in str(jax.make_jaxpr(lambda *a: fused(*a))(*args))
-    with interpreted(impl):
-        out = fused(*args)
+    with interpreted(impl):  # one program, not op-by-op: see the note above TPU_CHILD_ATTEMPT_TIMEOUTS_S
+        out = nnx.jit(lambda model, *a: model(*a))(fused, *args)
     valid = seg[..., None] > 0
     np.testing.assert_allclose(np.where(valid, out, 0), np.where(valid, xla(*args), 0), atol=5e-5)
 
 
-# The child run takes 25 s alone on the quiet 2-core machine and 162 s with three busy loops beside it
-# (2026-12-04). In both whole-suite runs of 2026-12-04 (empty compilation cache, the other xdist worker busy) its
-# first attempt never returned from the third case (the model forward in the TPU interpreter), and a second attempt
-# passed in about 30 s; run alone, with an empty cache, under xdist or under load it never hung. The hang is inside
-# jax's TPU interpreter (simulated devices waiting on each other in threads), not in our kernel. So the first
-# attempt is cut at 75 s (twice its time in a full suite run; a hang costs the suite no more than that) and the run is tried once
-# more with the full bound; the stacks of a hang (faulthandler) come back as a warning, to report upstream. A failed
-# assertion is never retried.
+# Why the TPU cases run as one jitted program each: jax's TPU interpreter runs a kernel as io_callbacks that
+# themselves dispatch small jax computations (faulthandler of the hangs: the callback thread in
+# `interpret_pallas_call.get` -> `lax.unstack` -> `apply_primitive`). Called op by op (eagerly), the test's main
+# thread kept dispatching the model's next ops behind the running kernel while its callback waited to dispatch its
+# own; in whole-suite runs (the other worker busy: the kernel slower, the main thread further ahead) that wait never
+# ended — the first attempt hung in every full run of 2026-12-04/05 and on CI, and both attempts in two of them. With
+# three busy loops beside it, the eager version hung in 1 of 3 runs here and the jitted one passed 6 of 6 (37 s each,
+# 2026-12-05). Our kernel is not involved; the retry below stays for any other interpreter hang: the first attempt
+# is cut at 75 s (about twice its time in a full run), the second has the full bound, and the stacks of a hang
+# (faulthandler) come back as a warning. A failed assertion is never retried.
 TPU_CHILD_ATTEMPT_TIMEOUTS_S = (75, 420)
 
 
