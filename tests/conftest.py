@@ -122,10 +122,6 @@ def _free_compiled_programs_after_each_module():
     gc.collect()
 
 
-class LeakedThreadWarning(UserWarning):
-    pass
-
-
 def _report_leaked_threads(before: set[threading.Thread], grace_s: float = 5.0) -> None:
     """Warn about the project's threads (engine scheduler, HTTP server, env hooks) that a module left running.
 
@@ -138,7 +134,10 @@ def _report_leaked_threads(before: set[threading.Thread], grace_s: float = 5.0) 
         thread.join(max(0.0, deadline - time.monotonic()))
     leaked = sorted(t.name for t in ours if t.is_alive())
     if leaked:
-        warnings.warn(LeakedThreadWarning(f"threads left running after the module: {leaked}"))
+        # A builtin category: xdist's controller rebuilds a worker's warning by importing its class's module by
+        # name, and `conftest` there can be another directory's conftest (tests/sglang_conformance's: an
+        # INTERNALERROR that stopped the run).
+        warnings.warn(f"leaked threads: left running after the module: {leaked}", RuntimeWarning, stacklevel=1)
 
 
 @pytest.fixture(scope="session")

@@ -102,9 +102,10 @@ def sglang_server() -> Iterator[StubServer]:
     yield from _start(None)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def embedded_engine_url(tiny_hf_checkpoint: Path) -> Iterator[str]:
-    """Our embedded engine on the tiny random Qwen3-VL, to compare its answers with SGLang's."""
+    """Our embedded engine on the tiny random Qwen3-VL, to compare its answers with SGLang's (stopped with the
+    module that uses it: tests/conftest.py warns about engine threads a module leaves running)."""
     from jaxrl_vlm.engine import EmbeddedEngine
     from jaxrl_vlm.engine.options import EngineOptions
 
