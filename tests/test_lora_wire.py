@@ -12,10 +12,11 @@ import socket
 import jax
 import numpy as np
 import pytest
+from _lora_adapters import StandInPolicy, policy_with, random_adapters
 from aiohttp import web
 from flax import nnx
 
-from jaxrl_vlm.lora.adapters import PolicyAdapters, adapter_nbytes, attach_adapters, lora_setup
+from jaxrl_vlm.lora.adapters import PolicyAdapters, adapter_nbytes, lora_setup
 from jaxrl_vlm.lora.export import load_peft_adapter
 from jaxrl_vlm.lora.options import LoraOptions
 from jaxrl_vlm.lora.serving import engine_serves, sglang_lora_args, vllm_lora_args
@@ -100,10 +101,6 @@ class FakeLoraEngine:
         await self.runner.cleanup()
 
 
-class _Model:
-    """Stands for a merged policy model: the syncer reads only the adapters it carries."""
-
-
 @pytest.fixture(scope="module")
 def setup_and_params():
     model = abstract_model(tiny_model_config())
@@ -111,12 +108,9 @@ def setup_and_params():
     return lora_setup(model.cfg, params, LoraOptions(lora_rank=4, lora_alpha=8.0)), params
 
 
-def _version(setup, seed: int) -> tuple[_Model, list]:
-    """Trained-looking adapters (host arrays: what the syncer writes is independent of where they live)."""
-    rng = np.random.default_rng(seed)
-    adapters = [{"lora_A": rng.normal(size=(setup.rank, s.in_features)).astype(np.float32),
-                 "lora_B": rng.normal(size=(s.out_features, setup.rank)).astype(np.float32)} for s in setup.sites]
-    return attach_adapters(_Model(), PolicyAdapters(setup, adapters)), adapters
+def _version(setup, seed: int) -> tuple[StandInPolicy, list]:
+    adapters = random_adapters(setup, seed)
+    return policy_with(setup, adapters), adapters
 
 
 @pytest.mark.parametrize("api", ["sglang", "vllm"])

@@ -16,11 +16,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _lora_adapters import policy_with, random_adapters
 from conftest import CPU_ARGS, ROOT, start_server, vllm_python
 from flax import nnx
 
 from jaxrl_vlm.job.run_log import read_metrics
-from jaxrl_vlm.lora.adapters import PolicyAdapters, attach_adapters, lora_setup, merged_params
+from jaxrl_vlm.lora.adapters import lora_setup, merged_params
 from jaxrl_vlm.lora.options import LoraOptions
 from jaxrl_vlm.lora.serving import VLLM_LORA_ENV, vllm_lora_args
 from jaxrl_vlm.models import from_hf, get_rope_index
@@ -40,17 +41,6 @@ def lora_server(tiny32_untied: Path, tmp_path_factory: pytest.TempPathFactory):
                                extra_env=VLLM_LORA_ENV)
     yield url
     server.stop()
-
-
-class _Policy:
-    """Stands for the trainer's merged policy model: the syncer sends only the adapters attached to it."""
-
-
-def _adapters(setup, seed: int) -> list[dict[str, np.ndarray]]:
-    """Trained-looking adapters: lora_B non-zero (a fresh adapter's B is zero and changes nothing)."""
-    rng = np.random.default_rng(seed)
-    return [{"lora_A": (0.3 * rng.normal(size=(setup.rank, s.in_features))).astype(np.float32),
-             "lora_B": (0.3 * rng.normal(size=(s.out_features, setup.rank))).astype(np.float32)} for s in setup.sites]
 
 
 def _torch_logprobs(model_dir: Path, output_ids: list[int], adapter_dir: Path | None) -> np.ndarray:
@@ -82,14 +72,14 @@ def test_each_adapter_version_is_served_and_its_logprobs_equal_peft_and_ours(lor
     model = from_hf(tiny32_untied)
     base = nnx.state(model, nnx.Param)
     setup = lora_setup(model.cfg, base, OPTIONS)
-    versions = {v: _adapters(setup, v) for v in (1, 2)}
+    versions = {v: random_adapters(setup, v, scale=0.3) for v in (1, 2)}
     params = {"max_new_tokens": 12, "temperature": 1.0, "sampling_seed": 5, "ignore_eos": True}
 
     async def run():
         async with VLLMClient(lora_server, vocab_size=1024) as client:
             plain = await client.generate(PROMPT, sampling_params=params)
             syncer = WeightSyncer(client, tmp_path / "weights", dtype=np.float32, retries=0, flush_poll_s=0.05)
-            reports = [await syncer.push(attach_adapters(_Policy(), PolicyAdapters(setup, versions[v])), v)
+            reports = [await syncer.push(policy_with(setup, versions[v]), v)
                        for v in (1, 2)]
             adapted = await client.generate(PROMPT, sampling_params=params)
             served = await client._request("GET", lora_server, "/v1/models", timeout_s=30)
