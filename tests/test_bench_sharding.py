@@ -130,12 +130,14 @@ def test_collective_bytes_zero_on_one_device_and_on_the_right_axes_when_sharded(
 
     param_bytes = rows["dp"].param_bytes
     assert param_bytes == 4 * param_count(model_config("tiny"))  # dp replicates every fp32 parameter
-    # dp: no parameter gathers (the only all-gathers are the vision attention's keys/values, since patches are
-    # split over `data` too); the gradient all-reduce over `data` moves about the model's size (XLA may reduce
+    # dp: no parameter gathers (the only all-gathers serve the patches, which are split over `data` too: the
+    # vision attention's keys/values, and the scatter of merged image embeddings into their token slots with its
+    # backward scatter-add); the gradient all-reduce over `data` moves about the model's size (XLA may reduce
     # a gradient before the op that expands it, e.g. the embedding's scatter-add, so not exactly).
     assert rows["dp"].all_gather_bytes < param_bytes
     gathers = [c["op_name"] for c in rows["dp"].collectives["top"] if c["kind"] == "all-gather"]
-    assert gathers and all("bskh" in op or op.endswith(("scatter", "gather")) for op in gathers), gathers
+    assert gathers and all("bskh" in op or op.rsplit("/", 1)[-1] in ("scatter", "scatter-add", "gather")
+                           for op in gathers), gathers
     assert 0.5 * param_bytes <= rows["dp"].all_reduce_bytes <= 2 * param_bytes
     assert _axes(rows["dp"]) == {"data"}
     # fsdp: every parameter is all-gathered over `fsdp` at least once per step; nothing else communicates.

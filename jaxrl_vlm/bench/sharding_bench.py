@@ -238,15 +238,19 @@ class StatePlan:
     tx: Any
 
 
-def plan_state(model_cfg: ModelConfig, cfg: Config, mesh: jax.sharding.Mesh, rules: Any) -> StatePlan:
+def plan_state(model_cfg: ModelConfig, cfg: Config, mesh: jax.sharding.Mesh, rules: Any,
+               patch_attention_block: int | None = None) -> StatePlan:
     """Abstract TrainState + its shardings (params by the rules, Adam moments like params, rest replicated).
 
     Same layout as `Trainer.build_policy`, built from shapes so a layout can be compiled and sized before
-    any memory is used (the trainer loads a checkpoint instead).
+    any memory is used (the trainer loads a checkpoint instead). `patch_attention_block`: as the trainer's
+    (`frame_patch_cap`), the most patches of one image frame; None: the vision attention is dense over a
+    micro-batch's patches.
     """
     kwargs = _model_kwargs(cfg)
     cls = model_class(model_cfg)
-    abstract_model = nnx.eval_shape(lambda: cls(model_cfg, rngs=nnx.Rngs(0), **kwargs))
+    abstract_model = nnx.eval_shape(lambda: cls(model_cfg, rngs=nnx.Rngs(0), patch_attention_block=patch_attention_block,
+                                                **kwargs))
     graphdef, params = nnx.split(abstract_model, nnx.Param)
     tx = make_optimizer(cfg.optim, cfg.rollout.num_rollout * cfg.train.num_steps_per_rollout)
     opt = jax.eval_shape(tx.init, params)
@@ -305,6 +309,17 @@ def bench_samples(model_cfg: ModelConfig, opts: BenchOptions, packing: bool) -> 
     shape = episode_shape_for(opts.seq_len, model_cfg)
     budget = int(opts.rows * opts.seq_len * opts.fill)
     return synthetic_samples(model_cfg, budget, shape=shape, seed=opts.seed, max_samples=None if packing else opts.rows)
+
+
+def largest_frame(samples: list[Sample]) -> int | None:
+    """Patches of the largest image frame among the samples (None: no image). The trainer bounds its vision
+    attention by the image processor's cap (`job.trainer.frame_patch_cap`); the bench's synthetic images have
+    no processor, so their own largest frame is that cap: a processor whose pixel cap is that frame would make
+    the same images, and the bench then compiles the frame-local vision attention the trainer runs."""
+    frames = [int(np.asarray(g, np.int64).reshape(-1, 3)[:, 1:].prod(axis=1).max())
+              for s in samples if s.multimodal_train_inputs
+              for g in [s.multimodal_train_inputs.get("image_grid_thw")] if g is not None and len(g)]
+    return max(frames) if frames else None
 
 
 def bench_batch(samples: list[Sample], model_cfg: ModelConfig, cfg: Config, opts: BenchOptions, multiple: int) -> TrainBatch:
@@ -416,7 +431,7 @@ def bench_layout(
     res.real_tokens = batch.layout.real_tokens
     res.model_flops = flops_lib.train_step_flops(model_cfg, batch.shape_key)
 
-    plan = plan_state(model_cfg, cfg, mesh, rules)
+    plan = plan_state(model_cfg, cfg, mesh, rules, patch_attention_block=largest_frame(samples))
     res.param_bytes = param_bytes_per_device(plan.abstract.params, mesh, rules)
     fn = partial(train_step, plan.graphdef, plan.tx, step_config(cfg, batch, mesh, rules))
     jitted = jax.jit(fn, in_shardings=(plan.shardings, b_sh, None, None), out_shardings=(plan.shardings, None), donate_argnums=(0,))
