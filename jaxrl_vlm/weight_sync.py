@@ -29,7 +29,7 @@ no prefix cached under an older adapter is reused), labels the worker's weights 
 makes every later request select it; the previous adapter is unloaded. `sync/gbytes` is then the adapters' bytes
 (in memory, in the sync dtype; on disk, the directory's). Merged into the base instead, and sent whole (`sync/
 adapters_only` 0): with `--lora-sync merged`, and for adapters SGLang's and vLLM's LoRA serving does not cover
-(`serves_adapters`: the vision tower, `--lora-modules-to-save`).
+(`serves_adapters`: the vision tower, `--lora-modules-to-save`, Qwen3.5's linear-attention projections).
 
 Multi-host: every process calls `push` (gathering a sharded parameter is a collective); only process 0
 writes files and talks to the engines.
@@ -68,10 +68,19 @@ def adapter_name(version: int) -> str:
     return f"policy_v{version:06d}"
 
 
+# Qwen3.5's gated delta-net projections (`linear_attn.in_proj_qkv`, `in_proj_z`, `in_proj_a`, `in_proj_b`,
+# `out_proj`): SGLang 0.5.23's LoRA target list (`SUPPORTED_LORA_TARGET_MODULES`) names none but `out_proj`, and
+# vLLM's LoRA on these layers is untested here; an engine that ignored one would sample from another policy than
+# the trainer's, silently. They are merged and sent whole until an engine is shown to apply them.
+ENGINE_UNSERVED_SITE = ".linear_attn."
+
+
 def serves_adapters(lora: PolicyAdapters) -> bool:
-    """Whether SGLang's and vLLM's LoRA serving covers these adapters: linear layers of the language model only (no
-    vision-tower adapters, no fully trained modules_to_save, which neither engine applies)."""
-    return not lora.setup.saved and not any(site.vision for site in lora.setup.sites)
+    """Whether SGLang's and vLLM's LoRA serving covers these adapters: linear layers of the language model's
+    attention and MLP only (no vision-tower adapters, no fully trained modules_to_save, which neither engine
+    applies, and no linear-attention projections: `ENGINE_UNSERVED_SITE`)."""
+    return not lora.setup.saved and not any(site.vision or ENGINE_UNSERVED_SITE in site.module
+                                            for site in lora.setup.sites)
 
 
 class WeightSyncFailed(RuntimeError):

@@ -180,6 +180,13 @@ def test_adapters_the_engines_cannot_serve_are_merged_and_launched_servers_get_l
     vision = lora_setup(cfg, params, LoraOptions(lora_rank=4, lora_vision=True))
     assert serves_adapters(PolicyAdapters(setup, []))
     assert not serves_adapters(PolicyAdapters(norm, [])) and not serves_adapters(PolicyAdapters(vision, []))
+    # Qwen3.5: adapters on its linear-attention layers are merged; on its full-attention and MLP layers alone, served.
+    hybrid = abstract_model(tiny_model_config(arch="qwen3_5"))
+    hybrid_params = nnx.state(hybrid, nnx.Param)
+    every = lora_setup(hybrid.cfg, hybrid_params, LoraOptions(lora_rank=4))
+    assert any(".linear_attn." in s.module for s in every.sites) and not serves_adapters(PolicyAdapters(every, []))
+    served = lora_setup(hybrid.cfg, hybrid_params, LoraOptions(lora_rank=4, lora_target_modules=["q_proj", "down_proj"]))
+    assert served.sites and serves_adapters(PolicyAdapters(served, []))
     options = LoraOptions(lora_rank=4)
     assert engine_serves(options) and not engine_serves(LoraOptions(lora_rank=4, lora_sync="merged"))
     assert sglang_lora_args(options, []) == ["--enable-lora", "--max-lora-rank", "4", "--lora-target-modules", "all"]
