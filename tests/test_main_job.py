@@ -9,12 +9,14 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 from _launch import xla_flags
 
 from jaxrl_vlm.job.run_log import read_metrics
+from rollout.client import count_requests_in_loads
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "configs/geo3k_tiny.yaml"
@@ -121,6 +123,19 @@ def _wait_for(predicate, proc: subprocess.Popen, log: Path, what: str, timeout_s
     pytest.fail(f"{what}: not within {timeout_s:g} s")
 
 
+def _engine_url(log: Path) -> str:
+    """The embedded engine's address, from the run's log line `embedded engine serving <dir> at <url>`."""
+    line = next((ln for ln in log.read_text().splitlines() if "embedded engine serving" in ln), None)
+    assert line is not None, log.read_text()[-3000:]
+    return line.rsplit(" at ", 1)[1].strip()
+
+
+def _requests_in(loads_url: str) -> int:
+    """Running + waiting requests of the engine (SGLang's /v1/loads)."""
+    with urllib.request.urlopen(loads_url, timeout=5) as answer:
+        return count_requests_in_loads(json.load(answer), endpoint=loads_url)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", ["abort", "finish"])
 def test_sigterm_mid_step_checkpoints_exits_0_and_resumes_like_an_uninterrupted_run(full_run, policy):
@@ -139,8 +154,12 @@ def test_sigterm_mid_step_checkpoints_exits_0_and_resumes_like_an_uninterrupted_
     with open(log, "w") as err:
         proc = subprocess.Popen(argv, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=err, text=True)
     try:
-        # Step 1 is logged: the run is in step 2's rollout (no checkpoint or evaluation in between).
+        # Step 1 is logged, then step 2's requests are in the engine: the run is in step 2's rollout. (Right after
+        # step 1's record the run is still between steps for a moment; a signal there stops it at the boundary,
+        # with no step to give up: seen once in a full suite.)
         _wait_for(lambda: metrics.exists() and len(read_metrics(metrics)) >= 2, proc, log, "step 1 was logged")
+        loads = _engine_url(log) + "/v1/loads"
+        _wait_for(lambda: _requests_in(loads) > 0, proc, log, "step 2's rollout reached the engine")
         proc.send_signal(signal.SIGTERM)
         stdout, _ = proc.communicate(timeout=300)
     finally:
