@@ -53,6 +53,7 @@ __all__ = [
     "ImageTooLarge",
     "VisionTokens",
     "check_image_pixels",
+    "frame_patches",
     "hf_reference_processor",
     "image_to_data_url",
     "load_image",
@@ -330,6 +331,11 @@ def process_images(image_processor: Any, images: Sequence[Image.Image]) -> dict[
             f"for {len(images)} images; expected ({num_patches}, {patch_dim}) and ({len(images)}, 3)"
         )
     return {"pixel_values": pixel_values, "image_grid_thw": grid_thw}
+
+
+def frame_patches(image_grid_thw: Any) -> np.ndarray:
+    """Patches of each image frame (h x w of every `image_grid_thw` row [t, h, w]): what `max_frame_patches` bounds."""
+    return np.asarray(image_grid_thw, np.int64).reshape(-1, 3)[:, 1:].prod(axis=1)
 
 
 def max_frame_patches(image_processor: Any) -> int:

@@ -61,6 +61,7 @@ from jaxrl_vlm.sharding.layout import (
 )
 from jaxrl_vlm.sharding.rules import MESH_AXES, Rules, ShardingError, resolve_rules
 from jaxrl_vlm.tiny import tiny_model_config
+from rollout.processing import frame_patches
 from rollout.sample import Sample
 
 logger = logging.getLogger(__name__)
@@ -316,9 +317,8 @@ def largest_frame(samples: list[Sample]) -> int | None:
     attention by the image processor's cap (`job.trainer.frame_patch_cap`); the bench's synthetic images have
     no processor, so their own largest frame is that cap: a processor whose pixel cap is that frame would make
     the same images, and the bench then compiles the frame-local vision attention the trainer runs."""
-    frames = [int(np.asarray(g, np.int64).reshape(-1, 3)[:, 1:].prod(axis=1).max())
-              for s in samples if s.multimodal_train_inputs
-              for g in [s.multimodal_train_inputs.get("image_grid_thw")] if g is not None and len(g)]
+    grids = [s.multimodal_train_inputs.get("image_grid_thw") for s in samples if s.multimodal_train_inputs]
+    frames = [int(frame_patches(g).max()) for g in grids if g is not None and len(g)]
     return max(frames) if frames else None
 
 

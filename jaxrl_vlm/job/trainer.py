@@ -50,7 +50,7 @@ from jaxrl_vlm.sharding.layout import (
 )
 from jaxrl_vlm.sharding.rules import resolve_rules
 from rollout.hooks import Hook, load_hook
-from rollout.processing import load_image_processor, max_frame_patches
+from rollout.processing import frame_patches, load_image_processor, max_frame_patches
 from rollout.sample import Sample
 from rollout.sglang_wire import logprob_temperature
 
@@ -185,7 +185,7 @@ def check_frame_patches(samples: list[Sample], cap: int | None) -> None:
         grid = s.multimodal_train_inputs.get("image_grid_thw") if s.multimodal_train_inputs else None
         if grid is None or len(grid) == 0:
             continue
-        frame = np.asarray(grid, np.int64).reshape(-1, 3)[:, 1:].prod(axis=1)
+        frame = frame_patches(grid)
         if int(frame.max()) > cap:
             raise ValueError(
                 f"sample (group {s.group_index}, index {s.index}) has an image frame of {int(frame.max())} patches, "
