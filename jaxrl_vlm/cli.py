@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import sys
 import types
 import typing
@@ -38,8 +39,6 @@ def _cmd_config(ns: argparse.Namespace, rest: list[str]) -> int:
 def _cmd_train(ns: argparse.Namespace, rest: list[str]) -> int:
     config_path, overrides = split_config_argv(rest)
     cfg = load_config(config_path, overrides)
-    import os
-
     from jaxrl_vlm.distributed import initialize_from_env_or_config
     from jaxrl_vlm.sglang_launcher import apply_colocation
 
@@ -304,6 +303,30 @@ def split_config_argv(rest: list[str]) -> tuple[str | None, list[str]]:
     return None, rest
 
 
+class _HelpWithOptions(argparse.Action):
+    """`-h/--help` of a command that takes run options: its usage, then every option (flag, type, default, bounds,
+    choices, meaning), which argparse cannot list since the options are parsed from the config, not by argparse."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs: typing.Any):
+        super().__init__(option_strings, dest=dest, nargs=0, help="Show this help, with every run option, and exit.")
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: typing.Any,
+                 option_string: str | None = None) -> None:
+        try:
+            print(parser.format_help())
+            print("run options (a YAML key, or --flag VALUE after the config; slime's flag names are accepted too):")
+            print(describe_options(), flush=True)
+        except BrokenPipeError:  # `... --help | head`: the reader has what it wanted (Python's documented remedy)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        parser.exit()
+
+
+def _command_with_run_options(sub: typing.Any, name: str, help: str) -> argparse.ArgumentParser:
+    p = sub.add_parser(name, help=help, add_help=False)
+    p.add_argument("-h", "--help", action=_HelpWithOptions)
+    return p
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxrl-vlm", description="Multi-turn agentic RL for vision-language models in JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -314,18 +337,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--help-options", action="store_true", help="List every option with its flag, default and meaning.")
     p.set_defaults(func=_cmd_config)
 
-    p = sub.add_parser("train", help="Run the main RL job: rollout -> train -> weight sync, for --num-rollout steps "
+    p = _command_with_run_options(sub, "train", help="Run the main RL job: rollout -> train -> weight sync, for --num-rollout steps "
                        "(with --loss-type sft_loss: supervised fine-tuning on conversations, no engine).")
     p.usage = "jaxrl-vlm train CONFIG.yaml [--flag value ...]"
     p.set_defaults(func=_cmd_train)
 
-    p = sub.add_parser("rollout", help="Run one rollout step with the current weights (for debugging an environment).")
+    p = _command_with_run_options(sub, "rollout", help="Run one rollout step with the current weights (for debugging an environment).")
     p.usage = "jaxrl-vlm rollout CONFIG.yaml [--flag value ...] [--dump FILE.jsonl]"
     p.add_argument("--dump", default=None, help="Write every sample with per-turn decoded text, per-token log-probs "
                    "and the pictures as sent (in FILE_images/) to this JSONL file; `jaxrl-vlm view FILE` shows it.")
     p.set_defaults(func=_cmd_rollout)
 
-    p = sub.add_parser("eval", help="Evaluate a checkpoint or HF directory on the config's eval sets; print a table.")
+    p = _command_with_run_options(sub, "eval", help="Evaluate a checkpoint or HF directory on the config's eval sets; print a table.")
     p.usage = ("jaxrl-vlm eval CONFIG.yaml [--load CHECKPOINT_DIR | HF_DIR] [--flag value ...] "
                "[--dump-dir DIR] [--metrics-json FILE]")
     p.add_argument("--load", default=None,

@@ -1225,7 +1225,7 @@ def describe_options() -> str:
         for info in FIELDS.values():
             if info.section != section:
                 continue
-            tp = str(info.type).replace("typing.", "")
+            tp = info.type.__name__ if isinstance(info.type, type) else str(info.type).replace("typing.", "")
             choices = f" choices={list(info.choices)}" if info.choices else ""
             bounds = "".join(f" {op}{b:g}" for op, b in ((">", info.gt), (">=", info.ge), ("<", info.lt), ("<=", info.le))
                              if b is not None)
