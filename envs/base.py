@@ -14,7 +14,9 @@ An environment module (passed by `--rollout-interaction-env-path`) exposes:
   instruction the dataset loader puts into each prompt (`--prompt-style`; the loader imports the
   task module by path, like the env).
 
-Episode protocol, as the rollout runs it: `reset()`, then per model turn
+Episode protocol, as the rollout runs it: `reset()` (sync or `async def`; it returns None, or an observation
+dict like `step`'s, role "user", that opens the episode: the rollout appends its text and pictures to the prompt's
+first user turn before the first generation, as prompt tokens), then per model turn
 `step(model_text) -> (observation, done, info)` (sync, or async: the rollout awaits an awaitable),
 `format_observation(observation)` to get the chat message fed back to the model, and finally
 `close()`, always, also after an exception. `step` sees only the text the model generated in that
@@ -200,8 +202,10 @@ class BaseInteractionEnv(abc.ABC):
     max_turns: int | None = None
 
     @abc.abstractmethod
-    def reset(self) -> None:
-        """Start (or restart) the episode. Bounded by `--env-hook-timeout`; a sync one runs in a worker thread."""
+    def reset(self) -> dict[str, Any] | None | Awaitable[dict[str, Any] | None]:
+        """Start (or restart) the episode; may be `async def`. Bounded by `--env-hook-timeout`; a sync one runs in a
+        worker thread. Returns None, or the observation that opens the episode (joined to the prompt; the return
+        of a reset before a retried step is ignored)."""
 
     @abc.abstractmethod
     def step(

@@ -15,6 +15,11 @@ Layout and alignment (per micro-batch k, row r, slot t; T = padded row length in
   the full-batch loss whatever the split.
 - Vision: each micro-batch concatenates its images' patches in row-major token order, padded to the
   patch bucket P; `image_token_index` points into that micro-batch's flat R*T slots (R*T = dropped).
+- Vision reuse (`vision_reuse=True`, the trainer's default): an image is identified by a hash of its processed
+  patches and grid; a micro-batch holds each DISTINCT image once (first-seen order, padded to P, which now bounds
+  distinct patches) and `vision.token_image_rows [K, R, T]` maps every image-pad slot to its image's merged row,
+  so the tower runs once per distinct image and the train step gathers (`models.vision.build_reused_vision_inputs`).
+  Packing counts a micro-batch's patches as distinct patches and places rows where their images already are.
 
 A sequence never spans rows or micro-batches. Packing is best-fit decreasing (tokens, with patch
 capacity as a second constraint); rows go to micro-batches largest-patch-load first onto the least
@@ -25,6 +30,7 @@ feasible seq bucket that needs the fewest slots (ties: the shorter one); K follo
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
@@ -35,7 +41,7 @@ import numpy as np
 
 from jaxrl_vlm.models.config import ModelConfig
 from jaxrl_vlm.models.rope import get_rope_index_packed
-from jaxrl_vlm.models.vision import build_vision_inputs
+from jaxrl_vlm.models.vision import build_reused_vision_inputs, build_vision_inputs
 from jaxrl_vlm.rl.aggregation import aggregation_weights
 from rollout.sample import Sample
 
@@ -95,8 +101,8 @@ class Placement(NamedTuple):
     original_length: int  # tokens in the sample
     segment_id: int  # 1.. within the row
     sequence_id: int  # 0.. within the micro-batch
-    patch_offset: int  # first patch row of its images in the micro-batch's pixel_values
-    num_patches: int  # patch rows placed
+    patch_offset: int  # first patch row of its images in the micro-batch's pixel_values (without vision reuse)
+    num_patches: int  # patch rows placed (its own images, before deduplication)
 
 
 @dataclass(frozen=True)
@@ -107,11 +113,13 @@ class BatchLayout:
     shape_key: tuple[int, int, int, int]  # (K, R, T, P); P = 0 without vision
     real_tokens: int
     slots: int  # K * R * T
-    real_patches: int
+    real_patches: int  # patches the tower encodes (distinct images per micro-batch with vision reuse)
     patch_slots: int  # K * P
     rows_used: int  # rows holding at least one sequence
     sequences_per_micro_batch: tuple[int, ...]  # [K]
     packing: bool
+    images: int = 0  # image occurrences of the samples placed
+    distinct_images: int = 0  # images the tower encodes: distinct per micro-batch with vision reuse, else = images
 
     @property
     def padding_efficiency(self) -> float:
@@ -198,6 +206,7 @@ class _Seq:
     grid: np.ndarray  # int64 [n_images, 3]
     pixels: np.ndarray | None  # [patches, patch_dim]
     original_length: int
+    image_ids: tuple[int, ...] = ()  # vision reuse: distinct-image id of each of its images (batch-wide)
 
     @property
     def length(self) -> int:
@@ -349,14 +358,31 @@ def _truncation_cut(tokens: np.ndarray, grid: np.ndarray, max_len: int, cfg: Mod
 # ----------------------------------------------------------------------------- packing
 
 
-def pack_rows(lengths: np.ndarray, patches: np.ndarray, capacity: int, patch_capacity: int) -> list[list[int]]:
+def new_patches(have: set[int], image_ids: Sequence[int], image_patches: np.ndarray) -> int:
+    """Patches that the images `image_ids` add to a set `have` of distinct images (each image counted once)."""
+    return int(sum(int(image_patches[g]) for g in set(image_ids) - have))
+
+
+def pack_rows(
+    lengths: np.ndarray,
+    patches: np.ndarray,
+    capacity: int,
+    patch_capacity: int,
+    item_images: Sequence[Sequence[int]] | None = None,
+    image_patches: np.ndarray | None = None,
+) -> list[list[int]]:
     """Best-fit decreasing: items (by length, longest first) into rows of `capacity` tokens.
 
     An item goes to the feasible row with the least free tokens (patches also within
     `patch_capacity`); a new row opens only when none fits. Returns item indices per row, in
     placement order. O(items * rows) in vectorized numpy, not per token.
+    With `item_images` (distinct-image ids per item) and `image_patches` (patches per distinct image), a row's
+    patches are those of its distinct images (vision reuse): an image already in the row costs nothing.
     """
     order = np.lexsort((np.arange(len(lengths)), -np.asarray(lengths)))
+    if item_images is not None:
+        assert image_patches is not None
+        return _pack_rows_distinct(order, lengths, capacity, patch_capacity, item_images, image_patches)
     free_tok = np.empty(len(lengths), np.int64)
     free_patch = np.empty(len(lengths), np.int64)
     rows: list[list[int]] = []
@@ -376,13 +402,52 @@ def pack_rows(lengths: np.ndarray, patches: np.ndarray, capacity: int, patch_cap
     return rows
 
 
+def _pack_rows_distinct(
+    order: np.ndarray, lengths: np.ndarray, capacity: int, patch_capacity: int,
+    item_images: Sequence[Sequence[int]], image_patches: np.ndarray,
+) -> list[list[int]]:
+    """`pack_rows` counting each row's patches over its distinct images (same best-fit order and ties)."""
+    free_tok = np.empty(len(lengths), np.int64)
+    free_patch = np.empty(len(lengths), np.int64)
+    have: list[set[int]] = []
+    rows: list[list[int]] = []
+    for i in order:
+        length, ids = int(lengths[i]), item_images[i]
+        n = len(rows)
+        by_tok = np.flatnonzero(free_tok[:n] >= length)
+        j, cost = n, new_patches(set(), ids, image_patches)
+        for c in by_tok[np.lexsort((by_tok, free_tok[by_tok]))]:
+            extra = new_patches(have[c], ids, image_patches)
+            if extra <= free_patch[c]:
+                j, cost = int(c), extra
+                break
+        if j == n:
+            rows.append([])
+            have.append(set())
+            free_tok[j], free_patch[j] = capacity, patch_capacity
+        rows[j].append(int(i))
+        have[j].update(ids)
+        free_tok[j] -= length
+        free_patch[j] -= cost
+    return rows
+
+
 def assign_micro_batches(
-    row_patches: np.ndarray, row_tokens: np.ndarray, k: int, rows_per_mb: int, patch_capacity: int
+    row_patches: np.ndarray,
+    row_tokens: np.ndarray,
+    k: int,
+    rows_per_mb: int,
+    patch_capacity: int,
+    row_images: Sequence[Sequence[int]] | None = None,
+    image_patches: np.ndarray | None = None,
 ) -> list[list[int]] | None:
     """Rows -> k micro-batches of at most `rows_per_mb` rows, patch load balanced (LPT).
 
     Rows are taken by decreasing patches (then tokens) and each goes to the micro-batch with the
     least patches (then tokens) that has a free row and room under `patch_capacity`.
+    With `row_images` / `image_patches` (vision reuse) a micro-batch's load is its distinct images' patches: a row
+    goes where the load after it is least, then where it adds the fewest patches (the micro-batch that already
+    holds its pictures, e.g. its GRPO group's), then the fewest tokens.
     None if some row does not fit (the caller tries a larger k).
     """
     order = np.lexsort((np.arange(len(row_patches)), -np.asarray(row_tokens), -np.asarray(row_patches)))
@@ -390,6 +455,21 @@ def assign_micro_batches(
     load_t = np.zeros(k, np.int64)
     used = np.zeros(k, np.int64)
     out: list[list[int]] = [[] for _ in range(k)]
+    if row_images is not None:
+        assert image_patches is not None
+        have: list[set[int]] = [set() for _ in range(k)]
+        for r in order:
+            extra = np.array([new_patches(have[m], row_images[r], image_patches) for m in range(k)], np.int64)
+            ok = np.flatnonzero((used < rows_per_mb) & (load_p + extra <= patch_capacity))
+            if not ok.size:
+                return None
+            best = int(ok[np.lexsort((ok, load_t[ok], extra[ok], load_p[ok] + extra[ok]))[0]])
+            out[best].append(int(r))
+            have[best].update(row_images[r])
+            load_p[best] += extra[best]
+            load_t[best] += row_tokens[r]
+            used[best] += 1
+        return out
     for r in order:
         ok = np.flatnonzero((used < rows_per_mb) & (load_p + row_patches[r] <= patch_capacity))
         if not ok.size:
@@ -424,6 +504,8 @@ def _plan(
     k_bucket: Callable[[int], int],
     patch_capacity: int,
     max_tokens: int | None = None,
+    item_images: Sequence[Sequence[int]] | None = None,
+    image_patches: np.ndarray | None = None,
 ) -> _Plan:
     """Rows for one row length, then (K, R) from the buckets, then rows onto micro-batches.
 
@@ -436,7 +518,7 @@ def _plan(
         if fixed_rows is not None:
             fixed_rows = min(fixed_rows, row_choices[-1])
     if packing:
-        rows = pack_rows(lengths, patches, seq_len, patch_capacity)
+        rows = pack_rows(lengths, patches, seq_len, patch_capacity, item_images, image_patches)
     else:
         rows = [[i] for i in range(len(lengths))]
     n_rows = len(rows)
@@ -448,9 +530,14 @@ def _plan(
         options = [(k_bucket(math.ceil(n_rows / r)), r) for r in row_choices]
         k, r_mb = min(options, key=lambda kr: (kr[0] * kr[1], kr[0]))
     row_tokens = np.array([int(lengths[r].sum()) for r in map(np.asarray, rows)], np.int64)
-    row_patches = np.array([int(patches[r].sum()) for r in map(np.asarray, rows)], np.int64)
+    row_images = None
+    if item_images is None:
+        row_patches = np.array([int(patches[r].sum()) for r in map(np.asarray, rows)], np.int64)
+    else:
+        row_images = [sorted({g for i in row for g in item_images[i]}) for row in rows]
+        row_patches = np.array([new_patches(set(), ids, image_patches) for ids in row_images], np.int64)
     while True:
-        mbs = assign_micro_batches(row_patches, row_tokens, k, r_mb, patch_capacity)
+        mbs = assign_micro_batches(row_patches, row_tokens, k, r_mb, patch_capacity, row_images, image_patches)
         if mbs is not None:
             return _Plan(seq_len, rows, mbs, r_mb)
         k = k_bucket(k + 1)  # patch capacity, not rows, was the limit: spread images over more micro-batches
@@ -476,6 +563,7 @@ def build_train_batch(
     micro_batch_buckets: Sequence[int] | None = None,
     max_tokens_per_micro_batch: int | None = None,
     routing_replay: bool = False,
+    vision_reuse: bool = False,
 ) -> TrainBatch:
     """Lay `samples` out as fixed-shape [K, R, T] arrays (see the module docstring for alignment).
 
@@ -494,6 +582,9 @@ def build_train_batch(
     overlong_policy: "error" or "truncate" (cut the tail to the largest seq bucket, never through an
     image; the mask follows; see `BatchLayout.truncated`).
     routing_replay: carry each sample's `rollout_routed_experts` (sparse layers only) as `routed_experts`.
+    vision_reuse: encode each distinct image once per micro-batch and gather it into every sample showing it
+    (`vision.token_image_rows`; the trainer passes --vision-reuse, on by default); False keeps one copy of each
+    sample's images (per-sample encoding, the layout before vision reuse).
     """
     n = len(samples)
     if n == 0:
@@ -537,7 +628,11 @@ def build_train_batch(
 
     seqs = [_prepare(i, s, model_cfg, seq_choices[-1], overlong_policy) for i, s in enumerate(samples)]
     lengths = np.array([s.length for s in seqs], np.int64)
-    patches = np.array([s.num_patches for s in seqs], np.int64)
+    item_images, image_patches = (_identify_images(seqs, model_cfg) if vision_reuse else (None, None))
+    if item_images is None:
+        patches = np.array([s.num_patches for s in seqs], np.int64)
+    else:  # what one sample alone costs the tower (an image it shows twice is encoded once)
+        patches = np.array([new_patches(set(), ids, image_patches) for ids in item_images], np.int64)
     has_vision = bool(patches.sum())
     patch_capacity = patch_choices[-1] if patch_choices else 0
     if has_vision and patches.max() > patch_capacity:
@@ -552,12 +647,46 @@ def build_train_batch(
     if max_tokens_per_micro_batch is not None and max_tokens_per_micro_batch < 1:
         raise BatchingError(f"max_tokens_per_micro_batch must be >= 1, got {max_tokens_per_micro_batch}")
     plans = [
-        _plan(lengths, patches, t, packing, row_choices, fixed_rows, k_bucket, patch_capacity, max_tokens_per_micro_batch)
+        _plan(lengths, patches, t, packing, row_choices, fixed_rows, k_bucket, patch_capacity, max_tokens_per_micro_batch,
+              item_images, image_patches)
         for t in candidates
     ]
     plan = min(plans, key=lambda p: (p.slots, p.seq_len))
     return _materialize(seqs, adv, plan, model_cfg, patch_choices, has_vision, packing, aggregation, aggregation_constant,
-                        routing_replay)
+                        routing_replay, vision_reuse)
+
+
+def image_key(grid_thw: np.ndarray, pixels: np.ndarray) -> bytes:
+    """Content hash of one processed image: its grid (t, h, w), dtype and patch bytes. Equal keys mean the tower
+    sees identical inputs, so one encoding serves every copy (a group's prompt picture, a re-sent earlier turn)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(np.asarray(grid_thw, np.int64).tobytes())
+    h.update(str(pixels.dtype).encode())
+    h.update(np.ascontiguousarray(pixels).tobytes())
+    return h.digest()
+
+
+def _identify_images(seqs: list[_Seq], cfg: ModelConfig) -> tuple[list[tuple[int, ...]], np.ndarray]:
+    """Give every image of the batch a distinct-image id (by `image_key`); sets each `_Seq.image_ids`.
+
+    Returns the ids of each sample's images (in its token order) and the patches of each distinct image."""
+    ids: dict[bytes, int] = {}
+    sizes: list[int] = []
+    per_item: list[tuple[int, ...]] = []
+    for s in seqs:
+        mine: list[int] = []
+        start = 0
+        for g in s.grid:
+            n = int(np.prod(g))
+            key = image_key(g, s.pixels[start : start + n])
+            start += n
+            if key not in ids:
+                ids[key] = len(sizes)
+                sizes.append(n)
+            mine.append(ids[key])
+        s.image_ids = tuple(mine)
+        per_item.append(s.image_ids)
+    return per_item, np.array(sizes, np.int64)
 
 
 def _materialize(
@@ -571,6 +700,7 @@ def _materialize(
     aggregation: str,
     aggregation_constant: float | None,
     routing_replay: bool = False,
+    vision_reuse: bool = False,
 ) -> TrainBatch:
     """Scatter the sequences into the planned slots; every per-token array is filled in O(total tokens)."""
     k_n, r_n, t_n = len(plan.micro_batches), plan.rows_per_mb, plan.seq_len
@@ -643,7 +773,29 @@ def _materialize(
     ]
     positions = np.stack([get_rope_index_packed(arrays_tokens[k], segment_ids[k], grids[k], cfg)[0] for k in range(k_n)])
 
-    mb_patches = [sum(seqs[i].num_patches for i in items) for items in mb_items]
+    n_images = sum(len(s.grid) for s in seqs)
+    if vision_reuse:
+        # Each micro-batch's distinct images, in first-seen (row-major token) order: (sample, its image j) of the
+        # first copy, and the distinct index of every image occurrence.
+        mb_distinct: list[list[tuple[int, int]]] = []
+        mb_occurrence: list[np.ndarray] = []
+        for items in mb_items:
+            where: dict[int, int] = {}
+            firsts: list[tuple[int, int]] = []
+            occ: list[int] = []
+            for i in items:
+                for j, g in enumerate(seqs[i].image_ids):
+                    if g not in where:
+                        where[g] = len(firsts)
+                        firsts.append((i, j))
+                    occ.append(where[g])
+            mb_distinct.append(firsts)
+            mb_occurrence.append(np.array(occ, np.int64))
+        mb_patches = [sum(int(np.prod(seqs[i].grid[j])) for i, j in firsts) for firsts in mb_distinct]
+        n_distinct = sum(len(firsts) for firsts in mb_distinct)
+    else:
+        mb_patches = [sum(seqs[i].num_patches for i in items) for items in mb_items]
+        n_distinct = n_images
     vision = None
     p_n = 0
     if has_vision:
@@ -652,11 +804,20 @@ def _materialize(
         dtype = np.result_type(*[s.pixels.dtype for s in seqs if s.pixels is not None])
         per_mb = []
         for k, items in enumerate(mb_items):
-            pix = [seqs[i].pixels for i in items if seqs[i].pixels is not None]
+            valid = segment_ids[k] > 0
+            if vision_reuse:
+                pix = [_image_pixels(seqs[i], j) for i, j in mb_distinct[k]]
+                grid_k = np.array([seqs[i].grid[j] for i, j in mb_distinct[k]], np.int64).reshape(-1, 3)
+            else:
+                pix = [seqs[i].pixels for i in items if seqs[i].pixels is not None]
             pixels = np.concatenate(pix).astype(dtype, copy=False) if pix else np.zeros((0, cfg.vision.patch_dim), dtype)
-            v = build_vision_inputs(pixels, grids[k], arrays_tokens[k], cfg, patch_bucket=p_n, token_valid=segment_ids[k] > 0)
+            if vision_reuse:
+                v = build_reused_vision_inputs(pixels, grid_k, mb_occurrence[k], arrays_tokens[k], cfg, patch_bucket=p_n,
+                                               token_valid=valid)
+            else:
+                v = build_vision_inputs(pixels, grids[k], arrays_tokens[k], cfg, patch_bucket=p_n, token_valid=valid)
             per_mb.append(v._replace(pixel_values=v.pixel_values.astype(dtype, copy=False)))
-        vision = type(per_mb[0])(*(np.stack(field) for field in zip(*per_mb)))
+        vision = type(per_mb[0])(*(None if field[0] is None else np.stack(field) for field in zip(*per_mb)))
 
     routed = None
     if routing_replay:
@@ -679,5 +840,14 @@ def _materialize(
         rows_used=len(plan.rows),
         sequences_per_micro_batch=tuple(len(items) for items in mb_items),
         packing=packing,
+        images=n_images,
+        distinct_images=n_distinct,
     )
     return TrainBatch(arrays, layout)
+
+
+def _image_pixels(seq: _Seq, j: int) -> np.ndarray:
+    """The patches [grid_t*grid_h*grid_w, patch_dim] of a sample's j-th image."""
+    sizes = seq.grid.prod(-1)
+    start = int(sizes[:j].sum())
+    return seq.pixels[start : start + int(sizes[j])]

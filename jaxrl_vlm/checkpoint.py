@@ -29,11 +29,9 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
+from jaxrl_vlm.errors import CheckpointError  # a checkpoint directory that cannot be used: bad input, exit 2
+
 logger = logging.getLogger(__name__)
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint directory cannot be used (missing, empty, or incompatible with the current run)."""
 
 
 _INTEGRITY = "_integrity"  # meta key of the shapes and fingerprints (stripped from what `restore` returns)
@@ -89,8 +87,8 @@ class CheckpointStore:
             args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
             force=True,
         )
-        if not saved:
-            raise CheckpointError(f"orbax declined to save step {step} in {self.directory}")
+        if not saved:  # a failure of the run, not of its input
+            raise RuntimeError(f"orbax declined to save step {step} in {self.directory}")
         self._manager.wait_until_finished()
         logger.info("saved checkpoint step %d to %s", step, self.directory)
 

@@ -19,9 +19,14 @@ from pathlib import Path
 from jaxrl_vlm.config import Config, ConfigError, describe_options, is_sft, load_config
 from jaxrl_vlm.engine.options import DTYPES, EngineOptions
 from jaxrl_vlm.models.config import FAMILY_PARSERS
-from rollout.client import WorkerLost
+from rollout.client import EngineRefused, WorkerLost
 from rollout.engine_link import EngineLost
 from rollout.loading import LoadError, load_module
+
+# Bad input, each reported in one line (`jaxrl-vlm <command>: error: <cause>`) with exit code 2: `ConfigError`, its
+# checkpoint and dataset errors included, and the two of rollout/, which cannot derive from it (rollout/ never
+# imports jaxrl_vlm): user code that does not load, and an engine that cannot serve the run as it was started.
+BAD_INPUT = (ConfigError, LoadError, EngineRefused)
 
 
 def _cmd_config(ns: argparse.Namespace, rest: list[str]) -> int:
@@ -261,6 +266,38 @@ def _cmd_serve(ns: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
+def _cmd_env_serve(ns: argparse.Namespace, rest: list[str]) -> int:
+    """An env module behind OpenEnv's WebSocket protocol (envs/env_server.py), in the foreground."""
+    import asyncio
+
+    import yaml
+
+    from envs.env_server import EnvServer, serve as serve_env
+    from rollout.options import MultiTurnOptions
+
+    if rest:
+        raise ConfigError(f"env-serve: unexpected arguments {rest}")
+    keys: dict[str, typing.Any] = {}
+    if ns.custom_config_path:
+        with open(ns.custom_config_path, encoding="utf-8") as f:
+            keys = yaml.safe_load(f) or {}
+        if not isinstance(keys, dict):
+            raise ConfigError(f"env-serve: {ns.custom_config_path} is not a mapping of env keys")
+    args = types.SimpleNamespace(**{**dataclasses.asdict(MultiTurnOptions()), **keys})
+    if ns.max_turns is not None:
+        args.max_turns = ns.max_turns
+    if ns.api_key is None and ns.host not in ("127.0.0.1", "localhost", "::1"):
+        logging.getLogger(__name__).warning("env-serve: bound to %s without --api-key: anyone who reaches it can "
+                                            "drive the env", ns.host)
+    module = load_module(ns.env_module, "env-serve ENV_MODULE")
+    server = EnvServer(module, args, max_sessions=ns.max_sessions, api_key=ns.api_key)
+    try:
+        asyncio.run(serve_env(server, ns.host, ns.port))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
 def add_engine_options(p: argparse.ArgumentParser) -> None:
     """One flag per `EngineOptions` field (`--max-batch`, plus the SGLang spellings its `flags` declare), with the
     field's help, default, choices and bounds; a flag left out keeps the field's default (the bounds are checked
@@ -327,8 +364,16 @@ def _command_with_run_options(sub: typing.Any, name: str, help: str) -> argparse
     return p
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser (its sub-commands' too), reporting a bad command line as other bad input is reported: in
+    one line, exit code 2; the usage is one `--help` away."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jaxrl-vlm", description="Multi-turn agentic RL for vision-language models in JAX.")
+    parser = _Parser(prog="jaxrl-vlm", description="Multi-turn agentic RL for vision-language models in JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("config", help="Resolve a config (YAML + --flag overrides) and print it.")
@@ -400,7 +445,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="Seed of the weight init.")
     p.add_argument("--vocab-size", type=int, default=1024, help="Tokenizer and embedding size.")
     p.add_argument("--init", choices=("scaled", "hf"), default="scaled", help="Fan-in scaled init, or HF's std 0.02.")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="Dtype of the safetensors.")
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="Dtype of the safetensors.")
     p.add_argument("--arch", choices=tuple(FAMILY_PARSERS), default="qwen3_vl",
                    help="Model family (config.json model_type): qwen3_vl or qwen2_5_vl.")
     p.add_argument("--head-dim", type=int, default=None,
@@ -408,7 +453,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_make_tiny)
 
     p = sub.add_parser("untie-embeddings", help="Copy an HF checkpoint with an explicit LM head (tie_word_embeddings "
-                                                "false): start an external vLLM from it (README, vLLM).")
+                                                "false): start an external vLLM from it (docs/guides/vllm.md).")
     p.add_argument("src", help="HF checkpoint directory.")
     p.add_argument("out", help="Output directory.")
     p.set_defaults(func=_cmd_untie_embeddings)
@@ -447,6 +492,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_options(p)
     p.set_defaults(func=_cmd_serve)
 
+    p = sub.add_parser("env-serve", help="Serve an env module over OpenEnv's WebSocket protocol (/ws, /health, /schema).")
+    p.add_argument("env_module", help="Env module, as --rollout-interaction-env-path (e.g. envs.sokoban).")
+    p.add_argument("--host", default="127.0.0.1", help="Bind address (loopback by default).")
+    p.add_argument("--port", type=int, default=8000, help="Port (0 picks a free one).")
+    p.add_argument("--max-sessions", type=int, default=64, help="Concurrent episodes; one more gets CAPACITY_REACHED (give at least a rollout step's concurrent episodes, rollout_batch_size x n_samples_per_prompt, or the surplus waits and may fail).")
+    p.add_argument("--api-key", default=None, help="Require 'Authorization: Bearer KEY' on every path but /health.")
+    p.add_argument("--max-turns", type=int, default=None, help="max_turns the env is built with (default 3).")
+    p.add_argument("--custom-config-path", default=None, help="YAML of the env's keys (its CONFIG_KEYS), as in training.")
+    p.set_defaults(func=_cmd_env_serve)
+
     from jaxrl_vlm.bench.cli_args import add_bench_parser
 
     add_bench_parser(sub)  # `jaxrl-vlm bench sharding ...` (parser only; jax is imported when it runs)
@@ -462,12 +517,17 @@ def main(argv: list[str] | None = None) -> int:
     ns, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     try:
         return ns.func(ns, rest)
-    except ConfigError as e:
-        print(f"jaxrl-vlm {ns.command}: error: {e}", file=sys.stderr)
+    except BAD_INPUT as e:
+        print(f"jaxrl-vlm {ns.command}: error: {one_line(e)}", file=sys.stderr)
         return 2
     except (EngineLost, WorkerLost) as e:  # the engine (or a router worker) is gone: the run stops, saying which
-        print(f"jaxrl-vlm {ns.command}: error: {e}", file=sys.stderr)
+        print(f"jaxrl-vlm {ns.command}: error: {one_line(e)}", file=sys.stderr)
         return 1
+
+
+def one_line(error: BaseException) -> str:
+    """The error's message on one line (a YAML parser's, for one, spans several)."""
+    return "; ".join(line.strip() for line in str(error).splitlines() if line.strip())
 
 
 if __name__ == "__main__":

@@ -43,17 +43,17 @@ import yaml
 
 from jaxrl_vlm import slime_flags
 from jaxrl_vlm.devices import check_disjoint, parse_device_ids
-from jaxrl_vlm.engine.options import EngineOptions
+from jaxrl_vlm.engine.options import DTYPES, EngineOptions
 from jaxrl_vlm.errors import ConfigError
 from jaxrl_vlm.lora.options import LoraOptions
 from jaxrl_vlm.lora.serving import engine_serves
 from jaxrl_vlm.models.config import FAMILY_PARSERS
 from jaxrl_vlm.models.remat import RematPlan
-from jaxrl_vlm.rl.options import LossOptions
+from jaxrl_vlm.rl.options import CUSTOM_CORRECTION, LossOptions, rollout_correction_problem
 from jaxrl_vlm.rl.registries import ADVANTAGE_ESTIMATORS, AGGREGATION_MODES, LOSS_TYPES, POLICY_LOSSES
 from rollout.hooks import HOOK_OPTIONS, load_hook
 from rollout.loading import LoadError, load_function, load_module
-from rollout.options import DebugOptions, MultiTurnOptions, RolloutOptions, bound_error, check_template, opt
+from rollout.options import DebugOptions, MultiTurnOptions, RolloutOptions, bound_error, check_template, opt, option_of
 
 
 class NamesOf(Collection[str]):
@@ -82,8 +82,11 @@ class ModelConfig:
     hf_checkpoint: str | None = opt(
         None, "HF checkpoint directory (safetensors + config + tokenizer + processor); the model family (Qwen3-VL or "
         "Qwen2.5-VL) comes from its config.json model_type.")
-    param_dtype: str = opt("float32", "Dtype of the trainable parameters.", choices=("float32", "bfloat16"))
-    compute_dtype: str = opt("float32", "Dtype of activations/matmuls (bfloat16 on GPU/TPU).", choices=("float32", "bfloat16"))
+    # Declared with the engine's options: in a run, the embedded engine serves the trainer's weights in these dtypes.
+    param_dtype: str = option_of(EngineOptions, "param_dtype", "Dtype of the trainable parameters (and of the "
+                                 "embedded engine's).")
+    compute_dtype: str = option_of(EngineOptions, "compute_dtype", "Dtype of activations/matmuls, the trainer's and "
+                                   "the embedded engine's (bfloat16 on GPU/TPU).")
     remat: str = opt(
         "none", "Rematerialisation policy per layer kind: a policy for every layer (none, full, dots, offload) or "
         "comma-separated KIND=POLICY items after an optional default, kinds full_attention, linear_attention, moe, "
@@ -153,7 +156,7 @@ class _AlgoOptions:
         None,
         "Our advantage hook, in place of --advantage-estimator: `fn(rewards [N], group_index [N], *, "
         "std_normalization, eps) -> advantages [N]` (numpy, one per sample), the signature of the registered "
-        "estimators (rl/advantages.py); called on the host before batching (docs/hooks.md).")
+        "estimators (rl/advantages.py); called on the host before batching (docs/guides/hooks.md).")
     custom_reward_post_process_path: str | None = opt(
         None,
         "slime's reward post-processing: `fn(args, samples) -> (raw_rewards, rewards)`, two lists of one float per "
@@ -206,6 +209,14 @@ class TrainConfig:
         "A no-op with one optimizer step per rollout (one global batch, --num-steps-per-rollout 1: the old policy "
         "is the current one). --use-rollout-routing-replay implies it (the engine's ids are replayed in every "
         "forward, as in slime). The reference forward routes itself, as slime's. A dense model is an error.")
+    freeze_vision_tower: bool = opt(
+        False, "Freeze the vision tower (patch embedding, position table, blocks; not its patch mergers): it keeps "
+        "the checkpoint's weights in --param-dtype, gets no gradient and no optimizer state, is not in the "
+        "checkpoints (reloaded from --hf-checkpoint on resume), and leaves every weight sync after the first "
+        "(the engines already hold it). The final export still has it. With LoRA, adapters on it are an error.")
+    freeze_vision_merger: bool = opt(
+        False, "Freeze the vision tower's patch mergers (the main one and Qwen3-VL's deepstack mergers) as "
+        "--freeze-vision-tower freezes the tower; either flag works alone, both freeze all of `model.visual`.")
     seed: int = opt(1234, "Seed of parameter init, data order and the trainer RNG.")
     output_dir: str = opt("runs/default", "Where metrics, plots, exports and checkpoints go.")
 
@@ -235,6 +246,12 @@ class BatchingConfig:
     row_buckets: list[int] = opt([1, 2, 4, 8, 16, 32], "Allowed numbers of rows per micro-batch.")
     patch_buckets: list[int] = opt([0, 256, 1024, 4096, 16384], "Allowed padded vision-patch counts.")
     packing: bool = opt(True, "Pack several trajectories per row (segment-aware attention).")
+    vision_reuse: bool = opt(
+        True,
+        "Run the vision tower once per distinct image of a micro-batch (content hash of its patches and grid) and "
+        "gather its features into every sample that shows it (a GRPO group's prompt picture, earlier turns' "
+        "pictures); false: once per sample's copy.",
+    )
     max_tokens_per_device: int | None = opt(
         None,
         "Token budget of one micro-batch per device (slime's --use-dynamic-batch-size --max-tokens-per-gpu): the "
@@ -293,12 +310,15 @@ class _EngineRunOptions:
         "and trackers, and not in the args that rollout and env functions receive.")
     weight_sync_dir: str | None = opt(None, "Directory for versioned weight exports (a RAM disk is best; None: under output_dir).")
     disable_weight_sync: bool = opt(False, "Do not push new weights to the engine (for ablations only).")
-    weight_sync_dtype: str | None = opt(None, "Dtype of exported weights (None: bfloat16 for --engine-url, the param dtype for the embedded engine).", choices=(None, "float32", "bfloat16"))
+    weight_sync_dtype: str | None = opt(None, "Dtype of exported weights (None: bfloat16 for --engine-url, the param dtype for the embedded engine).", choices=(None, *DTYPES))
     weight_sync_mode: str = opt(
         "auto", "How new weights reach the engine: `disk` (versioned HF export + /update_weights_from_disk), `memory` "
         "(the embedded engine in this process: device to device, same pause/flush/update/continue sequence and "
-        "version, no disk), `auto` (memory for the embedded engine of a one-process job, else disk).",
-        choices=("auto", "disk", "memory"))
+        "version, no disk and no HTTP), `delta` (only the changed elements, bit-exact and checksummed: a full sync "
+        "first, after an engine restart and on any mismatch; the embedded engine of a one-process job, or a vLLM with "
+        "the project's worker extension), `auto` (memory for the embedded engine of a one-process job, which is faster "
+        "in process than delta, else disk).",
+        choices=("auto", "disk", "memory", "delta"))
     colocate: bool = opt(
         False,
         "Engine and trainer share the same devices (slime's --colocate), synchronously: after each rollout the engine "
@@ -864,6 +884,8 @@ def declared_extra_keys(flat: dict[str, Any]) -> dict[str, tuple]:
             raise ConfigError(str(e)) from e
         for name, spec in getattr(module, "CONFIG_KEYS", {}).items():
             declared[name] = spec
+    if flat.get("env_url") is not None:  # the task's episodes on an env server: the remote client's keys too
+        declared.update(load_module("envs.remote", "--env-url").CONFIG_KEYS)
     return declared
 
 
@@ -933,6 +955,7 @@ def load_config(path: str | None = None, argv: list[str] | None = None, *,
     _apply(cfg, cli_flat, "command line", declared)
     _load_as_hf_checkpoint(cfg, notes)
     _slime_sft_rollout(cfg, notes)
+    _slime_tis_hook(cfg, notes)
     cfg.notes = notes
     validate(cfg)
     return cfg
@@ -949,13 +972,25 @@ def _slime_sft_rollout(cfg: Config, notes: list[str]) -> None:
                  "sft_loss reads the conversations itself (jaxrl_vlm/data/sft.py) and runs no rollout function")
 
 
+def _slime_tis_hook(cfg: Config, notes: list[str]) -> None:
+    """slime's `--use-tis --custom-tis-function-path F`: the hook replaces the TIS weight, so it is the correction."""
+    a = cfg.algo
+    if a.custom_tis_function_path is not None and a.rollout_correction == "token_tis":
+        a.rollout_correction = CUSTOM_CORRECTION
+        notes.append(f"--use-tis with --custom-tis-function-path {a.custom_tis_function_path}: the hook replaces the "
+                     "TIS weight (slime's order) -> --rollout-correction custom")
+
+
 # slime spells GSPO and CISPO as advantage estimators; here they are policy losses over GRPO advantages.
 _SLIME_LOSS_ESTIMATORS = ("gspo", "cispo")
+# slime's TIS options as keys of slime's --custom-config-path YAML (our own config files use our names): the
+# translations of its flags.
+_SLIME_TIS_KEYS = ("use_tis", "tis_clip", "tis_clip_low")
 
 
 def _slime_spellings(flat: dict[str, Any], source: str, notes: list[str]) -> None:
-    """Rewrite slime's spellings in one config layer in place: its example paths (when they do not exist here)
-    and `advantage_estimator: gspo|cispo`."""
+    """Rewrite slime's spellings in one config layer in place: its example paths (when they do not exist here),
+    its TIS keys (`use_tis`, `tis_clip`, `tis_clip_low`) and `advantage_estimator: gspo|cispo`."""
     for key in ("custom_generate_function_path", "custom_config_path"):
         value = flat.get(key)
         alias = slime_flags.SLIME_PATH_ALIASES.get(value) if isinstance(value, str) else None
@@ -965,6 +1000,18 @@ def _slime_spellings(flat: dict[str, Any], source: str, notes: list[str]) -> Non
             alias = str(Path(__file__).resolve().parents[1] / alias)  # the repository's configs/, from any cwd
         flat[key] = alias
         notes.append(f"{source}: slime's example path {value} -> {alias} (this project's equivalent)")
+    for key in _SLIME_TIS_KEYS:
+        if key not in flat:
+            continue
+        value, entry = flat.pop(key), slime_flags.SLIME_FLAGS["--" + key.replace("_", "-")]
+        if entry.nargs == 0 and not coerce(value, bool, f"{source}: {key}"):
+            continue  # use_tis: false is the default, no correction
+        translated = entry.translate([] if entry.nargs == 0 else [str(value)])
+        for name, new in translated.items():
+            if name in flat:
+                raise ConfigError(f"{source}: {key} (slime's spelling of {name}) and {name} are both set: keep one")
+            flat[name] = new
+        notes.append(f"{source}: slime's {key}: {value} -> " + ", ".join(f"{k}: {v}" for k, v in translated.items()))
     estimator = flat.get("advantage_estimator")
     if estimator in _SLIME_LOSS_ESTIMATORS:
         loss = flat.get("policy_loss", estimator)
@@ -1018,6 +1065,10 @@ def validate(cfg: Config) -> None:
     _validate_async(cfg)
     _validate_sft(cfg)
     _validate_placement(cfg)
+    try:  # the embedded engine's own checks across its options (KV pages for one request, ...), at startup
+        EngineOptions.from_run_config(cfg)
+    except ValueError as e:
+        raise ConfigError(f"engine options: {e}") from None
 
 
 def _validate_placement(cfg: Config) -> None:
@@ -1111,9 +1162,11 @@ def _validate_hooks(cfg: Config) -> None:
         raise ConfigError("--loss-type custom_loss and --custom-loss-function-path go together (slime's "
                           f"convention), got --loss-type {a.loss_type} and --custom-loss-function-path "
                           f"{a.custom_loss_function_path}")
-    if a.custom_tis_function_path is not None and not a.use_tis:
-        raise ConfigError(f"--custom-tis-function-path {a.custom_tis_function_path} replaces the TIS weight of "
-                          "--use-tis, which is off: add --use-tis")
+    # The rollout correction's band, and the custom TIS hook as the correction it replaces.
+    problem = rollout_correction_problem(a.rollout_correction, a.rollout_correction_low, a.rollout_correction_high,
+                                         a.custom_tis_function_path)
+    if problem:
+        raise ConfigError(problem)
     if r.group_rm and r.custom_rm_path is None:
         raise ConfigError("--group-rm scores groups with --custom-rm-path, which is not set")
     if r.custom_rm_path is not None and a.rm_type is not None:
@@ -1183,7 +1236,8 @@ def external_engine(cfg: Config) -> str | None:
 
 # RL options that mean nothing to an SFT run (no rollout, no reward, no engine, no reference policy): set, they are
 # errors naming the flag, not silently ignored.
-_RL_ONLY_OPTIONS = ("use_kl_loss", "kl_coef", "use_tis", "entropy_coef", "custom_tis_function_path",
+_RL_ONLY_OPTIONS = ("use_kl_loss", "kl_coef", "rollout_correction", "rollout_correction_low", "rollout_correction_high",
+                    "entropy_coef", "custom_tis_function_path",
                     "custom_advantage_function_path", "custom_reward_post_process_path", "custom_rm_path", "rm_type",
                     "engine_url", "engine_worker_urls", "launch_sglang", "launch_vllm", "partial_rollout", "dynamic_filter",
                     "max_staleness", "save_debug_rollout_data", "load_debug_rollout_data")

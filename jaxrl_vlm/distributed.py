@@ -50,6 +50,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
+from jaxrl_vlm.errors import ConfigError
 from jaxrl_vlm.models.hf_io import to_hf
 from jaxrl_vlm.sharding.layout import batch_shardings
 from rollout.sample import Sample
@@ -69,7 +70,7 @@ _HEADER = struct.Struct("<4sQI")  # magic, payload bytes, crc32
 _MAGIC = b"JXRL"
 
 
-class DistributedConfigError(ValueError):
+class DistributedConfigError(ConfigError):
     """The multi-process settings are incomplete or inconsistent; the message names the setting."""
 
 

@@ -40,6 +40,22 @@ class SlimeFlag:
         """False for flags accepted only to be logged as not applicable."""
         return self.translate is not _NOTHING
 
+    @property
+    def fields(self) -> tuple[str, ...]:
+        """The run-config options this flag sets: those its translation declares with `_writes` (the reference
+        lists them; a test checks they are options)."""
+        return getattr(self.translate, "fields", ())
+
+
+def _writes(*fields: str) -> Callable[[Callable[[Values], Translation]], Callable[[Values], Translation]]:
+    """Declare, on a translation function, the options it writes (`SlimeFlag.fields`)."""
+
+    def mark(fn: Callable[[Values], Translation]) -> Callable[[Values], Translation]:
+        fn.fields = fields  # type: ignore[attr-defined]
+        return fn
+
+    return mark
+
 
 def _not_applicable(values: Values) -> Translation:
     return {}
@@ -49,11 +65,11 @@ _NOTHING = _not_applicable
 
 
 def _one(field_name: str, convert: Callable[[str], Any] = str) -> Callable[[Values], Translation]:
-    return lambda values: {field_name: convert(values[0])}
+    return _writes(field_name)(lambda values: {field_name: convert(values[0])})
 
 
 def _switch(**fields: Any) -> Callable[[Values], Translation]:
-    return lambda values: dict(fields)
+    return _writes(*fields)(lambda values: dict(fields))
 
 
 def _must_equal(flag: str, allowed: float, instead: str) -> Callable[[Values], Translation]:
@@ -75,6 +91,7 @@ def _must_equal(flag: str, allowed: float, instead: str) -> Callable[[Values], T
 _RECOMPUTE_GRANULARITY = {"full": "full", "selective": "dots"}
 
 
+@_writes("remat")
 def _recompute_granularity(values: Values) -> Translation:
     if values[0] not in _RECOMPUTE_GRANULARITY:
         raise SlimeFlagError(f"--recompute-granularity {values[0]}: Megatron's choices are "
@@ -82,6 +99,7 @@ def _recompute_granularity(values: Values) -> Translation:
     return {"remat": _RECOMPUTE_GRANULARITY[values[0]]}
 
 
+@_writes("image_key")
 def _multimodal_keys(values: Values) -> Translation:
     try:
         mapping = json.loads(values[0])
@@ -95,6 +113,7 @@ def _multimodal_keys(values: Values) -> Translation:
     return {"image_key": mapping["image"]} if "image" in mapping else {}
 
 
+@_writes("engine_url", "engine_worker_urls")
 def _external_engines(values: Values) -> Translation:
     urls = [v if "://" in v else f"http://{v}" for v in values]
     if len(urls) == 1:
@@ -112,9 +131,10 @@ def _server_flag(flag: str) -> str:
 def _sglang_forward(flag: str) -> Callable[[Values], Translation]:
     """`--sglang-X v ...` -> `--X v ...` appended to the arguments of the SGLang server we launch."""
     server_flag = _server_flag(flag)
-    return lambda values: {"+sglang_args": [server_flag, *values]}
+    return _writes("sglang_args")(lambda values: {"+sglang_args": [server_flag, *values]})
 
 
+@_writes("max_tokens_per_device")
 def _max_tokens_per_gpu(values: Values) -> Translation:
     return {"max_tokens_per_device": int(values[0])}
 
@@ -132,6 +152,15 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
         _external_engines, "rollout"),
     # ------------------------------------------------------------------ algorithm
     # (--advantage-estimator gspo|cispo is our own flag; the config maps slime's spelling onto the loss.)
+    # slime's TIS: the token_tis rollout correction and its band (rl/corrections.py). With
+    # --custom-tis-function-path, slime's hook replaces the TIS weight: the config makes that correction `custom`.
+    "--use-tis": SlimeFlag(
+        0, "-> --rollout-correction token_tis (w = clip(exp(trainer - rollout), low, high); with "
+        "--custom-tis-function-path, --rollout-correction custom)", _switch(rollout_correction="token_tis"), "algo"),
+    "--tis-clip": SlimeFlag(1, "-> --rollout-correction-high (the upper clip of the TIS weight)",
+                            _one("rollout_correction_high"), "algo"),
+    "--tis-clip-low": SlimeFlag(1, "-> --rollout-correction-low (the lower clip of the TIS weight)",
+                                _one("rollout_correction_low"), "algo"),
     "--calculate-per-token-loss": SlimeFlag(
         0, "-> --loss-aggregation token_mean (an SFT run's NLL is always the per-token mean)",
         _switch(loss_aggregation="token_mean"), "algo"),
@@ -147,7 +176,7 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
     # ------------------------------------------------------------------ sglang
     "--rollout-num-gpus-per-engine": SlimeFlag(
         1, "-> --tp-size N (the embedded engine's tensor parallelism; passed on to a launched SGLang)",
-        lambda values: {"tp_size": int(values[0])}, "sglang"),
+        _one("tp_size", int), "sglang"),
     "--rollout-num-gpus": SlimeFlag(1, f"not applicable: {_WHY_PLACEMENT}", _NOTHING, "misc"),
     # ------------------------------------------------------------------ fsdp backend
     "--train-backend": SlimeFlag(1, "not applicable: one JAX trainer; fsdp and megatron layouts are mesh configs "

@@ -11,7 +11,8 @@ httpx helpers (60 blind retries, no timeouts):
 - router mode: `/generate` goes to the router (optionally with sgl-router's consistent-hashing
   header), control calls go to each worker's own URL;
 - `sync_weights_from_disk`: pause -> flush (retried while busy, bounded by time) -> update ->
-  continue, where continue is attempted whatever happened before, so no engine is left paused;
+  continue, where continue is attempted whatever happened before, so no engine is left paused; with an engine in
+  this process (`local_engine`), the same sequence calls its methods (the ones its HTTP handlers call) directly;
 - `api_key`: sent as `Authorization: Bearer <key>` to servers started with SGLang's `--api-key`;
 - `vocab_size`: every token id an engine returns is checked against it, so an id the tokenizer cannot
   know fails that request with a named cause instead of surfacing later in batching;
@@ -35,7 +36,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 
@@ -44,6 +45,7 @@ from rollout.sglang_wire import (
     AbortRequest,
     FinishReason,
     FinishType,
+    PauseMode,
     UpdateWeightsRequest,
     WeightVersionSpan,
     as_pause_mode,
@@ -109,6 +111,23 @@ class EngineResponseError(EngineError):
     """The engine answered 2xx but the body breaks the wire contract (missing keys, ids disagree)."""
 
 
+class InProcessEngine(Protocol):
+    """The weight-update calls of an engine in this process (`SGLangClient.local_engine`, our embedded engine's
+    `Engine`): the methods its HTTP handlers call, with the same answers, so the client skips HTTP. A scheduler that
+    does not answer raises an EngineUnavailable, as an unreachable server does."""
+
+    @property
+    def weight_version(self) -> str: ...
+
+    async def pause_generation(self, mode: PauseMode) -> dict[str, Any]: ...
+
+    async def flush_cache(self) -> bool: ...
+
+    async def update_weights_from_disk(self, update: UpdateWeightsRequest) -> dict[str, Any]: ...
+
+    async def continue_generation(self) -> dict[str, Any]: ...
+
+
 class WorkerLost(RuntimeError):
     """A worker behind the router could not be reached by a control call, and the policy is to stop
     (`--allow-worker-loss` unset, or it was the last worker). Not an EngineError: no caller retries it."""
@@ -116,6 +135,17 @@ class WorkerLost(RuntimeError):
     def __init__(self, url: str, message: str) -> None:
         self.url = url
         super().__init__(message)
+
+
+class EngineRefused(RuntimeError):
+    """The engine answers, but cannot serve this run as it was started (a vLLM from a checkpoint with tied
+    embeddings, whose in-place reload leaves the head on the first weights). Bad input: the user restarts it the
+    way the message says, so the command line reports it in one line and exits 2, as it does a config error. Not
+    an EngineError: nothing retries it or counts it as a failed sample."""
+
+    def __init__(self, url: str, message: str) -> None:
+        self.url = url
+        super().__init__(f"{url}: {message}")
 
 
 @dataclass(frozen=True)
@@ -472,7 +502,8 @@ class SGLangClient:
         self._auth_headers = authorization_header(api_key) if api_key is not None else {}
         self.vocab_size = vocab_size
         # The engine object serving `url` from this very process (our embedded engine), if any: a trainer in the
-        # same process may then stage new weights in memory (`load_format` IN_MEMORY_LOAD_FORMAT) instead of on disk.
+        # same process may then stage new weights in memory (`load_format` IN_MEMORY_LOAD_FORMAT) instead of on disk,
+        # and the weight-update calls go to its methods (`InProcessEngine`) without an HTTP round trip.
         self.local_engine: Any = None
         # LoRA served by the engine (`load_lora_adapter`): the adapter every later /generate selects, or None (base).
         self.lora_name: str | None = None
@@ -537,6 +568,12 @@ class SGLangClient:
         self._loop = loop
         self.sessions_created += 1
         return self._session
+
+    def _in_process(self, url: str | None) -> InProcessEngine | None:
+        """`local_engine` when `url` (None: the one worker) is the engine in this process, else None."""
+        if self.local_engine is None or self.is_router or self._worker(url) != self.url:
+            return None
+        return self.local_engine
 
     def _worker(self, url: str | None) -> str:
         if url is not None:
@@ -855,6 +892,8 @@ class SGLangClient:
     async def get_weight_version(self, url: str | None = None) -> str | None:
         """The worker's current weight version (set by the weight-update calls), from `/model_info`: SGLang 0.5.23
         has no `/get_weight_version` route."""
+        if (engine := self._in_process(url)) is not None:
+            return engine.weight_version
         worker = self._worker(url)
         data = await self.get_model_info(worker)
         if "weight_version" not in data:
@@ -982,6 +1021,8 @@ class SGLangClient:
     async def flush_cache(self, url: str | None = None) -> bool:
         """POST /flush_cache. False when the engine refuses because requests are running or waiting
         (HTTP 400: an expected state, the caller retries); True once flushed."""
+        if (engine := self._in_process(url)) is not None:
+            return await engine.flush_cache()
         reply = await self._request("POST", self._worker(url), "/flush_cache", timeout_s=self.control_timeout_s,
                                     answer_statuses=frozenset({400}))
         return reply.status != 400
@@ -989,10 +1030,14 @@ class SGLangClient:
     async def pause_generation(self, mode: str = "abort", url: str | None = None) -> dict[str, Any]:
         """POST /pause_generation. `abort` returns in-flight requests at once as aborted; `retract`
         re-queues them; `in_place` keeps them in the batch (flush_cache then fails)."""
+        if (engine := self._in_process(url)) is not None:
+            return await engine.pause_generation(as_pause_mode(mode))
         return await self._post_json(self._worker(url), "/pause_generation", {"mode": as_pause_mode(mode).value})
 
     async def continue_generation(self, url: str | None = None) -> dict[str, Any]:
         """POST /continue_generation: resume a paused engine."""
+        if (engine := self._in_process(url)) is not None:
+            return await engine.continue_generation()
         return await self._post_json(self._worker(url), "/continue_generation", {})
 
     async def release_memory_occupation(self, tags: Sequence[str] | None = None, url: str | None = None, *,
@@ -1072,11 +1117,12 @@ class SGLangClient:
 
         Unset options are left out so the engine applies its own defaults.
         """
+        update = UpdateWeightsRequest(str(model_path), None if weight_version is None else str(weight_version),
+                                      load_format, flush_cache, abort_all_requests)
+        if (engine := self._in_process(url)) is not None:
+            return await engine.update_weights_from_disk(update)
         worker = self._worker(url)
-        body = UpdateWeightsRequest(
-            str(model_path), None if weight_version is None else str(weight_version), load_format, flush_cache,
-            abort_all_requests,
-        ).to_json()
+        body = update.to_json()
         reply = await self._request("POST", worker, "/update_weights_from_disk", json_body=body,
                                     timeout_s=self.weight_update_timeout_s, answer_statuses=frozenset({400}))
         data = reply.data

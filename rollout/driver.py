@@ -16,7 +16,7 @@
 * passes every episode the `sampling_params` dict built once from the rollout options (slime's convention),
   and reduces a mapping reward to its `--reward-key` entry;
 * stamps `rollout_id` into each sample's metadata;
-* calls slime's rollout hooks where slime's default rollout calls them (`StepHooks`, docs/hooks.md):
+* calls slime's rollout hooks where slime's default rollout calls them (`StepHooks`, docs/guides/hooks.md):
   `--custom-rm-path` on each finished episode whose reward is unset (or each group, `--group-rm`),
   `--dynamic-sampling-filter-path` on each finished group, `--buffer-filter-path` on the groups carried by partial
   rollout, and at the end of the step `--rollout-sample-filter-path`, `--rollout-all-samples-process-path` and
@@ -244,7 +244,7 @@ def _fail(sample: Sample, kind: TerminationKind, error: str) -> Sample:
 
 @dataclass(frozen=True)
 class StepHooks:
-    """slime's rollout hooks of one step (rollout/options.py declares them, docs/hooks.md has their signatures),
+    """slime's rollout hooks of one step (rollout/options.py declares them, docs/guides/hooks.md has their signatures),
     loaded once per step by the same loader as the generate function."""
 
     rm: Hook | None = None

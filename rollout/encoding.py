@@ -503,7 +503,7 @@ def encode_transcript(
 
     For an append-only template (Qwen3-VL-Instruct) the pieces are exactly the template's rendering of the
     conversation (checked here). A history-rewriting template (Qwen3 thinking) renders each earlier turn as the
-    model generated it, not as a later re-render would rewrite it (the README's Instruct/Thinking section).
+    model generated it, not as a later re-render would rewrite it (docs/guides/configuration.md, Instruct and Thinking templates).
 
     `trained_turns`: per assistant message, whether it is trained (default all; slime's `step_loss_mask`).
     Raises TranscriptError for a conversation without assistant turn, an assistant turn with images, or a

@@ -5,7 +5,7 @@ Every hook is an option whose flag is slime's (`--custom-rm-path`, `--custom-los
 lists them all). `load_hook(path, option)` loads the function with `rollout.loading.load_function` (a dotted path
 `pkg.module.fn` or `file.py:fn`) and wraps it in a `Hook` that knows its flag and path. Whoever calls a hook checks
 its output with the `Hook.expect*` helpers, so a wrong return type raises `HookError` naming the flag, the path, what
-was expected and what came back. docs/hooks.md lists every hook: its signature, when it runs, what it returns.
+was expected and what came back. docs/guides/hooks.md lists every hook: its signature, when it runs, what it returns.
 
 This module never imports jax: the trainer-side hooks (loss, TIS, advantages, reward post-processing) use it too,
 and check jax arrays through their `shape` and `dtype` only (which a tracer has at trace time).
@@ -24,7 +24,7 @@ import numpy as np
 
 from rollout.loading import load_function
 
-# Every hook option, in the order of docs/hooks.md. The first seven run in the rollout (rollout/options.py declares
+# Every hook option, in the order of docs/guides/hooks.md. The first seven run in the rollout (rollout/options.py declares
 # them), the other four in the trainer (the config's algo section).
 HOOK_OPTIONS: tuple[str, ...] = (
     "custom_rm_path",

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from rollout.failures import failure_report
+from rollout.metric_docs import MetricDoc
 from rollout.sample import Sample, Status
 
 if TYPE_CHECKING:
@@ -36,6 +37,64 @@ REPETITION_MIN_CHARS = 10_000
 REPETITION_MIN_RATIO = 10.0
 
 _ENV_ERROR = re.compile(r"^attempt \d+: (?:(?P<timeout>env\.step timed out)|(?P<type>[A-Za-z_][\w.]*):)")
+
+
+# ----------------------------------------------------------------------------- the catalogue of names
+# `rollout_metrics`' names, without their prefix (`rollout/` for the training rollout, `eval/<set>/` for an eval set).
+# Episodes: the step's finished episodes, FAILED ones included; samples: those that go to the trainer.
+ROLLOUT_METRICS: tuple[MetricDoc, ...] = (
+    MetricDoc("samples", "count", "Samples that go to the trainer (scored, not FAILED)."),
+    MetricDoc("episodes", "count", "Episodes that finished this step, FAILED ones included."),
+    MetricDoc("turns/mean", "mean over episodes", "Model turns that produced tokens, per episode."),
+    MetricDoc("turns/max", "max over episodes", "Most model turns of one episode."),
+    MetricDoc("turns/count_<k>", "count", "Episodes with k model turns (a histogram)."),
+    MetricDoc("termination/<cause>", "fraction of episodes",
+              "Share of episodes that ended by this cause (env_done, max_turns, truncated/<why>, a failure cause)."),
+    MetricDoc("failed/total", "count", "FAILED episodes (dropped from their group)."),
+    MetricDoc("failed/<cause>", "count", "FAILED episodes by cause (engine_lost, env_error, env_timeout, ...)."),
+    MetricDoc("env/retries", "sum over turns", "Retries of env.step."),
+    MetricDoc("env/turns_with_retry", "count", "Turns whose env.step needed a retry."),
+    MetricDoc("env/retries_per_turn", "mean over env-stepped turns", "Retries of env.step per turn."),
+    MetricDoc("env/errors/<type>", "count", "Env errors by exception class (or timeout, reset_failed)."),
+    MetricDoc("obs_token_frac", "ratio of sums over episodes", "Observation tokens / all response tokens."),
+    MetricDoc("obs_tokens", "sum over episodes", "Response tokens that came from the environment (loss mask 0)."),
+    MetricDoc("response_tokens", "sum over episodes", "Response tokens, model and observation."),
+    MetricDoc("offpolicy_masked_tokens", "sum over episodes",
+              "Model tokens whose loss mask was zeroed when a partial rollout resumed them."),
+    MetricDoc("latency/engine_s/<stat>", "mean, p50, p90 over turns",
+              "Seconds per turn in the engine's /generate, waiting for a slot included."),
+    MetricDoc("latency/env_s/<stat>", "mean, p50, p90 over turns", "Seconds per turn in env.step, retries included."),
+    MetricDoc("response_len/<stat>", "mean, median, max, min over samples",
+              "Model tokens per sample (the loss-mask sum; slime's response_len)."),
+    MetricDoc("response_len_with_obs/<stat>", "mean, median, max, min over samples",
+              "Response tokens per sample, observations included."),
+    MetricDoc("raw_reward", "mean over samples", "Reward (slime's raw_reward; after --custom-reward-post-process-path "
+              "its raw rewards)."),
+    MetricDoc("raw_reward_std", "population std over samples", "Spread of the rewards."),
+    MetricDoc("zero_std/count_<r>", "count", "Groups whose rewards all equal r (rounded to 0.1): no advantage signal."),
+    MetricDoc("zero_std/groups", "count", "Groups whose rewards are all equal."),
+    MetricDoc("repetition_frac", "fraction of samples", "Responses that repeat themselves (slime's has_repetition)."),
+    MetricDoc("truncated_ratio", "fraction of samples", "Samples whose episode was TRUNCATED."),
+    MetricDoc("removed_samples", "count", "Samples a --rollout-sample-filter-path hook left out of the loss."),
+    MetricDoc("dynamic_filter/drop_<reason>", "count", "Groups the dynamic filter (or a stale-group policy) dropped, "
+              "by reason."),
+    MetricDoc("groups_kept", "count", "Groups that go to the trainer."),
+    MetricDoc("groups_submitted", "count", "Groups the driver submitted for this step."),
+    MetricDoc("failed_samples", "count", "FAILED samples the driver dropped."),
+    MetricDoc("failed_share", "fraction of episodes", "FAILED share of the finished episodes."),
+    MetricDoc("filtered_long_prompts", "count", "Prompts skipped this step for --rollout-max-prompt-len."),
+    MetricDoc("filtered_long_prompts_total", "running total", "Prompts skipped for --rollout-max-prompt-len so far."),
+)
+
+# `multi_turn_metrics`' names (slime's --log-multi-turn), written as they are.
+MULTI_TURN_METRICS: tuple[MetricDoc, ...] = (
+    MetricDoc("multi_turn/raw_response_length/response_length_clip_ratio", "fraction of samples",
+              "Samples whose response (observations included) reached --rollout-max-response-len."),
+    MetricDoc("multi_turn/raw_response_length/response_length_<stat>", "mean, max, min over samples",
+              "Response tokens per sample, observations included."),
+    MetricDoc("multi_turn/wo_obs_response_length/response_length_<stat>", "mean, max, min over samples",
+              "Model tokens per sample."),
+)
 
 
 # ----------------------------------------------------------------------------- per-sample facts

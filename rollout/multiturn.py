@@ -3,7 +3,8 @@
 Phases of one episode (slime's loop, with its defects fixed; reference/slime.md):
 
 1. **init**: render the prompt with the chat template; training view (expanded pads) into `sample.tokens`,
-   wire view (compact pads) kept for the engine; prompt images go to `image_data` and the tensor buffer.
+   wire view (compact pads) kept for the engine; prompt images go to `image_data` and the tensor buffer. Then
+   `env.reset()`: an observation it returns joins the prompt's first user turn (re-encoded, still prompt).
 2. **generate**: POST `/generate` with the wire ids so far and every image so far; append the sampled ids
    and log-probs with loss mask 1. The engine's ids are never re-tokenized.
 3. **env.step** on the model's text of this turn, with a timeout (`--env-step-timeout`) and bounded retries.
@@ -105,6 +106,8 @@ class EpisodeState:
     open_turn: bool = False
     # --env-hook-timeout of the episode, kept for `close_env` (the driver closes suspended episodes' envs too).
     hook_timeout_s: float = field(default_factory=lambda: MultiTurnOptions().env_hook_timeout)
+    # The episode's prompt when the env's reset observation joined it (None: `Sample.prompt` as it is).
+    prompt: list[dict[str, Any]] | None = None
 
 
 def default_sampling_params(args: Any, banned_ids: tuple[int, ...], eos_ids: tuple[int, ...]) -> dict[str, Any]:
@@ -368,6 +371,23 @@ async def _init_episode(ctx: RolloutContext, args: Any, sample: Sample, multitur
     return state
 
 
+def prompt_with_opening(prompt: list[dict[str, Any]], opening: dict[str, Any]) -> list[dict[str, Any]]:
+    """`prompt` with the content of `opening` (a user message: images, then text) appended to its first user
+    message; a prompt without one gets `opening` as a new last message. The input is not modified."""
+    messages = [dict(m) for m in prompt]
+    items = [dict(item) for item in opening["content"]]
+    for message in messages:
+        if message.get("role") != "user":
+            continue
+        content = message.get("content")
+        content = [{"type": "text", "text": content}] if isinstance(content, str) else list(content or [])
+        if content and items and items[-1].get("type") == "text" and content[-1].get("type") == "text":
+            items[-1] = {**items[-1], "text": "\n" + items[-1]["text"]}  # its text starts a line of its own
+        message["content"] = content + items
+        return messages
+    return [*messages, {"role": "user", "content": items}]
+
+
 def _turn_budget(opts: RolloutOptions, sample: Sample) -> tuple[int, TruncationCause]:
     """Tokens the next model turn may generate, and which limit binds."""
     limits = {TruncationCause.RESPONSE_BUDGET: opts.rollout_max_response_len - sample.response_length}
@@ -416,10 +436,36 @@ class _EpisodeRun:
         return cls(ctx, opts, multiturn, sample, state, base_params, configured_max_new)
 
     async def run(self, *, reset: bool) -> None:
-        """`env.reset()` first for a fresh episode (not for a resumed one), then the turns."""
+        """`env.reset()` first for a fresh episode (not for a resumed one), then the turns. A reset observation
+        joins the prompt before the first generation (`_open_with`)."""
         if reset:
-            await call_env_hook(self.state.env.reset, timeout_s=self.multiturn.env_hook_timeout, hook="env.reset")
+            opening = await call_env_hook(self.state.env.reset, timeout_s=self.multiturn.env_hook_timeout,
+                                          hook="env.reset")
+            if opening is not None:
+                self._open_with(opening)
         await self.run_turns()
+
+    def _open_with(self, observation: dict[str, Any]) -> None:
+        """Re-encode the prompt with the env's reset observation appended to its first user turn (its text after
+        the prompt's, its pictures after the prompt's in placeholder order): prompt tokens, loss mask 0.
+
+        The prompt was encoded before `build_env` (envs read the prompt's pictures there), so an env with a reset
+        observation pays a second encoding; the episode's prompt (`EpisodeState.prompt`) is what the finalize
+        re-render checks, and `Sample.prompt` stays the dataset's (a rerun starts from it again).
+        """
+        ctx, sample, state = self.ctx, self.sample, self.state
+        message = state.env.format_observation(observation)
+        if message["role"] != "user":
+            raise ValueError(f"{sample.name}: a reset observation opens the user turn; its role is {message['role']!r}")
+        prompt = prompt_with_opening(sample.prompt, message)
+        seg = ctx.encoder.encode_prompt(prompt, tools=sample.metadata.get("tools"))
+        sample.set_prompt_tokens(seg.train_ids)
+        sample.image_data = list(seg.image_data)
+        state.wire_ids = list(seg.wire_ids)
+        state.mm_chunks = [seg.mm_inputs] if seg.mm_inputs is not None else []
+        state.prompt = prompt
+        sample.metadata["reset_observation"] = {"text": observation.get("obs_str", ""),
+                                                "images": len(message["content"]) - 1}
 
     async def run_turns(self) -> None:
         sample, state = self.sample, self.state
@@ -640,7 +686,8 @@ async def _finalize(ctx: RolloutContext, opts: RolloutOptions, multiturn: MultiT
         sample.metadata["model_text"] = model_texts
         if sample.status is not Status.FAILED:
             rendered = ctx.encoder.reference_render(
-                sample.prompt, list(zip(state.model_turns, state.observations)), tools=sample.metadata.get("tools")
+                state.prompt if state.prompt is not None else sample.prompt,
+                list(zip(state.model_turns, state.observations)), tools=sample.metadata.get("tools")
             )
             sample.metadata["prefix_stable"] = check_prefix_stability(
                 ctx.encoder, state.wire_ids, rendered, multiturn.delta_check, sample.name

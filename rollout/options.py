@@ -39,6 +39,17 @@ def opt(default: Any, help: str, *, choices: Collection[Any] | None = None, gt: 
     return field(default=default, metadata=meta)
 
 
+def option_of(owner: type, name: str, help: str) -> Any:
+    """The option `name` declared by the dataclass `owner`, offered by another component under its own help text:
+    its default, choices and bounds are read from `owner`'s field, so they are written once, and the run config
+    holds it once, under the field's `key` (else `name`). E.g. the engine's seed is the rollout seed."""
+    f = next(f for f in dataclasses.fields(owner) if f.name == name)
+    meta = f.metadata
+    default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+    return opt(default, help, choices=meta["choices"], gt=meta["gt"], ge=meta["ge"], lt=meta["lt"], le=meta["le"],
+               key=meta["key"] or name)
+
+
 BOUNDS = (("gt", ">", float.__gt__), ("ge", ">=", float.__ge__), ("lt", "<", float.__lt__), ("le", "<=", float.__le__))
 
 
@@ -163,7 +174,7 @@ class RolloutOptions(ArgsOptions):
     max_all_failed_steps: int = opt(
         3, "Stop the run, naming the top causes, after this many consecutive steps in which every finished "
         "episode FAILED (0: never stop).", ge=0)
-    # slime's rollout hooks (rollout/hooks.py loads them; docs/hooks.md has each signature). The default
+    # slime's rollout hooks (rollout/hooks.py loads them; docs/guides/hooks.md has each signature). The default
     # --rollout-function-path (rollout.driver) calls them; a custom rollout function calls what it wants.
     custom_rm_path: str | None = opt(
         None,
@@ -216,6 +227,11 @@ class MultiTurnOptions(ArgsOptions):
         "Seconds each other env hook may take: env.reset(), env.verdict(), env.close() and the env module's "
         "reward_fn. An overrun FAILs the episode with cause env_timeout naming the hook; a sync hook runs in its own "
         "daemon thread, which is abandoned (it cannot be killed) while the rollout goes on.", gt=0)
+    env_url: str | None = opt(
+        None, "Run each episode's environment out of process, on the env server at this WebSocket URL "
+        "(ws://HOST:PORT/ws: `jaxrl-vlm env-serve ENV_MODULE`, or any OpenEnv server). --rollout-interaction-env-path "
+        "still names the task (its prompts, reward_fn and config keys); each episode's reset sends its sample, so "
+        "`env-serve` of the same module plays the in-process episode (envs/remote.py: api key, adapter, retries).")
     delta_check: str = opt("strict", "Prefix-stability check of observation deltas at finalize.", choices=("strict", "warn", "off"))
     apply_chat_template_kwargs: dict[str, Any] = opt(
         {},

@@ -11,16 +11,22 @@ cannot tell the engines apart:
   `/update_weight_version`; the version is read back from `/weight_info` and must be the one set;
 - `/v1/loads` -> `/load` (the requests in flight), `/model_info` -> `/v1/models` + `/weight_info`.
 
+vLLM-only calls: the weight-delta extension's RPCs (`delta_states`, `update_weights_from_disk` with
+`load_format=vllm_wire.DELTA_LOAD_FORMAT`, `delta_checksums`; `jaxrl_vlm.vllm_delta` drives them), and the attach
+checks that refuse a server which cannot serve training (`check_logprobs_mode`, `check_reloadable_head`).
+
 This module never imports jax.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rollout import vllm_wire
 from rollout.client import (
+    EngineRefused,
     EngineRequestError,
     EngineResponseError,
     EngineUnavailable,
@@ -30,7 +36,19 @@ from rollout.client import (
 )
 from rollout.sglang_wire import as_pause_mode
 
+logger = logging.getLogger(__name__)
+
 ENGINE_APIS = ("sglang", "vllm")
+
+
+class DeltaUnsupported(RuntimeError):
+    """A vLLM worker without the project's weight-delta extension (started without `--worker-extension-cls
+    jaxrl_vlm_worker.WeightDeltaExtension`, or not in dev mode): it takes full syncs only. `reason` says what
+    answered."""
+
+    def __init__(self, url: str, reason: str) -> None:
+        self.url, self.reason = url, reason
+        super().__init__(f"{url}: {reason}")
 
 
 class VLLMClient(SGLangClient):
@@ -162,20 +180,19 @@ class VLLMClient(SGLangClient):
     # ---- weights ----------------------------------------------------------------------------
 
     async def check_reloadable_head(self) -> None:
-        """Raise `EngineRequestError` unless every worker's model has its own LM head (`/weight_checker` lists
+        """Raise `EngineRefused` unless every worker's model has its own LM head (`/weight_checker` lists
         `lm_head.weight`): a tied head would silently keep the first weights' logits after every sync."""
         for worker in self.worker_urls:
-            data = await self._post_json(worker, "/weight_checker", {"action": "checksum"})
+            data = await self._post_json(worker, vllm_wire.WEIGHT_CHECKER_PATH, {"action": "checksum"})
             names = data.get("checksums") if isinstance(data, dict) else None
             if not isinstance(names, dict):
-                raise EngineResponseError(worker + "/weight_checker", 200, repr(data)[:300], 1,
+                raise EngineResponseError(worker + vllm_wire.WEIGHT_CHECKER_PATH, 200, repr(data)[:300], 1,
                                           reason="answer has no 'checksums' object")
             if not any(name.endswith("lm_head.weight") for name in names):
-                raise EngineRequestError(
-                    worker + "/weight_checker", None, "", 1,
-                    reason="this vLLM serves a checkpoint with tied word embeddings, and its in-place weight reload "
-                           "does not update a tied LM head (vLLM 0.32): start it from an untied copy, "
-                           "`jaxrl-vlm untie-embeddings CHECKPOINT OUT`, or let the run start it (--launch-vllm)")
+                raise EngineRefused(
+                    worker, "this vLLM serves a checkpoint with tied word embeddings, and its in-place weight reload "
+                            "does not update a tied LM head (vLLM 0.32): start it from an untied copy, "
+                            "`jaxrl-vlm untie-embeddings CHECKPOINT OUT`, or let the run start it (--launch-vllm)")
 
     async def update_weights_from_disk(
         self,
@@ -190,15 +207,21 @@ class VLLMClient(SGLangClient):
         """Reload the worker's weights in place from `model_path` (`/collective_rpc reload_weights`), set
         `weight_version`, and read it back. Returns SGLang's `{"success", "message"}`; a reload vLLM refuses (4xx)
         is `success: false` with its message, as SGLang answers a failed load."""
-        if load_format not in (None, "auto", "safetensors"):
-            raise ValueError(f"vLLM reloads an exported directory; load_format={load_format!r} is not supported")
+        if load_format not in (None, "auto", "safetensors", vllm_wire.DELTA_LOAD_FORMAT):
+            raise ValueError(f"vLLM reloads an exported directory or applies a weight delta; load_format="
+                             f"{load_format!r} is not supported")
         worker = self._worker(url)
-        try:
-            await self._request("POST", worker, vllm_wire.COLLECTIVE_RPC_PATH,
-                                json_body=vllm_wire.reload_weights_body(model_path),
-                                timeout_s=self.weight_update_timeout_s)
-        except EngineRequestError as exc:
-            return {"success": False, "message": f"reload_weights({model_path!r}) refused: {exc}"}
+        if load_format == vllm_wire.DELTA_LOAD_FORMAT:
+            refused = await self._apply_delta(worker, model_path)
+            if refused is not None:
+                return {"success": False, "message": refused}
+        else:
+            try:
+                await self._request("POST", worker, vllm_wire.COLLECTIVE_RPC_PATH,
+                                    json_body=vllm_wire.reload_weights_body(model_path),
+                                    timeout_s=self.weight_update_timeout_s)
+            except EngineRequestError as exc:
+                return {"success": False, "message": f"reload_weights({model_path!r}) refused: {exc}"}
         if weight_version is not None:
             await self._post_json(worker, vllm_wire.UPDATE_WEIGHT_VERSION_PATH,
                                   vllm_wire.update_weight_version_body(weight_version))
@@ -207,6 +230,85 @@ class VLLMClient(SGLangClient):
                 return {"success": False, "message": f"vLLM reloaded {model_path!r} but reports weight version "
                                                       f"{confirmed!r}, not {weight_version!r}"}
         return {"success": True, "message": f"reloaded {model_path} (vLLM)", "weight_version": weight_version}
+
+    # ---- weight deltas: the project's worker extension (`vllm_wire.WORKER_EXTENSION_CLS`) -------
+
+    async def collective_rpc(self, method: str, kwargs: Mapping[str, Any] | None = None, *, url: str | None = None,
+                             timeout_s: float | None = None) -> list[Any]:
+        """`/collective_rpc` of `method` on every vLLM worker process of the server; their answers, in order."""
+        worker = self._worker(url)
+        data = await self._post_json(worker, vllm_wire.COLLECTIVE_RPC_PATH,
+                                     vllm_wire.collective_rpc_body(method, kwargs), timeout_s=timeout_s)
+        try:
+            return vllm_wire.rpc_results(data, method)
+        except vllm_wire.VLLMAnswerError as exc:
+            raise EngineResponseError(worker + vllm_wire.COLLECTIVE_RPC_PATH, 200, repr(data)[:300], 1,
+                                      reason=str(exc)) from None
+
+    async def delta_states(self, url: str | None = None) -> tuple[vllm_wire.DeltaState, ...]:
+        """Each vLLM worker's weight-delta extension state; `DeltaUnsupported` when the server has no extension
+        (vLLM answers an unknown method with HTTP 500, a server outside dev mode has no /collective_rpc: 404)."""
+        worker = self._worker(url)
+        reply = await self._request("POST", worker, vllm_wire.COLLECTIVE_RPC_PATH,
+                                    json_body=vllm_wire.collective_rpc_body(vllm_wire.DELTA_STATE_METHOD),
+                                    timeout_s=self.control_timeout_s, answer_statuses=frozenset({404, 500}))
+        if reply.status != 200:
+            raise DeltaUnsupported(worker, f"/collective_rpc {vllm_wire.DELTA_STATE_METHOD} answered HTTP "
+                                           f"{reply.status} ({reply.text.strip()[:160]!r})")
+        try:
+            return tuple(vllm_wire.delta_state_of(r)
+                         for r in vllm_wire.rpc_results(reply.data, vllm_wire.DELTA_STATE_METHOD))
+        except vllm_wire.VLLMAnswerError as exc:
+            raise DeltaUnsupported(worker, str(exc)) from None
+
+    async def _apply_delta(self, worker: str, path: str) -> str | None:
+        """Every vLLM worker of `worker` applies the delta directory `path`; None, or why one of them refused (it
+        then changed nothing; the others may hold the new version, which the checksums afterwards catch)."""
+        results = await self.collective_rpc(vllm_wire.DELTA_APPLY_METHOD, {"path": str(path)}, url=worker,
+                                            timeout_s=self.weight_update_timeout_s)
+        try:
+            answers = [vllm_wire.delta_applied_of(r) for r in results]
+        except vllm_wire.VLLMAnswerError as exc:
+            return str(exc)
+        refused = [a for a in answers if a.refusal is not None]
+        if refused:
+            return f"the weight-delta extension refused {path}: {refused[0].refusal.value}: {refused[0].message}"
+        return None
+
+    async def delta_checksums(self, url: str | None = None, *, recompute: bool = False
+                              ) -> list[tuple[str | None, dict[str, str]]]:
+        """(version, HF tensor name -> sha256) of what each vLLM worker's extension holds; `recompute` hashes its
+        bytes again instead of answering the checksums it verified when it applied them."""
+        results = await self.collective_rpc(vllm_wire.DELTA_CHECKSUMS_METHOD, {"recompute": recompute}, url=url,
+                                            timeout_s=self.weight_update_timeout_s)
+        try:
+            return [vllm_wire.delta_checksums_of(r) for r in results]
+        except vllm_wire.VLLMAnswerError as exc:
+            worker = self._worker(url)
+            raise EngineResponseError(worker + vllm_wire.COLLECTIVE_RPC_PATH, 200, repr(results)[:300], 1,
+                                      reason=str(exc)) from None
+
+    async def check_logprobs_mode(self) -> None:
+        """Raise `EngineRefused` unless every worker reports the log-probs of the sampling distribution, log
+        softmax(logits / T) (`--logprobs-mode processed_logprobs`): one token at two temperatures
+        (`vllm_wire.logprobs_mode_of`). A model whose candidates are too close to tell is let through, logged."""
+        for worker in self.worker_urls:
+            candidates = {}
+            for k, temperature in enumerate(vllm_wire.PROBE_TEMPERATURES):
+                body = vllm_wire.logprobs_probe_body(temperature, f"jaxrl-vlm-logprobs-probe-{k}")
+                data = await self._post_json(worker, vllm_wire.GENERATE_PATH, body, timeout_s=self.control_timeout_s)
+                try:
+                    candidates[temperature] = vllm_wire.probe_logprobs_of(data)
+                except vllm_wire.VLLMAnswerError as exc:
+                    raise EngineResponseError(worker + vllm_wire.GENERATE_PATH, 200, repr(data)[:300], 1,
+                                              reason=str(exc)) from None
+            mode = vllm_wire.logprobs_mode_of(candidates)
+            problem = vllm_wire.logprobs_mode_problem(mode)
+            if problem is not None:
+                raise EngineRefused(worker, problem)
+            if mode is vllm_wire.LogprobsMode.UNKNOWN:
+                logger.warning("%s: could not tell whether vLLM reports tempered log-probs (its candidates' logits "
+                               "are too close); it must run with --logprobs-mode processed_logprobs", worker)
 
 
 async def detect_engine_api(url: str, *, timeout_s: float = 10.0, api_key: str | None = None) -> str:

@@ -8,14 +8,19 @@ SGLang's `/generate` answer, so the client checks one contract and the episode l
 The control routes are vLLM's dev-mode routes (`VLLM_SERVER_DEV_MODE=1`): `/pause`, `/resume`, `/abort_requests`,
 `/reset_prefix_cache`, `/collective_rpc` (`reload_weights` from the exported directory), `/update_weight_version`
 and `/weight_info`. Log-probs must be those of the sampling distribution (softmax(logits / T), as SGLang reports):
-the server runs with `--logprobs-mode processed_logprobs` (`REQUIRED_SERVER_ARGS`).
+the server runs with `--logprobs-mode processed_logprobs` (`REQUIRED_SERVER_ARGS`), which the client probes at
+attach (`logprobs_mode_of`). Weight deltas go through the project's worker extension (`WORKER_EXTENSION_CLS`), whose
+methods `/collective_rpc` calls by name.
 
 Pure data and small functions: no jax, no aiohttp.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 from rollout.sglang_wire import FinishType
@@ -33,6 +38,7 @@ LOAD_PATH = "/load"
 VERSION_PATH = "/version"
 MODELS_PATH = "/v1/models"
 HEALTH_PATH = "/health"
+WEIGHT_CHECKER_PATH = "/weight_checker"  # {"action": "checksum"} -> {"checksums": {tensor name: ...}}
 # LoRA adapters at runtime (the server needs --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1).
 LOAD_LORA_PATH = "/v1/load_lora_adapter"
 UNLOAD_LORA_PATH = "/v1/unload_lora_adapter"
@@ -229,3 +235,166 @@ def is_vllm_models_answer(data: Any) -> bool:
     """Whether a `/v1/models` answer comes from vLLM (its entries say `owned_by: vllm`)."""
     entries = data.get("data") if isinstance(data, dict) else None
     return bool(entries) and all(isinstance(e, dict) and e.get("owned_by") == "vllm" for e in entries)
+
+
+# ---- weight deltas: the worker extension the project ships --------------------------------------------------------
+
+# `jaxrl_vlm/vllm_ext/jaxrl_vlm_worker.py`, imported by vLLM from its own interpreter (`--worker-extension-cls`, its
+# directory on PYTHONPATH; `jaxrl_vlm.vllm_launcher` passes both): it applies `jaxrl_vlm.weight_delta` directories in
+# every worker, called by method name through `/collective_rpc`. The method names are the extension's own (it cannot
+# import this module; a test checks that both agree).
+WORKER_EXTENSION_CLS = "jaxrl_vlm_worker.WeightDeltaExtension"
+WORKER_EXTENSION_FLAG = "--worker-extension-cls"
+DELTA_STATE_METHOD = "jaxrl_vlm_delta_state"
+DELTA_APPLY_METHOD = "jaxrl_vlm_apply_delta"
+DELTA_CHECKSUMS_METHOD = "jaxrl_vlm_checksums"
+# `update_weights_from_disk(load_format=...)` for a delta directory: applied by the extension, not `reload_weights`.
+DELTA_LOAD_FORMAT = "jaxrl_vlm_delta"
+
+
+def collective_rpc_body(method: str, kwargs: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    return {"method": method, "kwargs": dict(kwargs or {})}
+
+
+def rpc_results(data: Any, method: str) -> list[Any]:
+    """The per-worker answers of a `/collective_rpc` reply (`{"results": [...]}`, one per worker)."""
+    results = data.get("results") if isinstance(data, dict) else None
+    if not isinstance(results, list) or not results:
+        raise VLLMAnswerError(f"/collective_rpc {method}: answer has no 'results' list: {data!r:.200}")
+    return results
+
+
+@dataclass(frozen=True)
+class DeltaState:
+    """What one worker's extension holds: the weight version of its last applied delta (None: nothing yet, as after
+    a restart, or a load that failed half-way) and how many tensors."""
+
+    version: str | None
+    tensors: int
+
+
+def delta_state_of(result: Any) -> DeltaState:
+    if not isinstance(result, dict) or "version" not in result:
+        raise VLLMAnswerError(f"{DELTA_STATE_METHOD}: not the extension's state: {result!r:.200}")
+    version = result["version"]
+    return DeltaState(None if version is None else str(version), int(result.get("tensors") or 0))
+
+
+class DeltaRefusal(str, Enum):
+    """Why an extension did not apply a delta (it changed nothing): weight_delta's exception names."""
+
+    BASE_MISMATCH = "BaseMismatch"  # it does not hold the delta's base version (restarted, or another version)
+    MALFORMED = "MalformedDelta"
+    CHECKSUM_MISMATCH = "ChecksumMismatch"  # the bytes after the apply are not the trainer's
+
+
+@dataclass(frozen=True)
+class DeltaApplied:
+    """One worker's answer to `jaxrl_vlm_apply_delta`: applied (`refusal` None; `version` now held, tensors loaded
+    into the model, of which `changed` differed) or refused with the extension's message."""
+
+    refusal: DeltaRefusal | None
+    message: str = ""
+    version: str | None = None
+    loaded: int = 0
+    changed: int = 0
+    seconds: float = 0.0
+
+
+def delta_applied_of(result: Any) -> DeltaApplied:
+    if not isinstance(result, dict) or "ok" not in result:
+        raise VLLMAnswerError(f"{DELTA_APPLY_METHOD}: not the extension's answer: {result!r:.200}")
+    if not result["ok"]:
+        try:
+            refusal = DeltaRefusal(result.get("error"))
+        except ValueError:
+            raise VLLMAnswerError(f"{DELTA_APPLY_METHOD}: unknown refusal {result.get('error')!r}") from None
+        return DeltaApplied(refusal, str(result.get("message", "")))
+    return DeltaApplied(None, version=str(result["version"]), loaded=int(result.get("loaded", 0)),
+                        changed=int(result.get("changed", 0)), seconds=float(result.get("seconds", 0.0)))
+
+
+def delta_checksums_of(result: Any) -> tuple[str | None, dict[str, str]]:
+    """(version, HF tensor name -> sha256 hex) of one worker's `jaxrl_vlm_checksums` answer."""
+    checksums = result.get("checksums") if isinstance(result, dict) else None
+    if not isinstance(checksums, dict):
+        raise VLLMAnswerError(f"{DELTA_CHECKSUMS_METHOD}: answer has no 'checksums' object: {result!r:.200}")
+    version = result.get("version")
+    return (None if version is None else str(version)), {str(k): str(v) for k, v in checksums.items()}
+
+
+# ---- the log-probs a server reports --------------------------------------------------------------------------------
+
+# A server started without `--logprobs-mode processed_logprobs` reports log-probs of the raw logits: at a rollout
+# temperature other than 1 every rollout log-prob would be silently wrong. Checked at attach with one token at two
+# temperatures (`logprobs_probe_body`): the top candidates' log-probs of softmax(logits / T) spread as 1 / T, the raw
+# ones do not move.
+PROBE_TEMPERATURES = (0.5, 2.0)
+PROBE_TOP_LOGPROBS = 5  # within vLLM's default --max-logprobs (20)
+PROBE_PROMPT = (1, 2, 3, 4, 5, 6, 7, 8)  # plain token ids every vocabulary has
+LOGPROBS_ADVICE = "start vLLM with --logprobs-mode processed_logprobs"
+
+
+class LogprobsMode(str, Enum):
+    """What a server's reported log-probs are, as the probe finds them."""
+
+    TEMPERED = "tempered"  # log softmax(logits / T): processed_logprobs
+    UNTEMPERED = "untempered"  # independent of the temperature: raw_logprobs (vLLM's default) or raw_logits
+    NOT_LOGPROBS = "not_logprobs"  # tempered, but not normalised log-probs: processed_logits
+    UNKNOWN = "unknown"  # the candidates' logits are too close to tell
+
+
+def logprobs_probe_body(temperature: float, rid: str) -> dict[str, Any]:
+    """One sampled token after `PROBE_PROMPT` at `temperature`, with its top candidates' log-probs (token ids)."""
+    return {"request_id": rid, "token_ids": list(PROBE_PROMPT), "output_mode": "tokens",
+            "sampling_params": {"max_tokens": 1, "temperature": float(temperature), "top_p": 1.0, "top_k": -1,
+                                "seed": 0, "logprobs": PROBE_TOP_LOGPROBS, "detokenize": False}}
+
+
+def probe_logprobs_of(data: Any) -> dict[int, float]:
+    """token id -> log-prob of the first position's candidates (the sampled token and the top ones)."""
+    try:
+        content = data["choices"][0]["logprobs"]["content"][0]
+        out = {int(e["token_id"]): float(e["logprob"]) for e in content.get("top_logprobs") or []}
+        out[int(content["token_id"])] = float(content["logprob"])
+    except (KeyError, IndexError, TypeError, ValueError) as e:
+        raise VLLMAnswerError(f"the log-probs probe's answer has no candidates ({type(e).__name__}: {e}): "
+                              f"{data!r:.300}") from None
+    return out
+
+
+def logprobs_mode_of(candidates: Mapping[float, Mapping[int, float]]) -> LogprobsMode:
+    """What the log-probs of the same position at two temperatures (T -> token id -> log-prob) are.
+
+    Tempered log-probs of tokens i, j differ by (z_i - z_j) / T: the spread of the candidates scales as 1 / T
+    between the two answers; untempered ones keep theirs. Normalised log-probs are <= 0 and their mass <= 1."""
+    (t1, a), (t2, b) = sorted(candidates.items())
+    common = sorted(set(a) & set(b), key=lambda k: -a[k])
+    if len(common) < 2:
+        return LogprobsMode.UNKNOWN
+    hi, lo = common[0], common[-1]
+    spread1, spread2 = a[hi] - a[lo], b[hi] - b[lo]
+    if max(spread1, spread2) < 1e-4:
+        return LogprobsMode.UNKNOWN
+    # Tempered: spread1 * t1 == spread2 * t2; untempered: spread1 == spread2 (ratio t1 / t2). Split halfway (log).
+    ratio = (spread1 * t1) / max(spread2 * t2, 1e-30)
+    if ratio < math.sqrt(t1 / t2):
+        return LogprobsMode.UNTEMPERED
+    for values in (a.values(), b.values()):
+        top = max(values)
+        if top > 1e-4 or top + math.log(sum(math.exp(v - top) for v in values)) > 1e-3:
+            return LogprobsMode.NOT_LOGPROBS
+    return LogprobsMode.TEMPERED
+
+
+def logprobs_mode_problem(mode: LogprobsMode) -> str | None:
+    """The one-line refusal of a server whose log-probs are `mode`, or None when they are the sampling policy's."""
+    t1, t2 = PROBE_TEMPERATURES
+    if mode is LogprobsMode.UNTEMPERED:
+        return (f"this vLLM reports the same log-probs at temperatures {t1:g} and {t2:g} (untempered: its default "
+                f"--logprobs-mode raw_logprobs), so every rollout log-prob at a temperature other than 1 would be "
+                f"wrong: {LOGPROBS_ADVICE}")
+    if mode is LogprobsMode.NOT_LOGPROBS:
+        return (f"this vLLM reports tempered values that are not log-probabilities (--logprobs-mode processed_logits?): "
+                f"{LOGPROBS_ADVICE}")
+    return None

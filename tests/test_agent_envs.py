@@ -7,6 +7,7 @@ good policy), with pictures in the observations and a dump that validates.
 from __future__ import annotations
 
 import asyncio
+import copy
 import itertools
 import json
 
@@ -16,6 +17,7 @@ import pytest
 
 from envs.gui import GuiEnv
 from envs.actions import ActionError, parse_tool_call
+from envs.env_server import EnvServer, running
 from envs.gui.grading import Click, Type, best_blind_clicks, parse_action, random_policy, simulate
 from envs.gui.screen import hit, initial_state, to_relative
 from envs.gui.synthetic import solution, task_for
@@ -32,13 +34,13 @@ from envs.zoom.synthetic import _params as zoom_params
 from jaxrl_vlm.config import load_config
 from jaxrl_vlm.data.geo3k import load_styled_dataset
 from jaxrl_vlm.job.assets import make_synthetic_data
+from jaxrl_vlm.job.session import task_env_module
 from rollout.client import RetryPolicy, SGLangClient
 from rollout.dump import dump_samples, validate_dump
 from rollout.encoding import ChatEncoder
 from rollout.fake_engine import FakeSGLangServer, Tokens
 from rollout.multiturn import RolloutContext, generate
 from rollout.sample import Status
-from rollout.loading import load_module
 
 
 # ----------------------------------------------------------------------------------------------- sokoban
@@ -242,7 +244,7 @@ def _scripted_replies(task: str, sample) -> list[str]:
     return solution(GuiEnv(data["layout"], data["task"], max_turns=3))
 
 
-async def _rollout(cfg, encoder, samples, replies):
+async def _rollout(cfg, encoder, samples, replies, env_module=None):
     queues = {}
 
     def reply(body):
@@ -262,7 +264,7 @@ async def _rollout(cfg, encoder, samples, replies):
         async with client:
             args = cfg.to_namespace()
             args.rollout_context = RolloutContext(client=client, encoder=encoder,
-                                                  env_module=load_module(cfg.rollout.rollout_interaction_env_path, "env"),
+                                                  env_module=env_module or task_env_module(cfg),
                                                   generate_slots=asyncio.Semaphore(4))
             for sample, script in zip(samples, replies):
                 seg = encoder.encode_prompt(sample.prompt, tools=sample.metadata.get("tools"))
@@ -271,17 +273,21 @@ async def _rollout(cfg, encoder, samples, replies):
     return out
 
 
-@pytest.mark.parametrize("task", ["sokoban", "zoom", "gui"])
-def test_each_config_rolls_out_multi_turn_with_pictures_and_its_dump_validates(task, tmp_path, tiny_tokenizer,
-                                                                               tiny_image_processor):
-    cfg = load_config(f"configs/{task}_tiny.yaml", ["--prompt-data", str(tmp_path / "p.parquet")])
+def _task_rollout_inputs(task, tmp_path, tiny_tokenizer, tiny_image_processor, *overrides):
+    cfg = load_config(f"configs/{task}_tiny.yaml", ["--prompt-data", str(tmp_path / "p.parquet"), *overrides])
     make_synthetic_data(cfg, tmp_path / "p.parquet", 6, seed=0)
     data = load_styled_dataset(str(tmp_path / "p.parquet"), cfg.data.prompt_style, system_prompt=cfg.data.system_prompt)
     samples = [data[i] for i in range(len(data))]
     for k, s in enumerate(samples):
         s.group_index, s.index = k, 0
     replies = [_scripted_replies(task, s) for s in samples]
-    encoder = ChatEncoder(tiny_tokenizer, tiny_image_processor)
+    return cfg, samples, replies, ChatEncoder(tiny_tokenizer, tiny_image_processor)
+
+
+@pytest.mark.parametrize("task", ["sokoban", "zoom", "gui"])
+def test_each_config_rolls_out_multi_turn_with_pictures_and_its_dump_validates(task, tmp_path, tiny_tokenizer,
+                                                                               tiny_image_processor):
+    cfg, samples, replies, encoder = _task_rollout_inputs(task, tmp_path, tiny_tokenizer, tiny_image_processor)
     episodes = asyncio.run(_rollout(cfg, encoder, samples, replies))
     for ep, script in zip(episodes, replies):
         assert ep.status is Status.COMPLETED, (ep.status, ep.metadata.get("error"))
@@ -320,3 +326,27 @@ def test_sft_transcripts_load_with_the_conversation_loader(task, tmp_path, tiny_
     assert len(dataset) == 3
     params = [json.loads(p) for p in pq.read_table(path).column("params").to_pylist()]
     assert all(p["reward"] > 0.5 for p in params)  # each transcript solved its episode in the env
+
+
+@pytest.mark.parametrize("task", ["sokoban", "zoom"])
+def test_a_task_played_on_env_serve_gives_the_in_process_episodes(task, tmp_path, tiny_tokenizer,
+                                                                   tiny_image_processor):
+    """`--env-url`: the same config's episodes on `jaxrl-vlm env-serve` of the task module (each reset sends the
+    sample) are the in-process ones, token for token, picture for picture, reward for reward."""
+    cfg, samples, replies, encoder = _task_rollout_inputs(task, tmp_path, tiny_tokenizer, tiny_image_processor)
+    local = asyncio.run(_rollout(cfg, encoder, copy.deepcopy(samples), replies))  # an episode fills its sample
+
+    async def on_env_serve():
+        async with running(EnvServer(task_env_module(cfg), cfg.to_namespace())) as url:
+            remote_cfg = load_config(f"configs/{task}_tiny.yaml",
+                                     ["--prompt-data", str(tmp_path / "p.parquet"), "--env-url", url])
+            module = task_env_module(remote_cfg)
+            assert module.build_env is not task_env_module(cfg).build_env  # the remote client's
+            return await _rollout(remote_cfg, encoder, samples, replies, module)
+
+    far = asyncio.run(on_env_serve())
+    for a, b in zip(local, far):
+        assert b.status is a.status is Status.COMPLETED, b.metadata.get("error")
+        assert (b.tokens, b.loss_mask, b.rollout_log_probs, b.image_data, b.reward) == (
+            a.tokens, a.loss_mask, a.rollout_log_probs, a.image_data, a.reward)
+        assert len(b.turns) == len(a.turns) > 1

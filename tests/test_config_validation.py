@@ -35,7 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
         (["--max-env-retries-per-turn", "-1"], r"multiturn\.max_env_retries_per_turn \(--max-env-retries-per-turn\) must be >= 0"),
         # Bounds declared by the loss options (rl/options.py) and the engine options (engine/options.py).
         (["--eps-clip-c", "1.0"], r"algo\.eps_clip_c \(--eps-clip-c\) must be > 1, got 1\.0"),
-        (["--tis-clip", "0"], r"algo\.tis_clip \(--tis-clip\) must be > 0"),
+        (["--tis-clip", "0"], r"algo\.rollout_correction_high \(--rollout-correction-high\) must be > 0"),
+        (["--rollout-correction-low", "-0.1"], r"algo\.rollout_correction_low \(--rollout-correction-low\) must be >= 0"),
         (["--engine-max-batch", "0"], r"engine\.engine_max_batch \(--engine-max-batch\) must be >= 1, got 0"),
         (["--tp-size", "0"], r"engine\.tp_size \(--tp-size\) must be >= 1, got 0"),
         (["--engine-control-timeout", "0"], r"engine\.engine_control_timeout \(--engine-control-timeout\) must be > 0"),

@@ -370,6 +370,13 @@ def test_file_level_errors(tmp_path):
         load_prompt_dataset(str(tmp_path / "x.csv"))
     with pytest.raises(DatasetError, match=r"missing column\(s\) \['question'\]"):
         load_prompt_dataset(good, input_key="question")
+    # A jsonl file in which no row has the column is the file's error too, under either policy (a column that
+    # only some rows lack is theirs: BAD_ROWS' missing_problem).
+    rows = write_jsonl(tmp_path / "rows.jsonl", [{"question": "<image>", "answer": "1", "images": []}] * 2)
+    for policy in ("error", "skip"):
+        with pytest.raises(DatasetError, match=r"rows.jsonl: missing column\(s\) \['problem'\] \(no row has it\); "
+                                               r"the rows have \['answer', 'images', 'question'\]"):
+            load_prompt_dataset(rows, on_bad_row=policy)
     (tmp_path / "junk.parquet").write_bytes(b"PAR1 this is not parquet")
     with pytest.raises(DatasetError, match="cannot read parquet"):
         load_prompt_dataset(str(tmp_path / "junk.parquet"))

@@ -1,4 +1,4 @@
-"""slime's customization hooks (docs/hooks.md): each one, from a user file, takes effect where slime's does, and a
+"""slime's customization hooks (docs/guides/hooks.md): each one, from a user file, takes effect where slime's does, and a
 wrong return type stops with an error naming the flag, the path, and what was expected.
 
 Rollout hooks run in the real driver against the fake SGLang server (test_driver's harness); trainer hooks run on
@@ -504,8 +504,8 @@ def test_custom_loss_wrong_return_type_is_named(tmp_path, body, needle):
 
 # ============================================================================ --custom-tis-function-path
 def test_custom_tis_masks_rejected_tokens_in_closed_form():
-    cfg = LossConfig(use_tis=True, tis_clip_low=0.5, tis_clip=2.0, num_sequences=2,
-                     custom_tis_function_path=shipped("custom_tis.py:masked_is"))
+    cfg = LossConfig(rollout_correction="custom", rollout_correction_low=0.5, rollout_correction_high=2.0,
+                     num_sequences=2, custom_tis_function_path=shipped("custom_tis.py:masked_is"))
     inputs = loss_inputs(old_logprobs=loss_inputs().logprobs)  # ratio 1: the pg loss per token is -A
     loss, metrics = jax.jit(get_loss("ppo_clip"), static_argnums=1)(inputs, cfg)
     x = {k: np.asarray(getattr(inputs, k)) for k in ("old_logprobs", "rollout_logprobs", "advantages", "loss_mask",
@@ -527,16 +527,20 @@ def test_custom_tis_reimplementing_the_builtin_equals_it(tmp_path):
         def tis(pg_loss, inputs, cfg):
             sg = jax.lax.stop_gradient
             w = jnp.exp(jnp.where(inputs.loss_mask > 0, sg(inputs.old_logprobs) - sg(inputs.rollout_logprobs), 0.0))
-            return pg_loss * jnp.clip(w, cfg.tis_clip_low, cfg.tis_clip), jnp.ones_like(pg_loss), {}
+            lo, hi = cfg.rollout_correction_low, cfg.rollout_correction_high
+            return pg_loss * jnp.clip(w, lo, hi), jnp.ones_like(pg_loss), {}
     """)
-    base = LossConfig(use_tis=True, tis_clip_low=0.1, tis_clip=1.5, num_sequences=2, use_kl_loss=True,
-                      kl_loss_coef=0.1, entropy_coef=0.01)
-    custom = LossConfig(**{**base.__dict__, "custom_tis_function_path": f"{f}:tis"})
+    base = LossConfig(rollout_correction="token_tis", rollout_correction_low=0.1, rollout_correction_high=1.5,
+                      num_sequences=2, use_kl_loss=True, kl_loss_coef=0.1, entropy_coef=0.01)
+    custom = LossConfig(**{**base.__dict__, "rollout_correction": "custom", "custom_tis_function_path": f"{f}:tis"})
     inputs = loss_inputs(ref_logprobs=loss_inputs().old_logprobs - 0.1, entropy=jnp.full((2, 4), 0.7))
     fn = jax.jit(get_loss("cispo"), static_argnums=1)
     (l_builtin, m_builtin), (l_custom, m_custom) = fn(inputs, base), fn(inputs, custom)
     assert float(l_custom) == pytest.approx(float(l_builtin), rel=1e-6)
-    assert {k: pytest.approx(float(v), rel=1e-6) for k, v in finalize_metrics(m_builtin).items()} == {
+    # Every metric agrees; the hook's own weighting is inside the loss it returns, so it has no weight_mean.
+    builtin = finalize_metrics(m_builtin)
+    assert builtin.pop("rollout_corr/weight_mean") > 0
+    assert {k: pytest.approx(float(v), rel=1e-6) for k, v in builtin.items()} == {
         k: float(v) for k, v in finalize_metrics(m_custom).items()}
 
 
@@ -550,7 +554,7 @@ def test_custom_tis_reimplementing_the_builtin_equals_it(tmp_path):
 ])
 def test_custom_tis_wrong_return_type_is_named(tmp_path, body, needle):
     f = user_file(tmp_path, "bad_tis.py", body)
-    cfg = LossConfig(use_tis=True, custom_tis_function_path=f"{f}:f")
+    cfg = LossConfig(rollout_correction="custom", custom_tis_function_path=f"{f}:f")
     with pytest.raises(HookError, match=f"--custom-tis-function-path {f}:f: {needle}"):
         jax.jit(get_loss("ppo_clip"), static_argnums=1)(loss_inputs(), cfg)
 

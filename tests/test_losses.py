@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _rollout_corrections_ref import reference
 
 from jaxrl_vlm.rl.losses import (
     AGGREGATION_MODES,
@@ -161,8 +162,9 @@ def ref_terms(name: str, b: Batch, cfg: LossConfig) -> dict[str, np.ndarray]:
                 dual = (A < 0) & (-cfg.eps_clip_c * A < pg)
                 pg = np.where(A < 0, np.minimum(pg, -cfg.eps_clip_c * A), pg)
         tis = np.exp(b.old - b.rollout)
-        if cfg.use_tis:
-            pg = pg * np.clip(tis, cfg.tis_clip_low, cfg.tis_clip)
+        lo_tis, hi_tis = cfg.rollout_correction_low, cfg.rollout_correction_high
+        if cfg.rollout_correction == "token_tis":
+            pg = pg * np.clip(tis, lo_tis, hi_tis)
         # slime compute_approx_kl: log_ratio = logp - ref; k3 negates it first.
         lr = b.logp - b.ref
         if cfg.kl_loss_type == "k1":
@@ -177,7 +179,7 @@ def ref_terms(name: str, b: Batch, cfg: LossConfig) -> dict[str, np.ndarray]:
         r_old = np.exp(b.logp - b.old)
     return dict(
         pg=pg, clipped=clipped.astype(float), dual=dual.astype(float), ratio=ratio, ppo_kl=-log_ratio,
-        kl=kl, tis=tis, tis_clipped=(np.clip(tis, cfg.tis_clip_low, cfg.tis_clip) != tis).astype(float),
+        kl=kl, tis=tis, tis_clipped=(np.clip(tis, lo_tis, hi_tis) != tis).astype(float),
         abs_diff=np.abs(b.old - b.rollout), approx_kl=r_old - 1 - np.log(r_old),
     )
 
@@ -201,11 +203,15 @@ def ref_loss_and_metrics(name: str, b: Batch, cfg: LossConfig, mode: str) -> tup
     )
     if cfg.eps_clip_c is not None and name != "cispo":
         metrics["pg_dualclip_frac"] = agg(t["dual"]) / one
+    _, _, correction = reference(cfg.rollout_correction, b.old, b.rollout, b.mask, b.ids, cfg.rollout_correction_low,
+                                 cfg.rollout_correction_high)
+    metrics.update({f"rollout_corr/{k}": v for k, v in correction.items()})
     return loss, metrics
 
 
 FULL = dict(
-    eps_clip=0.2, eps_clip_high=0.28, eps_clip_c=1.5, use_tis=True, tis_clip=1.5, tis_clip_low=0.5,
+    eps_clip=0.2, eps_clip_high=0.28, eps_clip_c=1.5, rollout_correction="token_tis", rollout_correction_high=1.5,
+    rollout_correction_low=0.5,
     use_kl_loss=True, kl_loss_coef=0.05, kl_loss_type="low_var_kl", entropy_coef=0.01, num_sequences=NUM_SEQ,
 )
 
@@ -248,7 +254,7 @@ def test_loss_and_metrics_match_numpy(name: str, mode: str) -> None:
 @pytest.mark.parametrize("kl_type", ["k1", "k2", "k3"])
 def test_kl_estimators_match_slime(kl_type: str) -> None:
     b = packed_batch(seed=11)
-    cfg = make_cfg("token_mean", kl_loss_type=kl_type, use_tis=False, eps_clip_c=None)
+    cfg = make_cfg("token_mean", kl_loss_type=kl_type, rollout_correction="none", eps_clip_c=None)
     loss, metrics = get_loss("ppo_clip")(to_inputs(b, weights_for(b, cfg)), cfg)
     want_loss, want = ref_loss_and_metrics("ppo_clip", b, cfg, "token_mean")
     np.testing.assert_allclose(float(loss), want_loss, rtol=1e-10)
@@ -259,7 +265,7 @@ def test_low_var_kl_clamps_only_low_var_kl() -> None:
     b = packed_batch(seed=12, nan_padding=False)
     m = b.mask > 0
     b.ref = np.where(m, b.logp + 5.0, b.ref)  # exp(5) - 1 - 5 = 142.4 on every masked token
-    base = dict(use_tis=False, eps_clip_c=None)
+    base = dict(rollout_correction="none", eps_clip_c=None)
     cfg_low = make_cfg("token_mean", kl_loss_type="low_var_kl", **base)
     cfg_k3 = make_cfg("token_mean", kl_loss_type="k3", **base)
     w = weights_for(b, cfg_low)
@@ -297,7 +303,7 @@ def _grad_logp(name: str, inputs: LossInputs, cfg: LossConfig) -> np.ndarray:
 def test_ratio_one_gives_reinforce_gradient(name: str, mode: str) -> None:
     b = packed_batch(seed=20, per_token_adv=True)
     b.old = b.logp.copy()
-    cfg = make_cfg(mode, use_tis=False, use_kl_loss=False, entropy_coef=0.0)
+    cfg = make_cfg(mode, rollout_correction="none", use_kl_loss=False, entropy_coef=0.0)
     w = weights_for(b, cfg)
     g = _grad_logp(name, to_inputs(b, w), cfg)
     expected = np.where(b.mask > 0, -b.adv * w, 0.0)
@@ -352,7 +358,8 @@ def test_tis_weights_clip_as_configured() -> None:
     logp = np.array([-1.0, -0.5, -2.0])
     b = _single_row(logp, np.zeros(n), np.array([1.0, -2.0, 0.5]))
     b.rollout = logp - np.log([0.1, 1.5, 5.0])  # raw TIS ratios 0.1, 1.5, 5
-    cfg = LossConfig(use_tis=True, tis_clip_low=0.5, tis_clip=2.0, aggregation="token_mean")
+    cfg = LossConfig(rollout_correction="token_tis", rollout_correction_low=0.5, rollout_correction_high=2.0,
+                     aggregation="token_mean")
     w = weights_for(b, cfg)
     x = to_inputs(b, w)
     loss, metrics = get_loss("ppo_clip")(x, cfg)
@@ -362,7 +369,7 @@ def test_tis_weights_clip_as_configured() -> None:
     np.testing.assert_allclose(float(metrics["tis_clipfrac"]), 2 / 3, rtol=1e-12)
     np.testing.assert_allclose(float(metrics["tis"]), (0.1 + 1.5 + 5) / 3, rtol=1e-12)
     np.testing.assert_allclose(_grad_logp("ppo_clip", x, cfg)[0], -b.adv[0] * tis_w / 3, rtol=1e-12)
-    off = dataclasses.replace(cfg, use_tis=False)
+    off = dataclasses.replace(cfg, rollout_correction="none")
     np.testing.assert_allclose(float(get_loss("ppo_clip")(x, off)[0]), np.mean(-b.adv[0]), rtol=1e-12)
 
 
@@ -389,7 +396,7 @@ def test_ppo_clip_grad_matches_analytic(mode: str) -> None:
     t = ref_terms("ppo_clip", b, cfg)
     m = b.mask > 0
     with np.errstate(invalid="ignore", over="ignore"):
-        tis_w = np.clip(np.exp(b.old - b.rollout), cfg.tis_clip_low, cfg.tis_clip)
+        tis_w = np.clip(np.exp(b.old - b.rollout), cfg.rollout_correction_low, cfg.rollout_correction_high)
         free = (t["clipped"] == 0) & (t["dual"] == 0)
         d_pg = np.where(free, -b.adv * t["ratio"] * tis_w, 0.0)
         lr = b.logp - b.ref
@@ -403,7 +410,7 @@ def test_ppo_clip_grad_matches_analytic(mode: str) -> None:
 @pytest.mark.parametrize("mode", AGGREGATION_MODES)
 def test_gspo_grad_matches_paper_and_slime(mode: str) -> None:
     b = packed_batch(seed=31)  # sequence-level advantages, as GRPO produces
-    cfg = make_cfg(mode, eps_clip=0.05, eps_clip_high=0.08, use_tis=False, use_kl_loss=False, entropy_coef=0.0)
+    cfg = make_cfg(mode, eps_clip=0.05, eps_clip_high=0.08, rollout_correction="none", use_kl_loss=False, entropy_coef=0.0)
     w = weights_for(b, cfg)
     g = _grad_logp("gspo", to_inputs(b, w), cfg)
     t = ref_terms("gspo", b, cfg)
@@ -557,7 +564,7 @@ def test_registry_lists_names_and_accepts_a_new_variant() -> None:
 
     b = packed_batch(seed=60, nan_padding=False)
     b.old = b.logp.copy()
-    cfg = make_cfg("token_mean", use_tis=False, use_kl_loss=False, entropy_coef=0.0)
+    cfg = make_cfg("token_mean", rollout_correction="none", use_kl_loss=False, entropy_coef=0.0)
     x = to_inputs(b, weights_for(b, cfg))
     np.testing.assert_allclose(_grad_logp("test_only_reinforce", x, cfg), _grad_logp("cispo", x, cfg), rtol=1e-12)
     with pytest.raises(ValueError, match="already registered"):
@@ -569,8 +576,8 @@ def test_config_and_input_errors() -> None:
         LossConfig(eps_clip_c=0.9)
     with pytest.raises(ValueError, match="kl_loss_type"):
         LossConfig(kl_loss_type="k4")
-    with pytest.raises(ValueError, match="tis_clip_low"):
-        LossConfig(tis_clip_low=3.0, tis_clip=2.0)
+    with pytest.raises(ValueError, match="--rollout-correction-low 3 must be < --rollout-correction-high 2"):
+        LossConfig(rollout_correction_low=3.0, rollout_correction_high=2.0)
     assert hash(make_cfg("token_mean")) == hash(make_cfg("token_mean"))
     b = packed_batch(seed=61)
     cfg = make_cfg("token_mean")

@@ -16,6 +16,7 @@ import pytest
 from _launch import xla_flags
 
 from jaxrl_vlm.job.run_log import read_metrics
+from jaxrl_vlm.metric_catalog import uncatalogued
 from rollout.client import count_requests_in_loads
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,6 +59,8 @@ def test_tiny_config_runs_to_the_end_and_writes_everything(full_run):
                     "multi_turn/raw_response_length/response_length_clip_ratio"):
             assert key in r, key
         assert r["train/entropy_loss"] > 0 and r["perf/step_time"] >= r["perf/train_time"] > 0
+    # Every name the run wrote is in the catalogue that docs/reference/metrics.md renders.
+    assert not uncatalogued(k for r in records for k in r), "declare them in jaxrl_vlm/metric_catalog.py"
     assert sorted(p.name for p in (out / "plots").glob("*.png")) == sorted(
         ["reward.png", "response_length.png", "turns.png", "truncation.png", "entropy_kl.png", "step_time.png"]
     )

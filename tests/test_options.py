@@ -86,13 +86,27 @@ def test_the_run_config_composes_the_engine_options_under_their_keys():
             assert info.default == f.default and f.metadata["help"][1:] in info.help, key
             assert (info.gt, info.ge, info.lt, info.le) == tuple(f.metadata[b] for b in ("gt", "ge", "lt", "le"))
     # The run's engine: its engine section, the model's dtypes and the rollout seed, read by key.
-    assert EngineOptions.from_run_config(run) == EngineOptions(seed=run.rollout.rollout_seed)
+    assert EngineOptions.from_run_config(run) == EngineOptions()
     cfg = load_config(None, ["--engine-max-batch", "8", "--engine-control-timeout", "5", "--engine-prefix-cache",
                              "false", "--compute-dtype", "bfloat16", "--rollout-seed", "7", "--tp-size", "2",
                              "--rollout-devices", "2-3"])
     assert EngineOptions.from_run_config(cfg) == EngineOptions(
         max_batch=8, control_timeout_s=5.0, prefix_cache=False, compute_dtype="bfloat16", seed=7, tp_size=2,
         device_ids=(2, 3))
+
+
+def test_an_engine_option_the_run_holds_elsewhere_is_declared_once():
+    """The engine's seed is the rollout seed and its dtypes the trainer's: `serve` and a run's engine start from
+    the same default and accept the same values (issue 46: the seed was 42 for `train` and 0 for `serve`, and
+    `serve` offered float16, which the trainer refused)."""
+    shared = [f for f in dataclasses.fields(EngineOptions) if f.metadata["key"] and
+              FIELDS[f.metadata["key"]].section != "engine"]
+    assert sorted(f.metadata["key"] for f in shared) == ["compute_dtype", "param_dtype", "rollout_seed"]
+    for f in shared:
+        info = FIELDS[f.metadata["key"]]
+        assert info.default == f.default and info.choices == f.metadata["choices"], info
+        assert (info.gt, info.ge, info.lt, info.le) == tuple(f.metadata[b] for b in ("gt", "ge", "lt", "le"))
+    assert _serve_options([]).seed == Config().rollout.rollout_seed
 
 
 def test_the_algo_section_composes_the_loss_options():
@@ -119,9 +133,10 @@ def test_choices_kept_by_jax_modules_are_read_from_them_when_a_value_is_checked(
 def test_the_trainer_copies_every_loss_option_by_name():
     from jaxrl_vlm.job.trainer import loss_config
 
-    values = {"eps_clip": 0.3, "eps_clip_high": 0.28, "eps_clip_c": 3.0, "use_tis": True, "tis_clip": 1.5,
-              "tis_clip_low": 0.1, "use_kl_loss": True, "kl_loss_coef": 0.01, "kl_loss_type": "low_var_kl",
-              "entropy_coef": 0.001, "router_aux_loss_coef": 0.002, "router_z_loss_coef": 0.0005}
+    values = {"eps_clip": 0.3, "eps_clip_high": 0.28, "eps_clip_c": 3.0, "rollout_correction": "icepop",
+              "rollout_correction_high": 1.5, "rollout_correction_low": 0.1, "use_kl_loss": True, "kl_loss_coef": 0.01,
+              "kl_loss_type": "low_var_kl", "entropy_coef": 0.001, "router_aux_loss_coef": 0.002,
+              "router_z_loss_coef": 0.0005}
     assert set(values) | {"custom_tis_function_path"} == {f.name for f in dataclasses.fields(LossOptions)}
     argv = [a for k, v in values.items() for a in (FIELDS[k].flag, str(v))]
     loss = loss_config(load_config(None, [*argv, "--loss-aggregation", "token_mean"]), num_sequences=4)

@@ -14,6 +14,7 @@ from PIL import Image
 
 from jaxrl_vlm.config import ConfigError, load_config
 from jaxrl_vlm.job.session import _vllm_dtype_args
+from jaxrl_vlm.vllm_ext import EXTENSION_DIR
 from jaxrl_vlm.vllm_launcher import VLLMProcess
 from rollout.processing import png_data_url_size, process_images, processor_size, resize_as_processor
 
@@ -106,12 +107,15 @@ def test_vllm_run_options_are_checked():
     assert _vllm_dtype_args(cfg) == []
 
 
-def test_the_launcher_runs_the_module_form_in_dev_mode(tmp_path):
+def test_the_launcher_runs_the_module_form_in_dev_mode(tmp_path, monkeypatch):
+    monkeypatch.delenv("PYTHONPATH", raising=False)
     proc = VLLMProcess("/venv/bin/python", "/ckpt", port=1234, extra_args=["--dtype", "float32"], log_path=tmp_path / "l")
     assert proc.command == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model", "/ckpt",
                             "--host", "127.0.0.1", "--port", "1234", "--dtype", "float32", "--enable-scale-out",
-                            "--logprobs-mode", "processed_logprobs"]
-    assert proc.extra_env == {"VLLM_SERVER_DEV_MODE": "1"}
+                            "--logprobs-mode", "processed_logprobs",
+                            "--worker-extension-cls", "jaxrl_vlm_worker.WeightDeltaExtension"]
+    # The weight-delta extension is imported by vLLM's own interpreter from the project's vllm_ext directory.
+    assert proc.extra_env == {"VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": str(EXTENSION_DIR)}
     with pytest.raises(Exception, match="--launch-vllm needs --vllm-python"):
         VLLMProcess("", "/ckpt", log_path=tmp_path / "l")
 

@@ -21,6 +21,9 @@ runs (2 per multiply-add), plus the depthwise conv of linear-attention layers; o
           + 4 * K*P*P * Hv*hdv * depth          (full P x P per micro-batch, masked by image or window)
 Padding slots are computed, so they are counted: this is the work the program does, not the work a
 perfectly packed batch would need (`batching` reports padding efficiency separately).
+P is the patch bucket the batch was built with: with vision reuse (`--vision-reuse`, on by default) it bounds a
+micro-batch's DISTINCT patches (each image encoded once, then gathered into every sample showing it), so the vision
+terms count the tower work actually run, not one encoding per copy; the gather itself is no matmul.
 """
 
 from __future__ import annotations

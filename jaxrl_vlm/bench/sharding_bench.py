@@ -340,6 +340,7 @@ def bench_batch(samples: list[Sample], model_cfg: ModelConfig, cfg: Config, opts
         aggregation=cfg.algo.loss_aggregation,
         aggregation_constant=aggregation_constant(cfg),
         overlong_policy="truncate",
+        vision_reuse=cfg.batching.vision_reuse,  # the run's layout, so model_flops count the tower work it does
     )
 
 

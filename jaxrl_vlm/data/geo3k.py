@@ -16,7 +16,9 @@ decodes exactly the pixels the trainer's processor sees.
 
 A bad row (missing field, broken image, ...) is an error or skipped (`on_bad_row`). A damaged file is
 always an error: a parquet row group that cannot be read (a corrupt page; page CRCs are verified where
-the writer stored them) raises DatasetError naming the file and the row group, under either policy.
+the writer stored them) raises DatasetError naming the file and the row group, under either policy. So is
+a file without a column that every row needs (its prompt column, say): the error names the file, the column
+and the columns the file has.
 
 What a task adds to each prompt (system prompt, tool schema, instruction) is not defined here: it is
 the `TASK_PROMPT` of the task module (e.g. `envs.geo3k`), imported by path like the env
@@ -45,6 +47,7 @@ import pyarrow.parquet as pq
 from PIL import Image
 
 from envs.base import TaskPrompt
+from jaxrl_vlm.errors import ConfigError
 from rollout.loading import LoadError, load_module
 from rollout.processing import (
     DEFAULT_MAX_IMAGE_BYTES,
@@ -65,13 +68,21 @@ _IMAGE_MAGIC = (b"\x89PNG", b"\xff\xd8\xff", b"GIF8", b"BM", b"RIFF", b"II*\x00"
 _IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".gif", ".bmp", ".webp", ".tif", ".tiff")
 
 
-class DatasetError(ValueError):
+class DatasetError(ConfigError):
     """A dataset file or row is unusable; the message names the file, the row and the cause."""
 
 
 class BadRow(Exception):
     """The cause of one bad row (raised by the row parsers here and in `data/sft.py`), turned into DatasetError or a
     skip record by the loader (`on_bad_row`)."""
+
+
+class MissingField(BadRow):
+    """A row without the required field `key`: a bad row, unless no row of the file has it (`check_jsonl_column`)."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(f"missing field {key!r}")
+        self.key = key
 
 
 # ----------------------------------------------------------------------------- images
@@ -207,7 +218,7 @@ class _Prompt:
 
 def require_field(record: dict[str, Any], key: str, kind: type | tuple[type, ...], kind_name: str) -> Any:
     if key not in record or record[key] is None:
-        raise BadRow(f"missing field {key!r}")
+        raise MissingField(key)
     value = record[key]
     if not isinstance(value, kind):
         raise BadRow(f"field {key!r} has type {type(value).__name__}, expected {kind_name}")
@@ -281,6 +292,20 @@ def iter_jsonl(path: str) -> Iterator[tuple[int, Any]]:
                 yield row, json.loads(line)
             except json.JSONDecodeError as exc:
                 yield row, BadRow(f"invalid JSON ({exc})")
+
+
+def check_jsonl_column(path: str, key: str) -> None:
+    """Raise DatasetError when no row of the jsonl file at `path` has the field `key` (a file without its prompt
+    column, or an `--input-key` naming another one). Every row would be bad, so it is the file's error under
+    either bad-row policy, as a parquet file without the column is (`iter_parquet`), never a run of skips. Reads
+    until a row has the field: a loader calls it at the first row without it."""
+    keys: set[str] = set()
+    for _, record in iter_jsonl(path):
+        if isinstance(record, dict):
+            if key in record:
+                return
+            keys.update(record)
+    raise DatasetError(f"{path}: missing column(s) {[key]} (no row has it); the rows have {sorted(keys)}")
 
 
 # What pyarrow raises for damaged parquet data: a bad page or a failed decompression is a bare OSError, a bad
@@ -400,8 +425,8 @@ def load_prompt_dataset(
     and cause); "skip" drops bad rows, records them in `dataset.skipped` and logs
     one warning. A damaged file is an error under either policy: a parquet row group
     that cannot be read (corrupt page) raises DatasetError naming the file and the row
-    group (`iter_parquet`), as does a missing column. max_rows: keep at most this many
-    usable rows (None = all).
+    group (`iter_parquet`), as does a column that no row has (parquet: the schema; jsonl:
+    `check_jsonl_column`). max_rows: keep at most this many usable rows (None = all).
     instruction: optional text appended to each user message (e.g. envs.geo3k's GEO3K_USER_INSTRUCTION).
     max_image_bytes / max_image_pixels: caps of one image (a row with a larger one is a bad row), checked
     before the image is read or decoded.
@@ -429,6 +454,7 @@ def load_prompt_dataset(
     base_dir = os.path.dirname(os.path.abspath(path))
     prompts: list[_Prompt] = []
     skipped: list[tuple[int, str]] = []
+    checked: set[str] = set()  # jsonl fields found in some row (`check_jsonl_column`)
     total = 0
     for row, record in rows:
         total += 1
@@ -447,6 +473,9 @@ def load_prompt_dataset(
                 caps=caps,
             )
         except BadRow as bad:
+            if isinstance(bad, MissingField) and fmt == "jsonl" and bad.key not in checked:
+                check_jsonl_column(path, bad.key)
+                checked.add(bad.key)
             where = f"{path}: row {row}" + (f" (line {row + 1})" if fmt == "jsonl" else "")
             if on_bad_row == "error":
                 raise DatasetError(f"{where}: {bad}") from bad.__cause__

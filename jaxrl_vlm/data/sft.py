@@ -45,6 +45,8 @@ from jaxrl_vlm.data.geo3k import (
     IMAGE_MARKER,
     BadRow,
     DatasetError,
+    MissingField,
+    check_jsonl_column,
     image_to_data_url,
     iter_jsonl,
     iter_parquet,
@@ -262,6 +264,7 @@ def load_conversation_dataset(
     base_dir = os.path.dirname(os.path.abspath(path))
     conversations: list[_Conversation] = []
     skipped: list[tuple[int, str]] = []
+    checked: set[str] = set()  # jsonl fields found in some row (`check_jsonl_column`)
     total = 0
     for row, record in rows:
         total += 1
@@ -277,6 +280,9 @@ def load_conversation_dataset(
             except (TranscriptError, TemplateError) as exc:
                 raise BadRow(f"chat template: {exc}") from exc
         except BadRow as bad:
+            if isinstance(bad, MissingField) and fmt == "jsonl" and bad.key not in checked:
+                check_jsonl_column(path, bad.key)
+                checked.add(bad.key)
             where = f"{path}: row {row}" + (f" (line {row + 1})" if fmt == "jsonl" else "")
             if on_bad_row == "error":
                 raise DatasetError(f"{where}: {bad}") from bad.__cause__

@@ -19,11 +19,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from jaxrl_vlm.devices import parse_device_ids
-from rollout.options import bound_error, opt
+from rollout.options import RolloutOptions, bound_error, opt, option_of
 from rollout.processing import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS, ImageReadPolicy
 from rollout.sglang_wire import DEFAULT_MAX_N
 
-DTYPES = ("float32", "bfloat16", "float16")
+# The dtypes of a model's parameters and activations, one list for the trainer (whose `--param-dtype` and
+# `--compute-dtype` are these fields, `jaxrl_vlm.config.ModelConfig`), its weight export and the engine, which in a
+# run serves the trainer's weights in the trainer's dtypes. No float16: the trainer has no loss scaling for it, and
+# it was never tested in the engine.
+DTYPES = ("float32", "bfloat16")
 
 
 def powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
@@ -69,10 +73,11 @@ class EngineOptions:
     min_patch_bucket: int = opt(64, "Smallest image-patch bucket, a multiple of 4 (2x2 patch merge).", ge=4)
     decode_batch_sizes: tuple[int, ...] | None = opt(
         None, "Batch buckets of decode, ending at max_batch (None: powers of two up to max_batch).")
-    param_dtype: str = opt("float32", "Dtype of the engine's parameters.", choices=DTYPES, key="param_dtype")
-    compute_dtype: str = opt("float32", "Dtype of activations and of the KV cache.", choices=DTYPES,
-                             key="compute_dtype")
-    seed: int = opt(0, "Draws the seed of requests that carry no sampling_seed.", key="rollout_seed")
+    param_dtype: str = opt("float32", "Dtype of the engine's parameters (in a run: the trainer's --param-dtype).",
+                           choices=DTYPES, key="param_dtype")
+    compute_dtype: str = opt("float32", "Dtype of activations and of the KV cache (in a run: the trainer's "
+                             "--compute-dtype).", choices=DTYPES, key="compute_dtype")
+    seed: int = option_of(RolloutOptions, "rollout_seed", "Draws the seed of requests that carry no sampling_seed.")
     max_prefills_per_step: int = opt(64, "Admissions between two decode steps.", ge=1)
     page_size: int = opt(16, "Tokens per KV-cache page (SGLang's page_size); a shared prefix shares its whole pages "
                          "and copies its partly shared last page.", ge=1, key="engine_page_size")

@@ -24,7 +24,7 @@ from jaxrl_vlm.engine import forward
 from jaxrl_vlm.engine.options import EngineOptions, bucket_for
 from jaxrl_vlm.engine.placement import ReplicaPlacement
 from jaxrl_vlm.engine.sampling import SamplingRows, sample_tokens
-from jaxrl_vlm.engine.weights import load_params_state
+from jaxrl_vlm.engine.weights import leaf_paths, load_params_state, param_arrays, place_weights
 from jaxrl_vlm.models.activation_sharding import activation_sharding
 from jaxrl_vlm.models.config import ModelConfig
 from jaxrl_vlm.models.families import DecodeCache, PolicyModel
@@ -187,6 +187,16 @@ class ModelRunner:
             self._params_backup = None
 
     @property
+    def weights_released(self) -> bool:
+        """The weights are a host copy (`release_params`), not on the devices."""
+        return self._params_backup is not None
+
+    @property
+    def held_params(self) -> Any:
+        """The weights this replica holds: its device arrays, or their host copy while released."""
+        return self.params if self._params_backup is None else self._params_backup
+
+    @property
     def resident(self) -> bool:
         """Weights and KV cache are on the devices (nothing released): programs may run."""
         return self.cache is not None and self._params_backup is None
@@ -256,7 +266,7 @@ class ModelRunner:
             valid = np.zeros((1, t), bool)
             valid[0, :length] = True
             vision = build_vision_inputs(pixel_values, image_grid_thw, tokens, self.cfg, patch_bucket=patch_bucket, token_valid=valid)
-            vision = type(vision)(*(np.asarray(a) for a in vision))
+            vision = type(vision)(*(None if a is None else np.asarray(a) for a in vision))
             self.encoded_images += len(image_grid_thw)
         row = np.zeros((self.vocab_size,), np.float32) if bias_row is None else bias_row.astype(np.float32)
         key = ("prefill", t, patch_bucket) if start == 0 else ("extend", t, kv_len, patch_bucket)
@@ -322,35 +332,33 @@ class ModelRunner:
         self.params = load_params_state(path, self.cfg, self.params)
         self._params_backup = None
 
-    def stage_params(self, params: Any) -> nnx.State:
-        """A parameter state (e.g. the trainer's, on other devices and shardings) cast to the serving dtypes and
-        moved into this replica's shardings, without touching the serving weights: `set_params` swaps it in.
+    def stage_params(self, params: Any, via_dtype: Any = None, partial: bool = False) -> nnx.State:
+        """The parameters of `params` (a model or a parameter state, e.g. the trainer's, on other devices and
+        shardings) rounded through `via_dtype` (if any), cast to the serving dtypes and placed in this replica's
+        shardings, without touching the serving weights: `set_params` swaps them in. Fresh buffers throughout
+        (`weights.place_weights`); the serving state's other variables are kept.
 
-        The structure must be the serving model's (same family and config); anything else is a ValueError
-        naming the first difference.
+        The parameters must be the serving model's (same family and config); anything else is a ValueError
+        naming the first difference. With `partial`, `params` may hold some of the parameters only (a sync that
+        leaves a frozen vision tower out): the others stay the serving arrays, shared, not copied.
         """
-        like = dict(nnx.to_flat_state(self.params))
-        given = dict(nnx.to_flat_state(params))
-        wanted = {p for p, var in like.items() if isinstance(var, nnx.Param)}
-        if set(given) != wanted:
-            extra, missing = sorted(map(str, set(given) - wanted)), sorted(map(str, wanted - set(given)))
+        given = param_arrays(params)
+        targets, structure, paths = leaf_paths(self.params)
+        wanted = {p for p in paths if p is not None}
+        if given.keys() != wanted and not (partial and given.keys() <= wanted):
+            extra, missing = sorted(map(str, given.keys() - wanted)), sorted(map(str, wanted - given.keys()))
             raise ValueError(f"weights do not fit the serving model: missing {missing[:3]}, unexpected {extra[:3]}")
-        values: dict[tuple, Any] = {}
-        moved: list[tuple] = []
-        for path, var in like.items():
-            if path not in given:  # not a parameter: kept
-                values[path] = var.get_value()
-                continue
-            old, new = var.get_value(), given[path].get_value()
+        moved = [i for i, p in enumerate(paths) if p in given]
+        for i in moved:
+            new, old = given[paths[i]], targets[i]
             if tuple(new.shape) != tuple(old.shape):
-                raise ValueError(f"weights do not fit the serving model: {path} has shape {tuple(new.shape)}, "
+                raise ValueError(f"weights do not fit the serving model: {paths[i]} has shape {tuple(new.shape)}, "
                                  f"the serving model {tuple(old.shape)}")
-            values[path] = new if new.dtype == old.dtype else jnp.asarray(new, old.dtype)
-            moved.append(path)
-        # One batched transfer for all tensors; never aliased: the trainer keeps updating its buffers.
-        copies = jax.device_put([values[p] for p in moved], [like[p].get_value().sharding for p in moved], may_alias=False)
-        values.update(zip(moved, copies))
-        return nnx.from_flat_state([(p, var.replace(values[p])) for p, var in like.items()])
+        placed = place_weights([given[paths[i]] for i in moved], [targets[i] for i in moved], via_dtype)
+        leaves = list(targets)
+        for i, array in zip(moved, placed):
+            leaves[i] = array
+        return jax.tree.unflatten(structure, leaves)
 
     def set_params(self, staged: nnx.State) -> None:
         """Serve `staged` (from `stage_params`) from the next program on."""

@@ -33,23 +33,13 @@ from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
-from jaxrl_vlm.engine.core import Engine
-from jaxrl_vlm.engine.inbox import (
-    ContinueMsg,
-    ControlMsg,
-    FlushMsg,
-    LoadsMsg,
-    MemoryMsg,
-    PauseMsg,
-    Reply,
-    UpdateWeightsMsg,
-)
+from jaxrl_vlm.engine.core import Engine, SchedulerUnavailable, threadsafe_setter
+from jaxrl_vlm.engine.inbox import LoadsMsg, MemoryMsg
 from jaxrl_vlm.engine.options import EngineOptions
 from jaxrl_vlm.engine.protocol import EMBEDDED_UNSUPPORTED, GenerateOutput, GenerateRequest, response_body
 from rollout.sglang_wire import (
     FLUSH_BUSY,
     FLUSH_OK,
-    IN_MEMORY_LOAD_FORMAT,
     UNAUTHORIZED_BODY,
     AbortRequest,
     FinishType,
@@ -93,10 +83,6 @@ class BodyTooLarge(RequestError):
     """A request body over the server's cap (HTTP 413)."""
 
 
-class SchedulerUnavailable(RuntimeError):
-    """The scheduler thread is not running, or did not answer a control call in time (HTTP 503)."""
-
-
 def _bad(message: str, status: int = 400) -> web.Response:
     return web.json_response(error_body(message), status=status)
 
@@ -138,36 +124,11 @@ async def _json_body(request: web.Request, *, optional: bool = False) -> Any:
     return await loop.run_in_executor(request.app[_EXECUTOR], parse_json_body, raw, request.path)
 
 
-async def _scheduler_call(engine: Engine, make: Callable[[Reply], ControlMsg], timeout_s: float | None = None) -> Any:
-    """Send the control message `make(reply)` to the scheduler thread and await its answer, for at most
-    `timeout_s` (default: the engine's control_timeout_s); SchedulerUnavailable if it does not come."""
-    timeout_s = engine.config.control_timeout_s if timeout_s is None else timeout_s
-    if not engine.scheduler.alive:
-        raise SchedulerUnavailable("the engine scheduler is not running")
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[Any] = loop.create_future()
-    msg = make(_threadsafe_setter(loop, future))
-    engine.scheduler.call(msg)
-    try:
-        return await asyncio.wait_for(future, timeout_s)
-    except asyncio.TimeoutError:
-        state = "is not running" if not engine.scheduler.alive else "is busy or stuck (e.g. in a device call)"
-        raise SchedulerUnavailable(f"the engine scheduler did not answer within {timeout_s:g} s: it {state}") from None
-
-
-def _threadsafe_setter(loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any]) -> Callable[[Any], None]:
-    def deliver(value: Any) -> None:
-        if not future.done():
-            future.set_result(value)
-
-    return lambda value: loop.call_soon_threadsafe(deliver, value)
-
-
 async def _run_request(engine: Engine, req: GenerateRequest) -> GenerateOutput:
     """Submit one request and wait for it; a cancelled handler (client gone) aborts it, as SGLang does."""
     loop = asyncio.get_running_loop()
     future: asyncio.Future[GenerateOutput] = loop.create_future()
-    engine.scheduler.submit(req, _threadsafe_setter(loop, future))
+    engine.scheduler.submit(req, threadsafe_setter(loop, future))
     try:
         return await asyncio.shield(future)
     except asyncio.CancelledError:
@@ -220,9 +181,9 @@ async def health_generate(request: web.Request) -> web.Response:
     if not sched.alive:
         return web.Response(status=503, text="engine scheduler is not running")
     try:
-        loads = await _scheduler_call(engine, LoadsMsg, min(HEALTH_TIMEOUT_S, engine.config.control_timeout_s))
+        loads = await engine.control(LoadsMsg, min(HEALTH_TIMEOUT_S, engine.config.control_timeout_s))
     except SchedulerUnavailable as e:
-        return web.Response(status=503, text=str(e))
+        return web.Response(status=503, text=e.detail)
     if loads["paused"]:  # paused on purpose (weight sync): a probe would only wait for continue
         return web.Response(status=200)
     if loads["num_running_reqs"] or loads["num_waiting_reqs"]:
@@ -263,7 +224,7 @@ async def model_info(request: web.Request) -> web.Response:
 async def server_info(request: web.Request) -> web.Response:
     engine = request.app[_ENGINE]
     cfg = engine.config
-    loads = await _scheduler_call(engine, LoadsMsg)
+    loads = await engine.control(LoadsMsg)
     return web.json_response({
         **request.app[_SERVER],
         "model_path": engine.model_path,
@@ -300,14 +261,14 @@ async def ready(request: web.Request) -> web.Response:
     if not engine.scheduler.alive:
         return web.Response(status=503)
     try:
-        loads = await _scheduler_call(engine, LoadsMsg, min(HEALTH_TIMEOUT_S, engine.config.control_timeout_s))
+        loads = await engine.control(LoadsMsg, min(HEALTH_TIMEOUT_S, engine.config.control_timeout_s))
     except SchedulerUnavailable:
         return web.Response(status=503)
     return web.Response(status=503 if loads["paused"] else 200)
 
 
 async def flush_cache(request: web.Request) -> web.Response:
-    flushed = await _scheduler_call(request.app[_ENGINE], FlushMsg)
+    flushed = await request.app[_ENGINE].flush_cache()
     return web.Response(status=200 if flushed else 400, text=FLUSH_OK if flushed else FLUSH_BUSY)
 
 
@@ -316,7 +277,7 @@ async def pause_generation(request: web.Request) -> web.Response:
         mode = parse_pause(await _json_body(request))  # SGLang answers 400 to a missing body
     except RequestError as e:
         return _refused(e)
-    return web.json_response(await _scheduler_call(request.app[_ENGINE], lambda reply: PauseMsg(mode, reply)))
+    return web.json_response(await request.app[_ENGINE].pause_generation(mode))
 
 
 async def continue_generation(request: web.Request) -> web.Response:
@@ -324,7 +285,7 @@ async def continue_generation(request: web.Request) -> web.Response:
         await _json_body(request)  # SGLang answers 400 to a missing body
     except RequestError as e:
         return _refused(e)
-    return web.json_response(await _scheduler_call(request.app[_ENGINE], ContinueMsg))
+    return web.json_response(await request.app[_ENGINE].continue_generation())
 
 
 async def abort_request(request: web.Request) -> web.Response:
@@ -338,23 +299,14 @@ async def abort_request(request: web.Request) -> web.Response:
 
 
 async def update_weights_from_disk(request: web.Request) -> web.Response:
-    engine = request.app[_ENGINE]
     try:
         update = UpdateWeightsRequest.from_json(await _json_body(request))
     except RequestError as e:
         return _refused(e)
-    if update.load_format not in (None, "auto", "safetensors", IN_MEMORY_LOAD_FORMAT):
-        message = f"load_format={update.load_format!r} is not supported (safetensors, or {IN_MEMORY_LOAD_FORMAT!r})"
-        return web.json_response(update_weights_answer(False, message, 0), status=400)
-    timeout_s = engine.config.weight_update_timeout_s
-    deadline = time.monotonic() + timeout_s
     try:
-        result = await _scheduler_call(engine, lambda reply: UpdateWeightsMsg(update, reply, deadline), timeout_s)
+        result = await request.app[_ENGINE].update_weights_from_disk(update)
     except SchedulerUnavailable as e:
-        # Not started by the deadline: the scheduler drops it. Started: it may still finish (check the version).
-        message = (f"{e}. An update that had not started is dropped; one that had started may still finish "
-                   "(check weight_version in /model_info).")
-        return web.json_response(update_weights_answer(False, message, 0), status=503)
+        return web.json_response(update_weights_answer(False, e.detail, 0), status=503)
     return web.json_response(result, status=200 if result["success"] else 400)
 
 
@@ -373,13 +325,13 @@ async def _memory_occupation(request: web.Request, *, release: bool) -> web.Resp
         tags = parse_memory_tags(await _json_body(request))  # SGLang answers 400 to a missing body
     except RequestError as e:
         return _refused(e)
-    problem = await _scheduler_call(request.app[_ENGINE], lambda reply: MemoryMsg(release, tags, reply))
+    problem = await request.app[_ENGINE].control(lambda reply: MemoryMsg(release, tags, reply))
     return _bad(problem) if problem else web.json_response(None)
 
 
 async def loads(request: web.Request) -> web.Response:
     engine = request.app[_ENGINE]
-    state = await _scheduler_call(engine, LoadsMsg)
+    state = await engine.control(LoadsMsg)
     running, waiting = state["num_running_reqs"], state["num_waiting_reqs"]
     return web.json_response(loads_response(
         version=VERSION, running=running, waiting=waiting, used_tokens=state["num_used_tokens"],
@@ -397,7 +349,7 @@ async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitab
     except (asyncio.CancelledError, KeyboardInterrupt):
         raise
     except SchedulerUnavailable as exc:
-        return _bad(f"{request.path}: {exc}", status=503)
+        return _bad(f"{request.path}: {exc.detail}", status=503)
     except Exception as exc:
         logger.exception("%s %s failed", request.method, request.path)
         return _bad(f"{request.path}: internal error: {type(exc).__name__}: {exc}", status=500)

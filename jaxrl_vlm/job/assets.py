@@ -13,6 +13,8 @@ from typing import Any
 from jaxrl_vlm.config import Config, ConfigError, EvalSetSpec, is_sft, parse_eval_prompt_data, row_input_key
 from jaxrl_vlm.data.geo3k import DatasetError, PromptDataset, load_styled_dataset
 from jaxrl_vlm.data.sft import ConversationDataset, load_conversation_dataset
+from jaxrl_vlm.errors import CheckpointError
+from jaxrl_vlm.models.hf_io import load_hf_config
 from jaxrl_vlm.tiny import make_tiny
 from rollout.encoding import ChatEncoder
 from rollout.loading import LoadError, load_module
@@ -23,15 +25,18 @@ logger = logging.getLogger(__name__)
 
 
 def prepare_model(cfg: Config) -> Path:
-    """The model directory, created on first use with `--make-tiny`."""
+    """The model directory, created on first use with `--make-tiny`. Its config.json is read here, before any data
+    or model is made, so a directory that is not a model of a known family stops the run at once."""
     if not cfg.model.hf_checkpoint:
-        raise ValueError("--hf-checkpoint is required (a Qwen-VL HF directory, or a path for --make-tiny to create)")
+        raise ConfigError("--hf-checkpoint is required (a Qwen-VL HF directory, or a path for --make-tiny to create)")
     model_dir = Path(cfg.model.hf_checkpoint)
     if not (model_dir / "config.json").exists():
         if not cfg.model.make_tiny:
-            raise FileNotFoundError(f"--hf-checkpoint {model_dir}: no config.json (set --make-tiny to create a tiny random model)")
+            raise CheckpointError(f"--hf-checkpoint {model_dir}: no config.json (an HF model directory; set "
+                                  "--make-tiny to create a tiny random model there)")
         logger.info("creating a tiny random %s at %s", cfg.model.make_tiny_arch, model_dir)
         make_tiny(str(model_dir), seed=cfg.train.seed, arch=cfg.model.make_tiny_arch)
+    load_hf_config(model_dir)
     return model_dir
 
 
@@ -39,11 +44,11 @@ def prepare_assets(cfg: Config) -> tuple[Path, Path]:
     """The model directory and the prompt data, created on first use when the config asks for it."""
     model_dir = prepare_model(cfg)
     if not cfg.data.prompt_data:
-        raise ValueError("--prompt-data is required (parquet or jsonl in the Geometry3K layout)")
+        raise ConfigError("--prompt-data is required (parquet or jsonl in the Geometry3K layout)")
     data_path = Path(cfg.data.prompt_data)
     if not data_path.exists():
         if not cfg.data.make_data:
-            raise FileNotFoundError(f"--prompt-data {data_path} does not exist (set --make-data to generate synthetic data)")
+            raise ConfigError(f"--prompt-data {data_path} does not exist (set --make-data to generate synthetic data)")
         make_synthetic_data(cfg, data_path, cfg.data.synthetic_rows, seed=cfg.train.seed)
     prepare_eval_data(cfg)
     return model_dir, data_path

@@ -55,8 +55,9 @@ import numpy as np
 from jaxrl_vlm.checkpoint import CheckpointError, CheckpointStore, abstract_like
 from jaxrl_vlm.config import Config, ConfigError
 from jaxrl_vlm.job.assets import EvalSet, load_eval_sets
-from jaxrl_vlm.job.session import rollout_run, rollout_session
+from jaxrl_vlm.job.session import check_external_engine, rollout_run, rollout_session
 from jaxrl_vlm.job.trainer import Trainer
+from jaxrl_vlm.models.hf_io import load_hf_config
 from jaxrl_vlm.weight_sync import export_version
 from rollout.client import EngineError
 from rollout.driver import DriverState, RolloutResult, call_rollout_function
@@ -299,13 +300,23 @@ def sync_dtype(cfg: Config) -> Any:
     return jnp.dtype(cfg.engine.weight_sync_dtype or ("bfloat16" if cfg.engine.engine_url else cfg.model.param_dtype))
 
 
+def _checkpoint_store_of(ckpt: Path) -> tuple[Path, int | None]:
+    """`--load DIR` of `jaxrl-vlm eval` that is not an HF directory: (the checkpoint directory, the step to restore,
+    None for its latest), DIR being a checkpoint directory or one step's directory in it (`.../checkpoints/6`).
+    Raises CheckpointError, before any model is built, when DIR holds no step."""
+    if ckpt.name.isdigit() and (ckpt / "meta").is_dir():
+        return ckpt.parent, int(ckpt.name)
+    if not any(p.name.isdigit() and p.is_dir() for p in ckpt.iterdir()):
+        raise CheckpointError(f"--load {ckpt}: neither an HF model directory (no config.json) nor a checkpoint "
+                              "directory of ours (no step in it)")
+    return ckpt, None
+
+
 def _restore_checkpoint(cfg: Config, ckpt: Path, model_dir: Path, out_root: Path) -> tuple[Path, int, str]:
     """Restore one of our checkpoints onto the config's model and export its policy as an HF directory under
     `out_root`; returns (directory, step, weight version). `ckpt` is a checkpoint directory (its latest complete
     step) or one step's directory in it (`.../checkpoints/6`)."""
-    store_dir, wanted = ckpt, None
-    if ckpt.name.isdigit() and (ckpt / "meta").is_dir():
-        store_dir, wanted = ckpt.parent, int(ckpt.name)
+    store_dir, wanted = _checkpoint_store_of(ckpt)
     trainer = Trainer(cfg)
     trainer.build_policy(model_dir)
     try:
@@ -329,8 +340,7 @@ async def evaluate_weights(cfg: Config, load: str | None = None, *, dump_dir: Pa
     """`jaxrl-vlm eval`: every eval set on the weights of `load` (an HF directory, or a checkpoint directory of
     ours restored onto `--hf-checkpoint`), or on `--hf-checkpoint` itself when `load` is None. pass@k is always
     measured. The engine is the run's (embedded, launched, or `--engine-url`, which is sent the weights)."""
-    sets = load_eval_sets(cfg)
-    if not sets:
+    if not cfg.eval.eval_prompt_data:
         raise ConfigError("jaxrl-vlm eval needs eval sets: --eval-prompt-data NAME PATH[@[start:end]] ...")
     if load is not None and not Path(load).is_dir():
         raise ConfigError(f"--load {load}: no such directory (a checkpoint directory of ours, or an HF model directory)")
@@ -338,14 +348,22 @@ async def evaluate_weights(cfg: Config, load: str | None = None, *, dump_dir: Pa
     # Exported weights go where the engine can read them (an external SGLang reads --weight-sync-dir).
     root = Path(cfg.engine.weight_sync_dir or cfg.train.output_dir)
     root.mkdir(parents=True, exist_ok=True)
+    hf_load = load is not None and (Path(load) / "config.json").exists()
+    if not hf_load and (base is None or not (base / "config.json").exists()):
+        raise CheckpointError(f"--hf-checkpoint {base}: no config.json (an HF model directory: the model to evaluate, "
+                              "or the one the checkpoint was trained from)")
+    load_hf_config(Path(load) if hf_load else base)  # a config.json of no known model stops here, before any model
+    if load is not None and not hf_load:
+        _checkpoint_store_of(Path(load))
+    await check_external_engine(cfg)  # it is sent the weights: a vLLM that cannot reload them exactly is refused
+    sets = load_eval_sets(cfg)
+    rollout_fn = load_function(cfg.rollout.rollout_function_path, "--rollout-function-path")
     with tempfile.TemporaryDirectory(prefix="eval_weights_", dir=root) as tmp:
         step, version = 0, "0"
-        if load is not None and (Path(load) / "config.json").exists():
+        if hf_load:
             model_dir = serve_dir = Path(load)
             weights = f"HF directory {load}"
         else:
-            if base is None or not (base / "config.json").exists():
-                raise ConfigError(f"--hf-checkpoint {base}: no config.json (the model the checkpoint was trained from)")
             model_dir = base
             if load is None:
                 serve_dir, weights = base, f"--hf-checkpoint {base}"
@@ -353,8 +371,7 @@ async def evaluate_weights(cfg: Config, load: str | None = None, *, dump_dir: Pa
                 serve_dir, step, version = _restore_checkpoint(cfg, Path(load), base, Path(tmp))
                 weights = f"checkpoint {load} (step {step}, weight version {version})"
         args = cfg.to_namespace()
-        evaluator = Evaluator(cfg, sets, load_function(cfg.rollout.rollout_function_path, "--rollout-function-path"),
-                              passrate=True)
+        evaluator = Evaluator(cfg, sets, rollout_fn, passrate=True)
         async with rollout_session(cfg, model_dir, serve_dir, args, version) as client:
             if cfg.engine.engine_url:  # an external engine serves whatever it loaded last: send it these weights
                 await client.sync_weights_from_disk(str(serve_dir), version)

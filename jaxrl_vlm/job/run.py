@@ -67,7 +67,7 @@ from jaxrl_vlm.job.eval import Evaluator, eval_due
 from jaxrl_vlm.job.preemption import Preemption, StepAborted, StepTimes
 from jaxrl_vlm.job.replay import RolloutSaver
 from jaxrl_vlm.job.run_log import RunLog, plot_run
-from jaxrl_vlm.job.session import rollout_run, rollout_session
+from jaxrl_vlm.job.session import check_external_engine, rollout_run, rollout_session
 from jaxrl_vlm.job.sft import SFTJob
 from jaxrl_vlm.job.sources import LiveRollout, ReplaySource, RunState, SampleSource, StreamingSource
 from jaxrl_vlm.job.tracking import open_sinks
@@ -172,6 +172,11 @@ class MainJob:
         else:
             self.model_dir, data_path = prepare_assets(cfg)
             prompts = _prompt_iterator(cfg, data_path)
+        # What the user named (eval sets, the rollout function) is read before the policy is built: bad input
+        # stops the run at once, not after minutes of loading weights. Evaluation runs on process 0 only (it talks
+        # to the engine; no other process takes part).
+        rollout_fn = None if replaying else load_function(cfg.rollout.rollout_function_path, "--rollout-function-path")
+        eval_sets = load_eval_sets(cfg) if self.main and not replaying else None
         self.trainer.build_policy(self.model_dir)
         self.args = cfg.to_namespace()
         self.resume = restore(cfg, self.trainer.state)
@@ -191,7 +196,8 @@ class MainJob:
         sync_dtype = cfg.engine.weight_sync_dtype or ("bfloat16" if cfg.engine.engine_url else cfg.model.param_dtype)
         syncer = WeightSyncer(None, weight_sync_root(cfg, self.out_dir), copy_from=str(self.model_dir),
                               dtype=jnp.dtype(sync_dtype), mode=cfg.engine.weight_sync_mode,
-                              untie_embeddings=cfg.engine.launch_vllm, lora_sync=cfg.lora.lora_sync)
+                              untie_embeddings=cfg.engine.launch_vllm, lora_sync=cfg.lora.lora_sync,
+                              frozen=self.trainer.frozen_parts)
         parts = dict(args=self.args, main=self.main, model_dir=self.model_dir, prompts=prompts, syncer=syncer,
                      trainer=self.trainer,
                      saver=RolloutSaver(cfg) if cfg.debug.save_debug_rollout_data and self.main else None)
@@ -199,11 +205,9 @@ class MainJob:
         if replaying:
             self.source = ReplaySource(cfg, start_step=self.start_step, **parts)
         else:
-            rollout_fn = load_function(cfg.rollout.rollout_function_path, "--rollout-function-path")
             kind = StreamingSource if cfg.rollout.max_staleness > 0 else LiveRollout
             self.source = kind(cfg, rollout_fn=rollout_fn, **parts)
-            # Evaluation runs on process 0 only (it talks to the engine; no other process takes part).
-            self.evaluator = Evaluator(cfg, load_eval_sets(cfg), rollout_fn) if self.main else None
+            self.evaluator = Evaluator(cfg, eval_sets, rollout_fn) if self.main else None
         self.checkpoints = CheckpointCadence(cfg, self.out_dir)
         self.log = None
         if self.main:
@@ -370,6 +374,8 @@ class MainJob:
             return await self._run()
 
     async def _run(self) -> dict[str, Any]:
+        if self.main:
+            await check_external_engine(self.cfg)
         self.prepare()
         last: dict[str, Any] = {}
         try:

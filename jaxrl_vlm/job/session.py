@@ -11,8 +11,10 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
+from envs.remote import remote_task
 from jaxrl_vlm.config import Config
 from jaxrl_vlm.engine import EmbeddedEngine
 from jaxrl_vlm.engine.options import EngineOptions
@@ -30,6 +32,36 @@ from rollout.run import RolloutContext, RolloutRun
 from rollout.vllm_client import VLLMClient, client_class, detect_engine_api
 
 logger = logging.getLogger(__name__)
+
+
+async def check_external_engine(cfg: Config) -> None:
+    """Refuse an external engine that cannot serve this run (`EngineRefused`) before anything is loaded: a vLLM
+    that reports untempered log-probs (`VLLMClient.check_logprobs_mode`: started without `--logprobs-mode
+    processed_logprobs`), or started from a checkpoint with tied embeddings, whose reload would keep the first
+    weights' head (`VLLMClient.check_reloadable_head`). An engine the run starts needs no head check (a launched vLLM
+    starts from the untied export); the session checks again when the trainer attaches."""
+    url, key = cfg.engine.engine_url, cfg.engine.engine_api_key
+    if not url:
+        return
+    api = cfg.engine.engine_api if cfg.engine.engine_api != "auto" else await detect_engine_api(url, api_key=key)
+    if api != "vllm":
+        return
+    client = VLLMClient(url, worker_urls=cfg.engine.engine_worker_urls or None, api_key=key,
+                        timeout_s=cfg.engine.engine_request_timeout)
+    try:
+        # Resumed first: a trainer that died mid weight sync leaves it paused, and the probe generates.
+        await client.resume_and_wait_healthy(timeout_s=cfg.engine.engine_start_timeout)
+        await client.check_logprobs_mode()
+        await client.check_reloadable_head()
+    finally:
+        await client.close()
+
+
+def task_env_module(cfg: Config) -> ModuleType:
+    """The env module episodes run with: the task's (--rollout-interaction-env-path), played on the env server at
+    --env-url when one is set (its prompts and reward_fn stay the task's)."""
+    task = load_module(cfg.rollout.rollout_interaction_env_path, "--rollout-interaction-env-path")
+    return task if cfg.multiturn.env_url is None else remote_task(task)
 
 
 @contextlib.asynccontextmanager
@@ -89,11 +121,12 @@ async def rollout_session(
             await client.resume_and_wait_healthy(timeout_s=cfg.engine.engine_start_timeout)
         else:
             await client.wait_healthy(timeout_s=cfg.engine.engine_start_timeout)
+        if isinstance(client, VLLMClient):  # launched or external: its log-probs must be the sampling policy's
+            await client.check_logprobs_mode()
         encoder = ChatEncoder(load_tokenizer(model_dir), load_image_processor(model_dir))
         client.vocab_size = len(encoder.tokenizer)  # an engine returning an id outside it fails the sample by name
-        env_module = load_module(cfg.rollout.rollout_interaction_env_path, "--rollout-interaction-env-path")
         args.rollout_context = RolloutContext(
-            client=client, encoder=encoder, env_module=env_module,
+            client=client, encoder=encoder, env_module=task_env_module(cfg),
             generate_slots=asyncio.Semaphore(
                 total_generate_concurrency(cfg.rollout.sglang_server_concurrency, cfg.engine.engine_worker_urls)),
             router_mode=bool(cfg.engine.engine_worker_urls),

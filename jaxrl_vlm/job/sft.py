@@ -50,7 +50,7 @@ class SFTJob:
 
     # -------------------------------------------------------------------------- phases
     def prepare(self) -> None:
-        """Assets (created once, by process 0), conversations, policy, resume point, eval sets, logs.
+        """Assets (created once, by process 0), conversations, eval sets, policy, resume point, logs.
 
         Every process loads the same conversations and walks them in the same order, so each builds the same
         batch and uploads only its own rows (no broadcast is needed)."""
@@ -66,6 +66,8 @@ class SFTJob:
         logger.info("SFT data: %d conversations from %s", len(dataset), data_path)
         self.data = PromptIterator(dataset, cfg.rollout.rollout_batch_size, shuffle=cfg.data.rollout_shuffle,
                                    seed=cfg.train.seed)
+        # Read before the policy is built, like the training data: a bad eval file stops the run at once.
+        self.eval_sets: list[EvalSet] = load_eval_sets(cfg, lambda c, path: load_conversations(c, path, encoder))
         self.trainer.build_policy(self.model_dir)
         resume = restore(cfg, self.trainer.state)
         if resume is not None and resume.warm_start:  # an RL run's checkpoint: its weights, our step 0
@@ -74,7 +76,6 @@ class SFTJob:
             self.start_step = resume.step
             self.trainer.state = resume.state
             self.data.load_state_dict(resume.prompt_iterator)
-        self.eval_sets: list[EvalSet] = load_eval_sets(cfg, lambda c, path: load_conversations(c, path, encoder))
         self.checkpoints = CheckpointCadence(cfg, self.out_dir)
         if self.main:
             sinks = open_sinks(cfg.tracking, self.out_dir, cfg.to_dict())

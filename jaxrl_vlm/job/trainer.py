@@ -5,7 +5,9 @@ SFT (`--loss-type sft_loss`): conversations -> the same batches (token-mean weig
 compiled steps with the NLL of the assistant tokens at temperature 1; `nll` scores held-out conversations.
 It knows nothing about engines or rollouts; the run loops (`job/run.py`, `job/sft.py`) feed it and export its
 weights. With LoRA (`--lora-rank`, `jaxrl_vlm/lora/`) the trained state is the adapters, the base is frozen beside
-them (`frozen`, also the reference policy), and `policy_model()` is the merged model, carrying its adapters.
+them (`frozen`, also the reference policy), and `policy_model()` is the merged model, carrying its adapters. With
+`--freeze-vision-tower` / `--freeze-vision-merger` (`models/freezing.py`) the same mechanism holds those parameters
+beside the trained ones (`frozen`, in the parameter dtype), and every forward joins them back.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from jaxrl_vlm.lora.adapters import (
 )
 from jaxrl_vlm.lora.optim import adapter_optimizer
 from jaxrl_vlm.distributed import global_batch
+from jaxrl_vlm.models.freezing import NOTHING_FROZEN, FrozenParts, frozen_parts, join_params, split_params
 from jaxrl_vlm.models.hf_io import from_hf, load_hf_config
 from jaxrl_vlm.rl.advantages import compute_advantages
 from jaxrl_vlm.rl.losses import LossConfig
@@ -193,6 +196,19 @@ def check_frame_patches(samples: list[Sample], cap: int | None) -> None:
                 "preprocessed with the model directory's preprocessor_config.json")
 
 
+def check_lora_outside_frozen(setup: Any, frozen: FrozenParts) -> None:
+    """No adapter and no module to save may sit on a frozen parameter: a frozen part has no trained state."""
+    if not frozen:
+        return
+    inside = [s.module for s in setup.sites if any(tuple(p) in frozen.paths for p in s.link.ours)]
+    inside += [m.module for m in setup.saved if any(tuple(link.ours[0]) in frozen.paths for _, link, _, _ in m.tensors)]
+    if inside:
+        raise ConfigError(
+            f"--freeze-vision-tower / --freeze-vision-merger freeze {len(inside)} module(s) that LoRA would train "
+            f"({', '.join(inside[:3])}{', ...' if len(inside) > 3 else ''}: --lora-vision or --lora-modules-to-save): "
+            "drop --lora-vision (or those modules), or the freeze flag")
+
+
 def check_routing_replay(cfg: Config, model_cfg: Any) -> None:
     """Routing replay (either flag) on a dense model can only be a mistake: it has no router to replay."""
     if not getattr(model_cfg.text, "sparse_layers", ()):
@@ -233,6 +249,9 @@ class Trainer:
         self.lora = None
         self.frozen: Any = None
         self.frozen_shardings: Any = None
+        # --freeze-vision-tower / --freeze-vision-merger: the parameters held in `frozen` without LoRA (with LoRA the
+        # whole base is frozen already), which a weight sync may leave out.
+        self.frozen_parts: FrozenParts = NOTHING_FROZEN
 
     # -------------------------------------------------------------------------- setup
     def build_policy(self, model_dir: Path) -> None:
@@ -250,11 +269,14 @@ class Trainer:
         )
         self.model_cfg = model.cfg
         check_routing_replay(cfg, model.cfg)
+        self.frozen_parts = frozen_parts(model, vision_tower=cfg.train.freeze_vision_tower,
+                                         vision_merger=cfg.train.freeze_vision_merger)
         self.graphdef, params = nnx.split(model, nnx.Param)
         self.tx = make_optimizer(cfg.optim, cfg.rollout.num_rollout * cfg.train.num_steps_per_rollout)
         p_sh = param_shardings(params, self.mesh, self.rules)
         if cfg.lora.enabled:
             self.lora = lora_setup(model.cfg, params, cfg.lora)
+            check_lora_outside_frozen(self.lora, self.frozen_parts)
             # The base never changes: held once, in the compute dtype the model casts every kernel to anyway.
             cd = jnp.dtype(cfg.model.compute_dtype)
             self.frozen = jax.device_put(jax.tree.map(lambda x: x.astype(cd), params), p_sh)
@@ -264,6 +286,10 @@ class Trainer:
             p_sh = adapter_shardings(self.lora, self.mesh, self.rules)
             params = jax.device_put(adapters, p_sh)
             self.tx = adapter_optimizer(self.tx, cfg.lora.lora_plus_lr_ratio)  # LoRA+: lora_B at ratio x lr
+        elif self.frozen_parts:
+            # Kept as loaded (the parameter dtype, unlike LoRA's base): the forward is the unfrozen one's, bit for bit.
+            params, self.frozen = split_params(params, self.frozen_parts.paths)
+            p_sh, self.frozen_shardings = split_params(p_sh, self.frozen_parts.paths)
         # Optimizer moments are laid out like the parameters they track.
         opt_state = jax.jit(self.tx.init)(params)
         rng = jax.random.key_data(jax.random.key(cfg.train.seed))
@@ -284,7 +310,7 @@ class Trainer:
             # The reference is the base: the same parameters with the adapters switched off, no copy.
             self.ref_params = self.frozen if needs_ref else None
         else:
-            self.ref_params = jax.tree.map(jnp.copy, params) if needs_ref else None
+            self.ref_params = self._with_frozen(jax.tree.map(jnp.copy, params)) if needs_ref else None
 
     def _activations(self) -> ActivationSharding | None:
         return ActivationSharding.from_config(self.cfg.mesh, self.mesh, self.rules)
@@ -340,7 +366,7 @@ class Trainer:
             aggregation=aggregation_mode(cfg), aggregation_constant=aggregation_constant(cfg),
             overlong_policy=cfg.batching.overlong_policy,
             max_tokens_per_micro_batch=None if budget is None else budget * shards * per_row_devices,
-            routing_replay=cfg.rollout.use_rollout_routing_replay,
+            routing_replay=cfg.rollout.use_rollout_routing_replay, vision_reuse=cfg.batching.vision_reuse,
         )
         # Each process uploads only the rows its devices hold (plain device_put would first gather and compare
         # the whole batch across processes).
@@ -392,6 +418,8 @@ class Trainer:
         metrics["batch/padding_efficiency"] = float(np.mean([b.layout.padding_efficiency for b, _ in batches]))
         metrics["batch/rows_per_micro_batch"] = float(batches[0][0].arrays.tokens.shape[1])
         metrics["batch/real_tokens"] = float(sum(b.layout.real_tokens for b, _ in batches))
+        metrics["train/vision_images"] = float(sum(b.layout.images for b, _ in batches))
+        metrics["train/vision_images_distinct"] = float(sum(b.layout.distinct_images for b, _ in batches))
         metrics["batch/compiled_programs"] = float(self.compiled_programs())
         if sft:
             return metrics
@@ -421,7 +449,7 @@ class Trainer:
         run's fresh one, and the reference policy of the KL terms becomes these weights."""
         self.state = jax.device_put(self.state._replace(params=params), self.state_shardings)
         if self.ref_params is not None and self.lora is None:  # LoRA's reference stays the base
-            self.ref_params = jax.tree.map(jnp.copy, self.state.params)
+            self.ref_params = self._with_frozen(jax.tree.map(jnp.copy, self.state.params))
 
     def advantages(self, samples: list[Sample]) -> tuple[np.ndarray, dict[str, float]]:
         """Advantages of a rollout, after `--custom-reward-post-process-path` (its rewards replace the samples'; it
@@ -430,7 +458,7 @@ class Trainer:
         Shaping (slime's `--kl-coef`): each sample's reward loses kl_coef * sum over its model tokens of the k1
         estimate log p_old - log p_ref (the current weights before this update vs the initial policy), before
         the advantages. slime applies it only inside its reinforce++/ppo returns and silently ignores it for
-        grpo/gspo; here it shapes the reward for every estimator (the README's slime table says so).
+        grpo/gspo; here it shapes the reward for every estimator (docs/guides/slime.md says so).
         """
         cfg = self.cfg
         rewards = np.array([float(s.reward) for s in samples], np.float64)
@@ -457,11 +485,15 @@ class Trainer:
                         "rollout/shaped_reward_mean": float(shaped.mean())})
         return sample_advantages(samples, cfg, shaped), metrics
 
+    def _with_frozen(self, trained: Any) -> Any:
+        """The whole parameter state from trained parameters (`trained` itself when nothing is frozen beside them)."""
+        return trained if self.lora is not None or self.frozen is None else join_params(trained, self.frozen)
+
     def policy_params(self) -> Any:
-        """The parameter state of the current policy: the trained parameters, or with LoRA the base with the adapters
-        merged in (a new state; the base is untouched)."""
+        """The parameter state of the current policy: the trained parameters (joined with the frozen vision parts,
+        no copy), or with LoRA the base with the adapters merged in (a new state; the base is untouched)."""
         if self.lora is None:
-            return self.state.params
+            return self._with_frozen(self.state.params)
         if self._merge_fn is None:
             self._merge_fn = jax.jit(lambda base, adapters: merged_params(base, adapters, self.lora),
                                      out_shardings=self.frozen_shardings)

@@ -4,7 +4,7 @@ arguments win: a flag they already pass is not added. No jax here.
 
 An external engine (`--engine-url`) must be started this way by the user: SGLang with `--enable-lora
 --max-lora-rank R --lora-target-modules ...`, vLLM with `--enable-lora --max-lora-rank R` and
-`VLLM_ALLOW_RUNTIME_LORA_UPDATING=1` (README, LoRA).
+`VLLM_ALLOW_RUNTIME_LORA_UPDATING=1` (docs/guides/lora.md).
 """
 
 from __future__ import annotations

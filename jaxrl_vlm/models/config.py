@@ -24,14 +24,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from jaxrl_vlm.errors import ConfigError
 from jaxrl_vlm.models.families import FAMILIES, Family, register
 
 _SUPPORTED_TEXT_ACTS = ("silu",)
 _SUPPORTED_VISION_ACTS = ("gelu_pytorch_tanh", "gelu", "silu", "quick_gelu")
-
-
-class ConfigError(ValueError):
-    """A Qwen-VL config violates a constraint of the architecture."""
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
+from jaxrl_vlm.errors import CheckpointError
 from jaxrl_vlm.models.config import ModelConfig, from_hf_dict
 from jaxrl_vlm.models.families import PolicyModel, family_model
 from jaxrl_vlm.models.hf_links import Link, ParamPath, SplitLayout, current_tensor_name
@@ -67,10 +68,10 @@ _ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
 # Keys that transformers may leave in a checkpoint and that carry no weights of ours.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_pos_emb.inv_freq")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5", ".ckpt")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint does not match the model config (missing / unexpected / mis-shaped keys)."""
+# A directory that leaves tensors out (`to_hf(leave_out=...)`: a weight sync of a run that freezes them) lists them
+# here, {"kept": [HF names]}: an engine keeps what it holds for them. SGLang's and vLLM's reloads read the tensors the
+# files have and ignore this file; our engine (`engine.weights.load_params_state`) refuses any other missing tensor.
+KEPT_TENSORS_FILE = "kept_tensors.json"
 
 
 # ----------------------------------------------------------------------------- safetensors reading
@@ -129,6 +130,21 @@ class SafetensorsReader:
         return raw.view(_ST_DTYPES[entry["dtype"]]).reshape(entry["shape"])
 
 
+
+
+def kept_tensors(path: str | os.PathLike) -> frozenset[str]:
+    """The HF tensors the checkpoint at `path` leaves to the engine that loads it (`KEPT_TENSORS_FILE`; none when
+    it has no such file)."""
+    file = Path(path) / KEPT_TENSORS_FILE
+    if not file.is_file():
+        return frozenset()
+    try:
+        kept = json.loads(file.read_text()).get("kept")
+    except (ValueError, AttributeError) as e:
+        raise CheckpointError(f"{file}: not a JSON object with a 'kept' list of tensor names ({e})") from e
+    if not isinstance(kept, list) or not all(isinstance(k, str) for k in kept):
+        raise CheckpointError(f"{file}: 'kept' must be a list of tensor names, got {kept!r}")
+    return frozenset(kept)
 
 
 def read_safetensors_header(file: Path) -> tuple[dict[str, Any], int]:
@@ -360,8 +376,12 @@ def to_hf(
     max_shard_bytes: int = 5 * 1024**3,
     copy_from: str | os.PathLike | None = None,
     untie_embeddings: bool = False,
+    leave_out: Container[str] = (),
 ) -> Path:
     """Write `model` as an HF checkpoint directory of its family (HF names, torch layouts).
+
+    `leave_out`: HF tensor names not written (a frozen vision tower, which the engine already holds), listed in
+    `KEPT_TENSORS_FILE` so the directory says it is partial.
 
     `untie_embeddings`: a model with tied word embeddings is written with an explicit `lm_head.weight` (a copy of
     the embedding) and `tie_word_embeddings: false`; the same function, for an engine that cannot reload a tied
@@ -380,6 +400,8 @@ def to_hf(
         raise ValueError(f"cannot export dtype {np_dtype}; use one of {sorted(_ST_NAMES.values(), key=str)}")
     params = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     links = weight_links(cfg)
+    kept = sorted(link.hf_key for link in links if link.hf_key in leave_out)
+    links = [link for link in links if link.hf_key not in leave_out]
     untie = untie_embeddings and cfg.tie_word_embeddings
     if untie:
         (embed,) = [link for link in links if link.hf_key.endswith("language_model.embed_tokens.weight")]
@@ -407,13 +429,18 @@ def to_hf(
                 total += _tensor_nbytes(link.hf_shape, np_dtype)
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    if kept:
+        (out / KEPT_TENSORS_FILE).write_text(json.dumps({"kept": kept}, indent=1))
+    elif (out / KEPT_TENSORS_FILE).exists():
+        (out / KEPT_TENSORS_FILE).unlink()
 
     src = Path(copy_from) if copy_from is not None else None
     if src is not None:
         if not (src / "config.json").exists():
             raise CheckpointError(f"copy_from={src}: no config.json to copy")
         for item in sorted(src.iterdir()):
-            if item.is_file() and not item.name.endswith(_WEIGHT_SUFFIXES) and item.name != "model.safetensors.index.json":
+            if item.is_file() and not item.name.endswith(_WEIGHT_SUFFIXES) and \
+                    item.name not in ("model.safetensors.index.json", KEPT_TENSORS_FILE):
                 shutil.copyfile(item, out / item.name)
         if untie:
             (out / "config.json").write_text(json.dumps(_untied(json.loads((src / "config.json").read_text())), indent=2))
@@ -423,6 +450,44 @@ def to_hf(
         (out / "config.json").write_text(json.dumps(_untied(conf) if untie else conf, indent=2))
         gen = {k: v for k, v in (("bos_token_id", cfg.bos_token_id), ("eos_token_id", cfg.eos_token_id)) if v is not None}
         (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
+    return out
+
+
+def write_tensor_subset(src: str | os.PathLike, out_dir: str | os.PathLike, keys: Container[str]) -> Path:
+    """Copy the tensors `keys` (HF names) of the checkpoint at `src` (e.g. a weight-sync version) byte for byte, under
+    the names they are stored by, into a partial checkpoint at `out_dir` (one shard, no config) whose
+    `KEPT_TENSORS_FILE` lists every other tensor: loaded after an engine restart, it puts back what later partial
+    versions leave out."""
+    reader = SafetensorsReader(src)
+    chosen, kept = [], []
+    for file in sorted({reader._entries[k][0] for k in reader.keys()}):
+        header, data_start = read_safetensors_header(reader.path / file)
+        for stored, entry in header.items():
+            if stored == "__metadata__":
+                continue
+            (chosen if current_tensor_name(stored) in keys else kept).append((stored, entry, file, data_start))
+    if not chosen:
+        raise ValueError(f"write_tensor_subset: none of the tensors asked for is in {src}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    header_out: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for stored, entry, _, _ in chosen:
+        size = entry["data_offsets"][1] - entry["data_offsets"][0]
+        header_out[stored] = {"dtype": entry["dtype"], "shape": entry["shape"], "data_offsets": [offset, offset + size]}
+        offset += size
+    blob = json.dumps(header_out, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(out / "model.safetensors", "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for stored, entry, file, data_start in chosen:
+            begin, end = entry["data_offsets"]
+            with open(reader.path / file, "rb") as source:
+                source.seek(data_start + begin)
+                f.write(source.read(end - begin))
+    (out / KEPT_TENSORS_FILE).write_text(json.dumps({"kept": sorted(current_tensor_name(k) for k, *_ in kept)},
+                                                    indent=1))
     return out
 
 

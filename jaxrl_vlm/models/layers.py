@@ -27,7 +27,7 @@ Inputs are fixed-shape host-prepared arrays (see `rope.py`, `vision.py`):
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -550,10 +550,8 @@ class VisionLanguageDecoder(nnx.Module):
         if vision is None:
             return x, [], None
         merged, deepstack = self.visual(vision)
-        slots = jnp.where(vision.image_token_index < 0, b * t, vision.image_token_index)
-        d = x.shape[-1]
-        x = x.reshape(b * t, d).at[slots].set(merged.astype(x.dtype), mode="drop").reshape(b, t, d)
-        return constrain(x, ROWS_HIDDEN), deepstack, slots
+        slots = image_slots(vision, b, t)
+        return constrain(set_at_slots(x, slots, merged), ROWS_HIDDEN), deepstack, slots
 
     def logits(self, hidden_btd: jax.Array) -> jax.Array:
         """Full-vocabulary logits [B, T, V] in fp32 (use `token_logprobs` for training)."""
@@ -561,10 +559,44 @@ class VisionLanguageDecoder(nnx.Module):
         return jnp.einsum("btd,dv->btv", hidden_btd.astype(self.compute_dtype), kernel, preferred_element_type=jnp.float32)
 
 
-def add_at_slots(x_btd: jax.Array, slots: jax.Array, values: jax.Array) -> jax.Array:
-    """x with `values` [M, D] added at the flat [B*T] positions `slots` (out-of-range slots dropped)."""
+class TokenImageRows(NamedTuple):
+    """Vision reuse: the row of the tower's [M] output read at each flat [B*T] token slot (-1: not an image token).
+    A row shown by several slots is gathered into each; autodiff sums its gradients over them."""
+
+    rows: jax.Array
+
+
+def image_slots(vision: Any, b: int, t: int) -> jax.Array | TokenImageRows:
+    """Where a [B, T] batch's image features go: flat [B*T] slots of the tower rows (`image_token_index`, one
+    slot per row; B*T dropped), or, when the batch carries `token_image_rows` (vision reuse), a gather map."""
+    if getattr(vision, "token_image_rows", None) is not None:
+        return TokenImageRows(vision.token_image_rows.reshape(b * t))
+    return jnp.where(vision.image_token_index < 0, b * t, vision.image_token_index)
+
+
+def _gathered(slots: TokenImageRows, values: jax.Array, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
+    rows = slots.rows
+    return rows >= 0, jnp.take(values, jnp.maximum(rows, 0), axis=0).astype(dtype)
+
+
+def set_at_slots(x_btd: jax.Array, slots: jax.Array | TokenImageRows, values: jax.Array) -> jax.Array:
+    """x with the tower rows `values` [M, D] written at `slots` (from `image_slots`)."""
     b, t, d = x_btd.shape
-    return x_btd.reshape(b * t, d).at[slots].add(values.astype(x_btd.dtype), mode="drop").reshape(b, t, d)
+    flat = x_btd.reshape(b * t, d)
+    if isinstance(slots, TokenImageRows):
+        is_image, gathered = _gathered(slots, values, x_btd.dtype)
+        return jnp.where(is_image[:, None], gathered, flat).reshape(b, t, d)
+    return flat.at[slots].set(values.astype(x_btd.dtype), mode="drop").reshape(b, t, d)
+
+
+def add_at_slots(x_btd: jax.Array, slots: jax.Array | TokenImageRows, values: jax.Array) -> jax.Array:
+    """x with the tower rows `values` [M, D] added at `slots` (from `image_slots`; out-of-range slots dropped)."""
+    b, t, d = x_btd.shape
+    flat = x_btd.reshape(b * t, d)
+    if isinstance(slots, TokenImageRows):
+        is_image, gathered = _gathered(slots, values, x_btd.dtype)
+        return (flat + jnp.where(is_image[:, None], gathered, jnp.zeros_like(gathered))).reshape(b, t, d)
+    return flat.at[slots].add(values.astype(x_btd.dtype), mode="drop").reshape(b, t, d)
 
 
 def token_logprobs(

@@ -55,9 +55,11 @@ from jaxrl_vlm.models.layers import (
     TextMLP,
     apply_rotary,
     attention,
+    image_slots,
     param,
     remat_runner,
     run_block,
+    set_at_slots,
     text_attention,
     text_mask,
 )
@@ -538,10 +540,7 @@ class Qwen3_5(nnx.Module):
         if vision is None:
             return x
         merged, _ = self.visual(vision)
-        slots = jnp.where(vision.image_token_index < 0, b * t, vision.image_token_index)
-        d = x.shape[-1]
-        x = x.reshape(b * t, d).at[slots].set(merged.astype(x.dtype), mode="drop").reshape(b, t, d)
-        return constrain(x, ROWS_HIDDEN)
+        return constrain(set_at_slots(x, image_slots(vision, b, t), merged), ROWS_HIDDEN)
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array, vision: Any = None) -> jax.Array:
         x = self.embed_inputs(tokens, vision)

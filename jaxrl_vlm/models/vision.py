@@ -11,6 +11,11 @@ Qwen3-VL gets `VisionInputs` (bilinear taps of its learned position table). Qwen
 patches are handed over already permuted into window order (transformers' `window_index`, merge unit by
 merge unit), with a window id per patch; the reverse permutation is folded into `image_token_index`,
 so the device never permutes anything.
+
+Vision reuse (`build_reused_vision_inputs`): the patches hold each DISTINCT image of a micro-batch once, and
+`token_image_rows [B, T]` names the tower's merged row read at every image-pad slot, so one image shown by
+several samples (a GRPO group's prompt picture, an earlier turn's picture sent again) is encoded once and
+gathered into each of them; `image_token_index` then holds padding only.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ class VisionInputs(NamedTuple):
     pos_interp_idx     int32 [P, 4]        rows of the learned position table to blend
     pos_interp_w       float32 [P, 4]      bilinear weights (0 at padding)
     image_token_index  int32 [M]           flat index into B*T of each merged token; padding = B*T (dropped)
+    token_image_rows   int32 [B, T] | None merged row (of the tower's [M] output) read at each token slot, -1 where
+                                           none; set by vision reuse instead of image_token_index (then all B*T)
     """
 
     pixel_values: np.ndarray
@@ -40,6 +47,7 @@ class VisionInputs(NamedTuple):
     pos_interp_idx: np.ndarray
     pos_interp_w: np.ndarray
     image_token_index: np.ndarray
+    token_image_rows: np.ndarray | None = None
 
 
 class WindowedVisionInputs(NamedTuple):
@@ -50,6 +58,7 @@ class WindowedVisionInputs(NamedTuple):
     patch_window_ids   int32 [P]           attention-window index per patch (window blocks), -1 = padding
     patch_rotary_pos   int32 [P, 2]        (h, w) patch index inside its image
     image_token_index  int32 [M]           flat index into B*T of each merged token (window order); padding = B*T
+    token_image_rows   int32 [B, T] | None as VisionInputs' (rows in window order)
     """
 
     pixel_values: np.ndarray
@@ -57,6 +66,7 @@ class WindowedVisionInputs(NamedTuple):
     patch_window_ids: np.ndarray
     patch_rotary_pos: np.ndarray
     image_token_index: np.ndarray
+    token_image_rows: np.ndarray | None = None
 
 
 def build_vision_inputs(
@@ -133,6 +143,59 @@ def build_vision_inputs(
         padded(idx, 0, np.int32),
         padded(w, 0, np.float32),
         token_index,
+    )
+
+
+def build_reused_vision_inputs(
+    pixel_values: np.ndarray,
+    image_grid_thw: np.ndarray,
+    image_of_occurrence: np.ndarray,
+    tokens: np.ndarray,
+    cfg: ModelConfig,
+    *,
+    patch_bucket: int,
+    token_valid: np.ndarray | None = None,
+) -> VisionInputs | WindowedVisionInputs:
+    """Vision inputs that encode each distinct image once and gather it into every slot that shows it.
+
+    pixel_values / image_grid_thw: the DISTINCT images (processor layout, as `build_vision_inputs`).
+    image_of_occurrence int [n]: the distinct image of each image occurrence of `tokens` [B, T], in row-major
+    token order (the i-th occurrence fills the next grid_t*grid_h*grid_w / merge**2 image pads).
+    Returns the family's inputs with `token_image_rows [B, T]` set (the tower row gathered at each slot, -1
+    elsewhere) and `image_token_index` all padding. The tower sees only the distinct images, each attending
+    within its own frames (and windows), so every gathered row equals a per-sample encoding of that image.
+    """
+    v = cfg.vision
+    grid = np.asarray(image_grid_thw, dtype=np.int64).reshape(-1, 3)
+    tokens = np.asarray(tokens)
+    merged_sizes = grid.prod(-1) // v.merge_unit if len(grid) else np.zeros((0,), np.int64)
+    n_merged = int(merged_sizes.sum())
+    # The tower's output order for these images alone: lay them out as one row of image pads, so that
+    # image_token_index[j] is the row-major (canonical) merged index of tower row j (window order for Qwen2.5-VL).
+    canonical = build_vision_inputs(pixel_values, grid, np.full((1, n_merged), cfg.image_token_id), cfg,
+                                    patch_bucket=patch_bucket)
+    tower_row = np.empty(n_merged, np.int64)
+    tower_row[canonical.image_token_index[:n_merged]] = np.arange(n_merged)
+    occurrence = np.asarray(image_of_occurrence, np.int64).reshape(-1)
+    if occurrence.size and (occurrence.min() < 0 or occurrence.max() >= len(grid)):
+        raise ValueError(f"image_of_occurrence {occurrence.tolist()} names images outside the {len(grid)} distinct ones")
+    first = np.cumsum(merged_sizes) - merged_sizes
+    sizes = merged_sizes[occurrence]
+    wanted = np.repeat(first[occurrence] - (np.cumsum(sizes) - sizes), sizes) + np.arange(int(sizes.sum()))
+    is_image = tokens == cfg.image_token_id
+    if token_valid is not None:
+        is_image &= np.asarray(token_valid).astype(bool)
+    slots = np.flatnonzero(is_image.reshape(-1))
+    if slots.size != wanted.size:
+        raise ValueError(
+            f"tokens hold {slots.size} image-pad tokens (id {cfg.image_token_id}) but the image occurrences give "
+            f"{wanted.size} merged tokens"
+        )
+    rows = np.full(tokens.size, -1, np.int32)
+    rows[slots] = tower_row[wanted]
+    return canonical._replace(
+        image_token_index=np.full_like(canonical.image_token_index, tokens.size),
+        token_image_rows=rows.reshape(tokens.shape),
     )
 
 

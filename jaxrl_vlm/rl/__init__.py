@@ -1,5 +1,5 @@
-"""RL math of the trainer: advantage estimators and aggregation (host, numpy), the loss registries (jnp) and the
-metrics that carry their reduction.
+"""RL math of the trainer: advantage estimators and aggregation (host, numpy), the loss registries and rollout
+corrections (jnp) and the metrics that carry their reduction.
 
 Names are resolved lazily (PEP 562): importing a numpy-only submodule (`advantages`, `aggregation`) never
 imports jax.
@@ -19,8 +19,10 @@ _EXPORTS = {
     **dict.fromkeys(
         ["KL_ESTIMATORS", "KL_TYPES", "LOSS_TYPES", "POLICY_LOSSES", "LossConfig", "LossInputs", "check_loss_inputs",
          "get_loss", "kl_estimate", "register_kl_estimator", "register_loss", "register_loss_type", "registered_losses",
-         "select_loss"], "losses"),
+         "select_loss", "apply_rollout_correction"], "losses"),
     **dict.fromkeys(["Metric", "Reduction", "accumulate_metrics", "finalize_metrics", "init_metrics"], "metrics"),
+    **dict.fromkeys(["ROLLOUT_CORRECTIONS", "Correction", "CorrectionResult", "register_correction",
+                     "rollout_correction"], "corrections"),
 }
 __all__ = sorted(_EXPORTS)
 

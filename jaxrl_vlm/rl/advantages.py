@@ -17,20 +17,7 @@ or, without editing the package, the same function in a user file passed by
 `compute_advantages` in place of the name; its output is checked and a wrong one
 names the flag and the path).
 
-Estimators:
-- `grpo`: (r - group mean) / (group std + eps), std UNBIASED (ddof=1), eps=1e-6,
-  exactly slime's `_post_process_rewards` (torch.std). `std_normalization=False`
-  drops the division (slime's `--disable-grpo-std-normalization`). A group of one
-  sample has no unbiased std and no contrast, so its advantage is 0.
-- `dr_grpo`: r - group mean (Dr.GRPO: no std division, whatever
-  `std_normalization` says).
-- `rloo`: r - mean of the OTHER samples of the group (leave-one-out baseline);
-  equals n/(n-1) * (r - group mean). A group of one sample gets 0.
-- `reinforce_plus_plus`: REINFORCE++ (Hu et al. 2025) with one terminal reward and
-  gamma=1: the return is the reward and the advantage is whitened over the whole
-  batch, (r - batch mean) / (batch std + eps), groups ignored.
-- `reinforce_plus_plus_baseline`: REINFORCE++-baseline: subtract the group mean,
-  then whiten the result over the whole batch.
+Each estimator's docstring says what it computes (docs/reference/algorithms.md lists them).
 
 The whitening std of the REINFORCE++ pair is unbiased (ddof=1), as slime's
 `distributed_masked_whiten` is; a batch of one sample gets 0. Unlike slime we
@@ -120,6 +107,9 @@ def _whiten(x: np.ndarray, eps: float) -> np.ndarray:
 
 @register_advantage("grpo")
 def grpo(rewards: np.ndarray, group_index: np.ndarray, *, std_normalization: bool, eps: float) -> np.ndarray:
+    """GRPO: (r - group mean) / (group std + eps), the std unbiased (ddof=1), eps=1e-6, exactly slime's
+    `_post_process_rewards` (torch.std); `std_normalization=False` drops the division (slime's
+    `--disable-grpo-std-normalization`). A group of one sample has no unbiased std and no contrast: advantage 0."""
     mean, std, size = _group_stats(rewards, group_index)
     adv = rewards - mean
     if std_normalization:
@@ -129,12 +119,15 @@ def grpo(rewards: np.ndarray, group_index: np.ndarray, *, std_normalization: boo
 
 @register_advantage("dr_grpo")
 def dr_grpo(rewards: np.ndarray, group_index: np.ndarray, *, std_normalization: bool, eps: float) -> np.ndarray:
+    """Dr.GRPO: r - group mean, no std division whatever `std_normalization` says."""
     mean, _, size = _group_stats(rewards, group_index)
     return np.where(size > 1, rewards - mean, 0.0)
 
 
 @register_advantage("rloo")
 def rloo(rewards: np.ndarray, group_index: np.ndarray, *, std_normalization: bool, eps: float) -> np.ndarray:
+    """RLOO: r - mean of the OTHER samples of the group (leave-one-out baseline), n/(n-1) * (r - group mean); a
+    group of one sample gets 0."""
     mean, _, size = _group_stats(rewards, group_index)
     # Baseline = (group sum - own reward) / (n - 1).
     baseline = (mean * size - rewards) / np.maximum(size - 1, 1)
@@ -145,6 +138,8 @@ def rloo(rewards: np.ndarray, group_index: np.ndarray, *, std_normalization: boo
 def reinforce_plus_plus(
     rewards: np.ndarray, group_index: np.ndarray, *, std_normalization: bool, eps: float
 ) -> np.ndarray:
+    """REINFORCE++ (Hu et al. 2025) with one terminal reward and gamma=1: the return is the reward, whitened over
+    the whole batch, (r - batch mean) / (batch std + eps); groups are ignored."""
     return _whiten(rewards, eps)
 
 
@@ -152,6 +147,7 @@ def reinforce_plus_plus(
 def reinforce_plus_plus_baseline(
     rewards: np.ndarray, group_index: np.ndarray, *, std_normalization: bool, eps: float
 ) -> np.ndarray:
+    """REINFORCE++-baseline: subtract the group mean, then whiten the result over the whole batch."""
     mean, _, _ = _group_stats(rewards, group_index)
     return _whiten(rewards - mean, eps)
 

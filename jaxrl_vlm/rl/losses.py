@@ -3,7 +3,8 @@
 Every loss is `fn(inputs: LossInputs, cfg: LossConfig) -> (loss, metrics)`: pure
 `jnp`, jittable with `cfg` static. Adding a variant is one decorated function
 that builds the per-token policy-gradient term; `_assemble` adds what all
-variants share (TIS, KL-to-reference loss, entropy bonus, aggregation, metrics).
+variants share (the rollout correction, KL-to-reference loss, entropy bonus,
+aggregation, metrics).
 
 Arrays are `[B, T]`, already aligned to next-token targets. Rows may be packed:
 `sequence_ids` says which sequence of the micro-batch a token belongs to (-1 on
@@ -28,12 +29,17 @@ Semantics follow slime (`utils/ppo_utils.py`, `megatron_utils/loss.py`):
   sequence, which holds for all three aggregation modes and sequence-level
   advantages (tested). The token form keeps the backward local (no segment sum).
 - cispo (MiniMax-M1): -sg(clip(r, 1-eps, 1+eps_high)) * A * logp.
-- TIS: clip(exp(old - rollout), tis_clip_low, tis_clip), stop-gradient, multiplies
-  the per-token policy-gradient loss. `--custom-tis-function-path` replaces that weighting
-  (`custom_tis_function`): it returns the new per-token pg loss and a mask; tokens it masks
-  out leave the pg, KL and entropy terms (diagnostics keep them, as slime's mismatch
-  metrics do), while the token weights (the aggregation denominators, computed on the host)
-  stay as they were (slime rebuilds its denominators).
+- Rollout correction (`--rollout-correction`, `rl/corrections.py`, `apply_rollout_correction`):
+  the `ROLLOUT_CORRECTIONS` entry, a function of (old = the trainer's behaviour log-probs,
+  rollout, loss mask, sequence ids, bounds), gives stop-gradient weights that multiply the
+  per-token policy-gradient loss and a keep-mask; slime's `--use-tis` is `token_tis`,
+  w = clip(exp(old - rollout), low, high). `--custom-tis-function-path` is the entry
+  `custom` (`custom_tis_function`): it returns the new per-token pg loss and a mask. Tokens
+  a correction or the hook masks out leave the pg, KL and entropy terms (diagnostics keep
+  them, as slime's mismatch metrics do), while the token weights (the aggregation
+  denominators, computed on the host) stay as they were (slime rebuilds its denominators).
+  Applied here, once, so every registered policy loss gets it; a `--loss-type custom_loss`
+  function receives the settings in `cfg` and applies it with `apply_rollout_correction`.
 - `--loss-type` picks what the step trains from `LOSS_TYPES`: `policy_loss` (the `POLICY_LOSSES` entry of
   `--policy-loss`), `custom_loss` (a user function on this module's contract, `custom_loss`, checked at trace
   time) or `sft_loss` (the NLL of the masked tokens, `sft_loss`, not a policy loss).
@@ -51,7 +57,9 @@ a train step combines them (`accumulate_metrics`) and reduces once (`finalize_me
   `weight_sum` = sum of the weights of the masked tokens.
 - mean: diagnostics, partial sums of w_t * x_t over the weight of the masked tokens
   (a custom TIS function's `tis/<name>` too). Under token_mean and seq_mean_token_mean
-  the global weights sum to 1, so these equal slime's `sum_of_sample_mean` values.
+  the global weights sum to 1, so these equal slime's `sum_of_sample_mean` values. The
+  rollout correction's `rollout_corr/<name>` are plain token (or sequence) means instead:
+  they describe the sampled data, whatever the aggregation.
 - max: `ratio_max` over masked tokens (0 where there are none).
 """
 
@@ -68,9 +76,10 @@ from flax import struct
 
 # Host-side aggregation lives in a numpy-only module (batching imports it without jax); re-exported here.
 from jaxrl_vlm.rl.aggregation import AGGREGATION_MODES, aggregation_weights, check_aggregation  # noqa: F401
+from jaxrl_vlm.rl.corrections import CUSTOM, correction_metrics, rollout_correction
 from jaxrl_vlm.rl.metrics import Metric, Reduction, accumulate_metrics, finalize_metrics  # noqa: F401
-from jaxrl_vlm.rl.options import LossOptions
-from jaxrl_vlm.rl.registries import KL_ESTIMATORS, LOSS_TYPES, POLICY_LOSSES
+from jaxrl_vlm.rl.options import LossOptions, rollout_correction_problem
+from jaxrl_vlm.rl.registries import KL_ESTIMATORS, LOSS_TYPES, POLICY_LOSSES, ROLLOUT_CORRECTIONS
 from rollout.hooks import load_hook
 
 KL_TYPES = KL_ESTIMATORS  # the --kl-loss-type names (a registry: `in`, iteration, `names()`)
@@ -88,7 +97,7 @@ class LossInputs:
     sequence_ids: int32, sequence index within the micro-batch, -1 on padding.
     token_weights: float, aggregation weight from `aggregation_weights` (global batch).
     ref_logprobs: reference policy, needed by the KL loss; None if unused.
-    rollout_logprobs: the engine's sampling log-probs, needed by TIS; None if unused.
+    rollout_logprobs: the engine's sampling log-probs, needed by a rollout correction; None if unused.
     entropy: per-token policy entropy (nats), needed by the entropy bonus; None if unused.
     """
 
@@ -107,10 +116,10 @@ class LossInputs:
 class LossConfig(LossOptions):
     """Static loss hyperparameters (hashable; pass as a static jit argument).
 
-    The user's hyper-parameters (clip ranges, TIS, KL loss, entropy bonus) are the fields of `LossOptions`
-    (rl/options.py), declared there once with their help and bounds; the trainer adds:
-    num_sequences: static upper bound on sequences per micro-batch (gspo's
-        segment sums); ids must lie in [0, num_sequences).
+    The user's hyper-parameters (clip ranges, rollout correction, KL loss, entropy bonus) are the fields of
+    `LossOptions` (rl/options.py), declared there once with their help and bounds; the trainer adds:
+    num_sequences: static upper bound on sequences per micro-batch (the segment
+        sums of gspo and of the rollout corrections); ids must lie in [0, num_sequences).
     aggregation / aggregation_constant: the mode `aggregation_weights` should use
         on the host (the loss reads only the resulting `token_weights`).
     """
@@ -127,10 +136,15 @@ class LossConfig(LossOptions):
             raise ValueError(f"LossConfig.eps_clip_high must be >= 0, got {self.eps_clip_high}")
         if self.eps_clip_c is not None and not self.eps_clip_c > 1.0:
             raise ValueError(f"LossConfig.eps_clip_c (dual clip) must be > 1, got {self.eps_clip_c}")
-        if not 0.0 <= self.tis_clip_low <= self.tis_clip:
-            raise ValueError(
-                f"LossConfig needs 0 <= tis_clip_low <= tis_clip, got {self.tis_clip_low}, {self.tis_clip}"
-            )
+        if self.rollout_correction not in ROLLOUT_CORRECTIONS:
+            raise ValueError(f"LossConfig.rollout_correction must be one of {ROLLOUT_CORRECTIONS.names()}, got "
+                             f"{self.rollout_correction!r}")
+        if self.rollout_correction_low < 0.0:
+            raise ValueError(f"LossConfig.rollout_correction_low must be >= 0, got {self.rollout_correction_low}")
+        problem = rollout_correction_problem(self.rollout_correction, self.rollout_correction_low,
+                                             self.rollout_correction_high, self.custom_tis_function_path)
+        if problem:
+            raise ValueError(f"LossConfig: {problem}")
         if self.kl_loss_type not in KL_ESTIMATORS:
             raise ValueError(
                 f"LossConfig.kl_loss_type must be one of {KL_ESTIMATORS.names()}, got {self.kl_loss_type!r}"
@@ -187,8 +201,8 @@ def _check_optional_inputs(inputs: LossInputs, cfg: LossConfig) -> None:
     """Static (trace-time) checks that the inputs a config needs are present."""
     if cfg.use_kl_loss and inputs.ref_logprobs is None:
         raise ValueError("LossConfig.use_kl_loss=True needs LossInputs.ref_logprobs")
-    if cfg.use_tis and inputs.rollout_logprobs is None:
-        raise ValueError("LossConfig.use_tis=True needs LossInputs.rollout_logprobs")
+    if cfg.rollout_correction != "none" and inputs.rollout_logprobs is None:
+        raise ValueError(f"LossConfig.rollout_correction={cfg.rollout_correction!r} needs LossInputs.rollout_logprobs")
     if cfg.entropy_coef != 0.0 and inputs.entropy is None:
         raise ValueError(f"LossConfig.entropy_coef={cfg.entropy_coef} needs LossInputs.entropy")
 
@@ -279,7 +293,7 @@ def _assemble(
     inputs: LossInputs,
     cfg: LossConfig,
 ) -> tuple[jax.Array, dict[str, Metric]]:
-    """Apply TIS, add KL and entropy terms, aggregate with the token weights, build metrics.
+    """Apply the rollout correction, add KL and entropy terms, aggregate with the token weights, build metrics.
 
     pg_per_token, ratio, ppo_kl, clipped: [B, T]; extra: more per-token diagnostics (token-weighted means).
     """
@@ -296,31 +310,26 @@ def _assemble(
         """The token-weighted mean of a per-token diagnostic over the trainable tokens."""
         return Metric.mean(wsum(x), weight_sum)
 
-    # The loss terms' reduction: `wsum`, unless a custom TIS function removes tokens. Its mask applies to the
-    # pg, KL and entropy terms only; diagnostics (and weight_sum, their denominator) keep the trainable tokens,
-    # as slime reduces its mismatch metrics with the original mask.
-    lsum = wsum
-    custom_tis = cfg.use_tis and cfg.custom_tis_function_path is not None
-    tis_metrics: Mapping[str, jax.Array] = {}
-    if custom_tis:
-        pg_per_token, kept, tis_metrics = custom_tis_function(cfg.custom_tis_function_path)(pg_per_token, inputs, cfg)
-        kept_w = masked(inputs.token_weights, kept).astype(pg_per_token.dtype)
-
-        def lsum(x: jax.Array) -> jax.Array:
-            return jnp.sum(kept_w * masked(x, kept))
-
     metrics: dict[str, Metric] = {}
     if inputs.rollout_logprobs is not None:
+        pg_per_token, keep, correction = apply_rollout_correction(pg_per_token, inputs, cfg)
+        metrics.update(correction)
         old, rollout = sg(inputs.old_logprobs), sg(inputs.rollout_logprobs)
         tis = jnp.exp(masked(old - rollout, mask))
-        tis_w = jnp.clip(tis, cfg.tis_clip_low, cfg.tis_clip)
-        if cfg.use_tis and not custom_tis:
-            pg_per_token = pg_per_token * tis_w
         metrics["tis"] = wmean(tis)
+        tis_w = jnp.clip(tis, cfg.rollout_correction_low, cfg.rollout_correction_high)
         metrics["tis_clipfrac"] = wmean((tis_w != tis).astype(w.dtype))
         metrics["train_rollout_logprob_abs_diff"] = wmean(jnp.abs(old - rollout))
-    for k, v in tis_metrics.items():
-        metrics[f"tis/{k}"] = wmean(sg(v))
+    else:
+        keep = mask
+
+    # The loss terms' reduction: the host's weights on the tokens the correction keeps. Its mask applies to the pg,
+    # KL and entropy terms only; diagnostics (and weight_sum, their denominator) keep the trainable tokens, as slime
+    # reduces its mismatch metrics with the original mask.
+    kept_w = masked(inputs.token_weights, keep).astype(pg_per_token.dtype)
+
+    def lsum(x: jax.Array) -> jax.Array:
+        return jnp.sum(kept_w * masked(x, keep))
 
     pg_loss = lsum(pg_per_token)
     loss = pg_loss
@@ -352,6 +361,32 @@ def _assemble(
     for k, v in extra.items():
         metrics[k] = wmean(sg(v))
     return loss, metrics
+
+
+def apply_rollout_correction(
+    pg_per_token: jax.Array, inputs: LossInputs, cfg: LossConfig
+) -> tuple[jax.Array, jax.Array, dict[str, Metric]]:
+    """The rollout correction of `cfg` (`--rollout-correction`, or the `--custom-tis-function-path` hook for
+    `custom`) applied to a per-token policy-gradient loss [B, T]: (corrected pg loss [B, T], the tokens that stay
+    in the loss [B, T] (within `inputs.loss_mask`), its diagnostics). Needs `inputs.rollout_logprobs`; the
+    correction compares the trainer's behaviour log-probs (`old_logprobs`) with them.
+    """
+    sg = jax.lax.stop_gradient
+    mask = inputs.loss_mask
+    old, rollout = sg(inputs.old_logprobs), sg(inputs.rollout_logprobs)
+    if cfg.rollout_correction == CUSTOM:
+        pg_per_token, keep, hook_metrics = custom_tis_function(cfg.custom_tis_function_path)(pg_per_token, inputs, cfg)
+        metrics = correction_metrics(old, rollout, mask, inputs.sequence_ids, None, keep, cfg.num_sequences)
+        w = masked(inputs.token_weights, mask).astype(pg_per_token.dtype)
+        for k, v in hook_metrics.items():  # token-weighted means over the trainable tokens
+            metrics[f"tis/{k}"] = Metric.mean(jnp.sum(w * masked(sg(v), mask)), jnp.sum(w))
+        return pg_per_token, keep, metrics
+    result = rollout_correction(cfg.rollout_correction, old, rollout, mask, inputs.sequence_ids,
+                                low=cfg.rollout_correction_low, high=cfg.rollout_correction_high,
+                                num_sequences=cfg.num_sequences)
+    # `where`, not a product alone: a weight of 0 must not turn an inf of the loss into a nan.
+    corrected = jnp.where(result.weights != 0, pg_per_token * result.weights, jnp.zeros_like(pg_per_token))
+    return corrected, result.keep, result.metrics
 
 
 # ----------------------------------------------------------------------------- variants
@@ -429,10 +464,13 @@ def custom_loss(path: str) -> LossFn:
     micro-batching stays exact), `metrics` a dict of `Metric`s of float scalars, each tagged with its reduction
     over micro-batches (`Metric.sum`, `Metric.mean`, `Metric.max`, `Metric.min`; `rl/metrics.py`).
     `loss` and `weight_sum` are filled in when it leaves them out, and so are the diagnostics that do not depend
-    on the loss, as every registered loss logs them: `entropy_loss` (train/entropy_loss is always logged) and
+    on the loss, as every registered loss logs them: `entropy_loss` (train/entropy_loss is always logged),
     `train_rollout_logprob_abs_diff` (the drift from the behaviour policy, which `jaxrl-vlm compare-losses`
-    plots for every variant). A wrong return (a metric that is a plain array included) raises HookError naming
-    the flag, the path and the metric, at trace time.
+    plots for every variant) and the engine-trainer mismatch `rollout_corr/k3` and `rollout_corr/chi2`. The
+    function applies `--rollout-correction` itself, if it wants it: `apply_rollout_correction(pg_per_token,
+    inputs, cfg)` gives the corrected per-token loss, the tokens to keep and the correction's metrics.
+    A wrong return (a metric that is a plain array included) raises HookError naming the flag, the path and the
+    metric, at trace time.
     """
     hook = load_hook(path, "custom_loss_function_path")
 
@@ -461,6 +499,11 @@ def custom_loss(path: str) -> LossFn:
             diff = jnp.abs(sg(inputs.old_logprobs) - sg(inputs.rollout_logprobs))
             metrics.setdefault("train_rollout_logprob_abs_diff",
                                Metric.mean(jnp.sum(w * masked(diff, inputs.loss_mask)), jnp.sum(w)))
+            # The engine-trainer mismatch, whatever the function does with --rollout-correction.
+            mismatch = correction_metrics(inputs.old_logprobs, inputs.rollout_logprobs, inputs.loss_mask,
+                                          inputs.sequence_ids, None, inputs.loss_mask, cfg.num_sequences)
+            for k in ("rollout_corr/k3", "rollout_corr/chi2"):
+                metrics.setdefault(k, mismatch[k])
         return loss, metrics
 
     return loss_fn

@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from rollout.metric_docs import MetricDoc
+
 
 class Reduction(enum.Enum):
     """How a metric combines over micro-batches."""
@@ -133,3 +135,45 @@ def accumulate_metrics(acc: Mapping[str, Metric] | None, new: Mapping[str, Metri
 def finalize_metrics(acc: Mapping[str, Metric]) -> dict[str, jax.Array]:
     """The reduced value of every metric (means divided by their accumulated weight)."""
     return {name: m.result() for name, m in check_metrics(acc).items()}
+
+
+# The train step's metrics as logged (`train/` + a loss's metric name; `moe/` as they are). The reduction is over the
+# micro-batches of one optimizer step, and starts with the `Reduction` the code tags the metric with (a test traces
+# every registered loss and checks it); the trainer then averages each over the rollout's optimizer steps.
+TRAIN_METRICS: tuple[MetricDoc, ...] = (
+    MetricDoc("train/loss", "sum over micro-batches", "The loss: policy gradient + KL and entropy terms."),
+    MetricDoc("train/pg_loss", "sum over micro-batches", "The policy-gradient term."),
+    MetricDoc("train/kl_loss", "sum over micro-batches",
+              "KL(current || reference) by --kl-loss-type, when reference log-probs exist (--use-kl-loss)."),
+    MetricDoc("train/entropy_loss", "sum over micro-batches", "Token-weighted entropy of the current policy."),
+    MetricDoc("train/weight_sum", "sum over micro-batches", "Sum of the trainable tokens' aggregation weights."),
+    MetricDoc("train/pg_clipfrac", "mean (token-weighted)", "Share of tokens whose ratio was clipped."),
+    MetricDoc("train/pg_dualclip_frac", "mean (token-weighted)", "Share of tokens capped by the dual clip "
+              "(--eps-clip-c)."),
+    MetricDoc("train/ppo_kl", "mean (token-weighted)", "Old minus current log-prob (slime's ppo_kl)."),
+    MetricDoc("train/approx_kl", "mean (token-weighted)", "k3 estimate of KL(old || current)."),
+    MetricDoc("train/ratio_mean", "mean (token-weighted)", "Importance ratio current / old."),
+    MetricDoc("train/ratio_max", "max over micro-batches", "Largest importance ratio of a trainable token."),
+    MetricDoc("train/tis", "mean (token-weighted)", "exp(old - rollout log-prob), before clipping."),
+    MetricDoc("train/tis_clipfrac", "mean (token-weighted)", "Share of tokens whose TIS weight was clipped."),
+    MetricDoc("train/train_rollout_logprob_abs_diff", "mean (token-weighted)",
+              "|trainer - engine| log-prob of the sampled tokens."),
+    MetricDoc("train/rollout_corr/<name>", "mean (count-weighted)",
+              "--rollout-correction diagnostics (k3, chi2, masked_token_frac, masked_seq_frac, weight_mean)."),
+    MetricDoc("train/tis/<name>", "mean (token-weighted)", "A --custom-tis-function-path hook's own metrics."),
+    MetricDoc("train/sft_loss", "sum over micro-batches", "--loss-type sft_loss: NLL per assistant token."),
+    MetricDoc("train/sft_tokens", "sum over micro-batches", "--loss-type sft_loss: assistant tokens trained."),
+    MetricDoc("train/loss_total", "sum over micro-batches", "The optimised loss, MoE router losses included."),
+    MetricDoc("train/grad_norm", "of the accumulated gradient", "Global gradient norm, before clipping."),
+    MetricDoc("train/skipped_nonfinite", "of the step", "1 when a non-finite loss or gradient skipped the update."),
+    MetricDoc("moe/aux_loss", "sum over micro-batches", "MoE load-balancing loss (before its coefficient)."),
+    MetricDoc("moe/z_loss", "sum over micro-batches", "MoE router z-loss (before its coefficient)."),
+    MetricDoc("moe/layer<i>/max_over_mean", "of the step's tokens", "Sparse layer i: busiest expert's tokens / mean "
+              "(1: balanced)."),
+    MetricDoc("moe/layer<i>/max_tokens", "of the step's tokens", "Sparse layer i: tokens of the busiest expert."),
+    MetricDoc("moe/max_over_mean", "max over sparse layers", "The worst layer's max_over_mean."),
+    MetricDoc("moe/mean_max_over_mean", "mean over sparse layers", "max_over_mean averaged over the layers."),
+    MetricDoc("moe/tokens_per_expert_mean", "mean over layers and experts", "Tokens per expert."),
+    MetricDoc("moe/dropped_tokens", "sum over sparse layers", "Token copies over an expert's capacity "
+              "(expert parallelism with --moe-capacity-factor)."),
+)

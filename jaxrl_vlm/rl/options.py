@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from jaxrl_vlm.rl.registries import KL_ESTIMATORS
+from jaxrl_vlm.rl.registries import KL_ESTIMATORS, ROLLOUT_CORRECTIONS
 from rollout.options import opt
 
 
@@ -21,15 +21,31 @@ class LossOptions:
     eps_clip_high: float | None = opt(None, "Upper PPO clip range (None: equal to --eps-clip; DAPO uses 0.28).", ge=0.0)
     eps_clip_c: float | None = opt(None, "Dual-clip constant (> 1) capping the loss of negative-advantage tokens.",
                                    gt=1.0)
-    use_tis: bool = opt(False, "Truncated importance sampling against rollout log-probs.")
-    tis_clip: float = opt(2.0, "Upper clip of TIS weights.", gt=0.0)
-    tis_clip_low: float = opt(0.0, "Lower clip of TIS weights.", ge=0.0)
+    rollout_correction: str = opt(
+        "none",
+        "Correction for the gap between the engine's log-probs and the trainer's (rl/corrections.py), applied to the "
+        "per-token loss of every --policy-loss; r = exp(trainer - rollout) per token, [low, high] = "
+        "[--rollout-correction-low, --rollout-correction-high]. none: no correction (diagnostics only); token_tis: "
+        "weight clip(r, low, high) (slime's --use-tis); sequence_tis: weight clip(product of the sequence's r, low, "
+        "high); token_mis / sequence_mis: tokens / sequences whose ratio is outside [low, high] leave the loss, the "
+        "rest weigh their ratio; icepop: policy-gradient weight r inside [low, high], 0 outside (e.g. 0.5, 5); "
+        "geo_mask: sequences whose geometric-mean ratio is outside [low, high] leave the loss (e.g. 0.999, 1.001); "
+        "custom: the --custom-tis-function-path hook. Sequences are the packed ones, over loss-mask tokens only. "
+        "Logged as train/rollout_corr/{k3,chi2,masked_token_frac,masked_seq_frac,weight_mean}.",
+        choices=ROLLOUT_CORRECTIONS)
+    rollout_correction_low: float = opt(
+        0.0, "Lower bound of --rollout-correction's ratio band: the truncation floor of token_tis / sequence_tis, "
+        "the low edge of the masks (slime's --tis-clip-low); must be < --rollout-correction-high.", ge=0.0)
+    rollout_correction_high: float = opt(
+        2.0, "Upper bound of --rollout-correction's ratio band: the truncation cap of token_tis / sequence_tis, the "
+        "high edge of the masks (slime's --tis-clip).", gt=0.0)
     custom_tis_function_path: str | None = opt(
         None,
-        "slime's custom TIS/RS function, JAX-native, used with --use-tis in place of the clipped weight: "
-        "`fn(pg_loss [B, T], inputs: LossInputs, cfg: LossConfig) -> (pg_loss [B, T], loss_mask [B, T], metrics)` "
-        "inside the compiled step; masked-out tokens leave every loss term (the aggregation denominators stay the "
-        "host's, unlike slime's rebuilt ones); metrics are per-token [B, T] arrays logged as train/tis/<name>.")
+        "slime's custom TIS/RS function, JAX-native, with --rollout-correction custom (slime's --use-tis also "
+        "selects it when this path is set): `fn(pg_loss [B, T], inputs: LossInputs, cfg: LossConfig) -> (pg_loss "
+        "[B, T], loss_mask [B, T], metrics)` inside the compiled step, in place of a correction's weights and mask; "
+        "masked-out tokens leave every loss term (the aggregation denominators stay the host's, unlike slime's "
+        "rebuilt ones); metrics are per-token [B, T] arrays logged as train/tis/<name>.")
     use_kl_loss: bool = opt(False, "Add a KL(policy || reference) loss term.")
     kl_loss_coef: float = opt(0.0, "Coefficient of the KL loss term.", ge=0.0)
     kl_loss_type: str = opt("k1", "KL estimator of the KL loss (slime's default k1).", choices=KL_ESTIMATORS)
@@ -41,3 +57,23 @@ class LossOptions:
     router_z_loss_coef: float = opt(
         0.0, "MoE: coefficient of the router z-loss (ST-MoE): mean over sparse layers and real tokens of "
         "logsumexp(router logits)^2, added to the policy loss.", ge=0.0)
+
+
+CUSTOM_CORRECTION = "custom"  # the ROLLOUT_CORRECTIONS entry of the --custom-tis-function-path hook
+
+
+def rollout_correction_problem(name: str, low: float, high: float, custom_tis_function_path: str | None) -> str | None:
+    """What is wrong with a rollout correction's settings, in words naming the flags (None: nothing). One rule for
+    the run config (a ConfigError) and `LossConfig` (a ValueError)."""
+    if not low < high:
+        return (f"--rollout-correction-low {low:g} must be < --rollout-correction-high {high:g} (slime's "
+                "--tis-clip-low and --tis-clip)")
+    if custom_tis_function_path is not None and name != CUSTOM_CORRECTION:
+        if name == "none":
+            return (f"--custom-tis-function-path {custom_tis_function_path} replaces the weights of a rollout "
+                    "correction, which is off: add --use-tis (slime's spelling) or --rollout-correction custom")
+        return (f"--custom-tis-function-path {custom_tis_function_path} would replace the weights and mask of "
+                f"--rollout-correction {name}: name --rollout-correction custom (the hook is the correction)")
+    if name == CUSTOM_CORRECTION and custom_tis_function_path is None:
+        return "--rollout-correction custom needs --custom-tis-function-path (the function that is the correction)"
+    return None

@@ -35,6 +35,7 @@ from flax import nnx
 from jaxrl_vlm.lora.adapters import LoraSetup, merged_params, with_rank_dropout
 from jaxrl_vlm.models.activation_sharding import ActivationLayout, activation_sharding
 from jaxrl_vlm.models.families import PolicyModel
+from jaxrl_vlm.models.freezing import join_params
 from jaxrl_vlm.models.layers import token_logprobs
 from jaxrl_vlm.rl.losses import LossConfig, LossFn, LossInputs, select_loss
 from jaxrl_vlm.rl.metrics import Metric, accumulate_metrics, finalize_metrics, init_metrics
@@ -68,6 +69,8 @@ class StepConfig:
     # Mesh + rules for the model's activation constraints (None: let XLA propagate from the inputs alone).
     activations: ActivationLayout | None = None
     # LoRA: `TrainState.params` are the adapters and the step's `frozen` argument is the base state they adapt.
+    # Without LoRA a `frozen` argument holds the parameters the run freezes (`models/freezing.py`), joined to
+    # `TrainState.params` in every forward.
     lora: LoraSetup | None = None
 
 
@@ -165,7 +168,8 @@ def train_step(
     frozen: Any = None,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer update from a [K, R, T] batch (K micro-batches, accumulated in a scan). With LoRA
-    (`cfg.lora`), `frozen` is the base parameter state and `state.params` the adapters (all that trains)."""
+    (`cfg.lora`), `frozen` is the base parameter state and `state.params` the adapters (all that trains); without,
+    `frozen` (when given) is the frozen part of the parameter state, `state.params` the rest."""
     with activation_sharding(cfg.activations):
         return _train_step(graphdef, tx, cfg, state, batch, old_logprobs, ref_logprobs, frozen)
 
@@ -190,10 +194,10 @@ def _train_step(graphdef, tx, cfg: StepConfig, state: TrainState, batch, old_log
     step_key, next_rng = jax.random.split(jax.random.wrap_key_data(state.rng))
 
     def policy(params, k):
-        """The parameter state the model runs with: `params`, or the base adapted by them (rank dropout drawn per
-        optimizer step and micro-batch)."""
+        """The parameter state the model runs with: `params` (joined with the frozen part), or the base adapted by
+        them (rank dropout drawn per optimizer step and micro-batch)."""
         if cfg.lora is None:
-            return params
+            return params if frozen is None else join_params(params, frozen)
         return merged_params(frozen, with_rank_dropout(params, cfg.lora, jax.random.fold_in(step_key, k)), cfg.lora)
 
     def micro_loss(params, k):
@@ -296,7 +300,7 @@ def compile_train_step(
     frozen_shardings: Any = None,
 ) -> Callable[..., tuple[TrainState, dict[str, jax.Array]]]:
     """A jitted `step(state, batch, old_logprobs, ref_logprobs, frozen=None)`; the state buffer is donated (never
-    `frozen`: LoRA's base, placed as `frozen_shardings`).
+    `frozen`: LoRA's base or the frozen parameters, placed as `frozen_shardings`).
 
     With shardings, `jax.jit` gets explicit in/out shardings: state as placed, batch rows over (data, fsdp),
     metrics replicated. jit caches one executable per batch shape (a bounded set, from the buckets).

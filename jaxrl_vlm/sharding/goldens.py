@@ -46,6 +46,7 @@ GOLDEN_BATCH_LEAVES: dict[str, tuple[str, ...]] = {
     "loss_mask": ("K", "R", "T"),
     "vision.pixel_values": ("K", "P", "C*T*p*p"),
     "vision.image_token_index": ("K", "M"),
+    "vision.token_image_rows": ("K", "R", "T"),
 }
 
 

