@@ -34,6 +34,7 @@ from jaxrl_vlm.rl.losses import (
     register_loss,
     registered_losses,
 )
+from jaxrl_vlm.rl.registries import POLICY_LOSSES
 
 B, T, NUM_SEQ = 4, 16, 12
 DR_CONSTANT = 10.0
@@ -562,13 +563,16 @@ def test_registry_lists_names_and_accepts_a_new_variant() -> None:
         loss = jnp.sum(inputs.token_weights * inputs.loss_mask * -inputs.advantages * inputs.logprobs)
         return loss, {"loss": Metric.sum(loss)}
 
-    b = packed_batch(seed=60, nan_padding=False)
-    b.old = b.logp.copy()
-    cfg = make_cfg("token_mean", rollout_correction="none", use_kl_loss=False, entropy_coef=0.0)
-    x = to_inputs(b, weights_for(b, cfg))
-    np.testing.assert_allclose(_grad_logp("test_only_reinforce", x, cfg), _grad_logp("cispo", x, cfg), rtol=1e-12)
-    with pytest.raises(ValueError, match="already registered"):
-        register_loss("ppo_clip")(reinforce)
+    try:  # the process's registry is shared (the generated reference lists it): the entry leaves with the test
+        b = packed_batch(seed=60, nan_padding=False)
+        b.old = b.logp.copy()
+        cfg = make_cfg("token_mean", rollout_correction="none", use_kl_loss=False, entropy_coef=0.0)
+        x = to_inputs(b, weights_for(b, cfg))
+        np.testing.assert_allclose(_grad_logp("test_only_reinforce", x, cfg), _grad_logp("cispo", x, cfg), rtol=1e-12)
+        with pytest.raises(ValueError, match="already registered"):
+            register_loss("ppo_clip")(reinforce)
+    finally:
+        POLICY_LOSSES.unregister("test_only_reinforce")
 
 
 def test_config_and_input_errors() -> None:

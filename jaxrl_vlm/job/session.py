@@ -49,10 +49,10 @@ async def check_external_engine(cfg: Config) -> None:
     client = VLLMClient(url, worker_urls=cfg.engine.engine_worker_urls or None, api_key=key,
                         timeout_s=cfg.engine.engine_request_timeout)
     try:
-        # Resumed first: a trainer that died mid weight sync leaves it paused, and the probe generates.
+        await client.check_reloadable_head()  # reads the weights' checksums: no generation, works while paused
+        # Resumed before the log-probs probe, which generates: a trainer that died mid weight sync leaves it paused.
         await client.resume_and_wait_healthy(timeout_s=cfg.engine.engine_start_timeout)
         await client.check_logprobs_mode()
-        await client.check_reloadable_head()
     finally:
         await client.close()
 

@@ -179,7 +179,7 @@ def test_a_misconfigured_server_is_refused_at_attach(tiny32, tmp_path):
                     "--num-rollout", "1", "--output-dir", str(tmp_path / "run"), timeout=300)
         lines = done.stderr.strip().splitlines()
         assert done.returncode == 2, done.stderr[-3000:]
-        assert lines[-1].startswith("jaxrl-vlm train: error: ") and "--logprobs-mode processed_logprobs" in lines[-1]
+        assert lines[-1].startswith("jaxrl-vlm train: error: ") and "untie-embeddings" in lines[-1]
         assert asyncio.run(_health(url))  # the unknown RPC did not take the engine down
     finally:
         server.stop()
