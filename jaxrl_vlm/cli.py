@@ -22,6 +22,7 @@ from jaxrl_vlm.models.config import FAMILY_PARSERS
 from rollout.client import EngineRefused, WorkerLost
 from rollout.engine_link import EngineLost
 from rollout.loading import LoadError, load_module
+from rollout.options import MultiTurnOptions
 
 # Bad input, each reported in one line (`jaxrl-vlm <command>: error: <cause>`) with exit code 2: `ConfigError`, its
 # checkpoint and dataset errors included, and the two of rollout/, which cannot derive from it (rollout/ never
@@ -272,8 +273,7 @@ def _cmd_env_serve(ns: argparse.Namespace, rest: list[str]) -> int:
 
     import yaml
 
-    from envs.env_server import EnvServer, serve as serve_env
-    from rollout.options import MultiTurnOptions
+    from envs.env_server import EnvServer, serve as serve_env  # CLI start-up laziness: aiohttp's server
 
     if rest:
         raise ConfigError(f"env-serve: unexpected arguments {rest}")
