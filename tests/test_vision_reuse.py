@@ -77,12 +77,11 @@ def _objective(model, batch, temperature: float = 1.0):
     arrays = jax.tree.map(lambda x: jnp.asarray(x, jnp.float64) if x.dtype == np.float32 else jnp.asarray(x), batch.arrays)
 
     def loss(params):
-        total = 0.0
-        for k in range(arrays.tokens.shape[0]):
-            mb = jax.tree.map(lambda x: x[k], arrays)
+        def add_micro_batch(total, mb):  # a scan compiles the forward once, not once per micro-batch
             lp, ent = policy_logprobs(graphdef, params, mb, chunk_size=64, need_entropy=True, temperature=temperature)
-            total = total + jnp.sum(mb.token_weights * (lp + 0.1 * ent))
-        return total
+            return total + jnp.sum(mb.token_weights * (lp + 0.1 * ent)), None
+
+        return jax.lax.scan(add_micro_batch, jnp.zeros((), jnp.float64), arrays)[0]
 
     return jax.jit(jax.value_and_grad(loss))(params)
 
