@@ -73,6 +73,8 @@ class TrainArrays(NamedTuple):
     routed_experts    int32   [K, R, T, L_sparse, k] MoE routing replay: the engine's top-k experts of INPUT token
                       t in each sparse layer (aligned to `tokens`, not targets); -1 where none was recorded (the
                       trainer routes that token itself) and on padding. None without --use-rollout-routing-replay.
+    teacher_logprobs  float32 [K, R, T]     on-policy distillation: the teacher's log-prob of the target token
+                      (aligned to targets, 0 where mask is 0). None without --use-opd.
     """
 
     tokens: np.ndarray
@@ -86,6 +88,7 @@ class TrainArrays(NamedTuple):
     sequence_ids: np.ndarray
     vision: Any  # the family's vision inputs (models/vision.py: VisionInputs, WindowedVisionInputs, ...) or None
     routed_experts: np.ndarray | None = None
+    teacher_logprobs: np.ndarray | None = None
 
 
 class Placement(NamedTuple):
@@ -269,6 +272,24 @@ def _prepare(position: int, sample: Sample, cfg: ModelConfig, max_len: int, over
             kept = int(grid.prod(-1).sum())
             pixels = pixels[:kept] if n_images else None
     return _Seq(position, sample, tokens.astype(np.int32), mask, lp, response, grid, pixels, n)
+
+
+def teacher_row(seq: _Seq) -> np.ndarray:
+    """float32 [length]: the sample's `teacher_log_probs` on its (possibly truncated) response tokens, 0 elsewhere
+    (not shifted, like `_Seq.logprobs`)."""
+    sample = seq.sample
+    where = f"{sample.name} (position {seq.position} in the batch)"
+    if sample.teacher_log_probs is None:
+        raise BatchingError(f"{where} has no teacher_log_probs: with --use-opd a teacher scores every episode "
+                            "(rollout/teacher.py); saved rollouts replayed with --use-opd must have been saved with it")
+    resp = int(sample.response_length)
+    teacher = np.asarray(sample.teacher_log_probs, np.float64).reshape(-1)
+    if teacher.shape[0] != resp or not np.isfinite(teacher).all():
+        raise BatchingError(f"{where}: teacher_log_probs must be {resp} finite values (one per response token), got "
+                            f"{teacher.shape[0]}" + ("" if np.isfinite(teacher).all() else " with non-finite ones"))
+    full = np.zeros(seq.original_length, np.float32)
+    full[seq.original_length - resp :] = teacher
+    return full[: seq.length]
 
 
 def replay_ids(seq: _Seq, cfg: ModelConfig) -> np.ndarray:
@@ -564,6 +585,7 @@ def build_train_batch(
     max_tokens_per_micro_batch: int | None = None,
     routing_replay: bool = False,
     vision_reuse: bool = False,
+    teacher_logprobs: bool = False,
 ) -> TrainBatch:
     """Lay `samples` out as fixed-shape [K, R, T] arrays (see the module docstring for alignment).
 
@@ -582,6 +604,7 @@ def build_train_batch(
     overlong_policy: "error" or "truncate" (cut the tail to the largest seq bucket, never through an
     image; the mask follows; see `BatchLayout.truncated`).
     routing_replay: carry each sample's `rollout_routed_experts` (sparse layers only) as `routed_experts`.
+    teacher_logprobs: carry each sample's `teacher_log_probs` (on-policy distillation) as `teacher_logprobs`.
     vision_reuse: encode each distinct image once per micro-batch and gather it into every sample showing it
     (`vision.token_image_rows`; the trainer passes --vision-reuse, on by default); False keeps one copy of each
     sample's images (per-sample encoding, the layout before vision reuse).
@@ -653,7 +676,7 @@ def build_train_batch(
     ]
     plan = min(plans, key=lambda p: (p.slots, p.seq_len))
     return _materialize(seqs, adv, plan, model_cfg, patch_choices, has_vision, packing, aggregation, aggregation_constant,
-                        routing_replay, vision_reuse)
+                        routing_replay, vision_reuse, teacher_logprobs)
 
 
 def image_key(grid_thw: np.ndarray, pixels: np.ndarray) -> bytes:
@@ -701,6 +724,7 @@ def _materialize(
     aggregation_constant: float | None,
     routing_replay: bool = False,
     vision_reuse: bool = False,
+    teacher_logprobs: bool = False,
 ) -> TrainBatch:
     """Scatter the sequences into the planned slots; every per-token array is filled in O(total tokens)."""
     k_n, r_n, t_n = len(plan.micro_batches), plan.rows_per_mb, plan.seq_len
@@ -826,9 +850,13 @@ def _materialize(
         routed[dest] = ids
         routed = routed.reshape(*shape, *ids.shape[1:])
 
+    teacher = None
+    if teacher_logprobs:  # aligned to targets like rollout_logprobs; 0 off the loss mask
+        teacher = scatter(shift(np.concatenate([teacher_row(s) for s in seqs])), np.float32) * (loss_mask > 0)
+
     arrays = TrainArrays(
         arrays_tokens, targets, positions, segment_ids, loss_mask, rollout_lp, advantages, token_weights, sequence_ids, vision,
-        routed,
+        routed, teacher,
     )
     layout = BatchLayout(
         placements=tuple(places),

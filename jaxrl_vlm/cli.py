@@ -447,7 +447,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--init", choices=("scaled", "hf"), default="scaled", help="Fan-in scaled init, or HF's std 0.02.")
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="Dtype of the safetensors.")
     p.add_argument("--arch", choices=tuple(FAMILY_PARSERS), default="qwen3_vl",
-                   help="Model family (config.json model_type): qwen3_vl or qwen2_5_vl.")
+                   help="Model family (config.json model_type); docs/reference/models.md lists them.")
     p.add_argument("--head-dim", type=int, default=None,
                    help="Text head size (default 16); vLLM's CPU attention needs 32 or more (qwen3_vl only).")
     p.set_defaults(func=_cmd_make_tiny)
@@ -482,7 +482,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_dump_shardings)
 
     p = sub.add_parser("serve", help="Serve a Qwen-VL checkpoint with the embedded JAX engine (SGLang's native HTTP API).")
-    p.add_argument("--model", required=True, help="HF Qwen3-VL or Qwen2.5-VL directory (safetensors, config, tokenizer, processor).")
+    p.add_argument("--model", required=True, help="HF checkpoint directory of a supported family (safetensors, config, tokenizer, processor).")
     p.add_argument("--host", default="127.0.0.1", help="Bind address (loopback by default).")
     p.add_argument("--port", type=int, default=30000, help="Port (0 picks a free one).")
     p.add_argument("--weight-version", default="default", help="Initial weight_version reported by the server.")

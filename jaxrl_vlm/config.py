@@ -49,7 +49,7 @@ from jaxrl_vlm.lora.options import LoraOptions
 from jaxrl_vlm.lora.serving import engine_serves
 from jaxrl_vlm.models.config import FAMILY_PARSERS
 from jaxrl_vlm.models.remat import RematPlan
-from jaxrl_vlm.rl.options import CUSTOM_CORRECTION, LossOptions, rollout_correction_problem
+from jaxrl_vlm.rl.options import CUSTOM_CORRECTION, LossOptions, opd_problem, rollout_correction_problem
 from jaxrl_vlm.rl.registries import ADVANTAGE_ESTIMATORS, AGGREGATION_MODES, LOSS_TYPES, POLICY_LOSSES
 from rollout.hooks import HOOK_OPTIONS, load_hook
 from rollout.loading import LoadError, load_function, load_module
@@ -316,8 +316,9 @@ class _EngineRunOptions:
         "(the embedded engine in this process: device to device, same pause/flush/update/continue sequence and "
         "version, no disk and no HTTP), `delta` (only the changed elements, bit-exact and checksummed: a full sync "
         "first, after an engine restart and on any mismatch; the embedded engine of a one-process job, or a vLLM with "
-        "the project's worker extension), `auto` (memory for the embedded engine of a one-process job, which is faster "
-        "in process than delta, else disk).",
+        "the project's worker extension; an engine that cannot take deltas, SGLang among them, is synced in full and "
+        "the run logs why once), `auto` (memory for the embedded engine of a one-process job, which is faster there "
+        "than delta; delta for vLLM in a one-process job, full syncs for a server without the extension; else disk).",
         choices=("auto", "disk", "memory", "delta"))
     colocate: bool = opt(
         False,
@@ -986,6 +987,8 @@ _SLIME_LOSS_ESTIMATORS = ("gspo", "cispo")
 # slime's TIS options as keys of slime's --custom-config-path YAML (our own config files use our names): the
 # translations of its flags.
 _SLIME_TIS_KEYS = ("use_tis", "tis_clip", "tis_clip_low")
+# slime's --opd-type values name its engines: sglang -> any engine's prompt log-probs, megatron -> the trainer.
+_SLIME_OPD_TYPES = {"sglang": "engine", "megatron": "trainer"}
 
 
 def _slime_spellings(flat: dict[str, Any], source: str, notes: list[str]) -> None:
@@ -1012,6 +1015,10 @@ def _slime_spellings(flat: dict[str, Any], source: str, notes: list[str]) -> Non
                 raise ConfigError(f"{source}: {key} (slime's spelling of {name}) and {name} are both set: keep one")
             flat[name] = new
         notes.append(f"{source}: slime's {key}: {value} -> " + ", ".join(f"{k}: {v}" for k, v in translated.items()))
+    opd_type = flat.get("opd_type")
+    if opd_type in _SLIME_OPD_TYPES:
+        flat["opd_type"] = _SLIME_OPD_TYPES[opd_type]
+        notes.append(f"{source}: opd_type {opd_type} (slime's spelling) -> {flat['opd_type']}")
     estimator = flat.get("advantage_estimator")
     if estimator in _SLIME_LOSS_ESTIMATORS:
         loss = flat.get("policy_loss", estimator)
@@ -1167,6 +1174,10 @@ def _validate_hooks(cfg: Config) -> None:
                                          a.custom_tis_function_path)
     if problem:
         raise ConfigError(problem)
+    problem = opd_problem(r.use_opd, r.opd_type, r.opd_teacher_url, r.opd_teacher_checkpoint, a.opd_only,
+                          a.opd_kl_coef)
+    if problem:
+        raise ConfigError(problem)
     if r.group_rm and r.custom_rm_path is None:
         raise ConfigError("--group-rm scores groups with --custom-rm-path, which is not set")
     if r.custom_rm_path is not None and a.rm_type is not None:
@@ -1240,7 +1251,7 @@ _RL_ONLY_OPTIONS = ("use_kl_loss", "kl_coef", "rollout_correction", "rollout_cor
                     "entropy_coef", "custom_tis_function_path",
                     "custom_advantage_function_path", "custom_reward_post_process_path", "custom_rm_path", "rm_type",
                     "engine_url", "engine_worker_urls", "launch_sglang", "launch_vllm", "partial_rollout", "dynamic_filter",
-                    "max_staleness", "save_debug_rollout_data", "load_debug_rollout_data")
+                    "max_staleness", "save_debug_rollout_data", "load_debug_rollout_data", "use_opd")
 
 
 def _validate_sft(cfg: Config) -> None:

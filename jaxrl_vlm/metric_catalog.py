@@ -111,7 +111,11 @@ _SYNC = (
     MetricDoc("sync/gbytes", "of the step", "Gigabytes written (or staged in the in-process engine)."),
     MetricDoc("sync/in_memory", "0 or 1", "The weights went device to device to the embedded engine."),
     MetricDoc("sync/adapters_only", "0 or 1", "LoRA: only the adapters moved."),
-    MetricDoc("sync/delta", "0 or 1", "--weight-sync-mode delta: the version went as a delta (0: in full)."),
+    MetricDoc("sync/delta", "0 or 1", "--weight-sync-mode delta (or auto with vLLM): the version went as a delta (0: "
+              "in full)."),
+    MetricDoc("sync/delta_unavailable", "0 or 1", "Deltas were asked for (--weight-sync-mode delta, or auto with vLLM) "
+              "but this engine takes full syncs only: SGLang (no delta route), a vLLM without the project's worker "
+              "extension, a multi-process job; the log says why once."),
     MetricDoc("sync/bytes", "bytes of the step", "Delta mode: what crossed to the engine (payload + manifest; a delta "
               "resent in full counts both)."),
     MetricDoc("sync/full_bytes", "bytes of the step", "Delta mode: what a full sync in the engine's dtypes would have "

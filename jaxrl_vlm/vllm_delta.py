@@ -108,7 +108,7 @@ class VLLMDeltaSync:
             except DeltaUnsupported as e:
                 self.unsupported = str(e)
                 logger.warning(
-                    "--weight-sync-mode delta: the vLLM at %s has no weight-delta extension (%s); its weights are "
+                    "delta weight sync: the vLLM at %s has no weight-delta extension (%s); its weights are "
                     "synced in full (HF export + reload_weights). Start it with %s %s and %s on its PYTHONPATH "
                     "(--launch-vllm does) for delta syncs", e.url, e.reason, vllm_wire.WORKER_EXTENSION_FLAG,
                     vllm_wire.WORKER_EXTENSION_CLS, EXTENSION_DIR)

@@ -20,9 +20,12 @@ serving, and `load` runs the same pause -> flush -> update -> continue sequence 
 IN_MEMORY_LOAD_FORMAT, so the engine swaps them in and reports the same version a disk sync would set. The client
 makes those calls on the engine object itself (`SGLangClient.local_engine`: the methods its HTTP handlers call), so
 no HTTP round trip is left. The weights are rounded through the sync dtype first, so both paths serve the same
-numbers. They are copied once (the cast, or at equal dtypes a copy): the train step donates its state, which would
-delete arrays the engine shared. A retry stages the version again (`SyncReport.restage`): the failed attempt may have
-consumed what was staged.
+numbers. Where the engine sits on the trainer's devices in the trainer's dtypes (`can_share`: the job checks it when
+the engine attaches), the trainer stops donating its parameters to the train step (`Trainer.share_params`) and the
+engine serves the trainer's arrays as they are (`share_trainer_arrays`): no copy at all, and no more memory (the
+engine held a copy of its own before). Otherwise they are copied once (the cast, or at equal dtypes a copy): a
+donated buffer would be deleted under the engine. A retry stages the version again (`SyncReport.restage`): the
+failed attempt may have consumed what was staged.
 
 Delta (`mode` "delta", the embedded engine of a one-process job; `jaxrl_vlm.weight_delta`): the syncer keeps a host
 snapshot of the bytes the engine holds, in the engine's dtypes (`engine.weights.serving_tensors`). Each version is
@@ -36,12 +39,14 @@ full resync is needed. A restarted engine serves another version, so its delta i
 so does a delta refused at the swap (another version swapped in since it was staged) and the retry of a failed
 attempt. `sync/full_resyncs` counts the versions sent in full after the first. In process, memory mode stays the
 faster one (a delta reads every weight to the host to diff and checksum it, where memory mode makes one device
-copy), so `auto` keeps memory for the embedded engine.
+copy or none), so `auto` keeps memory for the embedded engine.
 
-With a vLLM server (`jaxrl_vlm.vllm_delta`) the same payload goes to the worker extension the project ships, as a
-directory beside the exports: the snapshot is of the HF tensors (untied head, sync dtype), the extension applies the
-delta in every vLLM worker inside the pause -> flush -> update -> continue sequence, and its checksums are compared
-with the manifest; a server without the extension is synced in full, logged once.
+With a vLLM server (`jaxrl_vlm.vllm_delta`; `auto` means delta there) the same payload goes to the worker extension
+the project ships, as a directory beside the exports: the snapshot is of the HF tensors (untied head, sync dtype),
+the extension applies the delta in every vLLM worker inside the pause -> flush -> update -> continue sequence, and
+its checksums are compared with the manifest; a server without the extension is synced in full, logged once.
+SGLang has no delta route (`SGLANG_NO_DELTA`): with `delta` or `auto` it is synced in full, logged once, and every
+report says so (`SyncReport.delta_unavailable`, `sync/delta_unavailable`), as for a multi-process job.
 
 LoRA (a model from `Trainer.policy_model` carries its adapters, `lora.adapters.adapters_of`): in memory only the
 adapters move; the engine merges them into the base it keeps (read once from `copy_from`, the run's base checkpoint)
@@ -77,7 +82,7 @@ from flax import nnx
 
 from jaxrl_vlm import weight_delta
 from jaxrl_vlm.distributed import barrier, export_hf, is_main_process
-from jaxrl_vlm.engine.weights import load_params_state, merge_adapters, param_arrays, serving_tensors
+from jaxrl_vlm.engine.weights import aliasable, load_params_state, merge_adapters, param_arrays, serving_tensors
 from jaxrl_vlm.lora.adapters import PolicyAdapters, adapter_nbytes, adapters_of
 from jaxrl_vlm.lora.export import save_peft_adapter
 from jaxrl_vlm.models.freezing import NOTHING_FROZEN, FrozenParts, split_params
@@ -95,6 +100,17 @@ VERSION_PREFIX = "weights_v"
 # (a partial checkpoint), for a restarted engine to load before a version that leaves them out.
 FROZEN_DIR = "frozen_tensors"
 ADAPTER_PREFIX = "lora_v"  # a LoRA version for an engine over HTTP: a PEFT adapter directory
+
+
+# Why delta mode leaves SGLang on full syncs (read in sglang 0.5.23's http_server.py, io_struct.py and
+# model_runner_components/weight_updater.py): it has no --update-weight-delta-* arguments and no route that applies a
+# delta; /update_weights_from_tensor takes whole torch tensors serialized by torch.multiprocessing (CUDA IPC handles
+# from a process on its node), /update_weights_from_distributed whole tensors over a torch NCCL group, and no route
+# answers checksums of the bytes it holds (/get_weights_by_name returns the first 100 values), which the delta's
+# confirmation needs.
+SGLANG_NO_DELTA = ("SGLang 0.5.23 has no weight-delta route (no --update-weight-delta-* server arguments; "
+                   "/update_weights_from_tensor and /update_weights_from_distributed take whole torch tensors over CUDA "
+                   "IPC or NCCL) and no route that answers checksums of the weights it holds")
 
 
 def adapter_name(version: int) -> str:
@@ -138,6 +154,8 @@ class SyncReport:
     # A run that freezes parameters (`models/freezing.py`): the bytes of the frozen tensors this version left out
     # (in the sync dtype; 0 when it carried them, to engines that did not hold them yet). None: nothing is frozen.
     frozen_left_out: int | None = None
+    # Delta asked for and this engine takes full syncs only (`WeightSyncer.delta_unavailable`): why.
+    delta_unavailable: str | None = None
     # In memory: stages this version in the engine again, for a retry after a failed attempt consumed the staged
     # weights (the swap took them) or had them refused (a delta whose base the engine no longer serves: it goes again
     # in full). Dropped once the load is over: it holds the trainer's arrays.
@@ -150,6 +168,8 @@ class SyncReport:
                "sync/in_memory": float(self.in_memory), "sync/adapters_only": float(self.adapters_only)}
         if self.delta is not None:
             out.update(self.delta.metrics())
+        elif self.delta_unavailable is not None:
+            out.update({"sync/delta": 0.0, "sync/delta_unavailable": 1.0})
         if self.frozen_left_out is not None:
             out["sync/frozen_gbytes_left_out"] = self.frozen_left_out / 1e9
         return out
@@ -284,6 +304,14 @@ class WeightSyncer:
         self.frozen_held = False  # the engines hold the frozen parameters: a version was loaded into them
         # Delta mode with vLLM (`jaxrl_vlm.vllm_delta`): what its worker extension holds, and its own counts.
         self.vllm_delta = VLLMDeltaSync(self.root, bucket_bytes=delta_bucket_bytes)
+        # Delta asked for (`delta`, or `auto` with vLLM) and this engine takes full syncs only: why (logged once;
+        # `SyncReport.delta_unavailable`). A vLLM without the extension: `vllm_delta.unsupported`.
+        self.full_only: str | None = None
+        # In memory: the trainer keeps the arrays it is given to sync (its train step does not donate them,
+        # `Trainer.share_params`), so the in-process engine may serve them as they are, with no copy.
+        self.share_trainer_arrays = False
+        # The in-process engine and the elements of its whole model, read once (its structure never changes).
+        self._serving_elements: tuple[Any, int] | None = None
 
     async def push(self, model: Any, version: int) -> SyncReport:
         """Export `model` as `version` and load it into every engine (all of them, or none: see WeightSyncFailed)."""
@@ -292,18 +320,52 @@ class WeightSyncer:
         return await self.load(self.export(model, version))
 
     def vllm_delta_mode(self) -> bool:
-        """Delta mode with a vLLM server (its worker extension applies the deltas; without one, full syncs)."""
-        return (self.mode == "delta" and getattr(self.client, "engine_api", None) == "vllm"
+        """Deltas to a vLLM server (its worker extension applies them; without one, full syncs): `delta`, and `auto`,
+        whose default it is, in a one-process job (`hf_tensors` reads every parameter whole on one process)."""
+        return (self.mode in ("delta", "auto") and getattr(self.client, "engine_api", None) == "vllm"
                 and jax.process_count() == 1)
+
+    def delta_unavailable(self) -> str | None:
+        """Why this engine takes full syncs although deltas were asked for (None: they go, or were not asked for)."""
+        return self.vllm_delta.unsupported if self.vllm_delta_mode() else self.full_only
+
+    def _full_syncs_only(self, why: str) -> None:
+        """Delta asked for, and this engine cannot take it: say why once; every version then goes in full."""
+        if self.full_only is None:
+            self.full_only = why
+            logger.log(logging.WARNING if self.mode == "delta" else logging.INFO,
+                       "weight sync (--weight-sync-mode %s): %s; every version is synced in full (an HF export "
+                       "the engine reloads)", self.mode, why)
+
+    def can_share(self, params: Any) -> bool:
+        """Whether the in-process engine, synced in memory, can serve some of `params` (the trainer's parameter state)
+        as they are: arrays already in its first replica's dtypes and shardings, which rounding through the sync
+        dtype leaves unchanged (`engine.weights.aliasable`). The trainer must then stop donating them
+        (`Trainer.share_params`) before `share_trainer_arrays` is set."""
+        if self.mode not in ("auto", "memory") or getattr(self.client, "local_engine", None) is None:
+            return False
+        engine = self.memory_engine()
+        if engine is None:
+            return False
+        served = param_arrays(engine.runner.params)
+        return any(path in served and aliasable(x, served[path], self.dtype) for path, x in param_arrays(params).items())
 
     def memory_engine(self) -> Any:
         """The in-process engine that takes weights in memory, or None (disk). An engine not yet attached (a
         resumed run exports its weights before the engine starts) means disk."""
         engine = getattr(self.client, "local_engine", None) if self.client is not None else None
         if self.mode == "disk" or engine is None or jax.process_count() > 1:
-            if self.mode in ("memory", "delta") and self.client is not None and not self.vllm_delta_mode():
-                raise WeightSyncFailed(f"--weight-sync-mode {self.mode} needs the embedded engine of a one-process "
-                                       "job; this engine is another process (use disk or auto)")
+            if self.mode == "memory" and self.client is not None:
+                raise WeightSyncFailed("--weight-sync-mode memory needs the embedded engine of a one-process job; "
+                                       "this engine is another process (use disk or auto)")
+            if self.mode in ("delta", "auto") and self.client is not None and not self.vllm_delta_mode():
+                # (`auto` means memory for the embedded engine, deltas for vLLM: only those two are "asked for".)
+                api = getattr(self.client, "engine_api", "sglang")
+                if engine is None and api == "sglang":
+                    self._full_syncs_only(SGLANG_NO_DELTA)
+                elif jax.process_count() > 1 and (self.mode == "delta" or api == "vllm"):
+                    self._full_syncs_only(f"delta sync runs in one-process jobs; this job has "
+                                          f"{jax.process_count()} processes")
             return None
         return engine
 
@@ -334,15 +396,21 @@ class WeightSyncer:
             if leave_out:
                 params, frozen = split_params(nnx.state(model, nnx.Param), self.frozen.paths)
                 frozen_left_out = adapter_nbytes(frozen, self.dtype)
-            engine.stage_weights(name, params, via_dtype=self.dtype, partial=leave_out)
+            share = self.share_trainer_arrays
+            engine.stage_weights(name, params, via_dtype=self.dtype, partial=leave_out, may_alias=share)
             # What was staged (in the sync dtype), counted as the adapters are: full and LoRA syncs compare. A whole
-            # model's count is the serving model's (its structure is read once, not the trainer's model again).
-            given = param_arrays(params) if leave_out else param_arrays(engine.runner.params)
-            staged_bytes = sum(x.size for x in given.values()) * jnp.dtype(self.dtype).itemsize
+            # model's count is the serving model's, read once per engine.
+            if leave_out:
+                elements = sum(x.size for x in param_arrays(params).values())
+            else:
+                if self._serving_elements is None or self._serving_elements[0] is not engine:
+                    self._serving_elements = (engine, sum(x.size for x in param_arrays(engine.runner.params).values()))
+                elements = self._serving_elements[1]
             return SyncReport(version=version, path=Path(name), export_s=time.perf_counter() - t0, sync_s=0.0,
-                              bytes_written=staged_bytes, attempts=0, in_memory=True, frozen_left_out=frozen_left_out,
+                              bytes_written=elements * jnp.dtype(self.dtype).itemsize, attempts=0, in_memory=True,
+                              frozen_left_out=frozen_left_out,
                               restage=lambda: engine.stage_weights(name, params, via_dtype=self.dtype,
-                                                                   partial=leave_out))
+                                                                   partial=leave_out, may_alias=share))
         main = jax.process_index() == 0
         if self.client is not None and self.http_adapters(lora):
             path = save_peft_adapter(lora.setup, lora.adapters, self.root / f"{ADAPTER_PREFIX}{version:06d}",
@@ -366,7 +434,8 @@ class WeightSyncer:
             frozen_left_out = adapter_nbytes(split_params(nnx.state(model, nnx.Param), self.frozen.paths)[1],
                                              self.dtype)
         return SyncReport(version=version, path=path, export_s=export_s, sync_s=0.0,
-                          bytes_written=_dir_bytes(path) if main else 0, attempts=0, frozen_left_out=frozen_left_out)
+                          bytes_written=_dir_bytes(path) if main else 0, attempts=0, frozen_left_out=frozen_left_out,
+                          delta_unavailable=self.delta_unavailable())
 
     def _stage_delta(self, engine: Any, name: str, params: Any, version: int) -> DeltaSync:
         """Encode `params` against the snapshot (none: in full) and have the engine apply it off to the side; a delta

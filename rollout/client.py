@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import random
 import time
 import uuid
@@ -415,6 +416,32 @@ def parse_generate_response(
     )
 
 
+def parse_prompt_logprobs(data: Any, *, endpoint: str, attempts: int = 1, raw_text: str = "") -> list[float]:
+    """The prompt log-probs of a `/generate` answer to `logprob_start_len: 0`: `meta_info.input_token_logprobs`
+    entries `[logprob, token_id, text]`, one per prompt position after image expansion, the first with a null
+    log-prob; returns the log-probs of positions 1.. (len = prompt_tokens - 1). EngineResponseError otherwise."""
+
+    def bad(why: str) -> EngineResponseError:
+        return EngineResponseError(endpoint, 200, raw_text or repr(data), attempts, reason=why)
+
+    meta = data.get("meta_info") if isinstance(data, dict) else None
+    if not isinstance(meta, dict):
+        raise bad("response has no 'meta_info' object")
+    entries = meta.get("input_token_logprobs")
+    if not isinstance(entries, list) or not entries:
+        raise bad("meta_info.input_token_logprobs is missing or empty although logprob_start_len was 0")
+    prompt_tokens = meta.get("prompt_tokens")
+    if isinstance(prompt_tokens, int) and not isinstance(prompt_tokens, bool) and prompt_tokens != len(entries):
+        raise bad(f"meta_info.input_token_logprobs has {len(entries)} entries for prompt_tokens={prompt_tokens}")
+    out: list[float] = []
+    for i, entry in enumerate(entries[1:], start=1):
+        if (not isinstance(entry, (list, tuple)) or len(entry) < 2 or isinstance(entry[0], bool)
+                or not isinstance(entry[0], (int, float)) or not math.isfinite(entry[0])):
+            raise bad(f"meta_info.input_token_logprobs[{i}] is not [finite logprob, token_id, text], got {entry!r}")
+        out.append(float(entry[0]))
+    return out
+
+
 def count_requests_in_loads(data: Any, *, endpoint: str) -> int:
     """Running + waiting requests over all DP ranks of a `/v1/loads` answer (`{"loads": [...]}`)."""
     loads = data.get("loads") if isinstance(data, dict) else None
@@ -751,6 +778,22 @@ class SGLangClient:
         result.aborted_by_weight_update = (result.finish_reason is FinishType.ABORT
                                            and sent_in_epoch != self.update_gate.epoch)
         return result
+
+    async def prompt_logprobs(self, input_ids: Sequence[int], *, image_data: Sequence[str] | None = None,
+                              temperature: float = 1.0, timeout_s: float | None = None) -> list[float]:
+        """log p(input_ids[i] | input_ids[:i]) for every position i >= 1 of the prompt after image expansion, from
+        SGLang's prompt log-probs: `/generate` with `max_new_tokens` 0, `return_logprob` and `logprob_start_len`
+        0, read from `meta_info.input_token_logprobs` (entry 0, whose log-prob is null, is dropped). `input_ids`
+        hold one compact pad per image, as for `generate`. This is how a teacher engine scores a student's
+        trajectory (on-policy distillation). EngineResponseError names a malformed answer."""
+        body = self._generate_body(input_ids, image_data, {"max_new_tokens": 0, "temperature": float(temperature)},
+                                   True, uuid.uuid4().hex)
+        body["logprob_start_len"] = 0
+        reply = await self._request("POST", self.url, self.generate_path, body_for_attempt=lambda attempt: body,
+                                    timeout_s=timeout_s if timeout_s is not None else self.timeout_s,
+                                    wait_for_engine=True)
+        return parse_prompt_logprobs(reply.data, endpoint=self.url + self.generate_path, attempts=reply.attempts,
+                                     raw_text=reply.text)
 
     # The engine protocol's generate route, body and answer (`VLLMClient` says them in vLLM's protocol).
     generate_path = "/generate"

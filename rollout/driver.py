@@ -78,6 +78,7 @@ from rollout.run import (
 from rollout.options import RolloutOptions
 from rollout.rewards import RewardError, reward_components, scalar_reward
 from rollout.sample import Sample, Status, Termination, TerminationKind
+from rollout.teacher import TEACHER_ERRORS, TeacherScorer
 
 logger = logging.getLogger(__name__)
 
@@ -388,7 +389,21 @@ async def run_group(run: RolloutRun, generate_fn: Callable, group: list[Sample],
         if finished:
             await _custom_rewards(hooks.rm, run.args, finished, batched=True, timeout_s=hooks.rm_timeout_s,
                                   reward_key=run.rewards.reward_key)
+    teacher = run.context.teacher
+    if teacher is not None and not run.context.aborting:
+        await asyncio.gather(*(_teacher_score(teacher, s) for s in samples
+                               if s.status in _SCORABLE and s.teacher_log_probs is None))
     return samples
+
+
+async def _teacher_score(teacher: TeacherScorer, sample: Sample) -> None:
+    """--use-opd: the teacher's log-probs on a finished episode; a teacher that cannot score it FAILs the sample
+    (cause teacher_error), never the rollout."""
+    try:
+        await teacher.score(sample)
+    except TEACHER_ERRORS as e:
+        logger.warning("%s: the OPD teacher could not score it: %s: %s", sample.name, type(e).__name__, e)
+        _fail(sample, TerminationKind.TEACHER_ERROR, f"teacher: {type(e).__name__}: {e}")
 
 
 async def generate_rollout(args: Any, rollout_id: int, data_source: PromptSource) -> RolloutResult:

@@ -20,7 +20,9 @@ the dump, in `<dump stem>_images/`, shrunk to at most `thumbnail_px` on its long
 the record (`prompt_images`, per turn `images`, each `{"file", "width", "height", "sent_width", "sent_height"}`,
 the file relative to the dump's directory); and, per turn, `tokens`: `[text, loss_mask, log_prob, count]` per
 response token (a run of image pads is one entry with its count), so the viewer colours tokens by mask and shows
-log-probs. `validate_dump` checks both when present: files exist, counts add up to the turn's tokens.
+log-probs; with on-policy distillation (a sample with `teacher_log_probs`) also `teacher_logprobs`, the teacher's
+log-prob of each `tokens` row (null on observation rows and image pads), shown beside the student's.
+`validate_dump` checks both when present: files exist, counts add up to the turn's tokens.
 
 This module never imports jax.
 """
@@ -264,6 +266,11 @@ def _dump_record(sample: Sample, decode: _Decoder, images: _ImageWriter | None =
             turn["tokens"] = decode.token_rows(response[span.model_start : span.end],
                                                sample.loss_mask[span.model_start : span.end],
                                                sample.rollout_log_probs[span.model_start : span.end])
+            if sample.teacher_log_probs is not None:  # on-policy distillation: the teacher's, row by row
+                teacher = decode.token_rows(response[span.model_start : span.end],
+                                            sample.loss_mask[span.model_start : span.end],
+                                            sample.teacher_log_probs[span.model_start : span.end])
+                turn["teacher_logprobs"] = [row[2] if row[1] == 1 else None for row in teacher]
         turns.append(turn)
     extra: dict[str, Any] = {}
     if images is not None:
@@ -397,6 +404,11 @@ def _validate_viewer_keys(rec: dict[str, Any], where: str, root: Path | None) ->
             if not (isinstance(row, list) and len(row) == 4 and isinstance(row[0], str) and row[1] in (0, 1)
                     and (row[2] is None or isinstance(row[2], (int, float))) and isinstance(row[3], int) and row[3] > 0):
                 raise DumpError(f"{twhere}: tokens[{j}] is {row!r}, expected [text, 0 or 1, log-prob or null, count]")
+        teacher = turn.get("teacher_logprobs")
+        if teacher is not None and (not isinstance(teacher, list) or len(teacher) != len(tokens) or not all(
+                v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)) for v in teacher)):
+            raise DumpError(f"{twhere}: key 'teacher_logprobs' must be a list of one log-prob or null per 'tokens' "
+                            f"row ({len(tokens)})")
         n = sum(row[3] for row in tokens)
         if n != turn["model_tokens"] + turn["observation_tokens"]:
             raise DumpError(f"{twhere}: key 'tokens' counts {n} tokens, the turn has "

@@ -207,6 +207,25 @@ class RolloutOptions(ArgsOptions):
         "slime's rollout log function: `fn(rollout_id, args, samples, rollout_extra_metrics, rollout_time) -> "
         "bool` at the end of each training step's rollout; True skips the default rollout/* metrics. Entries it "
         "adds to the `rollout_extra_metrics` dict are logged with the step.")
+    # On-policy distillation: the teacher scores each finished episode, rollout-side, so dumps and replays carry
+    # its log-probs (`Sample.teacher_log_probs`); the loss options (--opd-kl-coef, --opd-only) are rl/options.py's.
+    use_opd: bool = opt(
+        False, "On-policy distillation (slime's --use-opd): a teacher scores every finished episode's tokens, "
+        "prompt, turns, observations and pictures included, and --opd-kl-coef folds the per-token reverse KL "
+        "(student - teacher log-prob) into the advantages (docs/guides/distillation.md).")
+    opd_type: str = opt(
+        "engine", "Where the teacher runs (slime's --opd-type; its sglang -> engine, megatron -> trainer): engine, "
+        "a teacher engine's prompt log-probs (--opd-teacher-url, or an embedded engine from "
+        "--opd-teacher-checkpoint); trainer (a second model in the trainer) and self (slime's OPSD) are not "
+        "implemented yet.", choices=("engine", "trainer", "self"))
+    opd_teacher_url: str | None = opt(
+        None, "--opd-type engine: URL of the teacher, a server speaking SGLang's /generate with prompt log-probs "
+        "(logprob_start_len 0, max_new_tokens 0), e.g. `jaxrl-vlm serve` or SGLang.")
+    opd_teacher_checkpoint: str | None = opt(
+        None, "--opd-type engine: HF checkpoint directory of a teacher that the run serves itself, with the embedded "
+        "engine (same tokenizer and image processor as the student; the engine settings of --engine-* apply).")
+    opd_teacher_concurrency: int = opt(
+        8, "Teacher scoring requests in flight at once (one per finished episode).", ge=1)
 
 
 @dataclass

@@ -30,6 +30,7 @@ from rollout.encoding import ChatEncoder
 from rollout.options import MultiTurnOptions, RolloutOptions
 from rollout.rewards import RewardSettings
 from rollout.sample import Sample, Status
+from rollout.teacher import TeacherScorer
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,8 @@ class RolloutContext:
     suspended: dict[tuple[int, int], Any] = field(default_factory=dict)  # rollout.multiturn.EpisodeState values
     # Set by the driver while it aborts stragglers: episodes stop before their next /generate.
     aborting: bool = False
+    # --use-opd: the teacher that scores each finished episode (rollout/teacher.py); None without distillation.
+    teacher: TeacherScorer | None = None
 
     @property
     def reward_fn(self) -> Callable[[str, Any], float] | None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,6 +95,7 @@ class TerminationKind(str, enum.Enum):
     FINALIZE_ERROR = "finalize_error"
     REWARD_ERROR = "reward_error"  # a reward that cannot be trained on (mapping without --reward-key, non-finite)
     GENERATE_EXCEPTION = "generate_exception"
+    TEACHER_ERROR = "teacher_error"  # --use-opd: the teacher could not score the episode (unreachable, bad answer)
 
     @property
     def status(self) -> "Status":
@@ -221,6 +223,9 @@ class Sample:
     # `meta_info.routed_experts`, which covers its whole input (prompt, earlier turns, observations) and its
     # output; None when the engine was not asked (--use-rollout-routing-replay off).
     rollout_routed_experts: np.ndarray | None = None
+    # On-policy distillation (--use-opd): the teacher's log-prob of each response token, length = response_length,
+    # 0.0 where loss_mask is 0 (as rollout_log_probs); None until a teacher scored the episode.
+    teacher_log_probs: list[float] | None = None
 
     # ------------------------------------------------------------------ views
     @property
@@ -297,6 +302,15 @@ class Sample:
                 raise SampleError(f"{self.name}: loss_mask[{i}]={m!r} is not 0/1")
             if m == 0 and lp != 0.0:
                 raise SampleError(f"{self.name}: rollout_log_probs[{i}]={lp} where loss_mask is 0")
+        if self.teacher_log_probs is not None:
+            if len(self.teacher_log_probs) != n:
+                raise SampleError(f"{self.name}: len(teacher_log_probs)={len(self.teacher_log_probs)} != "
+                                  f"response_length={n}")
+            for i, (m, lp) in enumerate(zip(self.loss_mask, self.teacher_log_probs)):
+                if m == 0 and lp != 0.0:
+                    raise SampleError(f"{self.name}: teacher_log_probs[{i}]={lp} where loss_mask is 0")
+                if m == 1 and not (math.isfinite(lp) and lp <= 1e-6):
+                    raise SampleError(f"{self.name}: teacher_log_probs[{i}]={lp} is not a log-prob (finite, <= 0)")
         if not isinstance(self.status, Status):
             raise SampleError(f"{self.name}: status {self.status!r} is not a Status")
         if not isinstance(self.remove_sample, bool):

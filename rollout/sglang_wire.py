@@ -305,6 +305,9 @@ class RawGenerate:
     return_logprob: bool
     return_text_in_logprobs: bool
     return_routed_experts: bool = False
+    # SGLang's `logprob_start_len`: -1, output log-probs only; k >= 0, also `input_token_logprobs` from prompt
+    # position k (positions after image expansion). The embedded engine scores prompts with max_new_tokens 0 only.
+    logprob_start_len: int = -1
 
 
 def check_generate_keys(body: Any) -> None:
@@ -354,8 +357,9 @@ def parse_generate(body: Any, vocab_size: int, unsupported: Unsupported,
         if body.get(key, default) not in (default, None, False):
             raise RequestError(f"{key}={body[key]!r} is not supported by {unsupported.server}")
     start = body.get("logprob_start_len")
-    if start is not None and start != -1:
-        raise RequestError(f"logprob_start_len={start!r}: input-token log-probs are not supported (use -1)")
+    start = -1 if start is None else start
+    if not _is_int(start) or start < -1:
+        raise RequestError(f"logprob_start_len must be an integer >= -1, got {start!r}")
     kind = prompt_field(body)
     if kind == "input_embeds":
         raise RequestError(f"input_embeds is not supported by {unsupported.server}")
@@ -389,6 +393,10 @@ def parse_generate(body: Any, vocab_size: int, unsupported: Unsupported,
     text_in_lp = _flag(body, "return_text_in_logprobs", False, "")
     routed = _flag(body, "return_routed_experts", False, "")
     all_params = [SamplingParams.from_json(p, vocab_size, unsupported, max_n) for p in params_list]
+    if start >= 0 and any(p.max_new_tokens != 0 for p in all_params):
+        # Prompt scoring is one full forward, outside the paged decode path (engine/runner.py `score`).
+        raise RequestError(f"logprob_start_len={start}: {unsupported.server} returns input-token log-probs only "
+                           "for prompts scored without generation (sampling_params.max_new_tokens 0)")
     total = sum(p.n for p in all_params)
     if total > max_n:
         raise RequestError(f"this request asks for {total} generations ({n_prompts} prompt(s) x n); this server "
@@ -411,6 +419,7 @@ def parse_generate(body: Any, vocab_size: int, unsupported: Unsupported,
                 return_logprob=logprob,
                 return_text_in_logprobs=text_in_lp,
                 return_routed_experts=routed,
+                logprob_start_len=start,
             ))
     return out, is_batch or len(out) > 1
 
@@ -543,10 +552,13 @@ def generate_response(
     cached_tokens: int = 0,
     num_retractions: int = 0,
     routed_experts: str | None = None,
+    input_logprobs: Sequence[tuple[float | None, int]] = (),
 ) -> dict[str, Any]:
     """One `/generate` answer as SGLang builds it. `token_text` (return_text_in_logprobs) fills the third
     entry of each `output_token_logprobs` item; `finish` may be a raw object (a scripted fault);
-    `routed_experts` (`encode_routed_experts`) is added to `meta_info` when given (return_routed_experts)."""
+    `routed_experts` (`encode_routed_experts`) is added to `meta_info` when given (return_routed_experts);
+    `input_logprobs` (logprob_start_len >= 0) are the (logprob, id) pairs of `input_token_logprobs`, the logprob
+    None at prompt position 0 (nothing precedes it), as SGLang answers."""
     meta: dict[str, Any] = {
         "id": rid,
         "finish_reason": finish.to_json() if isinstance(finish, FinishReason) else dict(finish),
@@ -559,6 +571,8 @@ def generate_response(
     }
     if return_logprob:
         meta.update(_logprob_fields(output_ids, output_logprobs, token_text))
+        meta["input_token_logprobs"] = [[lp, int(t), None if token_text is None else token_text(int(t))]
+                                        for lp, t in input_logprobs]
     if routed_experts is not None:
         meta["routed_experts"] = routed_experts
     meta["e2e_latency"] = e2e_latency

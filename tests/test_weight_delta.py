@@ -647,3 +647,92 @@ def test_weight_sync_mode_delta_is_an_option_and_auto_stays_the_default():
     assert load_config(None, []).engine.weight_sync_mode == "auto"
     assert load_config(None, ["--weight-sync-mode", "delta"]).engine.weight_sync_mode == "delta"
 
+
+
+def test_shared_staging_hands_over_the_arrays_that_fit_and_copies_the_others():
+    """`may_alias` (a trainer that keeps its parameters): an array already in its target's dtype and layout is served
+    as it is, the others are placed as before (a cast, a rounding through the sync dtype, another layout)."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from jaxrl_vlm.engine.weights import place_weights
+
+    mesh = jax.sharding.Mesh(np.array(jax.local_devices()[:4]), ("x",))
+    rows, cols = NamedSharding(mesh, P("x", None)), NamedSharding(mesh, P(None, "x"))
+    host = np.random.default_rng(11).normal(0, 1, (8, 12)).astype(np.float32)
+    source = jax.device_put(host, rows)
+    same_layout = NamedSharding(jax.sharding.Mesh(np.array(jax.local_devices()[:4]), ("engine_tp",)), P("engine_tp"))
+    cases = [  # (target dtype, target sharding, via dtype) -> handed over?
+        (jnp.float32, rows, None, True), (jnp.float32, same_layout, jnp.float32, True),
+        (jnp.bfloat16, rows, None, False), (jnp.float32, rows, jnp.bfloat16, False), (jnp.float32, cols, None, False)]
+    for dtype, sharding, via, shared in cases:
+        got = place_weights([source], [jax.ShapeDtypeStruct(host.shape, dtype, sharding=sharding)], via, may_alias=True)[0]
+        assert (got is source) == shared, (dtype, sharding, via)
+        want = host.astype(via or np.float32).astype(dtype)
+        assert got.dtype == dtype and np.asarray(got).tobytes() == np.asarray(want).tobytes()
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["unsharded", "sharded"])
+def test_a_step_that_keeps_its_parameters_leaves_them_alive_and_still_donates_the_rest(monkeypatch, sharded):
+    """`compile_train_step(donate_params=False)`: the engine may serve the old parameters while the step runs and after
+    it (they are not deleted), the optimizer state is still donated, and the step computes what the donating one does."""
+    from jaxrl_vlm.rl import train_step as ts
+
+    def fake_step(graphdef, tx, cfg, state, batch, old_logprobs=None, ref_logprobs=None, frozen=None):
+        moved = jax.tree.map(lambda p: p + batch, state.params)
+        return state._replace(params=moved, opt_state=jax.tree.map(lambda m: m * 2, state.opt_state),
+                              step=state.step + 1), {"train/loss": batch}
+
+    monkeypatch.setattr(ts, "train_step", fake_step)
+    one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
+    def fresh():
+        return ts.TrainState(params={"w": jnp.arange(4.0)}, opt_state={"m": jnp.ones(4)}, step=jnp.zeros((), jnp.int32),
+                             rng=jnp.zeros(2, jnp.uint32))
+
+    kw = dict(state_shardings=jax.tree.map(lambda _: one, fresh()), batch_shardings=lambda tree: one) if sharded else {}
+    results = {}
+    for donate in (True, False):
+        state = fresh()
+        new, metrics = ts.compile_train_step(None, None, None, donate_params=donate, **kw)(state, jnp.float32(0.5))
+        assert state.params["w"].is_deleted() == donate and state.opt_state["m"].is_deleted()
+        results[donate] = (np.asarray(new.params["w"]), np.asarray(new.opt_state["m"]), int(new.step))
+    assert all(np.array_equal(a, b) for a, b in zip(results[True], results[False]))
+
+
+def test_the_engine_serves_the_arrays_of_a_trainer_that_shares_them(tiny_dir, engine, tmp_path):
+    """`WeightSyncer.can_share`: the trainer's parameters already in the engine's dtype and its first replica's
+    layout are served as they are after a memory sync with `share_trainer_arrays` (no copy); the other replica, on
+    other devices, gets copies. A trainer in another dtype (the run's float32 against bf16 engine weights) cannot
+    share, and its step keeps donating."""
+    from jaxrl_vlm.engine.weights import param_arrays
+    from jaxrl_vlm.weight_sync import WeightSyncer
+
+    core = engine.engine
+    trainer = from_hf(str(tiny_dir))
+    served = param_arrays(core.runners[0].params)
+    as_loaded = jax.tree.map(lambda x: x, nnx.state(trainer, nnx.Param))  # float32, on one device
+    fits = jax.tree.map(lambda x: x, nnx.state(trainer, nnx.Param))
+    for path, var in nnx.to_flat_state(fits):
+        var.set_value(jax.device_put(var.get_value().astype(served[path].dtype), served[path].sharding))
+    nnx.update(trainer, fits)
+
+    async def scenario():
+        client = SGLangClient(engine.url)
+        client.local_engine = core
+        syncer = WeightSyncer(client, tmp_path / "sync", mode="memory", dtype=jnp.bfloat16, flush_poll_s=0.05)
+        try:
+            assert not syncer.can_share(as_loaded)  # float32 for bf16 weights: a cast is needed
+            assert not WeightSyncer(client, tmp_path / "d", mode="delta").can_share(nnx.state(trainer, nnx.Param))
+            assert syncer.can_share(nnx.state(trainer, nnx.Param))
+            syncer.share_trainer_arrays = True
+            await syncer.push(trainer, 700)
+        finally:
+            await client.close()
+
+    asyncio.run(scenario())
+    given = param_arrays(trainer)
+    assert core.scheduler.weight_version == "700"
+    assert all(x is given[p] for p, x in param_arrays(core.runners[0].params).items())
+    other = param_arrays(core.runners[1].params)
+    assert not any(x is given[p] for p, x in other.items())
+    _same_bytes(host_tensors(core.runners[1].params), host_tensors(nnx.state(trainer, nnx.Param)))

@@ -181,16 +181,19 @@ class Engine:
 
     # ------------------------------------------------------------------ in-memory weights
 
-    def stage_weights(self, name: str, params: Any, via_dtype: Any = None, partial: bool = False) -> None:
+    def stage_weights(self, name: str, params: Any, via_dtype: Any = None, partial: bool = False,
+                      may_alias: bool = False) -> None:
         """Put a trainer's parameters (its model, or a parameter state; same family and config; any devices and
         shardings) into every replica's shardings under `name`, while the engine keeps serving.
         `/update_weights_from_disk` with `model_path=name` and `load_format` IN_MEMORY_LOAD_FORMAT then swaps them in:
         the same sequence and version as a disk sync, with no disk. `via_dtype`: round through this dtype first (the
         dtype a disk sync would have exported), so both paths serve the same numbers. Replaces anything staged under
-        `name`. The trainer's buffers are copied once (the cast), never aliased: its train step donates them
-        (`weights.place_weights`). `partial`: `params` holds some of the parameters (`ModelRunner.stage_params`);
-        the others keep the served arrays."""
-        staged = jax.block_until_ready([runner.stage_params(params, via_dtype, partial) for runner in self.runners])
+        `name`. The trainer's buffers are copied once (the cast), not aliased, since its train step donates them;
+        with `may_alias` (a trainer that keeps them, `Trainer.share_params`) the arrays that already fit a replica's
+        dtype and shardings are served as they are, with no copy (`weights.place_weights`). `partial`: `params` holds
+        some of the parameters (`ModelRunner.stage_params`); the others keep the served arrays."""
+        staged = jax.block_until_ready([runner.stage_params(params, via_dtype, partial, may_alias)
+                                        for runner in self.runners])
         self._put_staged(name, staged, None)
 
     def stage_delta(self, name: str, delta: weight_delta.WeightDelta) -> None:

@@ -83,6 +83,13 @@ class GenerateRequest:
     return_text_in_logprobs: bool = False
     metadata: dict[str, Any] = field(default_factory=dict)
     return_routed_experts: bool = False  # SGLang's field: answer with meta_info.routed_experts (MoE families)
+    # SGLang's logprob_start_len: >= 0 asks for input_token_logprobs from that (expanded) prompt position on; the
+    # scheduler then scores the prompt (max_new_tokens is 0, `parse_generate` checks it) instead of prefilling it.
+    logprob_start_len: int = -1
+
+    @property
+    def scores_prompt(self) -> bool:
+        return self.logprob_start_len >= 0
 
 
 class PromptPreparer:
@@ -150,7 +157,8 @@ class PromptPreparer:
         images = image_spans(input_ids, pixel_values, grid, self.cfg.image_token_id, self.cfg.vision.spatial_merge_size)
         prompt = PreparedPrompt(input_ids, positions[:, 0], int(deltas[0]), pixel_values, grid, images)
         return GenerateRequest(raw.rid, prompt, raw.params, raw.return_logprob, raw.return_text_in_logprobs,
-                               return_routed_experts=raw.return_routed_experts)
+                               return_routed_experts=raw.return_routed_experts,
+                               logprob_start_len=raw.logprob_start_len)
 
 
 @dataclass
@@ -171,6 +179,8 @@ class GenerateOutput:
     # return_routed_experts: int32 [prompt_tokens + completion_tokens - 1, num_hidden_layers, top_k] (None: not
     # asked, or the request holds no pages any more)
     routed_experts: Any = None
+    # logprob_start_len >= 0: (logprob, id) of prompt positions [start, prompt_tokens), logprob None at position 0
+    input_logprobs: list[tuple[float | None, int]] = field(default_factory=list)
 
 
 def response_body(req: GenerateRequest, out: GenerateOutput, tokenizer: Any) -> dict[str, Any]:
@@ -198,4 +208,5 @@ def response_body(req: GenerateRequest, out: GenerateOutput, tokenizer: Any) -> 
         return_logprob=req.return_logprob, cached_tokens=out.cached_tokens, num_retractions=out.num_retractions,
         token_text=token_text,
         routed_experts=None if out.routed_experts is None else encode_routed_experts(out.routed_experts),
+        input_logprobs=out.input_logprobs,
     )

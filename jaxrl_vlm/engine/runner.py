@@ -28,6 +28,7 @@ from jaxrl_vlm.engine.weights import leaf_paths, load_params_state, param_arrays
 from jaxrl_vlm.models.activation_sharding import activation_sharding
 from jaxrl_vlm.models.config import ModelConfig
 from jaxrl_vlm.models.families import DecodeCache, PolicyModel
+from jaxrl_vlm.models.layers import token_logprobs
 from jaxrl_vlm.models.vision import VisionInputs, build_vision_inputs
 
 class IntRow(enum.IntEnum):
@@ -81,6 +82,9 @@ def images_after(
         return None, None
     first_patch = int(grid[:done].prod(-1).sum())
     return pixel_values[first_patch:], grid[done:]
+
+
+SCORE_CHUNK = 512  # sequence chunk of the scoring forward's fp32 logits (the trainer's default --logprob-chunk-size)
 
 
 class ModelRunner:
@@ -151,6 +155,16 @@ class ModelRunner:
             ids, lps = sample_tokens(logits, bias[slots], banned_v, _rows(ints, floats), filtered=filtered)
             return cache, ids, lps
 
+        def score_program(params, tokens, positions, segment_ids, vision, targets, *, temperature):
+            # The trainer's forward (`rl/train_step.policy_logprobs`): no cache, every position's log-prob.
+            model = nnx.merge(graphdef, params)
+            with activation_sharding(layout):
+                hidden = model(tokens, positions, segment_ids, vision)
+                lp, _ = token_logprobs(model, hidden, targets, chunk_size=SCORE_CHUNK,
+                                       temperature=temperature)
+            return lp[0]
+
+        self._score = jax.jit(score_program, static_argnames=("temperature",), out_shardings=replicated)
         # Explicit output shardings: the cache and bias stay where they live, step after step (no resharding).
         self._prefill = jax.jit(prefill_program, donate_argnames=("cache", "bias"),
                                 out_shardings=(cache_sh, replicated, replicated, replicated))
@@ -278,6 +292,34 @@ class ModelRunner:
         tok, lp = jax.device_get((tok, lp))
         return int(tok), float(lp)
 
+    def score(self, input_ids: np.ndarray, positions: np.ndarray, pixel_values: np.ndarray | None,
+              image_grid_thw: np.ndarray | None, temperature: float) -> np.ndarray:
+        """float32 [L - 1]: log p(input_ids[i] | input_ids[:i]) of `softmax(logits / temperature)` for i in [1, L),
+        from one full forward of the prompt (positions [3, L]; image pads expanded) padded to a prefill bucket,
+        without the KV cache: SGLang's input-token log-probs (`logprob_start_len`), for a teacher that scores
+        a student's trajectory. Program key ("score", bucket, patch_bucket)."""
+        total = int(input_ids.shape[0])
+        t = bucket_for(total, self.config.prefill_buckets, "prompt tokens")
+        tokens = np.zeros((1, t), np.int32)
+        tokens[0, :total] = input_ids
+        pos = np.zeros((3, 1, t), np.int32)
+        pos[:, 0, :total] = positions
+        segment_ids = np.zeros((1, t), np.int32)
+        segment_ids[0, :total] = 1
+        targets = np.zeros((1, t), np.int32)
+        targets[0, : total - 1] = input_ids[1:]
+        vision = None
+        patch_bucket = None
+        if pixel_values is not None:
+            patch_bucket = self.config.patch_bucket(int(pixel_values.shape[0]))
+            vision = build_vision_inputs(pixel_values, image_grid_thw, tokens, self.cfg, patch_bucket=patch_bucket,
+                                         token_valid=segment_ids > 0)
+            vision = type(vision)(*(None if a is None else np.asarray(a) for a in vision))
+            self.encoded_images += len(image_grid_thw)
+        self.program_calls[("score", t, patch_bucket)] += 1
+        lp = self._score(self.params, tokens, pos, segment_ids, vision, targets, temperature=float(temperature))
+        return np.asarray(jax.device_get(lp), np.float32)[: total - 1]
+
     def routed_experts(self, pages: Sequence[int], n: int) -> np.ndarray:
         """int32 [n, num_hidden_layers, top_k]: the experts positions [0, n) of the request with page table
         `pages` were routed to (SGLang's `routed_experts`; -1 in dense layers). Only for `records_experts`."""
@@ -332,7 +374,8 @@ class ModelRunner:
         self.params = load_params_state(path, self.cfg, self.params)
         self._params_backup = None
 
-    def stage_params(self, params: Any, via_dtype: Any = None, partial: bool = False) -> nnx.State:
+    def stage_params(self, params: Any, via_dtype: Any = None, partial: bool = False,
+                     may_alias: bool = False) -> nnx.State:
         """The parameters of `params` (a model or a parameter state, e.g. the trainer's, on other devices and
         shardings) rounded through `via_dtype` (if any), cast to the serving dtypes and placed in this replica's
         shardings, without touching the serving weights: `set_params` swaps them in. Fresh buffers throughout
@@ -340,7 +383,8 @@ class ModelRunner:
 
         The parameters must be the serving model's (same family and config); anything else is a ValueError
         naming the first difference. With `partial`, `params` may hold some of the parameters only (a sync that
-        leaves a frozen vision tower out): the others stay the serving arrays, shared, not copied.
+        leaves a frozen vision tower out): the others stay the serving arrays, shared, not copied. `may_alias`: the
+        caller's arrays are served as they are where they already fit (`weights.place_weights`).
         """
         given = param_arrays(params)
         targets, structure, paths = leaf_paths(self.params)
@@ -354,7 +398,7 @@ class ModelRunner:
             if tuple(new.shape) != tuple(old.shape):
                 raise ValueError(f"weights do not fit the serving model: {paths[i]} has shape {tuple(new.shape)}, "
                                  f"the serving model {tuple(old.shape)}")
-        placed = place_weights([given[paths[i]] for i in moved], [targets[i] for i in moved], via_dtype)
+        placed = place_weights([given[paths[i]] for i in moved], [targets[i] for i in moved], via_dtype, may_alias)
         leaves = list(targets)
         for i, array in zip(moved, placed):
             leaves[i] = array

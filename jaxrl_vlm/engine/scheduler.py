@@ -76,6 +76,7 @@ from rollout.sglang_wire import (
     FinishType,
     PauseMode,
     continued_answer,
+    logprob_temperature,
     paused_answer,
     update_weights_answer,
 )
@@ -328,7 +329,7 @@ class Scheduler:
         if params.stop:
             # Byte-level BPE can spend up to 4 tokens on one character; 2 more cover a straddling token.
             seq.stop_window = 4 * max(len(s) for s in params.stop) + 2
-        if seq.max_new_tokens == 0:  # prefill only: SGLang answers at once with length 0
+        if seq.max_new_tokens == 0 and not request.scores_prompt:  # SGLang answers at once with length 0
             self._finish(seq, FinishReason.at_length(0))
             return
         (self._held if self._paused else self._waiting).append(seq)
@@ -339,6 +340,11 @@ class Scheduler:
         admitted = 0
         while self._waiting and self._has_free_slot() and admitted < self.runner.config.max_prefills_per_step:
             seq = self._waiting[0]
+            if seq.request.scores_prompt:  # one forward, no pages: it waits (pause, weight update) like a prefill
+                self._waiting.popleft()
+                self._score(seq)
+                admitted += 1
+                continue
             slot = None
             try:
                 start = self._take_pages(seq)
@@ -362,6 +368,24 @@ class Scheduler:
                 self._finish(seq, None, error=f"prefill failed: {type(exc).__name__}: {exc}")
             admitted += 1
         self.stats.prefix_evictions = self._pages.evictions
+
+    def _score(self, seq: ActiveRequest) -> None:
+        """Answer a prompt-scoring request (logprob_start_len >= 0, max_new_tokens 0): the log-prob of every prompt
+        token from position `logprob_start_len` on under the served weights, None at position 0 as SGLang has it."""
+        prompt, params = seq.request.prompt, seq.request.params
+        temperature = logprob_temperature(params.temperature)  # SGLang's: greedy (0) reports untempered log-probs
+        try:
+            lps = self.runner.score(prompt.input_ids, prompt.positions, prompt.pixel_values, prompt.image_grid_thw,
+                                    temperature)
+        except Exception as exc:  # a failed forward fails that request, not the server
+            logger.exception("prompt scoring of %s failed", seq.rid)
+            self._finish(seq, None, error=f"prompt scoring failed: {type(exc).__name__}: {exc}")
+            return
+        self.stats.prefilled_tokens += prompt.num_tokens
+        values: list[float | None] = [None, *(float(x) for x in lps)]
+        ids = prompt.input_ids.tolist()
+        start = seq.request.logprob_start_len
+        self._finish(seq, FinishReason.at_length(0), input_logprobs=list(zip(values[start:], ids[start:])))
 
     def _take_pages(self, seq: ActiveRequest) -> int | None:
         """Give `seq` the pages of its longest cached prefix and fresh pages for the rest of its prompt
@@ -630,7 +654,7 @@ class Scheduler:
             self.stats.prefix_invalidations += 1
 
     def _finish(self, seq: ActiveRequest, reason: FinishReason | None, error: str | None = None,
-                queued: bool = False) -> None:
+                queued: bool = False, input_logprobs: list[tuple[float | None, int]] | None = None) -> None:
         routed = None
         if seq.request.return_routed_experts and seq.pages and error is None:
             # Every forwarded position, read before the pages go: the prompt and all output tokens but the last.
@@ -657,6 +681,7 @@ class Scheduler:
             error=error,
             queued=queued,
             routed_experts=routed,
+            input_logprobs=input_logprobs or [],
         )
         try:
             seq.on_finish(out)

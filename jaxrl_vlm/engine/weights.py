@@ -252,15 +252,43 @@ def _cast_copy_program(dtypes: tuple[Any, ...], shardings: tuple[Any, ...]) -> A
     return jax.jit(cast_copy, out_shardings=list(shardings))
 
 
-def place_weights(sources: list[Any], targets: list[Any], via_dtype: Any = None) -> list[jax.Array]:
+@functools.lru_cache(maxsize=256)
+def _same_layout(source: Any, target: Any, ndim: int) -> bool:
+    return source == target or source.is_equivalent_to(target, ndim)
+
+
+def aliasable(source: Any, target: Any, via_dtype: Any = None) -> bool:
+    """Whether `source` can be served as it is in `target`'s place: a live device array of the target's dtype and
+    layout (same devices, same shards), which rounding through `via_dtype` would not change."""
+    if not isinstance(source, jax.Array) or source.is_deleted() or source.dtype != target.dtype:
+        return False
+    via = None if via_dtype is None else jnp.dtype(via_dtype)
+    if via is not None and via != source.dtype and jnp.issubdtype(source.dtype, jnp.floating):
+        return False
+    return _same_layout(source.sharding, target.sharding, source.ndim)
+
+
+def place_weights(sources: list[Any], targets: list[Any], via_dtype: Any = None,
+                  may_alias: bool = False) -> list[jax.Array]:
     """Each source array rounded through `via_dtype` (floating arrays only; None: not), cast to its target's dtype and
-    placed in its target's sharding (targets: arrays or ShapeDtypeStructs). Always fresh buffers, never a source's:
-    the trainer's train step donates its own, which would delete what the engine serves. So the one copy made is the
-    cast, or at equal dtypes the copy that donation needs; no host round trip.
+    placed in its target's sharding (targets: arrays or ShapeDtypeStructs). Fresh buffers, never a source's, unless
+    `may_alias`: the trainer's train step donates its own, which would delete what the engine serves. So the one copy
+    made is the cast, or at equal dtypes the copy that donation needs; no host round trip.
+
+    `may_alias` (the caller's promise that nothing donates or mutates the sources: a trainer whose step keeps its
+    parameters, `Trainer.share_params`): a source already in its target's dtype and layout (`aliasable`) is handed
+    over as it is, with no copy and no dispatch; the others are placed as below.
 
     Sources on the targets' devices (one device set throughout: an engine replica on the trainer's devices) go
     through one compiled program, cast and copy in one pass and one dispatch for the whole model; others are cast
     where they are, then moved in one batched transfer."""
+    if may_alias:
+        out: list[Any] = [x if aliasable(x, t, via_dtype) else None for x, t in zip(sources, targets)]
+        rest = [i for i, x in enumerate(out) if x is None]
+        if rest:
+            for i, placed in zip(rest, place_weights([sources[i] for i in rest], [targets[i] for i in rest], via_dtype)):
+                out[i] = placed
+        return out
     via = None if via_dtype is None else jnp.dtype(via_dtype)
     # Rounding through a third dtype is its own step: inside one program a compiler may drop a
     # narrowing-then-widening pair of converts (XLA's excess-precision rewrites), which a disk export never does.

@@ -11,7 +11,8 @@ slime namespace, `eval_namespace`), in which
 * `rollout_batch_size` is the size of the set, whose prompts the source hands out once, in file order: every
   prompt of the set is one group, once per round;
 * there is no dynamic filter, no over-sampling and no partial rollout, and none of slime's training-rollout hooks
-  (`TRAINING_ONLY_HOOKS`; `--custom-rm-path` does score eval episodes, as in slime);
+  (`TRAINING_ONLY_HOOKS`; `--custom-rm-path` does score eval episodes, as in slime), and no OPD teacher scoring
+  (eval episodes never train);
 * the driver state (group counter, prompt buffer, carried groups) is a fresh one, and the rollout context is a copy
   with its own (empty) table of suspended episodes: the training rollout's state is neither read nor advanced;
 * `rollout_seed` is `eval_seed(rollout_seed, name)`: the run's seed plus a fixed offset, hashed with the set's
@@ -131,7 +132,7 @@ def eval_run(run: RolloutRun, cfg: Config, eval_set: EvalSet) -> RolloutRun:
     context with its own suspended-episode table (the same client, encoder and generate slots). The training run's
     state is neither read nor advanced."""
     return run.derive(options=eval_options(run.options, cfg, eval_set), state=DriverState(),
-                      context=dataclasses.replace(run.context, suspended={}, aborting=False))
+                      context=dataclasses.replace(run.context, suspended={}, aborting=False, teacher=None))
 
 
 def eval_namespace(args: Any, cfg: Config, eval_set: EvalSet) -> Any:

@@ -29,6 +29,7 @@ from rollout.options import total_generate_concurrency
 from rollout.processing import load_image_processor, load_tokenizer
 from rollout.rewards import RewardSettings
 from rollout.run import RolloutContext, RolloutRun
+from rollout.teacher import TeacherScorer
 from rollout.vllm_client import VLLMClient, client_class, detect_engine_api
 
 logger = logging.getLogger(__name__)
@@ -76,6 +77,8 @@ async def rollout_session(
     engine: EmbeddedEngine | None = None
     launched: SGLangProcess | VLLMProcess | None = None
     client: SGLangClient | None = None
+    teacher_engine: EmbeddedEngine | None = None
+    teacher: TeacherScorer | None = None
     key = cfg.engine.engine_api_key
     client_options = dict(timeout_s=cfg.engine.engine_request_timeout, retry=RetryPolicy(max_retries=cfg.engine.engine_max_retries),
                           api_key=key)
@@ -125,14 +128,21 @@ async def rollout_session(
             await client.check_logprobs_mode()
         encoder = ChatEncoder(load_tokenizer(model_dir), load_image_processor(model_dir))
         client.vocab_size = len(encoder.tokenizer)  # an engine returning an id outside it fails the sample by name
+        if cfg.rollout.use_opd:
+            teacher_engine, teacher = await _start_teacher(cfg, encoder, client_options)
         args.rollout_context = RolloutContext(
             client=client, encoder=encoder, env_module=task_env_module(cfg),
             generate_slots=asyncio.Semaphore(
                 total_generate_concurrency(cfg.rollout.sglang_server_concurrency, cfg.engine.engine_worker_urls)),
             router_mode=bool(cfg.engine.engine_worker_urls),
+            teacher=teacher,
         )
         yield client
     finally:
+        if teacher is not None:
+            await teacher.close()
+        if teacher_engine is not None:
+            teacher_engine.stop()
         if getattr(args, "rollout_context", None) is not None:
             await close_suspended(args)
         if client is not None:
@@ -141,6 +151,39 @@ async def rollout_session(
             engine.stop()
         if launched is not None:
             launched.stop()
+
+
+async def _start_teacher(cfg: Config, encoder: ChatEncoder, client_options: dict[str, Any],
+                         ) -> tuple[EmbeddedEngine | None, TeacherScorer]:
+    """--use-opd --opd-type engine: the teacher's client, to --opd-teacher-url or to an embedded engine serving
+    --opd-teacher-checkpoint (started here with the run's engine settings, on the rollout devices; the caller stops
+    it). The teacher must share the student's tokenizer and image processor: its prompt log-probs are read by
+    position of the student's trajectory."""
+    r = cfg.rollout
+    engine = None
+    options = {**client_options, "api_key": None}
+    if r.opd_teacher_checkpoint is not None:
+        if not (Path(r.opd_teacher_checkpoint) / "config.json").is_file():
+            raise FileNotFoundError(f"--opd-teacher-checkpoint {r.opd_teacher_checkpoint} has no config.json: it must "
+                                    "be an HF model directory (weights, config, tokenizer, processor)")
+        engine = EmbeddedEngine(r.opd_teacher_checkpoint, host=cfg.engine.engine_host, port=0,
+                                config=EngineOptions.from_run_config(cfg), weight_version="teacher")
+        url = engine.start()
+        logger.info("OPD teacher: embedded engine serving %s at %s", r.opd_teacher_checkpoint, url)
+    else:
+        url = r.opd_teacher_url
+        logger.info("OPD teacher: %s", url)
+    client = SGLangClient(url, **options)
+    try:
+        await client.wait_healthy(timeout_s=cfg.engine.engine_start_timeout)
+    except BaseException:
+        await client.close()
+        if engine is not None:
+            engine.stop()
+        raise
+    client.vocab_size = len(encoder.tokenizer)
+    return engine, TeacherScorer(client, encoder, concurrency=r.opd_teacher_concurrency,
+                                 timeout_s=cfg.engine.engine_request_timeout)
 
 
 def rollout_run(cfg: Config, args: Any) -> RolloutRun:

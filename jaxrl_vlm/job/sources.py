@@ -276,6 +276,13 @@ class EngineSource(SampleSource):
         reused) and their version confirmed on every worker.
         """
         self.syncer.client = client
+        if (self.main and self.trainer.lora is None and not self.cfg.engine.disable_weight_sync
+                and self.syncer.can_share(self.trainer.policy_params())):
+            # The embedded engine on the trainer's devices, in its dtypes: it serves the trainer's arrays, uncopied.
+            self.trainer.share_params()
+            self.syncer.share_trainer_arrays = True
+            logger.info("weight sync in memory: the embedded engine serves the trainer's parameter arrays, uncopied "
+                        "(the train step keeps them instead of donating them)")
         if self.main:
             self.run = rollout_run(self.cfg, self.args)
         if self.main and hasattr(client, "check_reloadable_head"):

@@ -252,6 +252,9 @@ class Trainer:
         # --freeze-vision-tower / --freeze-vision-merger: the parameters held in `frozen` without LoRA (with LoRA the
         # whole base is frozen already), which a weight sync may leave out.
         self.frozen_parts: FrozenParts = NOTHING_FROZEN
+        # The train step donates the parameters' buffers (updated in place), unless an in-process engine serves
+        # them as they are (`share_params`).
+        self.donate_params = True
 
     # -------------------------------------------------------------------------- setup
     def build_policy(self, model_dir: Path) -> None:
@@ -322,9 +325,18 @@ class Trainer:
             self._step_fns[key] = compile_train_step(
                 self.graphdef, self.tx, dataclasses.replace(cfg, lora=self.lora), state_shardings=self.state_shardings,
                 batch_shardings=lambda tree: batch_shardings(tree, self.mesh, self.rules),
-                frozen_shardings=self.frozen_shardings,
+                frozen_shardings=self.frozen_shardings, donate_params=self.donate_params,
             )
         return self._step_fns[key]
+
+    def share_params(self) -> None:
+        """Keep the parameters' buffers through the train step (no donation), so that an engine in this process may
+        serve the trainer's arrays as they are (`WeightSyncer.share_trainer_arrays`): a donated buffer would be
+        deleted under it. Memory stays level: the step then writes new parameters beside the old ones, which the
+        engine holds anyway instead of a copy of its own. Steps compiled before are compiled again."""
+        if self.donate_params:
+            self.donate_params = False
+            self._step_fns.clear()
 
     @property
     def logprob_temperature(self) -> float:
@@ -367,6 +379,7 @@ class Trainer:
             overlong_policy=cfg.batching.overlong_policy,
             max_tokens_per_micro_batch=None if budget is None else budget * shards * per_row_devices,
             routing_replay=cfg.rollout.use_rollout_routing_replay, vision_reuse=cfg.batching.vision_reuse,
+            teacher_logprobs=cfg.rollout.use_opd,
         )
         # Each process uploads only the rows its devices hold (plain device_put would first gather and compare
         # the whole batch across processes).

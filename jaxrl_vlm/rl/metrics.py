@@ -161,6 +161,12 @@ TRAIN_METRICS: tuple[MetricDoc, ...] = (
     MetricDoc("train/rollout_corr/<name>", "mean (count-weighted)",
               "--rollout-correction diagnostics (k3, chi2, masked_token_frac, masked_seq_frac, weight_mean)."),
     MetricDoc("train/tis/<name>", "mean (token-weighted)", "A --custom-tis-function-path hook's own metrics."),
+    MetricDoc("train/opd/reverse_kl", "mean (count-weighted)", "--use-opd: student - teacher log-prob of the "
+              "loss-mask tokens (a per-token estimate of KL(student || teacher); rl/opd.py)."),
+    MetricDoc("train/opd/teacher_logprob", "mean (count-weighted)", "--use-opd: the teacher's log-prob of the "
+              "student's loss-mask tokens."),
+    MetricDoc("train/opd/student_logprob", "mean (count-weighted)", "--use-opd: the student's behaviour log-prob "
+              "(old_logprobs) of the same tokens."),
     MetricDoc("train/sft_loss", "sum over micro-batches", "--loss-type sft_loss: NLL per assistant token."),
     MetricDoc("train/sft_tokens", "sum over micro-batches", "--loss-type sft_loss: assistant tokens trained."),
     MetricDoc("train/loss_total", "sum over micro-batches", "The optimised loss, MoE router losses included."),

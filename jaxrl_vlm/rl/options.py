@@ -46,6 +46,13 @@ class LossOptions:
         "[B, T], loss_mask [B, T], metrics)` inside the compiled step, in place of a correction's weights and mask; "
         "masked-out tokens leave every loss term (the aggregation denominators stay the host's, unlike slime's "
         "rebuilt ones); metrics are per-token [B, T] arrays logged as train/tis/<name>.")
+    opd_kl_coef: float = opt(
+        1.0, "On-policy distillation (--use-opd): each loss-mask token's advantage gets -coef * (student - teacher "
+        "log-prob), the student's being the trainer's behaviour log-prob (old_logprobs), after any estimator, as "
+        "slime's --opd-kl-coef. Logged as train/opd/{reverse_kl,teacher_logprob,student_logprob}.", ge=0.0)
+    opd_only: bool = opt(
+        False, "With --use-opd: the reverse KL is the only signal (advantage = -coef * (student - teacher) per "
+        "token; the reward's advantages are dropped), pure on-policy distillation.")
     use_kl_loss: bool = opt(False, "Add a KL(policy || reference) loss term.")
     kl_loss_coef: float = opt(0.0, "Coefficient of the KL loss term.", ge=0.0)
     kl_loss_type: str = opt("k1", "KL estimator of the KL loss (slime's default k1).", choices=KL_ESTIMATORS)
@@ -76,4 +83,30 @@ def rollout_correction_problem(name: str, low: float, high: float, custom_tis_fu
                 f"--rollout-correction {name}: name --rollout-correction custom (the hook is the correction)")
     if name == CUSTOM_CORRECTION and custom_tis_function_path is None:
         return "--rollout-correction custom needs --custom-tis-function-path (the function that is the correction)"
+    return None
+
+
+OPD_TYPES_BUILT = ("engine",)  # --opd-type values this project implements; the others are refused by name
+
+
+def opd_problem(use_opd: bool, opd_type: str, teacher_url: str | None, teacher_checkpoint: str | None,
+                opd_only: bool, kl_coef: float) -> str | None:
+    """What is wrong with the on-policy distillation settings, in words naming the flags (None: nothing)."""
+    if not use_opd:
+        set_here = [flag for flag, on in (("--opd-teacher-url", teacher_url is not None),
+                                          ("--opd-teacher-checkpoint", teacher_checkpoint is not None),
+                                          ("--opd-only", opd_only)) if on]
+        if not set_here:
+            return None
+        return f"{', '.join(set_here)} {'needs' if len(set_here) == 1 else 'need'} --use-opd"
+    if opd_type not in OPD_TYPES_BUILT:
+        what = {"trainer": "the teacher as a second model in the trainer",
+                "self": "slime's OPSD, the frozen initial policy with privileged information"}.get(opd_type, opd_type)
+        return (f"--opd-type {opd_type} ({what}) is not implemented yet: use --opd-type engine with "
+                "--opd-teacher-url or --opd-teacher-checkpoint")
+    if (teacher_url is None) == (teacher_checkpoint is None):
+        return ("--use-opd --opd-type engine needs exactly one teacher: --opd-teacher-url (a server speaking SGLang's "
+                "/generate) or --opd-teacher-checkpoint (an embedded teacher engine)")
+    if opd_only and kl_coef == 0.0:
+        return "--opd-only with --opd-kl-coef 0 leaves no signal to train on: set --opd-kl-coef > 0"
     return None

@@ -39,6 +39,7 @@ from jaxrl_vlm.models.freezing import join_params
 from jaxrl_vlm.models.layers import token_logprobs
 from jaxrl_vlm.rl.losses import LossConfig, LossFn, LossInputs, select_loss
 from jaxrl_vlm.rl.metrics import Metric, accumulate_metrics, finalize_metrics, init_metrics
+from jaxrl_vlm.rl.opd import opd_advantages, opd_metrics
 from jaxrl_vlm.rl.router_losses import load_metrics, router_terms
 
 
@@ -143,11 +144,11 @@ def policy_logprobs(
     return (lp, ent, routing) if with_routing else (lp, ent)
 
 
-def _loss_inputs(mb: Any, logprobs, entropy, old, ref) -> LossInputs:
+def _loss_inputs(mb: Any, logprobs, entropy, old, ref, advantages=None) -> LossInputs:
     return LossInputs(
         logprobs=logprobs,
         old_logprobs=old,
-        advantages=mb.advantages,
+        advantages=mb.advantages if advantages is None else advantages,
         loss_mask=mb.loss_mask,
         sequence_ids=mb.sequence_ids,
         token_weights=mb.token_weights,
@@ -155,6 +156,17 @@ def _loss_inputs(mb: Any, logprobs, entropy, old, ref) -> LossInputs:
         rollout_logprobs=mb.rollout_logprobs,
         entropy=entropy,
     )
+
+
+def opd_terms(mb: Any, old: jax.Array, loss_cfg: LossConfig) -> tuple[jax.Array | None, dict[str, Metric]]:
+    """On-policy distillation (a batch with `teacher_logprobs`, --use-opd): the advantages with
+    -opd_kl_coef * (old - teacher) folded in (`rl/opd.py`) and the `opd/*` metrics; (None, {}) without a teacher."""
+    teacher = getattr(mb, "teacher_logprobs", None)
+    if teacher is None:
+        return None, {}
+    advantages = opd_advantages(mb.advantages, old, teacher, mb.loss_mask, kl_coef=loss_cfg.opd_kl_coef,
+                                only=loss_cfg.opd_only)
+    return advantages, opd_metrics(old, teacher, mb.loss_mask)
 
 
 def train_step(
@@ -208,7 +220,9 @@ def _train_step(graphdef, tx, cfg: StepConfig, state: TrainState, batch, old_log
         )
         old = jax.lax.stop_gradient(lp) if cfg.old_from_current else old_logprobs[k]
         ref = None if ref_logprobs is None else ref_logprobs[k]
-        loss, metrics = loss_fn(_loss_inputs(mb, lp, ent, old, ref), cfg.loss)
+        advantages, distill = opd_terms(mb, old, cfg.loss)
+        loss, metrics = loss_fn(_loss_inputs(mb, lp, ent, old, ref, advantages), cfg.loss)
+        metrics = {**metrics, **distill}
         if routing is not None:  # an MoE family: router losses and expert load (a dense one pays nothing)
             valid = mb.segment_ids > 0
             terms = router_terms(routing, valid, jnp.sum(valid) / real_total, top_k=routing.topk_ids.shape[-1],
@@ -290,6 +304,11 @@ def compute_logprobs(
         return jax.lax.map(one, jnp.arange(batch.tokens.shape[0]))
 
 
+def _with_params(step: Callable[..., Any], params: Any, rest: TrainState, *args: Any) -> Any:
+    """`step` on the state `rest` with `params` put back (`compile_train_step` without `donate_params`)."""
+    return step(rest._replace(params=params), *args)
+
+
 def compile_train_step(
     graphdef: nnx.GraphDef,
     tx: optax.GradientTransformation,
@@ -298,16 +317,27 @@ def compile_train_step(
     state_shardings: Any = None,
     batch_shardings: Callable[[Any], Any] | None = None,
     frozen_shardings: Any = None,
+    donate_params: bool = True,
 ) -> Callable[..., tuple[TrainState, dict[str, jax.Array]]]:
     """A jitted `step(state, batch, old_logprobs, ref_logprobs, frozen=None)`; the state buffer is donated (never
-    `frozen`: LoRA's base or the frozen parameters, placed as `frozen_shardings`).
+    `frozen`: LoRA's base or the frozen parameters, placed as `frozen_shardings`). Without `donate_params` the
+    parameters are not donated (the rest of the state is): an in-process engine serves them as they are
+    (`Trainer.share_params`), and a donated buffer would be deleted under it.
 
     With shardings, `jax.jit` gets explicit in/out shardings: state as placed, batch rows over (data, fsdp),
     metrics replicated. jit caches one executable per batch shape (a bounded set, from the buckets).
     """
     fn = partial(train_step, graphdef, tx, cfg)
+    if not donate_params:  # the parameters as an argument of their own, which is not donated
+        fn = partial(_with_params, fn)
+    donated = (0,) if donate_params else (1,)
+
+    def args(state):
+        return (state,) if donate_params else (state.params, state._replace(params=None))
+
     if state_shardings is None:
-        return jax.jit(fn, donate_argnums=(0,))
+        jitted = jax.jit(fn, donate_argnums=donated)
+        return jitted if donate_params else lambda state, *rest: jitted(*args(state), *rest)
     cache: dict[Any, Callable] = {}
 
     def step(state, batch, old_logprobs=None, ref_logprobs=None, frozen=None):
@@ -319,11 +349,12 @@ def compile_train_step(
             ref_sh = None if ref_logprobs is None else batch_shardings(ref_logprobs)
             cache[key] = jax.jit(
                 fn,
-                in_shardings=(state_shardings, b_sh, lp_sh, ref_sh, None if frozen is None else frozen_shardings),
+                in_shardings=(*args(state_shardings), b_sh, lp_sh, ref_sh,
+                              None if frozen is None else frozen_shardings),
                 out_shardings=(state_shardings, None),
-                donate_argnums=(0,),
+                donate_argnums=donated,
             )
-        return cache[key](state, batch, old_logprobs, ref_logprobs, frozen)
+        return cache[key](*args(state), batch, old_logprobs, ref_logprobs, frozen)
 
     step.cache = cache  # type: ignore[attr-defined]
     return step

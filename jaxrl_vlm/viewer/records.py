@@ -74,6 +74,8 @@ class Turn:
     weight_version: str | None
     truncation_cause: str | None
     error: str | None
+    # On-policy distillation: the teacher's log-prob of each `tokens` row (None: observation, image pads), or ().
+    teacher_logprobs: tuple[float | None, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,7 +126,8 @@ def _turn(t: dict[str, Any], prefix: Path) -> Turn:
     return Turn(t["turn"], t["model_text"], t["observation_text"], t["model_tokens"], t["observation_tokens"],
                 _images(t.get("images"), prefix), tuple(tuple(row) for row in t.get("tokens") or ()),
                 t.get("finish_reason"), t.get("engine_latency_s"), t.get("env_latency_s"), t.get("env_retries"),
-                t.get("weight_version"), t.get("truncation_cause"), t.get("error"))
+                t.get("weight_version"), t.get("truncation_cause"), t.get("error"),
+                tuple(t.get("teacher_logprobs") or ()))
 
 
 def load_episodes(root: Path, source: Source) -> list[Episode]:

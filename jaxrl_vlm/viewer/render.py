@@ -79,8 +79,11 @@ def _tokens(turn: Turn) -> str:
         return (f'<div class="tokens"><span class="tok m1">{_e(turn.model_text)}</span>'
                 f'<span class="tok m0">{_e(turn.observation_text)}</span></div>')
     parts = []
-    for text, mask, logprob, count in turn.tokens:
+    teacher = turn.teacher_logprobs or (None,) * len(turn.tokens)
+    for (text, mask, logprob, count), teacher_lp in zip(turn.tokens, teacher):
         title = f"loss mask {mask}" + ("" if logprob is None else f", log p = {logprob:.4f}")
+        if teacher_lp is not None:  # on-policy distillation: the teacher's beside the student's
+            title += f", teacher log p = {teacher_lp:.4f}"
         if text == "<|image_pad|>":
             parts.append(f'<span class="tok imgpad m{mask}" title="{title}">[image x{count}]</span>')
         else:

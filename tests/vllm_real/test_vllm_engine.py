@@ -213,10 +213,11 @@ def test_a_multi_turn_rollout_shows_pictures_in_the_observations(untied_server, 
 
 def test_the_main_job_trains_two_steps_against_a_launched_vllm(tiny32, tmp_path):
     out = tmp_path / "run"
+    # Full syncs (the default, auto, sends vLLM deltas: the asynchronous test below runs those).
     done = _cli("train", "configs/color_reveal_tiny.yaml", "--hf-checkpoint", str(tiny32), "--launch-vllm",
                 "--vllm-python", str(vllm_python()), "--vllm-args=" + ",".join(CPU_ARGS),
                 "--num-rollout", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "4",
-                "--eval-interval", "100", "--output-dir", str(out))
+                "--eval-interval", "100", "--output-dir", str(out), "--weight-sync-mode", "disk")
     assert done.returncode == 0, done.stderr[-4000:]
     log = (out / "vllm.log").read_text(errors="replace")
     assert "'dtype': 'float32'" in log  # the launcher served the weights' dtype (the run's param dtype)
@@ -243,6 +244,8 @@ def test_asynchronous_training_against_a_launched_vllm_keeps_the_staleness_bound
     assert done.returncode == 0, done.stderr[-4000:]
     records = [r for r in read_metrics(out / "metrics.jsonl") if "train/train_rollout_logprob_abs_diff" in r]
     assert [r["step"] for r in records] == [0, 1, 2]
+    # The default (auto) sends a launched vLLM deltas: the first version after the attach in full, then deltas.
+    assert [(r["sync/delta"], r["sync/checksum_mismatches"]) for r in records] == [(0.0, 0.0), (1.0, 0.0), (1.0, 0.0)]
     for r in records:
         assert r["weight_version"] == r["step"] + 1
         # Every trained sample was sampled by the trainer's version or the one before (a staler one stops the run).
