@@ -1178,6 +1178,9 @@ def _validate_hooks(cfg: Config) -> None:
                           a.opd_kl_coef)
     if problem:
         raise ConfigError(problem)
+    if r.opd_teacher_api != "auto" and r.opd_teacher_url is None:
+        raise ConfigError(f"--opd-teacher-api {r.opd_teacher_api} is the protocol of --opd-teacher-url, which is not "
+                          "set (an embedded teacher from --opd-teacher-checkpoint speaks SGLang's)")
     if r.group_rm and r.custom_rm_path is None:
         raise ConfigError("--group-rm scores groups with --custom-rm-path, which is not set")
     if r.custom_rm_path is not None and a.rm_type is not None:

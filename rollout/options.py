@@ -216,14 +216,23 @@ class RolloutOptions(ArgsOptions):
     opd_type: str = opt(
         "engine", "Where the teacher runs (slime's --opd-type; its sglang -> engine, megatron -> trainer): engine, "
         "a teacher engine's prompt log-probs (--opd-teacher-url, or an embedded engine from "
-        "--opd-teacher-checkpoint); trainer (a second model in the trainer) and self (slime's OPSD) are not "
-        "implemented yet.", choices=("engine", "trainer", "self"))
+        "--opd-teacher-checkpoint), stored on the sample; trainer, a frozen second model in the trainer "
+        "(--opd-teacher-checkpoint, sharded like the policy) scoring the packed batch inside the train step; self "
+        "(slime's OPSD) is not implemented yet.", choices=("engine", "trainer", "self"))
     opd_teacher_url: str | None = opt(
-        None, "--opd-type engine: URL of the teacher, a server speaking SGLang's /generate with prompt log-probs "
-        "(logprob_start_len 0, max_new_tokens 0), e.g. `jaxrl-vlm serve` or SGLang.")
+        None, "--opd-type engine: URL of a running teacher that scores prompts: SGLang or `jaxrl-vlm serve` "
+        "(/generate, logprob_start_len 0), or vLLM (its token route with prompt_logprobs 0; started with "
+        "--enable-scale-out). --opd-teacher-api says which.")
+    opd_teacher_api: str = opt(
+        "auto", "The protocol of --opd-teacher-url: sglang (SGLang's /generate, also `jaxrl-vlm serve`) or vllm "
+        "(/inference/v1/generate with sampling_params.prompt_logprobs). auto: asked of the server, as --engine-api "
+        "auto does. An embedded teacher (--opd-teacher-checkpoint) speaks SGLang's.",
+        choices=("auto", "sglang", "vllm"))
     opd_teacher_checkpoint: str | None = opt(
-        None, "--opd-type engine: HF checkpoint directory of a teacher that the run serves itself, with the embedded "
-        "engine (same tokenizer and image processor as the student; the engine settings of --engine-* apply).")
+        None, "HF checkpoint directory of the teacher. --opd-type engine: the run serves it with the embedded engine "
+        "(the engine settings of --engine-* apply); --opd-type trainer: the trainer loads it beside the policy, "
+        "any family with the student's tokenizer, vocabulary and image-input format. Same tokenizer and image "
+        "processor as the student either way.")
     opd_teacher_concurrency: int = opt(
         8, "Teacher scoring requests in flight at once (one per finished episode).", ge=1)
 

@@ -1,12 +1,13 @@
 """On-policy distillation's teacher scoring (`--use-opd --opd-type engine`): a rollout-side step.
 
 Once an episode has finished, the teacher scores the student's whole trajectory (the prompt, every turn, the
-observations and every picture of the episode) in one request for the engine's prompt log-probs (SGLang's
-`/generate` with `logprob_start_len: 0`, `max_new_tokens: 0`; `SGLangClient.prompt_logprobs`). The log-prob of each
-response token goes on the sample (`Sample.teacher_log_probs`, 0.0 on observation tokens as `rollout_log_probs`), so
-the rollout dump, saved rollouts and their replay carry it; the trainer folds it into the advantages
-(`jaxrl_vlm/rl/opd.py`). The teacher scores at temperature 1 (its own distribution), as slime's teacher request
-(temperature 0, which SGLang reports untempered) does.
+observations and every picture of the episode) in one request for the engine's prompt log-probs: SGLang's
+`/generate` with `logprob_start_len: 0`, `max_new_tokens: 0` (`SGLangClient.prompt_logprobs`), or vLLM's token route
+with `sampling_params.prompt_logprobs: 0` (`VLLMClient.prompt_logprobs`); --opd-teacher-api says which, or the server
+is asked (`connect_teacher`). The log-prob of each response token goes on the sample (`Sample.teacher_log_probs`,
+0.0 on observation tokens as `rollout_log_probs`), so the rollout dump, saved rollouts and their replay carry it;
+the trainer folds it into the advantages (`jaxrl_vlm/rl/opd.py`). The teacher scores at temperature 1 (its own
+distribution), as slime's teacher request (temperature 0, which SGLang reports untempered) does.
 
 No jax here: a rollout host runs it.
 """
@@ -16,13 +17,21 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from rollout.client import EngineError, SGLangClient
+from rollout import vllm_wire
+from rollout.client import EngineError, EngineRefused, SGLangClient
 from rollout.encoding import ChatEncoder
 from rollout.sample import Sample
+from rollout.vllm_client import ENGINE_APIS, client_class, detect_engine_api
 
 
 class TeacherError(RuntimeError):
     """The teacher could not score an episode (its answer does not fit the trajectory); names the sample."""
+
+
+class TeacherUnavailable(EngineRefused):
+    """The teacher at --opd-teacher-url cannot serve the run: nothing healthy answers there, or it does not score
+    prompts (a vLLM without its token route, an engine that refuses prompt log-probs). Bad input, reported in one
+    line like `EngineRefused`; the message names the URL, the protocol and the cause."""
 
 
 TEACHER_TEMPERATURE = 1.0
@@ -42,7 +51,8 @@ def response_teacher_logprobs(sample: Sample, position_logprobs: list[float]) ->
 
 @dataclass
 class TeacherScorer:
-    """A teacher engine behind an SGLang client, with at most `concurrency` scoring requests in flight.
+    """A teacher engine behind its client (`SGLangClient`, or `VLLMClient` for a vLLM teacher), with at most
+    `concurrency` scoring requests in flight.
 
     `encoder` compacts the trajectory's expanded image pads back to one per image, as the wire wants them.
     """
@@ -69,3 +79,46 @@ class TeacherScorer:
 
 
 TEACHER_ERRORS = (TeacherError, EngineError, asyncio.TimeoutError)
+
+# A teacher is checked once at attach with a prompt of plain ids every vocabulary has: it must answer one log-prob
+# per position after the first.
+PROBE_IDS = vllm_wire.PROBE_PROMPT
+
+
+async def connect_teacher(url: str, api: str, *, start_timeout_s: float, **client_options) -> SGLangClient:
+    """The client of the teacher at `url` (--opd-teacher-url) in its protocol (`api`: sglang, vllm, or auto: asked
+    of the server as `--engine-api auto` does), once it is healthy and has scored a probe prompt.
+    `TeacherUnavailable` names what is wrong: nothing healthy within `start_timeout_s`, a server that is neither
+    engine, or one that answers the probe with an error or the wrong number of log-probs."""
+    if api not in ("auto", *ENGINE_APIS):
+        raise ValueError(f"--opd-teacher-api {api!r}: choose auto or one of {ENGINE_APIS}")
+    flag = f"the OPD teacher at {url} (--opd-teacher-url)"
+    # SGLang's health probe falls back to /health, which vLLM answers: it serves both before the protocol is known.
+    client = client_class("sglang" if api == "auto" else api)(url, **client_options)
+    try:
+        try:
+            await client.wait_healthy(timeout_s=start_timeout_s)
+        except EngineError as exc:
+            raise TeacherUnavailable(url, f"{flag} is unreachable: {exc}") from exc
+        if api == "auto":
+            try:
+                api = await detect_engine_api(url, api_key=client_options.get("api_key"))
+            except EngineError as exc:
+                raise TeacherUnavailable(url, f"{flag} is neither SGLang nor vLLM: {exc}; set "
+                                              "--opd-teacher-api") from exc
+            await client.close()
+            client = client_class(api)(url, **client_options)
+        try:
+            scored = await client.prompt_logprobs(list(PROBE_IDS), temperature=TEACHER_TEMPERATURE)
+        except EngineError as exc:
+            advice = (" (a vLLM teacher needs its token route: start it with --enable-scale-out)"
+                      if api == "vllm" and exc.status == 404 else "")
+            raise TeacherUnavailable(url, f"{flag} does not score prompts with {api}'s prompt log-probs{advice}: "
+                                          f"{exc}") from exc
+        if len(scored) != len(PROBE_IDS) - 1:
+            raise TeacherUnavailable(url, f"{flag} scored {len(scored)} positions of a {len(PROBE_IDS)}-token probe "
+                                          f"prompt, not {len(PROBE_IDS) - 1} ({api}'s protocol)")
+    except BaseException:
+        await client.close()
+        raise
+    return client

@@ -6,6 +6,8 @@ paused) and changes only what is said on the wire. So the episode loop, the weig
 cannot tell the engines apart:
 
 - `/generate` -> `/inference/v1/generate`, its answer mapped onto SGLang's and checked by the same parser;
+- a teacher's prompt log-probs (`/generate` with `logprob_start_len: 0`) -> the same route with
+  `sampling_params.prompt_logprobs: 0` (`prompt_logprobs`, on-policy distillation);
 - `/pause_generation` -> `/pause`, `/continue_generation` -> `/resume`, `/flush_cache` -> `/reset_prefix_cache`;
 - `/update_weights_from_disk` -> `/collective_rpc reload_weights` with the exported directory, then
   `/update_weight_version`; the version is read back from `/weight_info` and must be the one set;
@@ -21,6 +23,7 @@ This module never imports jax.
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -33,6 +36,7 @@ from rollout.client import (
     GenerateResult,
     SGLangClient,
     parse_generate_response,
+    parse_prompt_logprobs,
 )
 from rollout.sglang_wire import as_pause_mode
 
@@ -96,6 +100,28 @@ class VLLMClient(SGLangClient):
             raise EngineResponseError(endpoint, reply.status, reply.text, reply.attempts, reason=str(exc)) from None
         return parse_generate_response(answer, endpoint=endpoint, return_logprob=return_logprob,
                                        attempts=reply.attempts, raw_text=reply.text, vocab_size=self.vocab_size)
+
+    async def prompt_logprobs(self, input_ids: Sequence[int], *, image_data: Sequence[str] | None = None,
+                              temperature: float = 1.0, timeout_s: float | None = None) -> list[float]:
+        """log p(input_ids[i] | input_ids[:i]) for every position i >= 1 after image expansion, from vLLM's prompt
+        log-probs on the token route (`sampling_params.prompt_logprobs: 0`, `vllm_wire.prompt_logprobs_body`), mapped
+        onto SGLang's answer and read by the same parser. vLLM's prompt log-probs are always those of the
+        temperature-1 distribution: another `temperature` is refused (ValueError)."""
+        if float(temperature) != vllm_wire.PROMPT_LOGPROBS_TEMPERATURE:
+            raise ValueError(f"vLLM scores prompts at temperature 1 only (its prompt log-probs skip the sampling "
+                             f"processors), got temperature={temperature}")
+        rid = uuid.uuid4().hex
+        body = vllm_wire.prompt_logprobs_body(input_ids, image_data=image_data, rid=rid, lora_name=self.lora_name)
+        endpoint = self.url + self.generate_path
+        reply = await self._request(
+            "POST", self.url, self.generate_path,
+            body_for_attempt=lambda k: body if k == 1 else self._with_rid(body, f"{rid}.retry{k - 1}"),
+            timeout_s=timeout_s if timeout_s is not None else self.timeout_s, wait_for_engine=True)
+        try:
+            answer = vllm_wire.prompt_logprobs_answer(reply.data)
+        except vllm_wire.VLLMAnswerError as exc:
+            raise EngineResponseError(endpoint, reply.status, reply.text, reply.attempts, reason=str(exc)) from None
+        return parse_prompt_logprobs(answer, endpoint=endpoint, attempts=reply.attempts, raw_text=reply.text)
 
     # ---- health and info --------------------------------------------------------------------
 

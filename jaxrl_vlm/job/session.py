@@ -29,7 +29,7 @@ from rollout.options import total_generate_concurrency
 from rollout.processing import load_image_processor, load_tokenizer
 from rollout.rewards import RewardSettings
 from rollout.run import RolloutContext, RolloutRun
-from rollout.teacher import TeacherScorer
+from rollout.teacher import TeacherScorer, connect_teacher
 from rollout.vllm_client import VLLMClient, client_class, detect_engine_api
 
 logger = logging.getLogger(__name__)
@@ -128,7 +128,7 @@ async def rollout_session(
             await client.check_logprobs_mode()
         encoder = ChatEncoder(load_tokenizer(model_dir), load_image_processor(model_dir))
         client.vocab_size = len(encoder.tokenizer)  # an engine returning an id outside it fails the sample by name
-        if cfg.rollout.use_opd:
+        if cfg.rollout.use_opd and cfg.rollout.opd_type == "engine":  # trainer: the train step scores (job/trainer.py)
             teacher_engine, teacher = await _start_teacher(cfg, encoder, client_options)
         args.rollout_context = RolloutContext(
             client=client, encoder=encoder, env_module=task_env_module(cfg),
@@ -155,10 +155,10 @@ async def rollout_session(
 
 async def _start_teacher(cfg: Config, encoder: ChatEncoder, client_options: dict[str, Any],
                          ) -> tuple[EmbeddedEngine | None, TeacherScorer]:
-    """--use-opd --opd-type engine: the teacher's client, to --opd-teacher-url or to an embedded engine serving
-    --opd-teacher-checkpoint (started here with the run's engine settings, on the rollout devices; the caller stops
-    it). The teacher must share the student's tokenizer and image processor: its prompt log-probs are read by
-    position of the student's trajectory."""
+    """--use-opd --opd-type engine: the teacher's client, to --opd-teacher-url (SGLang's or vLLM's protocol,
+    --opd-teacher-api) or to an embedded engine serving --opd-teacher-checkpoint (started here with the run's engine
+    settings, on the rollout devices; the caller stops it). The teacher must share the student's tokenizer and
+    image processor: its prompt log-probs are read by position of the student's trajectory."""
     r = cfg.rollout
     engine = None
     options = {**client_options, "api_key": None}
@@ -170,17 +170,18 @@ async def _start_teacher(cfg: Config, encoder: ChatEncoder, client_options: dict
                                 config=EngineOptions.from_run_config(cfg), weight_version="teacher")
         url = engine.start()
         logger.info("OPD teacher: embedded engine serving %s at %s", r.opd_teacher_checkpoint, url)
-    else:
-        url = r.opd_teacher_url
-        logger.info("OPD teacher: %s", url)
-    client = SGLangClient(url, **options)
-    try:
-        await client.wait_healthy(timeout_s=cfg.engine.engine_start_timeout)
-    except BaseException:
-        await client.close()
-        if engine is not None:
+        client = SGLangClient(url, **options)
+        try:
+            await client.wait_healthy(timeout_s=cfg.engine.engine_start_timeout)
+        except BaseException:
+            await client.close()
             engine.stop()
-        raise
+            raise
+    else:
+        # An external teacher in its own protocol (--opd-teacher-api; auto asks it), checked with a probe prompt.
+        client = await connect_teacher(r.opd_teacher_url, r.opd_teacher_api,
+                                       start_timeout_s=cfg.engine.engine_start_timeout, **options)
+        logger.info("OPD teacher: %s (%s's API)", r.opd_teacher_url, getattr(client, "engine_api", "sglang"))
     client.vocab_size = len(encoder.tokenizer)
     return engine, TeacherScorer(client, encoder, concurrency=r.opd_teacher_concurrency,
                                  timeout_s=cfg.engine.engine_request_timeout)

@@ -227,6 +227,49 @@ def replays_old_routing(cfg: Config, single: bool) -> bool:
     return cfg.train.use_routing_replay and not single and not cfg.rollout.use_rollout_routing_replay
 
 
+def _tokenizer_vocab(model_dir: Path | str, role: str) -> dict[str, int]:
+    """token -> id of `<model_dir>/tokenizer.json`, added tokens included; ConfigError naming the file when absent."""
+    from tokenizers import Tokenizer  # transformers' own dependency
+
+    file = Path(model_dir) / "tokenizer.json"
+    if not file.is_file():
+        raise ConfigError(f"--opd-type trainer compares the teacher's tokenizer with the student's, and the {role} "
+                          f"has no {file}")
+    return Tokenizer.from_file(str(file)).get_vocab(with_added_tokens=True)
+
+
+def _vision_format(model_cfg: Any) -> tuple[Any, ...]:
+    """What the batch's image inputs are built from (the family's vision input type, patch geometry, merge size,
+    attention window): equal for two models means one batch's pictures feed both."""
+    v = model_cfg.vision
+    return (type(v).__name__, v.patch_dim, v.merge_unit, getattr(v, "window_size", None))
+
+
+def teacher_mismatch(student_dir: Path | str, teacher_dir: Path | str, student_cfg: Any, teacher_cfg: Any) -> str | None:
+    """Why an --opd-type trainer teacher cannot score the student's packed batch (None: it can), in one line naming
+    the mismatch. Any family will do: the teacher reads the student's token ids, M-RoPE positions and image patches
+    as they are, so the tokenizer (every token and id), the vocabulary size, the image token ids and the image-input
+    format must be the same."""
+    where = f"--opd-teacher-checkpoint {teacher_dir}"
+    if teacher_cfg.text.vocab_size != student_cfg.text.vocab_size:
+        return (f"{where} has vocab_size {teacher_cfg.text.vocab_size}, the student {student_dir} "
+                f"{student_cfg.text.vocab_size}: a trainer teacher scores the student's token ids and must share its "
+                "vocabulary")
+    student_vocab, teacher_vocab = _tokenizer_vocab(student_dir, "student"), _tokenizer_vocab(teacher_dir, "teacher")
+    if student_vocab != teacher_vocab:
+        differ = sorted(set(student_vocab.items()) ^ set(teacher_vocab.items()), key=lambda kv: kv[1])
+        return (f"{where} has another tokenizer than the student {student_dir} ({len(differ)} token/id pairs differ, "
+                f"e.g. {differ[0][0]!r} -> {differ[0][1]}): a trainer teacher must share the student's tokenizer")
+    for name in ("image_token_id", "vision_start_token_id"):
+        if getattr(teacher_cfg, name) != getattr(student_cfg, name):
+            return (f"{where} has {name} {getattr(teacher_cfg, name)}, the student {getattr(student_cfg, name)}: the "
+                    "teacher would not find the student's pictures in the batch")
+    if _vision_format(teacher_cfg) != _vision_format(student_cfg):
+        return (f"{where} reads images as {_vision_format(teacher_cfg)} (vision type, patch dim, merge unit, window), "
+                f"the student as {_vision_format(student_cfg)}: the batch's image patches are the student's")
+    return None
+
+
 class Trainer:
     """The policy being trained: parameters and optimizer state on the mesh, and `train_on(samples)`."""
 
@@ -255,6 +298,10 @@ class Trainer:
         # The train step donates the parameters' buffers (updated in place), unless an in-process engine serves
         # them as they are (`share_params`).
         self.donate_params = True
+        # --opd-type trainer: the frozen teacher (graph and parameter state on the training mesh), else None.
+        self.teacher_graphdef: Any = None
+        self.teacher_params: Any = None
+        self.teacher_shardings: Any = None
 
     # -------------------------------------------------------------------------- setup
     def build_policy(self, model_dir: Path) -> None:
@@ -308,12 +355,31 @@ class Trainer:
         self.state_shardings = state._replace(params=p_sh, opt_state=jax.tree.map(on_mesh, opt_state),
                                               step=replicated, rng=replicated)
         self.state = jax.device_put(state, self.state_shardings)
+        if cfg.rollout.use_opd and cfg.rollout.opd_type == "trainer":
+            self.build_teacher(model_dir)
         needs_ref = cfg.algo.use_kl_loss or cfg.algo.kl_coef != 0.0
         if self.lora is not None:
             # The reference is the base: the same parameters with the adapters switched off, no copy.
             self.ref_params = self.frozen if needs_ref else None
         else:
             self.ref_params = self._with_frozen(jax.tree.map(jnp.copy, params)) if needs_ref else None
+
+    def build_teacher(self, student_dir: Path) -> None:
+        """--opd-type trainer: load --opd-teacher-checkpoint beside the policy, on the same mesh with the same rules
+        (its parameters sharded like the policy's, in the compute dtype: it never trains), after checking that it
+        can read the student's batches (`teacher_mismatch`)."""
+        cfg = self.cfg
+        path = cfg.rollout.opd_teacher_checkpoint
+        teacher_cfg = load_hf_config(path)
+        problem = teacher_mismatch(student_dir, path, self.model_cfg, teacher_cfg)
+        if problem:
+            raise ConfigError(problem)
+        cd = jnp.dtype(cfg.model.compute_dtype)
+        teacher = from_hf(str(path), param_dtype=cd, shardings_for=shardings_for(self.mesh, self.rules, teacher_cfg),
+                          compute_dtype=cd, remat=cfg.model.remat, attention_impl=cfg.model.attention_impl,
+                          patch_attention_block=self.frame_patch_cap)
+        self.teacher_graphdef, self.teacher_params = nnx.split(teacher, nnx.Param)
+        self.teacher_shardings = param_shardings(self.teacher_params, self.mesh, self.rules)
 
     def _activations(self) -> ActivationSharding | None:
         return ActivationSharding.from_config(self.cfg.mesh, self.mesh, self.rules)
@@ -326,6 +392,7 @@ class Trainer:
                 self.graphdef, self.tx, dataclasses.replace(cfg, lora=self.lora), state_shardings=self.state_shardings,
                 batch_shardings=lambda tree: batch_shardings(tree, self.mesh, self.rules),
                 frozen_shardings=self.frozen_shardings, donate_params=self.donate_params,
+                teacher_graphdef=self.teacher_graphdef, teacher_shardings=self.teacher_shardings,
             )
         return self._step_fns[key]
 
@@ -379,7 +446,7 @@ class Trainer:
             overlong_policy=cfg.batching.overlong_policy,
             max_tokens_per_micro_batch=None if budget is None else budget * shards * per_row_devices,
             routing_replay=cfg.rollout.use_rollout_routing_replay, vision_reuse=cfg.batching.vision_reuse,
-            teacher_logprobs=cfg.rollout.use_opd,
+            teacher_logprobs=cfg.rollout.use_opd and cfg.rollout.opd_type == "engine",  # trainer: the step scores
         )
         # Each process uploads only the rows its devices hold (plain device_put would first gather and compare
         # the whole batch across processes).
@@ -422,7 +489,8 @@ class Trainer:
                 # The NLL has no per-sequence term: one static bound keeps SFT at one program per batch shape.
                 num_sequences = 1 if sft else sequences_bucket(batch.layout.max_sequences_per_micro_batch)
                 step_fn = self._step_fn(num_sequences, single)
-                self.state, step_metrics = step_fn(self.state, device_batch, old_lp, ref_lp, self.frozen)
+                self.state, step_metrics = step_fn(self.state, device_batch, old_lp, ref_lp, self.frozen,
+                                                   self.teacher_params)
                 updates.append(step_metrics)
         # Metrics of the optimizer steps of this rollout, averaged (one device->host transfer).
         per_step = jax.device_get(updates)

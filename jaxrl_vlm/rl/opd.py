@@ -57,3 +57,29 @@ def opd_metrics(student_logprobs: jax.Array, teacher_logprobs: jax.Array, loss_m
         f"{METRIC_PREFIX}teacher_logprob": Metric.mean(total(teacher_logprobs), count),
         f"{METRIC_PREFIX}student_logprob": Metric.mean(total(student_logprobs), count),
     }
+
+
+def clipped_jsd(student_logits: jax.Array, teacher_logits: jax.Array, *, beta: float, clip: float) -> jax.Array:
+    """slime's OPSD signal (--opd-type self, `compute_vocab_parallel_jsd` then `clamp(max=clip)`): per token, the
+    generalized Jensen-Shannon divergence over the full vocabulary between the student's next-token distribution
+    S = softmax(student_logits) and the teacher's T = softmax(teacher_logits), clipped from above; [..., V] -> [...].
+
+        M = beta * S + (1 - beta) * T,    JSD_beta = beta * KL(T || M) + (1 - beta) * KL(S || M)
+
+    with slime's (and TRL's GKD) limits taken as the endpoints: beta = 0 -> KL(T || S) (forward), beta = 1 ->
+    KL(S || T) (reverse). Then min(JSD_beta, clip): a token above the clip contributes `clip` and no gradient
+    (torch's clamp, whose gradient passes at equality, as here). The teacher is a constant (stop gradient); both
+    distributions are at temperature 1 (slime scores OPSD on the raw logits). Not yet wired into a train step:
+    --opd-type self is refused at config validation (rl/options.py `opd_problem`)."""
+    sg = jax.lax.stop_gradient
+    s = jax.nn.log_softmax(student_logits, axis=-1)
+    t = sg(jax.nn.log_softmax(teacher_logits, axis=-1))
+    if beta == 0.0:
+        per = jnp.exp(t) * (t - s)
+    elif beta == 1.0:
+        per = jnp.exp(s) * (s - t)
+    else:
+        m = jnp.logaddexp(s + jnp.log(beta), t + jnp.log1p(-beta))
+        per = beta * jnp.exp(t) * (t - m) + (1.0 - beta) * jnp.exp(s) * (s - m)
+    jsd = jnp.sum(per, axis=-1)
+    return jnp.where(jsd > clip, jnp.full_like(jsd, clip), jsd)

@@ -86,7 +86,7 @@ def rollout_correction_problem(name: str, low: float, high: float, custom_tis_fu
     return None
 
 
-OPD_TYPES_BUILT = ("engine",)  # --opd-type values this project implements; the others are refused by name
+OPD_TYPES_BUILT = ("engine", "trainer")  # --opd-type values this project implements; the others are refused by name
 
 
 def opd_problem(use_opd: bool, opd_type: str, teacher_url: str | None, teacher_checkpoint: str | None,
@@ -100,13 +100,19 @@ def opd_problem(use_opd: bool, opd_type: str, teacher_url: str | None, teacher_c
             return None
         return f"{', '.join(set_here)} {'needs' if len(set_here) == 1 else 'need'} --use-opd"
     if opd_type not in OPD_TYPES_BUILT:
-        what = {"trainer": "the teacher as a second model in the trainer",
-                "self": "slime's OPSD, the frozen initial policy with privileged information"}.get(opd_type, opd_type)
-        return (f"--opd-type {opd_type} ({what}) is not implemented yet: use --opd-type engine with "
-                "--opd-teacher-url or --opd-teacher-checkpoint")
-    if (teacher_url is None) == (teacher_checkpoint is None):
-        return ("--use-opd --opd-type engine needs exactly one teacher: --opd-teacher-url (a server speaking SGLang's "
-                "/generate) or --opd-teacher-checkpoint (an embedded teacher engine)")
+        what = {"self": "slime's OPSD, the frozen initial policy with privileged information"}.get(opd_type, opd_type)
+        return (f"--opd-type {opd_type} ({what}) is not implemented yet: use --opd-type engine (a teacher engine) "
+                "or trainer (a second model in the trainer) with --opd-teacher-checkpoint")
+    if opd_type == "trainer":
+        if teacher_url is not None:
+            return (f"--opd-type trainer runs the teacher inside the trainer from --opd-teacher-checkpoint; "
+                    f"--opd-teacher-url {teacher_url} is a served teacher: use --opd-type engine for it")
+        if teacher_checkpoint is None:
+            return ("--use-opd --opd-type trainer needs --opd-teacher-checkpoint (the HF directory of the teacher, "
+                    "which shares the student's tokenizer)")
+    elif (teacher_url is None) == (teacher_checkpoint is None):
+        return ("--use-opd --opd-type engine needs exactly one teacher: --opd-teacher-url (an SGLang, vLLM or "
+                "`jaxrl-vlm serve` server) or --opd-teacher-checkpoint (an embedded teacher engine)")
     if opd_only and kl_coef == 0.0:
         return "--opd-only with --opd-kl-coef 0 leaves no signal to train on: set --opd-kl-coef > 0"
     return None

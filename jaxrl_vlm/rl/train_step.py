@@ -17,6 +17,8 @@ One `jax.jit` per batch shape, with explicit in/out shardings on the configured 
   (--use-rollout-routing-replay: old, reference and current forwards), or the old policy's own, which
   `compute_logprobs(..., with_routing=True)` returns for the trainer to replay in the current forwards of every
   optimizer step of a rollout (--use-routing-replay); a dense family computes and logs none of it;
+* on-policy distillation folds the teacher's log-probs into the advantages (`opd_terms`): stored on the batch
+  (--opd-type engine) or scored in this program by a frozen second model (--opd-type trainer, `teacher_logprobs`);
 * a non-finite loss or gradient (norm) skips the update (params and optimizer state unchanged) and is reported in
   the metrics (`train/skipped_nonfinite`), never written into the weights.
 """
@@ -158,10 +160,27 @@ def _loss_inputs(mb: Any, logprobs, entropy, old, ref, advantages=None) -> LossI
     )
 
 
-def opd_terms(mb: Any, old: jax.Array, loss_cfg: LossConfig) -> tuple[jax.Array | None, dict[str, Metric]]:
-    """On-policy distillation (a batch with `teacher_logprobs`, --use-opd): the advantages with
-    -opd_kl_coef * (old - teacher) folded in (`rl/opd.py`) and the `opd/*` metrics; (None, {}) without a teacher."""
-    teacher = getattr(mb, "teacher_logprobs", None)
+def teacher_logprobs(graphdef: nnx.GraphDef, params: Any, mb: Any, *, chunk_size: int) -> jax.Array:
+    """--opd-type trainer: the frozen teacher's log-prob [R, T] of each target of one micro-batch, 0 off the loss
+    mask, no gradient. At temperature 1 (the teacher's own distribution, as an engine teacher scores). A
+    mixture-of-experts teacher routes every token itself: the batch's `routed_experts` are the student's."""
+    teacher: PolicyModel = nnx.merge(graphdef, jax.lax.stop_gradient(params))
+    if routes_experts(teacher):
+        hidden, _ = teacher.forward(mb.tokens, mb.positions, mb.segment_ids, mb.vision, None)
+    else:
+        hidden = teacher(mb.tokens, mb.positions, mb.segment_ids, mb.vision)
+    lp, _ = token_logprobs(teacher, hidden, mb.targets, chunk_size=chunk_size)
+    return jnp.where(mb.loss_mask > 0, jax.lax.stop_gradient(lp), jnp.zeros_like(lp))
+
+
+def opd_terms(mb: Any, old: jax.Array, loss_cfg: LossConfig,
+              teacher: jax.Array | None = None) -> tuple[jax.Array | None, dict[str, Metric]]:
+    """On-policy distillation (--use-opd): the advantages with -opd_kl_coef * (old - teacher) folded in
+    (`rl/opd.py`) and the `opd/*` metrics; the teacher's log-probs are `teacher` (--opd-type trainer, scored in
+    the step) or the batch's `teacher_logprobs` (--opd-type engine, stored on the samples); (None, {}) without a
+    teacher."""
+    if teacher is None:
+        teacher = getattr(mb, "teacher_logprobs", None)
     if teacher is None:
         return None, {}
     advantages = opd_advantages(mb.advantages, old, teacher, mb.loss_mask, kl_coef=loss_cfg.opd_kl_coef,
@@ -178,12 +197,18 @@ def train_step(
     old_logprobs: jax.Array | None,
     ref_logprobs: jax.Array | None,
     frozen: Any = None,
+    teacher: Any = None,
+    *,
+    teacher_graphdef: nnx.GraphDef | None = None,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer update from a [K, R, T] batch (K micro-batches, accumulated in a scan). With LoRA
     (`cfg.lora`), `frozen` is the base parameter state and `state.params` the adapters (all that trains); without,
-    `frozen` (when given) is the frozen part of the parameter state, `state.params` the rest."""
+    `frozen` (when given) is the frozen part of the parameter state, `state.params` the rest. `teacher` (with its
+    `teacher_graphdef`): the parameter state of an --opd-type trainer teacher, which scores every micro-batch
+    (`teacher_logprobs`) for the OPD fold."""
     with activation_sharding(cfg.activations):
-        return _train_step(graphdef, tx, cfg, state, batch, old_logprobs, ref_logprobs, frozen)
+        return _train_step(graphdef, tx, cfg, state, batch, old_logprobs, ref_logprobs, frozen, teacher,
+                           teacher_graphdef)
 
 
 _LOAD = "moe/_load"  # the [L_sparse, E] token counts, summed over micro-batches, turned into `load_metrics`
@@ -195,7 +220,8 @@ def step_loss(cfg: StepConfig) -> LossFn:
     return select_loss(cfg.loss_type, cfg.policy_loss, cfg.custom_loss_path)
 
 
-def _train_step(graphdef, tx, cfg: StepConfig, state: TrainState, batch, old_logprobs, ref_logprobs, frozen=None):
+def _train_step(graphdef, tx, cfg: StepConfig, state: TrainState, batch, old_logprobs, ref_logprobs, frozen=None,
+                teacher=None, teacher_graphdef=None):
     loss_fn = step_loss(cfg)
     num_micro = batch.tokens.shape[0]
     # MoE: the batch's real tokens, to weight each micro-batch's router terms by its share.
@@ -220,7 +246,9 @@ def _train_step(graphdef, tx, cfg: StepConfig, state: TrainState, batch, old_log
         )
         old = jax.lax.stop_gradient(lp) if cfg.old_from_current else old_logprobs[k]
         ref = None if ref_logprobs is None else ref_logprobs[k]
-        advantages, distill = opd_terms(mb, old, cfg.loss)
+        scored = None if teacher is None else teacher_logprobs(teacher_graphdef, teacher, mb,
+                                                                chunk_size=cfg.logprob_chunk_size)
+        advantages, distill = opd_terms(mb, old, cfg.loss, scored)
         loss, metrics = loss_fn(_loss_inputs(mb, lp, ent, old, ref, advantages), cfg.loss)
         metrics = {**metrics, **distill}
         if routing is not None:  # an MoE family: router losses and expert load (a dense one pays nothing)
@@ -318,16 +346,19 @@ def compile_train_step(
     batch_shardings: Callable[[Any], Any] | None = None,
     frozen_shardings: Any = None,
     donate_params: bool = True,
+    teacher_graphdef: nnx.GraphDef | None = None,
+    teacher_shardings: Any = None,
 ) -> Callable[..., tuple[TrainState, dict[str, jax.Array]]]:
-    """A jitted `step(state, batch, old_logprobs, ref_logprobs, frozen=None)`; the state buffer is donated (never
-    `frozen`: LoRA's base or the frozen parameters, placed as `frozen_shardings`). Without `donate_params` the
-    parameters are not donated (the rest of the state is): an in-process engine serves them as they are
-    (`Trainer.share_params`), and a donated buffer would be deleted under it.
+    """A jitted `step(state, batch, old_logprobs, ref_logprobs, frozen=None, teacher=None)`; the state buffer is
+    donated (never `frozen`: LoRA's base or the frozen parameters, placed as `frozen_shardings`; nor `teacher`: an
+    --opd-type trainer teacher's parameters of `teacher_graphdef`, placed as `teacher_shardings`). Without
+    `donate_params` the parameters are not donated (the rest of the state is): an in-process engine serves them as
+    they are (`Trainer.share_params`), and a donated buffer would be deleted under it.
 
     With shardings, `jax.jit` gets explicit in/out shardings: state as placed, batch rows over (data, fsdp),
     metrics replicated. jit caches one executable per batch shape (a bounded set, from the buckets).
     """
-    fn = partial(train_step, graphdef, tx, cfg)
+    fn = partial(train_step, graphdef, tx, cfg, teacher_graphdef=teacher_graphdef)
     if not donate_params:  # the parameters as an argument of their own, which is not donated
         fn = partial(_with_params, fn)
     donated = (0,) if donate_params else (1,)
@@ -340,9 +371,9 @@ def compile_train_step(
         return jitted if donate_params else lambda state, *rest: jitted(*args(state), *rest)
     cache: dict[Any, Callable] = {}
 
-    def step(state, batch, old_logprobs=None, ref_logprobs=None, frozen=None):
+    def step(state, batch, old_logprobs=None, ref_logprobs=None, frozen=None, teacher=None):
         key = (jax.tree.structure(batch), tuple(x.shape for x in jax.tree.leaves(batch)), old_logprobs is None, ref_logprobs is None,
-               frozen is None)
+               frozen is None, teacher is None)
         if key not in cache:
             b_sh = batch_shardings(batch)
             lp_sh = None if old_logprobs is None else batch_shardings(old_logprobs)
@@ -350,11 +381,12 @@ def compile_train_step(
             cache[key] = jax.jit(
                 fn,
                 in_shardings=(*args(state_shardings), b_sh, lp_sh, ref_sh,
-                              None if frozen is None else frozen_shardings),
+                              None if frozen is None else frozen_shardings,
+                              None if teacher is None else teacher_shardings),
                 out_shardings=(state_shardings, None),
                 donate_argnums=donated,
             )
-        return cache[key](*args(state), batch, old_logprobs, ref_logprobs, frozen)
+        return cache[key](*args(state), batch, old_logprobs, ref_logprobs, frozen, teacher)
 
     step.cache = cache  # type: ignore[attr-defined]
     return step
