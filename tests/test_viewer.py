@@ -9,6 +9,8 @@ a scripted engine playing solutions, failures and wrong moves, dumped as trainin
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import html
 import re
 import shutil
 from pathlib import Path
@@ -19,7 +21,8 @@ from aiohttp.test_utils import TestClient, TestServer
 from jaxrl_vlm.config import load_config
 from jaxrl_vlm.data.geo3k import load_styled_dataset
 from jaxrl_vlm.job.assets import make_synthetic_data
-from jaxrl_vlm.viewer.records import SourceKind, index_run, load_episodes
+from jaxrl_vlm.viewer import render
+from jaxrl_vlm.viewer.records import RunIndex, Source, SourceKind, index_run, load_episodes
 from jaxrl_vlm.viewer.server import export_html, make_app, page_for
 from rollout.dump import DumpError, dump_samples
 from rollout.encoding import ChatEncoder
@@ -76,7 +79,8 @@ def test_a_lone_dump_file_is_a_run_and_an_empty_dir_is_an_error(run_dir, tmp_pat
 
 
 def _counts(page: str) -> tuple[int, int, int]:
-    return page.count('<article class="episode'), page.count('<div class="turn"'), page.count("<img ")
+    return (len(re.findall(r'<article class="(?:item )?episode', page)),
+            len(re.findall(r'<div class="(?:item )?turn"', page)), page.count("<img "))
 
 
 def test_the_served_page_shows_episodes_turns_pictures_and_token_masks(run_dir):
@@ -98,7 +102,7 @@ def test_the_served_page_shows_episodes_turns_pictures_and_token_masks(run_dir):
     assert status == 200 and ctype == "image/png" and escape == 404 and missing == 404
     assert 'class="tok m1"' in first and 'class="tok m0"' in first and "log p = -0.5000" in first
     assert "FAILED" in first and "termination" in first and "weight versions" in first and "env retries" in first
-    assert "Side by side" in ev and ev.count("<tr>") == 1 + 4
+    assert "Side by side" in ev and ev.count('<tr class="item crow"') == 4
     for flag in ("data-failed", "data-truncated", "data-zero"):
         assert flag in first
 
@@ -112,6 +116,67 @@ def test_export_writes_one_self_contained_page(run_dir, tmp_path):
     moved = tmp_path / "elsewhere.html"  # nothing it shows lives next to the run
     shutil.copy(out, moved)
     assert moved.read_text() == page
+
+
+def _section(page: str, marker: str) -> str:
+    """The `<section>` whose opening tag holds `marker`."""
+    i = page.rindex("<section", 0, page.index(marker))
+    return page[i : page.index("</section>", i)]
+
+
+def test_the_comparison_shows_each_prompts_and_each_turns_pictures_and_actions(run_dir, tmp_path):
+    page = export_html(run_dir, tmp_path / "page.html").read_text()
+    compare = _section(page, 'source compare"')
+    index = index_run(run_dir)
+    a, b = (load_episodes(run_dir, index.get(f"eval/heldout/step_{k}.jsonl")) for k in (0, 2))
+    thumbs = sum(len(e.prompt_images) for e in a) + sum(len(t.images) for e in a + b for t in e.turns)
+    assert compare.count('<img class="thumb" src="data:image/png;base64,') == thumbs > len(a)
+    assert "image_pad" not in compare and "im_start" not in compare  # the pictures, not their pads
+    solved = a[0]  # sokoban, played to the end: every move and every picture after it
+    assert len(solved.turns) > 2
+    row = compare[compare.index('<tr class="item crow"'):]
+    row = row[: row.index("</tr>")]
+    actions = re.findall(r'<span class="act">([^<]*)</span>', row)
+    assert actions == [html.escape(t.model_text.replace("<|im_end|>", "").strip()) for e in (solved, b[0])
+                       for t in e.turns]  # both sides
+    assert actions[0] in ("up", "down", "left", "right")
+    assert row.count('<img class="thumb"') == len(solved.prompt_images) + 2 * sum(len(t.images) for t in solved.turns)
+    first = _section(page, 'id="rollout/step_0.jsonl"')  # the episode view: pictures in place of the pads too
+    assert "&lt;|image_pad|&gt;" not in first and '<pre>' in first and "prompt picture 0" in first
+
+
+def _pages(fragment: str, what: str) -> str:
+    return re.search(fr'<span class="pageinfo">(page \d+ of \d+ \({what} [^)]*\))</span>', fragment).group(1)
+
+
+def _shown(fragment: str, tag: str) -> int:
+    return len(re.findall(fr'<{tag} class="item(?: [^"]*)?"(?![^>]* hidden)[^>]*>', fragment))
+
+
+def test_every_long_list_pages_and_its_first_page_is_the_one_shown(run_dir):
+    index = index_run(run_dir)
+    source = index.get("eval/heldout/step_0.jsonl")
+    eps = load_episodes(run_dir, source)
+    many = [dataclasses.replace(eps[k % len(eps)], group_index=k) for k in range(120)]
+    src = lambda path: path  # noqa: E731
+    section = render.render_source(source, many, src)
+    assert _pages(section, "episodes") == "page 1 of 3 (episodes 1\u201350 of 120)"
+    assert _shown(section, "article") == render.EPISODES_PER_PAGE and section.count(" hidden>") >= 70
+    assert 'data-act="next"' in section and 'data-act="prev"' in section
+    compare = render.render_compare(source, many, source, many, src)
+    assert _pages(compare, "rows") == "page 1 of 3 (rows 1\u201350 of 120)" and _shown(compare, "tr") == 50
+    assert "<img " in compare[: compare.index('<tr class="item crow" hidden')]  # a picture on the first page
+    long = dataclasses.replace(eps[0], turns=eps[0].turns * 12)
+    turns = render.render_source(source, [long], src)
+    assert _pages(turns, "turns") == f"page 1 of {-(-len(long.turns) // 20)} (turns 1\u201320 of {len(long.turns)})"
+    assert _shown(turns, "div") == render.TURNS_PER_PAGE
+    short = render.render_source(source, eps, src)  # a short list: no pager in sight, nothing hidden
+    assert '<div class="pager" hidden>' in short and " hidden>" not in short.replace('<div class="pager" hidden>', "")
+    steps = [Source(SourceKind.TRAIN, source.path.with_name(f"step_{k}.jsonl"), k) for k in range(60)]
+    page = render.render_page(RunIndex(run_dir, tuple(steps)), [section] * 12, nav_href=lambda s: "#" + s.key,
+                              page_sections=True)
+    assert _pages(page, "sources") == "page 1 of 2 (sources 1\u201350 of 60)" and _shown(page, "a") == 50
+    assert _pages(page, "sections") == "page 1 of 2 (sections 1\u201310 of 12)" and _shown(page, "section") == 10
 
 
 def test_the_viewer_refuses_a_dump_whose_picture_is_missing(run_dir, tmp_path):

@@ -8,6 +8,8 @@ then a missing Chromium FAILS the test, it is never skipped.
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import re
 import shutil
@@ -51,8 +53,8 @@ def _run_chromium(*args: str, home: Path) -> str:
 def _dom_counts(dom: str) -> dict[str, int]:
     body = re.search(r"<body([^>]*)>", dom).group(1)
     attr = lambda name: int(re.search(fr'{name}="(\d+)"', body).group(1))  # noqa: E731
-    return {"episodes": len(re.findall(r'<article class="episode', dom)),
-            "turns": len(re.findall(r'<div class="turn"', dom)),
+    return {"episodes": len(re.findall(r'<article class="(?:item )?episode', dom)),
+            "turns": len(re.findall(r'<div class="(?:item )?turn"', dom)),
             "images": len(re.findall(r"<img ", dom)),
             "loaded": attr("data-images-loaded"), "broken": attr("data-images-broken")}
 
@@ -68,6 +70,13 @@ def _expected(run: Path, sources) -> tuple[int, int, int]:
     return len(eps), sum(len(e.turns) for e in eps), images
 
 
+def _compare_thumbs(run: Path, a: str, b: str) -> int:
+    """The pictures of a side-by-side comparison of eval rounds `a` and `b`: each prompt's once, each turn's."""
+    index = index_run(run)
+    a_eps, b_eps = load_episodes(run, index.get(a)), load_episodes(run, index.get(b))
+    return sum(len(e.prompt_images) for e in a_eps) + sum(len(t.images) for e in a_eps + b_eps for t in e.turns)
+
+
 def test_the_exported_page_renders_its_pictures_in_chromium(run_dir, tmp_path):
     from jaxrl_vlm.viewer.server import export_html
 
@@ -75,6 +84,7 @@ def test_the_exported_page_renders_its_pictures_in_chromium(run_dir, tmp_path):
     dom = _run_chromium("--dump-dom", page.as_uri(), home=tmp_path)
     counts = _dom_counts(dom)
     episodes, turns, images = _expected(run_dir, index_run(run_dir).sources)
+    images += _compare_thumbs(run_dir, "eval/heldout/step_0.jsonl", "eval/heldout/step_2.jsonl")
     assert (counts["episodes"], counts["turns"], counts["images"]) == (episodes, turns, images), counts
     assert counts["loaded"] == images > 0 and counts["broken"] == 0, counts
     shot = tmp_path / "export.png"
@@ -118,3 +128,145 @@ def test_the_served_page_renders_its_pictures_in_chromium(run_dir, tmp_path):
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+class DevTools:
+    """Headless Chromium driven over the DevTools protocol on a pipe (`--remote-debugging-pipe`: the browser reads
+    commands on fd 3 and answers on fd 4, one JSON message per NUL-terminated chunk): nothing listens on a port,
+    and nothing beyond the standard library drives it."""
+
+    def __init__(self, home: Path, width: int = 1280, height: int = 900):
+        to_browser, to_browser_w = os.pipe()
+        from_browser_r, from_browser = os.pipe()
+
+        self._log = home / "devtools-chromium.log"  # a file, not a pipe: a chatty browser never blocks on it
+
+        def child() -> None:  # in the child: our pipe ends as its fds 3 and 4 (dup'ed first: dup2(3, 3) is a no-op)
+            a, b = os.dup(to_browser), os.dup(from_browser)
+            os.dup2(a, 3)
+            os.dup2(b, 4)
+
+        self.proc = subprocess.Popen(
+            [chromium(), *(f for f in FLAGS if not f.startswith("--virtual-time")), "--remote-debugging-pipe",
+             f"--window-size={width},{height}", f"--user-data-dir={home / 'devtools-profile'}", "about:blank"],
+            preexec_fn=child, close_fds=False, stdout=subprocess.DEVNULL, stderr=self._log.open("wb"),
+            env={**os.environ, "HOME": str(home)})
+        os.close(to_browser)
+        os.close(from_browser)
+        self._w = os.fdopen(to_browser_w, "wb", buffering=0)
+        self._r = os.fdopen(from_browser_r, "rb", buffering=0)
+        self._buf, self._id, self.session = b"", 0, None
+
+    def call(self, method: str, **params):
+        self._id += 1
+        msg = {"id": self._id, "method": method, "params": params}
+        if self.session and not method.startswith(("Target.", "Browser.")):
+            msg["sessionId"] = self.session
+        self._w.write(json.dumps(msg).encode() + b"\0")
+        while True:
+            while b"\0" not in self._buf:
+                chunk = self._r.read(1 << 16)
+                assert chunk, f"Chromium closed the DevTools pipe: {self._log.read_text(errors='replace')[-2000:]}"
+                self._buf += chunk
+            raw, self._buf = self._buf.split(b"\0", 1)
+            answer = json.loads(raw)
+            if answer.get("id") == self._id:
+                assert "error" not in answer, (method, answer["error"])
+                return answer["result"]
+
+    def open(self, url: str) -> None:
+        target = self.call("Target.createTarget", url=url)["targetId"]
+        self.session = self.call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
+        deadline = time.monotonic() + 60
+        while not self.eval("document.readyState === 'complete' && document.body.dataset.imagesLoaded !== undefined"):
+            assert time.monotonic() < deadline, f"{url} did not finish loading"
+            time.sleep(0.05)
+
+    def eval(self, expression: str):
+        result = self.call("Runtime.evaluate", expression=expression, returnByValue=True, awaitPromise=True)
+        assert "exceptionDetails" not in result, result["exceptionDetails"]
+        return result["result"].get("value")
+
+    def screenshot(self, path: Path) -> Path:
+        path.write_bytes(base64.b64decode(self.call("Page.captureScreenshot")["data"]))
+        return path
+
+    def close(self) -> None:
+        try:
+            self.call("Browser.close")
+            self.proc.wait(timeout=30)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait(timeout=30)
+            self._w.close()
+            self._r.close()
+
+
+def long_run(run: Path, dst: Path, copies: int = 15) -> Path:
+    """`run`'s two eval rounds, each episode `copies` times under new group indexes (the same pictures): a run
+    whose lists are longer than a page."""
+    for k in (0, 2):
+        src = run / "eval" / "heldout" / f"step_{k}.jsonl"
+        out = dst / "eval" / "heldout" / src.name
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(src.with_name(f"step_{k}_images"), out.with_name(f"step_{k}_images"))
+        records = [json.loads(line) for line in src.read_text().splitlines()]
+        lines = [json.dumps({**r, "group_index": r["group_index"] + 1000 * c}) for c in range(copies) for r in records]
+        out.write_text("\n".join(lines) + "\n")
+    return dst
+
+
+#: The page's state a test reads: per paged list its indicator and shown items, and the pictures in the first screen.
+_STATE = """(() => {
+  const box = sel => document.querySelector(sel).closest('.paged');
+  const info = b => b.querySelector('.pageinfo').textContent;
+  const shown = b => b._pager.items.filter(i => !i.hidden);
+  const rows = box('tr.crow'), eps = box('article.episode');
+  const inView = el => {
+    const r = el.getBoundingClientRect(); return r.width > 0 && r.top < innerHeight && r.bottom > 0; };
+  const firstImg = [...document.querySelectorAll('img')].find(i => inView(i) && i.complete && i.naturalWidth > 0);
+  return {rows: info(rows), rowsShown: shown(rows).length, episodes: info(eps), episodesShown: shown(eps).length,
+          rowPictures: shown(rows).flatMap(r => [...r.querySelectorAll('img')]).filter(i => i.naturalWidth > 0).length,
+          firstShownRow: shown(rows)[0].querySelector('.meta').textContent,
+          firstScreen: +document.body.dataset.imagesFirstScreen,
+          firstImgInCompare: !!(firstImg && firstImg.closest('.compare'))};
+})()"""
+
+
+def test_a_long_runs_exported_page_pages_and_opens_on_pictures(run_dir, tmp_path):
+    from jaxrl_vlm.viewer.server import export_html
+
+    run = long_run(run_dir, tmp_path / "long")
+    page = export_html(run, tmp_path / "long.html")
+    n = len(load_episodes(run, index_run(run).get("eval/heldout/step_0.jsonl")))
+    assert n > 50
+    browser = DevTools(tmp_path)
+    try:
+        browser.open(page.as_uri())
+        state = browser.eval(_STATE)
+        # the first screen shows pictures, and the first one is the comparison's
+        assert state["firstScreen"] > 0 and state["firstImgInCompare"], state
+        assert state["rows"] == f"page 1 of 2 (rows 1\u201350 of {n})" and state["rowsShown"] == 50, state
+        assert state["episodes"] == f"page 1 of 2 (episodes 1\u201350 of {n})" and state["episodesShown"] == 50, state
+        assert state["rowPictures"] >= 50
+        browser.screenshot(tmp_path / "long_page1.png")
+        browser.eval("document.querySelector('tr.crow').closest('.paged').querySelector('[data-act=next]').click()")
+        state = browser.eval(_STATE)
+        assert state["rows"] == f"page 2 of 2 (rows 51\u2013{n} of {n})" and state["rowsShown"] == n - 50, state
+        assert state["rowPictures"] >= n - 50 and state["firstShownRow"].startswith("group "), state
+        browser.eval("document.querySelector('tr.crow').closest('.paged').querySelector('[data-act=prev]').click()")
+        assert browser.eval(_STATE)["rows"].startswith("page 1 of 2"), state
+        # filters page over what they leave; a link to an episode opens the page that holds it
+        failed = browser.eval("(() => { const f = document.querySelector('[data-filter=failed]'); f.click();"
+                              " return +document.getElementById('shown').textContent; })()")
+        assert 0 < failed < n and browser.eval(_STATE)["episodes"].startswith(f"page 1 of 1 (episodes 1\u2013"), failed
+        browser.eval("document.querySelector('[data-filter=failed]').click()")
+        last = browser.eval("[...document.querySelectorAll('article.episode')].slice(-1)[0].id")
+        browser.eval(f"location.hash = {json.dumps('#' + last)}")
+        time.sleep(0.2)
+        assert browser.eval(f"!document.getElementById({json.dumps(last)}).hidden"), last
+        assert browser.eval("[...document.querySelectorAll('.paged')].some(b => b.dataset.page === '2')")
+        assert browser.screenshot(tmp_path / "long_hash.png").stat().st_size > 10_000
+    finally:
+        browser.close()

@@ -5,8 +5,10 @@ e.g. `rollout/step_4.jsonl`, `eval/heldout/step_25.jsonl`); `/?source=A&compare=
 by side above A's episodes; `/file/PATH` a picture under the run directory (nothing outside it). The run directory
 is re-indexed on every page load, so the steps of a run in progress appear as they are written.
 
-`export_html(run, out)` writes one self-contained page: every source of the run, and the first and last eval
-rounds of each set side by side, with every picture embedded as a data URL.
+`export_html(run, out)` writes one self-contained page: the first and last eval rounds of each set side by side,
+then every source of the run, with every picture embedded as a data URL (a picture shown twice is embedded twice).
+Its long lists page in the page's own script (`render`), so it needs no server; a navigation link `#KEY` opens the
+page of sections that holds source KEY.
 
 No jax.
 """
@@ -44,7 +46,8 @@ def page_for(run: str | Path, source_key: str | None = None, compare_key: str | 
     if compare_key:
         other = index.get(compare_key)
         current.append(other.key)
-        sections.append(render_compare(source, load_episodes(index.root, source), other, load_episodes(index.root, other)))
+        sections.append(render_compare(source, load_episodes(index.root, source), other,
+                                       load_episodes(index.root, other), _file_url))
     sections.append(render_source(source, load_episodes(index.root, source), _file_url))
     return render_page(index, sections, current=current, nav_href=_href, note=_compare_hint(index, source))
 
@@ -73,10 +76,10 @@ def export_html(run: str | Path, out: str | Path) -> Path:
     for rounds in by_set.values():
         if len(rounds) >= 2:
             a, b = rounds[0], rounds[-1]
-            sections.append(render_compare(a, load_episodes(index.root, a), b, load_episodes(index.root, b)))
+            sections.append(render_compare(a, load_episodes(index.root, a), b, load_episodes(index.root, b), embed))
     for source in index.sources:
         sections.append(render_source(source, load_episodes(index.root, source), embed))
-    page = render_page(index, sections, nav_href=lambda s: "#" + s.key, note="(exported)")
+    page = render_page(index, sections, nav_href=lambda s: "#" + s.key, note="(exported)", page_sections=True)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(page, encoding="utf-8")
