@@ -120,7 +120,10 @@ class VLLMDeltaSync:
         snapshot's), written to `delta_v{version}/`."""
         base = None if full else self.snapshot
         try:
-            delta, stats = weight_delta.encode_delta(base, tensors, str(version), bucket_bytes=self.bucket_bytes)
+            # compact: the worker extension reads the byte planes and 8-bit gaps (an older one refuses them by name,
+            # and the trainer falls back to a full sync).
+            delta, stats = weight_delta.encode_delta(base, tensors, str(version), bucket_bytes=self.bucket_bytes,
+                                                     compact=True)
         except weight_delta.BaseMismatch as e:  # other tensors than the snapshot's: the server needs them all
             logger.warning("weight version %d: %s; sending it in full", version, e)
             delta, stats = weight_delta.encode_delta(None, tensors, str(version), bucket_bytes=self.bucket_bytes)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
 import math
 import sys
 
@@ -107,12 +108,33 @@ def test_sixty_four_bit_gaps_and_a_full_sync_read_the_same(tmp_path):
     assert sorted(new) == sorted(v4)
 
 
+@pytest.mark.parametrize("bucket_bytes", [256, 1 << 20])
+def test_the_extension_reads_compact_deltas_exactly_as_weight_delta_applies_them(tmp_path, bucket_bytes):
+    """Byte planes and 8-bit gaps (with fillers and wide one-element chunks): what an RL step's bf16 change, mostly
+    an ulp in the low byte, is encoded as; the extension writes the same bytes as the project's reader."""
+    v3, v4 = _versions(tmp_path)
+    rng = np.random.default_rng(1)
+    ulp = np.zeros((120_000,), BF16) + np.asarray(rng.normal(size=120_000), BF16)
+    bits = _bits(ulp)
+    moved = np.sort(rng.choice(bits.size, 1500, replace=False))  # gaps of ~80 on average, some past 255
+    bits[moved] += 1  # one ulp: only the low byte changes (bar a carry)
+    v3["ulp"], v4["ulp"] = ulp, bits.view(BF16)
+    v4["wide"] = _moved(v3["wide"], [3, 5, 70_005, 70_010, 250_000, 250_001, 299_999])  # a gap too wide to bridge
+    delta, _ = wd.encode_delta(wd.WeightSnapshot("3", v3), v4, "4", bucket_bytes=bucket_bytes, compact=True)
+    assert set(delta.manifest.features) == {"byte-planes", "u8-gaps"}
+    assert {t.name: t.encoding for t in delta.manifest.tensors}["ulp"] == wd.Encoding.PLANES
+    assert "U8" in {c.record.index_dtype for b in delta.buckets for c in b}
+    new = _same_as_project(wd.save_delta(delta, tmp_path / "compact"), v3, "3")
+    assert new["ulp"].tobytes() == bits.tobytes()
+
+
 def test_the_extension_refuses_what_weight_delta_refuses(tmp_path):
     v3, v4 = _versions(tmp_path)
-    compact = wd.encode_delta(wd.WeightSnapshot("3", v3), v4, "4", compact=True)[0]
-    assert compact.manifest.features  # byte planes / 8-bit gaps: not read by the extension, so the trainer goes full
-    with pytest.raises(ext.MalformedDelta, match="needs the features"):
-        ext.decode_delta(str(wd.save_delta(compact, tmp_path / "compact")), *_held(v3), "3")
+    compact = wd.save_delta(wd.encode_delta(wd.WeightSnapshot("3", v3), v4, "4", compact=True)[0], tmp_path / "c")
+    manifest = json.loads((compact / "manifest.json").read_text())
+    (compact / "manifest.json").write_text(json.dumps({**manifest, "features": [*manifest["features"], "zstd"]}))
+    with pytest.raises(ext.MalformedDelta, match=r"needs the features \['zstd'\]"):  # so the trainer goes full
+        ext.decode_delta(str(compact), *_held(v3), "3")
     path = wd.save_delta(wd.encode_delta(wd.WeightSnapshot("3", v3), v4, "4")[0], tmp_path / "d")
     held, meta = _held(v3)
     with pytest.raises(ext.BaseMismatch, match="applies to version 3; this worker holds version 2"):

@@ -3,9 +3,9 @@
 vLLM loads it itself, in its own interpreter: `--worker-extension-cls jaxrl_vlm_worker.WeightDeltaExtension`, with
 this file's directory on the server's PYTHONPATH (`jaxrl_vlm.vllm_launcher` passes both). So it imports numpy,
 safetensors, torch and vLLM only, never the project: the delta format (`jaxrl-vlm.weight-delta.v1`, specified in
-`jaxrl_vlm/weight_delta.py`'s docstring) is read here a second time, minimally (without the optional compact
-features: a delta that needs one is refused), and a test applies deltas written by `weight_delta.py` with both
-readers and compares the bytes (tests/test_vllm_delta_worker.py).
+`jaxrl_vlm/weight_delta.py`'s docstring) is read here a second time, compact features included ("u8-gaps",
+"byte-planes"; a delta that needs any other is refused), and a test applies deltas written by `weight_delta.py` with
+both readers and compares the bytes (tests/test_vllm_delta_worker.py).
 
 vLLM mixes the class into its worker class; the trainer calls its methods by name through the dev-mode route
 `POST /collective_rpc {"method": M, "kwargs": {...}}`, which answers `{"results": [one answer per worker]}`:
@@ -51,7 +51,10 @@ ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 
             "U16": 2, "U8": 1, "BOOL": 1}
 _UINT = {1: np.dtype(np.uint8), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
 _INT = {1: np.dtype(np.int8), 2: np.dtype("<i2"), 4: np.dtype("<i4"), 8: np.dtype("<i8")}
-_INDEX = {"U16": np.dtype("<u2"), "U32": np.dtype("<u4"), "U64": np.dtype("<u8")}
+_INDEX = {"U8": np.dtype(np.uint8), "U16": np.dtype("<u2"), "U32": np.dtype("<u4"), "U64": np.dtype("<u8")}
+# The compact features of the format this reader applies: 8-bit gaps (with filler positions, whose value is the
+# base's own) and per-byte planes.
+FEATURES = frozenset({"u8-gaps", "byte-planes"})
 
 logger = logging.getLogger("jaxrl_vlm_worker")
 
@@ -87,10 +90,12 @@ def read_manifest(directory: str) -> dict[str, Any]:
         raise MalformedDelta(f"{directory}: no readable {MANIFEST_NAME} ({e})") from e
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("checksum") != CHECKSUM:
         raise MalformedDelta(f"{directory}: not a {FORMAT} delta with {CHECKSUM} checksums")
-    if manifest.get("features"):  # weight_delta's compact encodings: refused, so the trainer sends a full sync
-        raise MalformedDelta(f"{directory}: needs the features {manifest['features']}, which this reader lacks")
+    unknown = sorted(set(manifest.get("features") or ()) - FEATURES)
+    if unknown:  # a feature this reader lacks: refused, so the trainer sends a full sync
+        raise MalformedDelta(f"{directory}: needs the features {unknown}, which this reader lacks")
+    encodings = ("unchanged", "sparse", "dense", *(("planes",) if "byte-planes" in manifest.get("features", ()) else ()))
     for t in manifest.get("tensors", ()):
-        if t.get("dtype") not in ITEMSIZE or t.get("encoding") not in ("unchanged", "sparse", "dense"):
+        if t.get("dtype") not in ITEMSIZE or t.get("encoding") not in encodings:
             raise MalformedDelta(f"{directory}: tensor {t.get('name')!r} has dtype {t.get('dtype')!r}, encoding "
                                  f"{t.get('encoding')!r}")
     return manifest
@@ -114,8 +119,9 @@ def decode_delta(directory: str, held: dict[str, np.ndarray], meta: dict[str, tu
         for name, t in records.items():
             if (t["dtype"], tuple(t["shape"])) != meta[name]:
                 raise BaseMismatch(f"tensor {name!r} is {meta[name]} here, {t['dtype']} {t['shape']} in the delta")
+    u8_gaps = "u8-gaps" in manifest.get("features", ())
     new: dict[str, np.ndarray] = {}
-    last: dict[str, int] = {}  # last written flat position per tensor: chunks come in increasing order
+    last: dict[tuple[str, int | None], int] = {}  # last written position per (tensor, byte plane): chunks increase
     for bucket in manifest["buckets"]:
         path = os.path.join(directory, bucket["file"])
         if os.path.basename(bucket["file"]) != bucket["file"]:
@@ -143,19 +149,25 @@ def decode_delta(directory: str, held: dict[str, np.ndarray], meta: dict[str, tu
                     if name not in held:
                         raise BaseMismatch(f"tensor {name!r} of the delta is not held by this worker")
                     new[name] = held[name].copy()
+            plane = chunk.get("plane")
+            if (plane is None) == (t["encoding"] == "planes") or (plane is not None and plane not in range(width.itemsize)):
+                raise MalformedDelta(f"{path}: chunk {k} of {name!r} ({t['encoding']}) has byte plane {plane!r}")
             values = arrays.get(f"{k}.values")
-            if values is None or values.dtype != width or values.shape != (count,):
-                raise MalformedDelta(f"{path}: chunk {k} of {name!r} lacks {count} {width} values")
-            target, prev = new[name], last.get(name, -1)
+            value_dtype = width if plane is None else np.dtype(np.uint8)
+            if values is None or values.dtype != value_dtype or values.shape != (count,):
+                raise MalformedDelta(f"{path}: chunk {k} of {name!r} lacks {count} {value_dtype} values")
+            # A byte plane writes byte `plane` of each listed element (little-endian), the others stay the base's.
+            target = new[name] if plane is None else new[name].view(np.uint8).reshape(size, width.itemsize)[:, plane]
+            prev = last.get((name, plane), -1)
             if index is None:
                 if t["encoding"] != "dense" or start != prev + 1 or start + count > size:
                     raise MalformedDelta(f"{path}: dense chunk [{start}, {start + count}) of {name!r} after {prev}")
                 target[start:start + count] = values
-                last[name] = start + count - 1
+                last[(name, plane)] = start + count - 1
                 continue
             gaps = arrays.get(f"{k}.gaps")
-            if t["encoding"] != "sparse" or index not in _INDEX or gaps is None or gaps.dtype != _INDEX[index] \
-                    or gaps.shape != (count,):
+            if t["encoding"] not in ("sparse", "planes") or index not in _INDEX or (index == "U8" and not u8_gaps) \
+                    or gaps is None or gaps.dtype != _INDEX[index] or gaps.shape != (count,):
                 raise MalformedDelta(f"{path}: sparse chunk {k} of {name!r} lacks its {index} gaps")
             if start != max(prev, 0) or (prev >= 0 and gaps[0] == 0) or (count > 1 and gaps[1:].min() == 0):
                 raise MalformedDelta(f"{path}: positions of {name!r} are not increasing (chunk start {start})")
@@ -163,12 +175,12 @@ def decode_delta(directory: str, held: dict[str, np.ndarray], meta: dict[str, tu
             if int(positions[-1]) >= size:
                 raise MalformedDelta(f"{path}: position {int(positions[-1])} of {name!r} past its {size} elements")
             target[positions.astype(np.intp)] = values
-            last[name] = int(positions[-1])
+            last[(name, plane)] = int(positions[-1])
     for name, t in records.items():
         written = name in new
         if written != (t["encoding"] != "unchanged"):
             raise MalformedDelta(f"tensor {name!r} ({t['encoding']}) has {'' if written else 'no '}chunks")
-        if t["encoding"] == "dense" and last[name] != int(np.prod(t["shape"], dtype=np.int64)) - 1:
+        if t["encoding"] == "dense" and last[(name, None)] != int(np.prod(t["shape"], dtype=np.int64)) - 1:
             raise MalformedDelta(f"dense tensor {name!r}: its chunks stop at position {last[name]}")
     wrong = [name for name, bits in new.items() if checksum(bits) != records[name]["checksum"]]
     if wrong:
