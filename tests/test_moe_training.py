@@ -311,9 +311,9 @@ def old_routing_replayed(moe, tmp_path_factory):
     def spied(num_sequences, single):
         step = compiled(num_sequences, single)
 
-        def run_step(state, batch, old, ref, frozen):
+        def run_step(state, batch, old, ref, *rest):  # rest: the frozen parameters, an --opd-type trainer teacher
             before = jax.tree.map(np.asarray, state.params)  # the state is donated to the step
-            new_state, metrics = step(state, batch, old, ref, frozen)
+            new_state, metrics = step(state, batch, old, ref, *rest)
             calls.append((before, jax.tree.map(np.asarray, batch), np.asarray(old), jax.device_get(metrics)))
             return new_state, metrics
 

@@ -677,7 +677,8 @@ def test_a_step_that_keeps_its_parameters_leaves_them_alive_and_still_donates_th
     it (they are not deleted), the optimizer state is still donated, and the step computes what the donating one does."""
     from jaxrl_vlm.rl import train_step as ts
 
-    def fake_step(graphdef, tx, cfg, state, batch, old_logprobs=None, ref_logprobs=None, frozen=None):
+    def fake_step(graphdef, tx, cfg, state, batch, old_logprobs=None, ref_logprobs=None, frozen=None, teacher=None, *,
+                  teacher_graphdef=None):
         moved = jax.tree.map(lambda p: p + batch, state.params)
         return state._replace(params=moved, opt_state=jax.tree.map(lambda m: m * 2, state.opt_state),
                               step=state.step + 1), {"train/loss": batch}
