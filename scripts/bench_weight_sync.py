@@ -219,8 +219,24 @@ def print_vllm_run(run: dict[str, Any]) -> dict[str, float]:
               f"{r['disk_bytes'] / 1e6:>8.2f} {r['delta_s'] / r['disk_s']:>12.2f}")
     trained = rows[1:]
     summary = {
-        "bytes_ratio_median": _median([r["sync/bytes"] / r["sync/full_bytes"] for r in trained]),
+        **_delta_summary(trained),
         "bytes_vs_export_median": _median([r["sync/bytes"] / r["disk_bytes"] for r in trained]),
+    }
+    print(f"  RATIO vLLM delta bytes / full-sync bytes (medians): {summary['bytes_ratio_median']:.4f} of the tensors, "
+          f"{summary['bytes_vs_export_median']:.4f} of the export directory (changed fraction median "
+          f"{summary['changed_fraction_median']:.5f})")
+    print(f"  RATIO vLLM seconds per push, delta / full (medians): "
+          f"{summary['delta_s_median'] / summary['disk_s_median']:.2f} ({summary['delta_s_median']:.3f} s against "
+          f"{summary['disk_s_median']:.3f} s)")
+    _print_split(trained)
+    return summary
+
+
+def _delta_summary(trained: list[dict[str, Any]]) -> dict[str, float]:
+    """What both halves report of the delta steps `trained` (the full first version left out): medians of the bytes
+    ratio, changed fraction and seconds, and the counts of deltas, full re-syncs and checksum mismatches (printed)."""
+    summary = {
+        "bytes_ratio_median": _median([r["sync/bytes"] / r["sync/full_bytes"] for r in trained]),
         "changed_fraction_median": _median([r["sync/changed_fraction"] for r in trained]),
         "delta_s_median": _median([r["delta_s"] for r in trained]),
         "disk_s_median": _median([r["disk_s"] for r in trained]),
@@ -228,17 +244,14 @@ def print_vllm_run(run: dict[str, Any]) -> dict[str, float]:
         "full_resyncs": trained[-1]["sync/full_resyncs"],
         "checksum_mismatches": trained[-1]["sync/checksum_mismatches"],
     }
-    split = {k: _median([r[f"sync/{k}_s"] for r in trained]) for k in ("diff", "encode", "write", "apply", "confirm")}
     print(f"  steps 1-{len(trained)}: {summary['deltas']:.0f} deltas, {summary['full_resyncs']:.0f} full resyncs, "
           f"{summary['checksum_mismatches']:.0f} checksum mismatches")
-    print(f"  RATIO vLLM delta bytes / full-sync bytes (medians): {summary['bytes_ratio_median']:.4f} of the tensors, "
-          f"{summary['bytes_vs_export_median']:.4f} of the export directory (changed fraction median "
-          f"{summary['changed_fraction_median']:.5f})")
-    print(f"  RATIO vLLM seconds per push, delta / full (medians): "
-          f"{summary['delta_s_median'] / summary['disk_s_median']:.2f} ({summary['delta_s_median']:.3f} s against "
-          f"{summary['disk_s_median']:.3f} s)")
-    print("  delta time split (medians, s): " + ", ".join(f"{k} {v:.4f}" for k, v in split.items()))
     return summary
+
+
+def _print_split(trained: list[dict[str, Any]]) -> None:
+    split = {k: _median([r[f"sync/{k}_s"] for r in trained]) for k in ("diff", "encode", "write", "apply", "confirm")}
+    print("  delta time split (medians, s): " + ", ".join(f"{k} {v:.4f}" for k, v in split.items()))
 
 
 def preset_estimate(preset: str, measured: dict[str, tuple[float, float]]) -> dict[str, Any]:
@@ -277,21 +290,12 @@ def print_run(size: str, run: dict[str, Any]) -> dict[str, float]:
     per_changed = [r["sync/bytes"] / (r["sync/changed_fraction"] * r["sync/full_bytes"] / 2) for r in trained
                    if r["sync/changed_fraction"] > 0]
     summary = {
+        **_delta_summary(trained),
         "bytes_per_changed_element_median": _median(per_changed),
-        "changed_fraction_median": _median([r["sync/changed_fraction"] for r in trained]),
         "changed_fraction_max": max(r["sync/changed_fraction"] for r in trained),
-        "bytes_ratio_median": _median([r["sync/bytes"] / r["sync/full_bytes"] for r in trained]),
         "bytes_ratio_max": max(r["sync/bytes"] / r["sync/full_bytes"] for r in trained),
-        "delta_s_median": _median([r["delta_s"] for r in trained]),
         "memory_s_median": _median([r["memory_s"] for r in trained]),
-        "disk_s_median": _median([r["disk_s"] for r in trained]),
-        "deltas": sum(r["sync/delta"] for r in trained),
-        "full_resyncs": trained[-1]["sync/full_resyncs"],
-        "checksum_mismatches": trained[-1]["sync/checksum_mismatches"],
     }
-    split = {k: _median([r[f"sync/{k}_s"] for r in trained]) for k in ("diff", "encode", "write", "apply", "confirm")}
-    print(f"  steps 1-{len(trained)}: {summary['deltas']:.0f} deltas, {summary['full_resyncs']:.0f} full resyncs, "
-          f"{summary['checksum_mismatches']:.0f} checksum mismatches")
     print(f"  bytes per changed element (values, gaps, manifest): median {summary['bytes_per_changed_element_median']:.2f}")
     print(f"  RATIO sync/bytes / sync/full_bytes: median {summary['bytes_ratio_median']:.4f}, max "
           f"{summary['bytes_ratio_max']:.4f} (changed fraction median {summary['changed_fraction_median']:.5f}, max "
@@ -299,7 +303,7 @@ def print_run(size: str, run: dict[str, Any]) -> dict[str, float]:
     print(f"  RATIO seconds per push (medians), delta / memory: {summary['delta_s_median'] / summary['memory_s_median']:.2f}"
           f", delta / disk: {summary['delta_s_median'] / summary['disk_s_median']:.2f}, disk / memory: "
           f"{summary['disk_s_median'] / summary['memory_s_median']:.2f}")
-    print("  delta time split (medians, s): " + ", ".join(f"{k} {v:.4f}" for k, v in split.items()))
+    _print_split(trained)
     return summary
 
 
