@@ -554,7 +554,7 @@ async def test_corrupt_weights_and_memory_errors_keep_the_old_weights_and_the_sc
 
 
 @pytest.mark.slow
-@pytest.mark.engine_step  # CI's engine step (.ci/run), not the README's test command: see pyproject.toml
+@pytest.mark.ci_step  # CI's own step for long tests (.ci/run), not the README's test command: see pyproject.toml
 async def test_a_stuck_scheduler_answers_503_within_the_deadlines(engine, tiny_hf_checkpoint, monkeypatch):
     sched, runner = engine.engine.scheduler, engine.engine.runner
     release = threading.Event()

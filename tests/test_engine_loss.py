@@ -251,7 +251,7 @@ def _steps(metrics: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.engine_step  # CI's engine step (.ci/run), not the README's test command: see pyproject.toml
+@pytest.mark.ci_step  # CI's own step for long tests (.ci/run), not the README's test command: see pyproject.toml
 def test_a_run_survives_kill_9_of_its_engine_and_a_restart_on_the_same_port(tmp_path):
     """The acceptance test of issue 35 item 1: every step trains its full batch, the weights are pushed and confirmed
     on the restarted engine, and no episode is lost or FAILED by anything but `engine_lost`."""

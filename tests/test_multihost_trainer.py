@@ -32,7 +32,8 @@ NUM_ROLLOUT = 2
 TIMEOUT_S = 900  # both runs together: measured ~3 min on 2 cores shared with other work
 PROGRESS = "] step "  # the progress line RunLog prints for every logged step
 
-pytestmark = pytest.mark.slow
+# CI's own step for long tests (.ci/run), not the README's test command: see pyproject.toml.
+pytestmark = [pytest.mark.slow, pytest.mark.ci_step]
 
 
 def _overrides(model_dir: Path, data_path: Path, out_dir: Path) -> list[str]:

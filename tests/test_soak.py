@@ -1,4 +1,4 @@
-"""The bounded soak in CI (its own step, `-m engine_step`): `scripts/soak_engine.py` drives a `jaxrl-vlm serve` of a tiny model (built by
+"""The bounded soak in CI (a step of its own, `-m ci_step`): `scripts/soak_engine.py` drives a `jaxrl-vlm serve` of a tiny model (built by
 make-tiny, nothing downloaded) with concurrent clients for 40 s (text and image requests, multi-turn
 continuations that share prefixes, aborts by rid and dropped connections), and its report must show what the
 engine promises under load: no failure but the injected ones, no KV page held or leaked once the load settled,
@@ -54,7 +54,7 @@ def test_injected_faults_never_count_as_unexpected_and_options_are_checked(soak)
 
 
 @pytest.mark.slow
-@pytest.mark.engine_step  # CI's engine step (.ci/run), not the README's test command: see pyproject.toml
+@pytest.mark.ci_step  # CI's own step for long tests (.ci/run), not the README's test command: see pyproject.toml
 def test_soak_of_the_served_engine_has_no_unexpected_failure_leak_or_drift(tmp_path):
     report_path = tmp_path / "soak.json"
     env = {**os.environ, "XLA_FLAGS": xla_flags(1)}  # the server runs on one CPU device
