@@ -15,6 +15,9 @@ from PIL import Image
 from envs.babyai import ACTIONS, LEVELS, BabyAIEnv, BabyAIOptions, build_env, parse_action
 from envs.babyai.chance import random_success
 from envs.babyai.env import OUT_OF_TURNS_TEXT, SUCCESS_TEXT
+from jaxrl_vlm.data.sft import parse_conversation
+from rollout.multiturn import prompt_with_opening
+from rollout.processing import ImageReadPolicy
 from envs.babyai.prompts import QUESTION
 from envs.babyai.synthetic import generate_row, make_dataset, make_sft_dataset, opening_message
 from envs.babyai.world import episode_seed, new_world, oracle_actions
@@ -172,9 +175,6 @@ def test_bad_rows_and_options_are_refused_naming_the_cause():
 
 
 def test_sft_transcripts_are_the_oracles_episodes_in_the_loaders_layout(tmp_path):
-    from jaxrl_vlm.data.sft import parse_conversation
-    from rollout.multiturn import prompt_with_opening
-    from rollout.processing import ImageReadPolicy
 
     path = make_sft_dataset(str(tmp_path / "t.parquet"), 3, seed=4)
     for index, row in enumerate(pq.read_table(path).to_pylist()):
