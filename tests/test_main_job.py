@@ -1,6 +1,6 @@
 """The end-to-end job: `jaxrl-vlm train configs/geo3k_tiny.yaml` runs to the end on CPU; a run preempted with
 SIGTERM (either policy) or killed with SIGKILL resumes from its last checkpoint with `--load` and continues exactly
-like the uninterrupted run."""
+like the uninterrupted run (one chain of runs)."""
 
 from __future__ import annotations
 
@@ -105,86 +105,111 @@ def _requests_in(loads_url: str) -> int:
         return count_requests_in_loads(json.load(answer), endpoint=loads_url)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("policy", ["abort", "finish"])
-def test_sigterm_mid_step_checkpoints_exits_0_and_resumes_like_an_uninterrupted_run(full_run, policy):
-    """SIGTERM while step 2 rolls out: `abort` gives the step up and checkpoints step 2 (the data cursor and driver
-    state as the step began); `finish` trains step 2 (within the grace period) and checkpoints step 3. Either way the
-    run exits 0 without its final export, and `--load` continues exactly like the uninterrupted run."""
-    tmp, _ = full_run
-    name = f"sigterm_{policy}"
-    out = tmp / name
-    out.mkdir()
-    log = out / "stderr.log"
-    grace = "300" if policy == "finish" else "30"  # finish: room for a step on a loaded 2-core machine
-    # --save-interval 0: the only checkpoint before the end is the preemption's.
-    argv = _cmd(tmp, name, "--save-interval", "0", "--preemption-policy", policy, "--preemption-grace-seconds", grace)
-    metrics = out / "metrics.jsonl"
+def _checkpoints(out: Path) -> list[int]:
+    return sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
+
+
+def _sigterm_during_rollout(argv: list[str], log: Path, after_records: int) -> str:
+    """Run `argv`, SIGTERM it once `after_records` step records are logged and the next step's rollout has requests
+    in the engine, and return its stdout (exit code 0 asserted)."""
+    metrics = log.parent / "metrics.jsonl"
     with open(log, "w") as err:
         proc = subprocess.Popen(argv, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=err, text=True)
     try:
-        # Step 1 is logged, then step 2's requests are in the engine: the run is in step 2's rollout. (Right after
-        # step 1's record the run is still between steps for a moment; a signal there stops it at the boundary,
-        # with no step to give up: seen once in a full suite.)
-        _wait_for(lambda: metrics.exists() and len(read_metrics(metrics)) >= 2, proc, log, "step 1 was logged")
+        # The record is logged, then the next step's requests are in the engine: the run is in that step's
+        # rollout. (Right after a record the run is still between steps for a moment; a signal there stops it at
+        # the boundary, with no step to give up: seen once in a full suite.)
+        _wait_for(lambda: metrics.exists() and len(read_metrics(metrics)) >= after_records, proc, log,
+                  f"{after_records} steps were logged")
+        _wait_for(lambda: "embedded engine serving" in log.read_text(), proc, log, "the engine started")
         loads = _engine_url(log) + "/v1/loads"
-        _wait_for(lambda: _requests_in(loads) > 0, proc, log, "step 2's rollout reached the engine")
+        _wait_for(lambda: _requests_in(loads) > 0, proc, log, "the next step's rollout reached the engine")
         proc.send_signal(signal.SIGTERM)
         stdout, _ = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    stderr = log.read_text()
-    assert proc.returncode == 0, stderr[-3000:]
-    checkpoint = 2 if policy == "abort" else 3
-    if policy == "abort":
-        assert "gave up the step in progress (step 2: --preemption-policy abort)" in stderr, stderr[-3000:]
-    else:
-        assert "step 2 trained; its weight sync is skipped for the preemption (SIGTERM)" in stderr, stderr[-3000:]
-    assert f"preempted by SIGTERM after {checkpoint} completed steps" in stderr
-    assert f"run preempted (SIGTERM) after {checkpoint} steps" in stdout
-    assert sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == [checkpoint]
-    assert not (out / "final_model").exists()  # the preempted run is not finished
-    assert [r["step"] for r in read_metrics(metrics)] == list(range(checkpoint))
+    assert proc.returncode == 0, log.read_text()[-3000:]
+    return stdout
 
-    if policy == "abort":
-        # The resume is then killed with SIGKILL (no handler, no checkpoint of its own) once it saved step 4, and a
-        # second `--load` goes on from there: periodic checkpoints, written by a resumed run, resume exactly too.
-        # (One chain of runs for both properties: separate ones cost the suite another start and four steps.)
-        _resume_then_sigkill_after_step_4(tmp, name)
+
+@pytest.mark.slow
+def test_sigterm_either_policy_and_sigkill_resume_like_an_uninterrupted_run(full_run):
+    """One chain of runs over the 6 steps, each link resumed with `--load` from the one before:
+    1. SIGTERM while step 2 rolls out, `--preemption-policy abort`: the step is given up and step 2 checkpointed (the
+       data cursor and driver state as the step began); exit 0 without the final export;
+    2. SIGTERM while step 3 rolls out (the resumed run has trained step 2, so it knows a step's time),
+       `--preemption-policy finish`: step 3 is trained within the grace period and step 4 checkpointed;
+    3. periodic checkpoints every step; SIGKILL (no handler, no checkpoint of its own) once checkpoint 5 is written:
+       periodic checkpoints, written by a resumed run, resume exactly too;
+    4. the last resume finishes, and every step from the first preemption on equals the uninterrupted run's.
+    (One chain for the three properties: separate runs cost the suite a start and several steps each.)"""
+    tmp, _ = full_run
+    name = "preempted"
+    out = tmp / name
+    out.mkdir()
+    metrics = out / "metrics.jsonl"
+    # --save-interval 0: the only checkpoint before the end is the preemption's.
+    stdout = _sigterm_during_rollout(
+        _cmd(tmp, name, "--save-interval", "0", "--preemption-policy", "abort", "--preemption-grace-seconds", "30"),
+        out / "abort_stderr.log", after_records=2)
+    stderr = (out / "abort_stderr.log").read_text()
+    assert "gave up the step in progress (step 2: --preemption-policy abort)" in stderr, stderr[-3000:]
+    assert "preempted by SIGTERM after 2 completed steps" in stderr
+    assert "run preempted (SIGTERM) after 2 steps" in stdout
+    assert _checkpoints(out) == [2]
+    assert not (out / "final_model").exists()  # the preempted run is not finished
+    assert [r["step"] for r in read_metrics(metrics)] == [0, 1]
+
+    # finish: room for a step on a loaded 2-core machine
+    stdout = _sigterm_during_rollout(
+        _cmd(tmp, name, "--load", str(out / "checkpoints"), "--save-interval", "0", "--preemption-policy", "finish",
+             "--preemption-grace-seconds", "300"),
+        out / "finish_stderr.log", after_records=3)
+    stderr = (out / "finish_stderr.log").read_text()
+    assert "resumed from" in stderr and "at step 2" in stderr
+    assert "step 3 trained; its weight sync is skipped for the preemption (SIGTERM)" in stderr, stderr[-3000:]
+    assert "preempted by SIGTERM after 4 completed steps" in stderr
+    assert "run preempted (SIGTERM) after 4 steps" in stdout
+    assert _checkpoints(out) == [2, 4]  # keep_checkpoints: 2
+    assert not (out / "final_model").exists()
+    assert [r["step"] for r in read_metrics(metrics)] == [0, 1, 2, 3]
+
+    _resume_then_sigkill_after_checkpoint_5(tmp, name)
+
     resumed = subprocess.run(_cmd(tmp, name, "--load", str(out / "checkpoints")), cwd=ROOT, env=_env(),
                              capture_output=True, text=True, timeout=900)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    resumed_at = 4 if policy == "abort" else checkpoint
-    assert "resumed from" in resumed.stderr and f"at step {resumed_at}" in resumed.stderr
+    assert "resumed from" in resumed.stderr and "at step 5" in resumed.stderr
     assert "run finished" in resumed.stdout
     full = {r["step"]: r for r in read_metrics(tmp / "full" / "metrics.jsonl")}
     after = {r["step"]: r for r in read_metrics(metrics)}
     assert sorted(after) == list(range(6))
-    for step in range(checkpoint, 6):
+    for step in range(2, 6):
         for key in ("rollout/raw_reward", "rollout/response_len/mean", "train/loss_total", "train/grad_norm"):
             assert after[step][key] == pytest.approx(full[step][key], rel=1e-4, abs=1e-6), (step, key)
 
 
-def _resume_then_sigkill_after_step_4(tmp: Path, name: str) -> None:
-    """`--load` the preempted run with periodic checkpoints every 2 steps, and SIGKILL it once checkpoint 4 is
-    complete (step 4 is logged after it), before the run can finish."""
+def _resume_then_sigkill_after_checkpoint_5(tmp: Path, name: str) -> None:
+    """`--load` the preempted run (checkpoint 4) with a periodic checkpoint every step, and SIGKILL it once
+    checkpoint 5 is complete (step 4 is logged after it), before the run can finish."""
     out = tmp / name
     metrics = out / "metrics.jsonl"
-    argv = _cmd(tmp, name, "--load", str(out / "checkpoints"), "--save-interval", "2")
+    argv = _cmd(tmp, name, "--load", str(out / "checkpoints"), "--save-interval", "1")
     log = out / "killed_stderr.log"
     with open(log, "w") as err:
         proc = subprocess.Popen(argv, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=err)
     try:
-        # checkpoint 4 is complete once step 4 is logged
-        _wait_for(lambda: len(read_metrics(metrics)) >= 5, proc, log, "the resumed run logged step 4")
+        # orbax renames a checkpoint's directory to its step only once it is complete
+        _wait_for(lambda: "at step 4" in log.read_text() and len(read_metrics(metrics)) >= 5
+                  and 5 in _checkpoints(out), proc, log, "the resumed run logged step 4 and wrote checkpoint 5")
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    assert "resumed from" in log.read_text() and "at step 2" in log.read_text()
+    assert "resumed from" in log.read_text() and "at step 4" in log.read_text()
     assert len(read_metrics(metrics)) < 6, "the resumed run finished before it could be killed"
-    assert sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == [2, 4]
+    assert _checkpoints(out) == [4, 5]
     assert not (out / "final_model").exists()
 
 
