@@ -10,11 +10,15 @@ bare base64 PNG/JPEG, or nested-integer HxWx3 arrays); `env_adapter_path` names 
 - `reset` sends `data.sample` (the trainer's sample: `env-serve` rebuilds the in-process env from it, so episodes
   are identical), or with `env_reset_data: seed` the prompt's group index as `data.seed` (any OpenEnv server).
   A server at capacity (CAPACITY_REACHED) is retried with jittered exponential backoff, at most
-  `env_capacity_retries` times; the waits are recorded in `sample.metadata["env_capacity_waits_s"]`.
+  `env_capacity_retries` times; the waits are recorded in `sample.metadata["env_capacity_waits_s"]`. A refused
+  connection (nothing listens: the server is restarting) is retried the same way, at most `env_connect_retries`
+  times (`env_connect_waits_s`), so a restarted server takes the next episodes instead of a burst of FAILED ones.
+  No retry starts that would end past the reset's `--env-hook-timeout`.
 - Answers are awaited within `--env-hook-timeout` (reset) and `--env-step-timeout` (step), the rollout's limits.
 - Reward: the server's running `verdict` when it sends one (`env-serve`), else the sum of the steps' rewards.
 - Any failure (refused connection, dropped socket, an `error` answer, a timeout) raises `RemoteEnvError`, which
-  the rollout turns into its typed env failure (a FAILED sample with its cause), never a lost sample.
+  the rollout turns into its typed env failure (a FAILED sample with cause `env_error`), never a lost sample. An
+  episode whose server dies mid-episode is not resumed: its server-side state is gone.
 
 No jax.
 """
@@ -64,8 +68,10 @@ class RemoteOptions(EnvOptions):
         "sample", "remote: what reset sends: 'sample' (the trainer's sample; env-serve replays the in-process "
         "episode) or 'seed' (the prompt's group index as data.seed, for any OpenEnv server).")
     env_capacity_retries: int = option(5, "remote: retries of a server at capacity (CAPACITY_REACHED).", ge=0)
-    env_capacity_backoff_s: float = option(0.5, "remote: first backoff after CAPACITY_REACHED (doubles, jittered).",
-                                           gt=0)
+    env_capacity_backoff_s: float = option(
+        0.5, "remote: first backoff after CAPACITY_REACHED or a refused connection (doubles, jittered).", gt=0)
+    env_connect_retries: int = option(
+        5, "remote: retries of a refused connection at reset (a server restarting), with the same backoff.", ge=0)
     env_adapter_path: str | None = option(None, "remote: 'module:Class' of an adapter (default DefaultAdapter).")
 
     def validate(self) -> None:
@@ -75,16 +81,17 @@ class RemoteOptions(EnvOptions):
 
 CONFIG_KEYS: dict[str, tuple[type, Any, str]] = RemoteOptions.config_keys()
 
-#: Backoff cap after CAPACITY_REACHED.
+#: Backoff cap after CAPACITY_REACHED or a refused connection.
 MAX_CAPACITY_BACKOFF_S = 8.0
 
 
 class RemoteEnvError(RuntimeError):
-    """The remote env failed: `code` is the server's error code, or None for a transport failure."""
+    """The remote env failed: `code` is the server's error code, or None for a transport failure; `refused`: the
+    connection was refused (nothing listens at the URL), so no episode was started there."""
 
-    def __init__(self, message: str, code: ErrorCode | None = None) -> None:
+    def __init__(self, message: str, code: ErrorCode | None = None, *, refused: bool = False) -> None:
         super().__init__(message if code is None else f"{message} ({code.value})")
-        self.code = code
+        self.message, self.code, self.refused = message, code, refused
 
 
 # ------------------------------------------------------------------------------------------ adapter
@@ -149,6 +156,7 @@ class RemoteEnv(BaseInteractionEnv):
         self.verdicts: list[float | None] = []
         self.rewards: list[float] = []
         self.capacity_waits_s: list[float] = []
+        self.connect_waits_s: list[float] = []
 
     # -- transport
     async def _exchange(self, frame: str, timeout_s: float, what: str) -> ObservationMessage:
@@ -195,35 +203,54 @@ class RemoteEnv(BaseInteractionEnv):
         if message.reward is not None:
             self.rewards.append(message.reward)
 
+    async def _open(self, headers: dict[str, str], frame: str) -> ObservationMessage:
+        """One try at an episode: connect and send `frame` (the reset); the socket is closed again on failure."""
+        self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.reset_timeout_s))
+        try:
+            self._ws = await self._http.ws_connect(self.url, headers=headers, max_msg_size=4 * DEFAULT_MAX_MESSAGE_BYTES)
+        except (aiohttp.ClientError, OSError) as e:
+            await self._disconnect()
+            refused = isinstance(getattr(e, "os_error", None), ConnectionRefusedError)  # ClientConnectorError's
+            raise RemoteEnvError(f"remote env reset: cannot connect to {self.url}: {e}", refused=refused) from e
+        try:
+            return await self._exchange(frame, self.reset_timeout_s, "reset")
+        except RemoteEnvError:
+            await self._disconnect()
+            raise
+
     # -- the contract
     async def reset(self) -> dict[str, Any] | None:
-        """Connect, reset (retrying CAPACITY_REACHED) and return the opening observation (None when empty)."""
+        """Connect, reset (retrying CAPACITY_REACHED and a refused connection) and return the opening observation
+        (None when empty)."""
         await self._disconnect()
         self.turn, self.done, self.verdicts, self.rewards = 0, False, [], []
         headers = authorization_header(self.options.env_api_key) if self.options.env_api_key else {}
         frame = serialize(Reset(self._reset_data()))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.reset_timeout_s
         backoff = self.options.env_capacity_backoff_s
-        for attempt in range(self.options.env_capacity_retries + 1):
-            self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.reset_timeout_s))
+        while True:
             try:
-                self._ws = await self._http.ws_connect(self.url, headers=headers,
-                                                       max_msg_size=4 * DEFAULT_MAX_MESSAGE_BYTES)
-            except (aiohttp.ClientError, OSError) as e:
-                await self._disconnect()
-                raise RemoteEnvError(f"remote env reset: cannot connect to {self.url}: {e}") from e
-            try:
-                message = await self._exchange(frame, self.reset_timeout_s, "reset")
+                message = await self._open(headers, frame)
                 break
             except RemoteEnvError as e:
-                await self._disconnect()
-                if e.code is not ErrorCode.CAPACITY_REACHED or attempt == self.options.env_capacity_retries:
+                if e.code is ErrorCode.CAPACITY_REACHED:
+                    waits, limit, key = self.capacity_waits_s, self.options.env_capacity_retries, "env_capacity_waits_s"
+                elif e.refused:
+                    waits, limit, key = self.connect_waits_s, self.options.env_connect_retries, "env_connect_waits_s"
+                else:
                     raise
-            wait = min(backoff, MAX_CAPACITY_BACKOFF_S) * (0.5 + random.random())
-            self.capacity_waits_s.append(round(wait, 3))
-            if hasattr(self.sample, "metadata"):
-                self.sample.metadata["env_capacity_waits_s"] = list(self.capacity_waits_s)
-            await asyncio.sleep(wait)
-            backoff *= 2
+                wait = min(backoff, MAX_CAPACITY_BACKOFF_S) * (0.5 + random.random())
+                if len(waits) >= limit or loop.time() + wait > deadline:
+                    if not waits:
+                        raise
+                    raise RemoteEnvError(f"{e.message}; gave up after {len(waits)} retries in {sum(waits):.1f} s",
+                                         e.code, refused=e.refused) from e
+                waits.append(round(wait, 3))
+                if hasattr(self.sample, "metadata"):
+                    self.sample.metadata[key] = list(waits)
+                await asyncio.sleep(wait)
+                backoff *= 2
         self._record(message)
         observation = self.adapter.observation(message.observation)
         return observation if observation["obs_str"] or observation.get("multi_modal_data") else None

@@ -16,8 +16,9 @@ Phases of one episode (slime's loop, with its defects fixed; reference/slime.md)
 Termination: env done -> COMPLETED; `max_turns` reached -> COMPLETED (no unanswered observation is
 appended); the response budget (generated + observation tokens) or the context runs out -> TRUNCATED with
 the cause recorded; engine `length` -> TRUNCATED; engine `abort` -> ABORTED; an engine that stays
-unreachable, an env that keeps failing, the episode's wall-clock limit, or a reward that cannot be trained on
-(a mapping without its `--reward-key`, a non-finite value) -> FAILED with the error recorded.
+unreachable, an env whose reset raises or whose step keeps failing (`env_error`), the episode's wall-clock
+limit, or a reward that cannot be trained on (a mapping without its `--reward-key`, a non-finite value) ->
+FAILED with the error recorded.
 None of these raise: one bad episode never kills a rollout. `env.close()` always runs. Every ending goes through
 `_end_episode`, which sets the status and the typed `Sample.termination` together.
 
@@ -78,6 +79,15 @@ BANNED_TOKEN_BIAS = -1.0e9
 
 class EpisodeError(RuntimeError):
     """An episode could not be run at all (missing context, bad env module); names the sample."""
+
+
+class EnvResetError(Exception):
+    """`env.reset()` raised (a remote env's server refused or dropped it, a simulator that cannot start): the env
+    failed, so the episode FAILs as `env_error` like a step that keeps failing, not as an unexplained `exception`."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+        super().__init__(f"env.reset failed: {type(error).__name__}: {error}")
 
 
 class EnvHookTimeout(Exception):
@@ -304,6 +314,10 @@ async def play_episode(run: RolloutRun, sample: Sample, sampling_params: dict[st
     except EnvHookTimeout as e:
         logger.warning("%s: %s", sample.name, e)
         _end_episode(sample, Termination(TerminationKind.ENV_TIMEOUT), error=f"env: {e}")
+    except EnvResetError as e:
+        logger.warning("%s: %s", sample.name, e)
+        sample.metadata["env_errors"] = [str(e)]  # counted as env/errors/reset_failed
+        _end_episode(sample, Termination(TerminationKind.ENV_ERROR), error=f"env: {e}")
     except Exception as e:  # an episode must never take the rollout down; the error is recorded on the sample
         logger.warning("%s failed: %s", sample.name, e)
         _end_episode(sample, Termination(TerminationKind.EXCEPTION), error=f"{type(e).__name__}: {e}",
@@ -439,8 +453,13 @@ class _EpisodeRun:
         """`env.reset()` first for a fresh episode (not for a resumed one), then the turns. A reset observation
         joins the prompt before the first generation (`_open_with`)."""
         if reset:
-            opening = await call_env_hook(self.state.env.reset, timeout_s=self.multiturn.env_hook_timeout,
-                                          hook="env.reset")
+            try:
+                opening = await call_env_hook(self.state.env.reset, timeout_s=self.multiturn.env_hook_timeout,
+                                              hook="env.reset")
+            except EnvHookTimeout:
+                raise  # its own cause, env_timeout
+            except Exception as e:
+                raise EnvResetError(e) from e
             if opening is not None:
                 self._open_with(opening)
         await self.run_turns()

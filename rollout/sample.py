@@ -88,7 +88,8 @@ class TerminationKind(str, enum.Enum):
     # The engine became unreachable and did not come back within --engine-reconnect-timeout (rollout/engine_link.py).
     ENGINE_LOST = "engine_lost"
     BANNED_TOKEN = "banned_token"
-    ENV_ERROR = "env_error"  # env.step kept failing (raising or overrunning --env-step-timeout) through its retries
+    # env.reset raised, or env.step kept failing (raising or overrunning --env-step-timeout) through its retries.
+    ENV_ERROR = "env_error"
     ENV_TIMEOUT = "env_timeout"  # env.reset/verdict/close or the module's reward_fn overran --env-hook-timeout
     EPISODE_TIMEOUT = "episode_timeout"
     EXCEPTION = "exception"

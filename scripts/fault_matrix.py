@@ -200,7 +200,7 @@ FAULT_CLASSES: tuple[FaultClass, ...] = (
                 PREEMPT + "test_handler_records_the_signal_and_restores_the_previous_handlers",
                 PREEMPT + "test_a_signal_cuts_the_wait_short_and_cancels_it_when_the_policy_aborts",
                 "tests/test_async_training.py::test_sigterm_while_a_step_trains_checkpoints_the_groups_buffered_meanwhile",
-                "tests/test_main_job.py::test_sigterm_mid_step_checkpoints_exits_0_and_resumes_like_an_uninterrupted_run")),
+                "tests/test_main_job.py::test_sigterm_either_policy_and_sigkill_resume_like_an_uninterrupted_run")),
     FaultClass("engine_lost_and_restarted", "issue 35 item 1",
                "external engine kill -9 mid-rollout, restarted on the same port -> no /generate while it is down, the "
                "trainer's weights pushed and confirmed before any request, cut requests re-sent, every step trains its "
@@ -288,6 +288,13 @@ FAULT_CLASSES: tuple[FaultClass, ...] = (
                (MT + "test_env_raising_exhausts_retries_and_fails_without_crashing",
                 MT + "test_recoverable_env_is_reset_and_retried",
                 DRV + "test_failed_episodes_are_dropped_from_their_group_and_listed")),
+    FaultClass("env_server_killed", "issue 53 item 2",
+               "the env server (`jaxrl-vlm env-serve`) is killed with SIGKILL mid-run and restarted -> the cut "
+               "episodes FAIL env_error naming the server, new resets retry a refused connection, the run trains "
+               "every step",
+               ("tests/test_openenv.py::test_an_env_server_killed_mid_episode_fails_it_as_env_error_not_lost",
+                "tests/test_openenv.py::test_a_refused_connection_is_retried_until_the_restarted_server_takes_the_episode",
+                "tests/test_env_server_kill.py::test_killing_env_serve_mid_step_fails_its_episodes_typed_and_the_run_goes_on")),
     FaultClass("env_step_hangs", "survived",
                "env.step hangs -> --env-step-timeout, then FAILED; --episode-timeout bounds the episode",
                (MT + "test_hanging_env_times_out_then_fails",

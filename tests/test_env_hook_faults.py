@@ -224,8 +224,8 @@ async def test_a_reset_that_raises_still_closes_the_env(encoder):
 
     env = BadReset(None, Blocker())
     s = await _one_episode(encoder, env)
-    assert s.status is Status.FAILED and str(s.termination) == "exception"
-    assert "no such device" in s.metadata["error"] and env.closes == 1
+    assert s.status is Status.FAILED and str(s.termination) == "env_error"  # the env failed, typed
+    assert "env.reset failed: OSError: no such device" in s.metadata["error"] and env.closes == 1
 
 
 async def test_close_of_suspended_episodes_is_bounded():

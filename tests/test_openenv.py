@@ -8,12 +8,18 @@ missing API key end in typed answers; and a rollout through the remote env FAILs
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import signal
+import subprocess
+import sys
 import types
 from typing import Any
 
 import aiohttp
 import pytest
+from _launch import ROOT, free_port
 
 import envs.color_reveal as color_reveal
 import envs.remote as remote
@@ -187,8 +193,74 @@ async def test_a_server_that_dies_mid_episode_is_a_typed_failure():
     with pytest.raises(remote.RemoteEnvError):  # the server is gone: the step cannot be answered
         await env.step("red")
     await env.close()
-    with pytest.raises(remote.RemoteEnvError, match="cannot connect"):
-        await _remote_env(sample, url).reset()
+    with pytest.raises(remote.RemoteEnvError, match="cannot connect") as e:
+        await _remote_env(sample, url, env_connect_retries=0).reset()
+    assert e.value.refused
+
+
+async def test_a_refused_connection_is_retried_until_the_restarted_server_takes_the_episode():
+    async with running(EnvServer(color_reveal, _args())) as url:
+        pass  # killed: nothing listens on its port until it is started again below
+    port = int(url.split(":")[-1].split("/")[0])
+    sample = _samples(1)[0]
+    env = _remote_env(sample, url, env_connect_retries=50, env_capacity_backoff_s=0.02)
+    reset = asyncio.create_task(env.reset())
+    await asyncio.sleep(0.15)
+    async with env_running(EnvServer(color_reveal, _args()), port=port, shutdown_timeout_s=0.1):
+        assert await reset is None and sample.metadata["env_connect_waits_s"] == env.connect_waits_s != []
+        obs, done, info = await env.step("red")
+        assert "obs_str" in obs
+        await env.close()
+    gone = _remote_env(_samples(2)[1], url, env_connect_retries=2, env_capacity_backoff_s=0.01)
+    with pytest.raises(remote.RemoteEnvError, match="cannot connect.*gave up after 2 retries") as e:
+        await gone.reset()
+    assert e.value.refused and e.value.code is None
+
+
+# ----------------------------------------------------------------------------- a jax-free env host
+HEAVY = ("jax", "jaxlib", "flax", "optax", "orbax", "transformers", "torch")
+# `jaxrl-vlm env-serve ...` (the console script is `jaxrl_vlm.cli:main`) reporting, as it exits, which of HEAVY it
+# ever imported.
+_SERVE_AND_REPORT = (
+    "import atexit, sys\n"
+    f"atexit.register(lambda: print('heavy modules:', sorted(m for m in {HEAVY!r} if m in sys.modules), flush=True))\n"
+    "from jaxrl_vlm.cli import main\n"
+    "sys.exit(main(sys.argv[1:]))\n"
+)
+
+
+def test_env_serve_plays_an_episode_without_importing_jax_or_transformers():
+    """An env host needs none of the trainer's stack: `env-serve` runs a seed reset and a step, then exits on
+    SIGINT, and its process never imported jax, flax, transformers or torch (start-up time, memory)."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-c", _SERVE_AND_REPORT, "env-serve", "envs.color_reveal", "--port",
+                             str(port)], cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"ws://127.0.0.1:{port}/ws"
+
+    async def episode() -> None:
+        async with aiohttp.ClientSession() as http:  # up within 30 s, however loaded the machine
+            for _ in range(600):
+                if proc.poll() is not None:
+                    break
+                with contextlib.suppress(aiohttp.ClientError):
+                    if (await http.get(f"http://127.0.0.1:{port}/health")).status == 200:
+                        break
+                await asyncio.sleep(0.05)
+        sample = types.SimpleNamespace(group_index=5, index=0, prompt=[], label=None, image_data=[], metadata={})
+        env = _remote_env(sample, url, env_reset_data="seed")
+        assert "color" in (await env.reset())["obs_str"].lower()
+        obs, done, info = await env.step(generate_row(5)["answer"])
+        assert done and env.verdict() == 1.0
+        await env.close()
+
+    try:
+        asyncio.run(episode())
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err[-3000:]
+    assert "heavy modules: []" in out, out + err[-3000:]
 
 
 # ----------------------------------------------------------------------------- through the rollout
@@ -204,10 +276,12 @@ def encoder(tiny_tokenizer, tiny_image_processor):
     return ChatEncoder(tiny_tokenizer, tiny_image_processor)
 
 
-async def _episode(encoder, env_module, sample: Sample, reply: str = "green", **keys: Any) -> tuple[Sample, Any]:
+async def _episode(encoder, env_module, sample: Sample, reply: str = "green", *, latency_s: float = 0.0,
+                   **keys: Any) -> tuple[Sample, Any]:
     ids = encoder.tokenize(reply) + [encoder.vision.im_end]
     server = FakeSGLangServer(generate_fn=lambda body: Tokens(tuple(ids), tuple(-0.5 for _ in ids)),
-                              eos_token_id=encoder.vision.im_end, image_token_id=encoder.vision.image_pad)
+                              eos_token_id=encoder.vision.im_end, image_token_id=encoder.vision.image_pad,
+                              latency_s=latency_s)
     async with server:
         async with SGLangClient(server.url, timeout_s=5.0, retry=RetryPolicy(max_retries=0)) as client:
             ctx = RolloutContext(client=client, encoder=encoder, env_module=env_module,
@@ -240,8 +314,37 @@ async def test_a_rollout_through_env_serve_is_token_for_token_the_in_process_one
 async def test_a_dead_env_server_fails_the_episode_with_a_typed_cause(encoder):
     async with running(EnvServer(color_reveal, _args())) as url:
         pass  # nothing listens there any more
-    s, _ = await _episode(encoder, remote, _fresh(0), env_url=url)
-    assert s.status is Status.FAILED and str(s.termination) == "exception" and "cannot connect" in s.metadata["error"]
+    s, _ = await _episode(encoder, remote, _fresh(0), env_url=url, env_connect_retries=0)
+    assert s.status is Status.FAILED and str(s.termination) == "env_error" and "cannot connect" in s.metadata["error"]
+    assert s.metadata["env_errors"][0].startswith("env.reset failed: RemoteEnvError")  # env/errors/reset_failed
+
+
+async def test_an_env_server_killed_mid_episode_fails_it_as_env_error_not_lost(encoder):
+    """The server goes while the model writes its first turn: that turn's step FAILs the episode (env_error,
+    the lost connection named, its tokens so far kept on the sample), and the rollout returns it."""
+    opened = asyncio.Event()
+
+    def build_env(sample: Any, args: Any) -> remote.RemoteEnv:
+        env = remote.build_env(sample, args)
+        reset = env.reset
+
+        async def reset_then_signal() -> Any:
+            out = await reset()
+            opened.set()
+            return out
+
+        env.reset = reset_then_signal
+        return env
+
+    task = remote.remote_task(color_reveal)
+    task.build_env = build_env
+    async with running(EnvServer(color_reveal, _args(max_turns=2))) as url:
+        episode = asyncio.create_task(_episode(encoder, task, _fresh(0), env_url=url, latency_s=0.5))
+        await asyncio.wait_for(opened.wait(), 10)  # reset answered: the model's first turn takes 0.5 s
+    s, _ = await episode
+    assert s.status is Status.FAILED and str(s.termination) == "env_error", s.metadata.get("error")
+    assert "remote env step" in s.metadata["error"] and len(s.metadata["env_errors"]) == 2  # a try and its retry
+    assert s.response_length > 0 and s.reward is None
 
 
 class _OpeningEnv(color_reveal.ColorRevealEnv):
