@@ -69,11 +69,17 @@ from jaxrl_vlm.models.paged_kv import gather_pages, page_slots
 from jaxrl_vlm.models.remat import RematPlan
 from jaxrl_vlm.models.rope import rope_inv_freq
 
-F32 = jnp.float32
+F32 = jnp.float32  # the Gated DeltaNet's accumulation: float32, or wider when the inputs are (`accumulation_dtype`)
 DEFAULT_CHUNK = 64  # transformers' chunk size of the chunked delta rule
 
 
 # ----------------------------------------------------------------------------- gated delta rule (pure)
+
+
+def accumulation_dtype(dtype: Any) -> Any:
+    """The delta rule's dtype for inputs of `dtype`: at least float32 (bf16 and float32 models accumulate in float32,
+    as transformers does), float64 for a float64 model, so a float64 check is not capped at float32 accuracy."""
+    return jnp.promote_types(dtype, F32)
 
 
 def _pad_time(x: jax.Array, pad: int, value: Any = 0) -> jax.Array:
@@ -145,8 +151,9 @@ def chunk_gated_delta_rule(
     n = (t + pad) // c
     run = jnp.zeros((b, t), jnp.int32) if run_bt is None else run_bt.astype(jnp.int32)
     run = jnp.pad(run, ((0, 0), (0, pad)), mode="edge") if pad else run
-    q, k, v = (_pad_time(x.astype(F32), pad) for x in (q_bthk, k_bthk, v_bthv))
-    g, beta = (_pad_time(x.astype(F32), pad) for x in (g_bth, beta_bth))
+    acc = accumulation_dtype(q_bthk.dtype)
+    q, k, v = (_pad_time(x.astype(acc), pad) for x in (q_bthk, k_bthk, v_bthv))
+    g, beta = (_pad_time(x.astype(acc), pad) for x in (g_bth, beta_bth))
 
     def chunks(x: jax.Array) -> jax.Array:  # [B, T', H, ...] -> [B, H, N, C, ...]
         x = x.reshape(b, n, c, h, *x.shape[3:])
@@ -158,8 +165,8 @@ def chunk_gated_delta_rule(
     last = run_nc[..., -1:]
     same = run_nc[..., :, None] == run_nc[..., None, :]  # [B, 1, N, C, C]
     causal = jnp.tril(jnp.ones((c, c), bool))
-    cont = (run_nc == prev_last).astype(F32)  # step i still reads the state entering the chunk
-    surv = (run_nc == last).astype(F32)  # step i still reaches the state leaving the chunk
+    cont = (run_nc == prev_last).astype(acc)  # step i still reads the state entering the chunk
+    surv = (run_nc == last).astype(acc)  # step i still reaches the state leaving the chunk
 
     cum = jnp.cumsum(g, axis=-1)  # [B, H, N, C]
     # decay[i, j] = sum of g over (j, i], summed on its own: cum_i - cum_j would carry the rounding of the whole
@@ -186,7 +193,7 @@ def chunk_gated_delta_rule(
         return s, o
 
     xs = tuple(jnp.moveaxis(x, 2, 0) for x in (new_values, k_cumdecay, q_dec, k_dec, intra, chunk_decay))
-    state, o = jax.lax.scan(step, state_bhkv.astype(F32), xs)  # o [N, B, H, C, Dv]
+    state, o = jax.lax.scan(step, state_bhkv.astype(acc), xs)  # o [N, B, H, C, Dv]
     o = jnp.moveaxis(o, 0, 2).reshape(b, h, n * c, dv)[:, :, :t]
     return jnp.moveaxis(o, 1, 2), state
 
@@ -197,9 +204,10 @@ def recurrent_gated_delta_step(
     """One step of the gated delta rule (transformers' `torch_recurrent_gated_delta_rule` for T = 1): decay the
     state, write the part of v that the state does not already predict from k, read with q. Inputs as
     `chunk_gated_delta_rule` without the time axis; returns o [B, H, Dv] and the new state (fp32)."""
-    s = state_bhkv.astype(F32) * jnp.exp(g_bh.astype(F32))[..., None, None]
-    k, q = k_bhk.astype(F32), q_bhk.astype(F32)
-    delta = (v_bhv.astype(F32) - jnp.einsum("bhkv,bhk->bhv", s, k)) * beta_bh.astype(F32)[..., None]
+    acc = accumulation_dtype(q_bhk.dtype)
+    s = state_bhkv.astype(acc) * jnp.exp(g_bh.astype(acc))[..., None, None]
+    k, q = k_bhk.astype(acc), q_bhk.astype(acc)
+    delta = (v_bhv.astype(acc) - jnp.einsum("bhkv,bhk->bhv", s, k)) * beta_bh.astype(acc)[..., None]
     s = s + k[..., :, None] * delta[..., None, :]
     return jnp.einsum("bhkv,bhk->bhv", s, q), s
 
@@ -215,7 +223,7 @@ def recurrent_gated_delta_rule(
         return s, o
 
     xs = tuple(jnp.moveaxis(x, 1, 0) for x in (q_bthk, k_bthk, v_bthv, g_bth, beta_bth))
-    state, o = jax.lax.scan(step, state_bhkv.astype(F32), xs)
+    state, o = jax.lax.scan(step, state_bhkv.astype(accumulation_dtype(q_bthk.dtype)), xs)
     return jnp.moveaxis(o, 0, 1), state
 
 
@@ -356,9 +364,10 @@ class GatedDeltaNet(nnx.Module):
         k = proj(self.k_kernel_dhk, "btd,dhk->bthk").reshape(b, t, -1)
         v = proj(self.v_kernel_dhv, "btd,dhv->bthv").reshape(b, t, -1)
         z = proj(self.z_kernel_dhv, "btd,dhv->bthv")
-        beta = jax.nn.sigmoid(proj(self.b_kernel_dh, "btd,dh->bth")).astype(F32)
-        a = proj(self.a_kernel_dh, "btd,dh->bth").astype(F32)
-        g = -jnp.exp(self.a_log_h[...].astype(F32)) * jax.nn.softplus(a + self.dt_bias_h[...].astype(F32))
+        acc = accumulation_dtype(cd)
+        beta = jax.nn.sigmoid(proj(self.b_kernel_dh, "btd,dh->bth")).astype(acc)
+        a = proj(self.a_kernel_dh, "btd,dh->bth").astype(acc)
+        g = -jnp.exp(self.a_log_h[...].astype(acc)) * jax.nn.softplus(a + self.dt_bias_h[...].astype(acc))
         mixed = jnp.concatenate([q, k, v], axis=-1)  # [B, T, C]
         split = context_split(current(), (b, t, hv, dk)) if t > 1 else None
         if split is None:
@@ -367,8 +376,8 @@ class GatedDeltaNet(nnx.Module):
             conv = context_causal_conv(causal_depthwise_conv, mixed, self.conv_kernel(), state.conv, run_bt, split)
         conv = jax.nn.silu(conv)
         n = hk * dk
-        q = conv[..., :n].reshape(b, t, hk, dk).astype(F32)
-        k = conv[..., n : 2 * n].reshape(b, t, hk, dk).astype(F32)
+        q = conv[..., :n].reshape(b, t, hk, dk).astype(acc)
+        k = conv[..., n : 2 * n].reshape(b, t, hk, dk).astype(acc)
         v = conv[..., 2 * n :].reshape(b, t, hv, dv)
         q = jnp.repeat(l2_normalize(q), self.group, axis=2) * (dk**-0.5)
         k = jnp.repeat(l2_normalize(k), self.group, axis=2)
@@ -385,7 +394,7 @@ class GatedDeltaNet(nnx.Module):
         else:
             o, rec = chunk_gated_delta_rule(q, k, v, g, beta, state.recurrent, run_bt, self.chunk_size)
         o = o.astype(cd)
-        gated = self.norm(o).astype(F32) * jax.nn.silu(z.astype(F32))
+        gated = self.norm(o).astype(acc) * jax.nn.silu(z.astype(acc))
         out = jnp.einsum("bthv,hvd->btd", gated.astype(cd), self.o_kernel_hvd[...].astype(cd))
         window = jnp.concatenate([state.conv.astype(mixed.dtype), mixed], axis=1)
         kk = state.conv.shape[1]
@@ -398,7 +407,8 @@ class GatedDeltaNet(nnx.Module):
         c = sum(int(np.prod(p.shape[1:])) for p in (self.conv_q_xhk, self.conv_k_xhk, self.conv_v_xhv))
         hv, dv = self.v_kernel_dhv.shape[1:]
         dk = self.q_kernel_dhk.shape[2]
-        return LinearState(jnp.zeros((batch, kk - 1, c), self.compute_dtype), jnp.zeros((batch, hv, dk, dv), F32))
+        return LinearState(jnp.zeros((batch, kk - 1, c), self.compute_dtype),
+                           jnp.zeros((batch, hv, dk, dv), accumulation_dtype(self.compute_dtype)))
 
 
 class GatedAttention(nnx.Module):
