@@ -495,6 +495,9 @@ def _chance_figures(module_name: str) -> str:
     if module_name in CHANCE_NOT_RUN:
         return f"{CHANCE_NOT_RUN[module_name]}: run {code('python -m ' + module_name)}"
     out, argv = io.StringIO(), sys.argv
+    # A module imported earlier in this process (a test's import) would make runpy warn that it runs the module
+    # twice; its `__main__` run gets a fresh namespace either way, and the imported module is put back after.
+    imported = sys.modules.pop(module_name, None)
     try:
         sys.argv = [module_name]
         with contextlib.redirect_stdout(out):
@@ -505,6 +508,8 @@ def _chance_figures(module_name: str) -> str:
                     raise
     finally:
         sys.argv = argv
+        if imported is not None:
+            sys.modules[module_name] = imported
     return md(out.getvalue().strip()) + f" ({code('python -m ' + module_name)})"
 
 
