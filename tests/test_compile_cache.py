@@ -2,7 +2,7 @@
 
 A train step that donates its state, read back from the cache by a later XLA:CPU process, could deadlock in a
 collective and abort it (SIGABRT at the 40 s rendezvous timeout; scripts/repro_compile_cache_abort.py, case
-`dp-unfenced`). The product compiles that step outside the cache (`rl.train_step.fenced_from_persistent_cache`);
+`dp-unfenced`). The product compiles that step outside the cache (`jaxrl_vlm.compile_cache.fenced_from_persistent_cache`);
 everything else still comes from it. Here one process writes a fresh cache and a second one loads it and trains:
 it must exit 0 with the same losses, say that the step was fenced, and find every other program in the cache.
 """

@@ -25,11 +25,7 @@ One `jax.jit` per batch shape, with explicit in/out shardings on the configured 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import logging
-import threading
-from collections.abc import Iterator
 from functools import partial
 from typing import Any, Callable, NamedTuple
 
@@ -38,6 +34,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jaxrl_vlm.compile_cache import compile_outside_persistent_cache, fenced_from_persistent_cache
 from jaxrl_vlm.lora.adapters import LoraSetup, merged_params, with_rank_dropout
 from jaxrl_vlm.models.activation_sharding import ActivationLayout, activation_sharding
 from jaxrl_vlm.models.families import PolicyModel
@@ -47,9 +44,6 @@ from jaxrl_vlm.rl.losses import LossConfig, LossFn, LossInputs, select_loss
 from jaxrl_vlm.rl.metrics import Metric, accumulate_metrics, finalize_metrics, init_metrics
 from jaxrl_vlm.rl.opd import opd_advantages, opd_metrics
 from jaxrl_vlm.rl.router_losses import load_metrics, router_terms
-
-logger = logging.getLogger(__name__)
-
 
 class TrainState(NamedTuple):
     """Everything that changes during training (a pytree; checkpointed as a whole)."""
@@ -347,69 +341,6 @@ def _sharding_devices(shardings: Any) -> set[Any]:
 def _with_params(step: Callable[..., Any], params: Any, rest: TrainState, *args: Any) -> Any:
     """`step` on the state `rest` with `params` put back (`compile_train_step` without `donate_params`)."""
     return step(rest._replace(params=params), *args)
-
-
-_FENCE_LOCK = threading.Lock()
-_fence_logged = False
-
-
-def persistent_cache_enabled() -> bool:
-    """JAX's persistent compilation cache is on (a directory set, e.g. by JAX_COMPILATION_CACHE_DIR, and enabled)."""
-    return bool(jax.config.jax_compilation_cache_dir) and bool(jax.config.jax_enable_compilation_cache)
-
-
-def fenced_from_persistent_cache(devices: Any) -> bool:
-    """Whether the train step on `devices` is compiled outside JAX's persistent compilation cache.
-
-    An XLA:CPU train step that donates its state, on 8 devices, read back from the cache by a later process
-    deadlocked in a collective in about half the loads: the devices of one run waited in different all-reduces, or
-    half of them never arrived, and XLA aborted the process at its rendezvous timeout (SIGABRT; 40 s by default,
-    `Termination timeout` on stderr). The same step compiled in the process never did, nor one cached without
-    donation (scripts/repro_compile_cache_abort.py; issue 49). So on CPU a multi-device step is compiled in every
-    process; its other programs (log-probs, optimizer init, ...) still come from the cache.
-    """
-    devices = list(devices)
-    return (persistent_cache_enabled() and len(devices) > 1
-            and all(getattr(d, "platform", None) == "cpu" for d in devices))
-
-
-@contextlib.contextmanager
-def _outside_persistent_cache() -> Iterator[None]:
-    """Compilations in this block neither read nor write JAX's persistent compilation cache.
-
-    jax 0.10.2 has no per-compile switch (`jax_enable_compilation_cache` is read once per process), so the
-    module's cache is set aside for the block. Another thread compiling meanwhile only misses the cache."""
-    from jax._src import compilation_cache as cc
-
-    if not all(hasattr(cc, name) for name in ("_cache", "_cache_initialized", "_cache_initialized_mutex")):
-        logger.warning("compilation cache: this jax (%s) moved the internals the fence sets aside; the train step "
-                       "goes through the persistent cache", jax.__version__)
-        yield
-        return
-    with _FENCE_LOCK:
-        with cc._cache_initialized_mutex:
-            saved = cc._cache, cc._cache_initialized
-            cc._cache, cc._cache_initialized = None, True
-        try:
-            yield
-        finally:
-            with cc._cache_initialized_mutex:
-                cc._cache, cc._cache_initialized = saved
-
-
-def compile_outside_persistent_cache(jitted: Any, *args: Any, what: str = "the train step") -> Any:
-    """`jitted` lowered for `args` and compiled without JAX's persistent compilation cache (a `jax.stages.Compiled`
-    to call with arguments like `args`); says so once per process."""
-    global _fence_logged
-    lowered = jitted.lower(*args)
-    with _outside_persistent_cache():
-        compiled = lowered.compile()
-    if not _fence_logged:
-        _fence_logged = True
-        logger.warning("compilation cache: %s is compiled outside JAX's persistent compilation cache (XLA:CPU, "
-                       "donated state on several devices: read back by a later process it can deadlock in a "
-                       "collective and abort; issue 49); other programs still use the cache", what)
-    return compiled
 
 
 def compile_train_step(
