@@ -75,6 +75,10 @@ class TrainArrays(NamedTuple):
                       trainer routes that token itself) and on padding. None without --use-rollout-routing-replay.
     teacher_logprobs  float32 [K, R, T]     on-policy distillation: the teacher's log-prob of the target token
                       (aligned to targets, 0 where mask is 0). None without --use-opd.
+    privileged_hidden float   [K, R, T, D]  --opd-type self: the privileged teacher's hidden state at the slot of its
+                      own batch that predicts the same target (jaxrl_vlm/privileged.py); set by the trainer on the
+                      device batch, None otherwise.
+    privileged_valid  float32 [K, R, T]     --opd-type self: 1 where that slot exists for a loss-mask target.
     """
 
     tokens: np.ndarray
@@ -89,6 +93,8 @@ class TrainArrays(NamedTuple):
     vision: Any  # the family's vision inputs (models/vision.py: VisionInputs, WindowedVisionInputs, ...) or None
     routed_experts: np.ndarray | None = None
     teacher_logprobs: np.ndarray | None = None
+    privileged_hidden: Any = None
+    privileged_valid: Any = None
 
 
 class Placement(NamedTuple):

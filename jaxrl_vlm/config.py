@@ -1178,6 +1178,12 @@ def _validate_hooks(cfg: Config) -> None:
                           a.opd_kl_coef)
     if problem:
         raise ConfigError(problem)
+    if r.use_opd and r.opd_type == "self":
+        from rollout.privileged import privileged_problem
+
+        problem = privileged_problem(r.opsd_privileged_field, r.opsd_privileged_template)
+        if problem:
+            raise ConfigError(problem)
     if r.opd_teacher_api != "auto" and r.opd_teacher_url is None:
         raise ConfigError(f"--opd-teacher-api {r.opd_teacher_api} is the protocol of --opd-teacher-url, which is not "
                           "set (an embedded teacher from --opd-teacher-checkpoint speaks SGLang's)")

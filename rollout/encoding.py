@@ -154,6 +154,23 @@ def message_images(messages: Sequence[dict[str, Any]]) -> list[Any]:
     return images
 
 
+def prompt_with_opening(prompt: list[dict[str, Any]], opening: dict[str, Any]) -> list[dict[str, Any]]:
+    """`prompt` with the content of `opening` (a user message: images, then text) appended to its first user
+    message; a prompt without one gets `opening` as a new last message. The input is not modified."""
+    messages = [dict(m) for m in prompt]
+    items = [dict(item) for item in opening["content"]]
+    for message in messages:
+        if message.get("role") != "user":
+            continue
+        content = message.get("content")
+        content = [{"type": "text", "text": content}] if isinstance(content, str) else list(content or [])
+        if content and items and items[-1].get("type") == "text" and content[-1].get("type") == "text":
+            items[-1] = {**items[-1], "text": "\n" + items[-1]["text"]}  # its text starts a line of its own
+        message["content"] = content + items
+        return messages
+    return [*messages, {"role": "user", "content": items}]
+
+
 def _engine_message(message: dict[str, Any]) -> dict[str, Any]:
     """Copy of a message whose image items carry no payload: the template only needs their type."""
     content = message.get("content")

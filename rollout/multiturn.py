@@ -55,7 +55,7 @@ from typing import Any, Callable
 import numpy as np
 
 from rollout.client import EngineError
-from rollout.encoding import check_prefix_stability
+from rollout.encoding import check_prefix_stability, prompt_with_opening
 from rollout.engine_link import EngineLost
 from rollout.options import MultiTurnOptions, RolloutOptions
 from rollout.rewards import RewardError, RewardSettings, reward_components, rm_function, scalar_reward
@@ -385,23 +385,6 @@ async def _init_episode(ctx: RolloutContext, args: Any, sample: Sample, multitur
     return state
 
 
-def prompt_with_opening(prompt: list[dict[str, Any]], opening: dict[str, Any]) -> list[dict[str, Any]]:
-    """`prompt` with the content of `opening` (a user message: images, then text) appended to its first user
-    message; a prompt without one gets `opening` as a new last message. The input is not modified."""
-    messages = [dict(m) for m in prompt]
-    items = [dict(item) for item in opening["content"]]
-    for message in messages:
-        if message.get("role") != "user":
-            continue
-        content = message.get("content")
-        content = [{"type": "text", "text": content}] if isinstance(content, str) else list(content or [])
-        if content and items and items[-1].get("type") == "text" and content[-1].get("type") == "text":
-            items[-1] = {**items[-1], "text": "\n" + items[-1]["text"]}  # its text starts a line of its own
-        message["content"] = content + items
-        return messages
-    return [*messages, {"role": "user", "content": items}]
-
-
 def _turn_budget(opts: RolloutOptions, sample: Sample) -> tuple[int, TruncationCause]:
     """Tokens the next model turn may generate, and which limit binds."""
     limits = {TruncationCause.RESPONSE_BUDGET: opts.rollout_max_response_len - sample.response_length}
@@ -704,13 +687,15 @@ async def _finalize(ctx: RolloutContext, opts: RolloutOptions, multiturn: MultiT
         model_texts = [model_turn_text(ctx.encoder.tokenizer, ids) for ids in state.model_turns]
         sample.metadata["model_text"] = model_texts
         if sample.status is not Status.FAILED:
+            prompt = state.prompt if state.prompt is not None else sample.prompt
             rendered = ctx.encoder.reference_render(
-                state.prompt if state.prompt is not None else sample.prompt,
-                list(zip(state.model_turns, state.observations)), tools=sample.metadata.get("tools")
+                prompt, list(zip(state.model_turns, state.observations)), tools=sample.metadata.get("tools")
             )
             sample.metadata["prefix_stable"] = check_prefix_stability(
                 ctx.encoder, state.wire_ids, rendered, multiturn.delta_check, sample.name
             )
+            if ctx.privileged is not None:  # --opd-type self: the teacher's prompt (a missing field fails this one)
+                sample.privileged_prompt_tokens = ctx.privileged.prompt_tokens(ctx.encoder, prompt, sample)
             assign = _assign_reward(ctx, opts, multiturn, rewards, sample, state, model_texts)
             if deadline is None:
                 await assign

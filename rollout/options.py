@@ -218,7 +218,9 @@ class RolloutOptions(ArgsOptions):
         "a teacher engine's prompt log-probs (--opd-teacher-url, or an embedded engine from "
         "--opd-teacher-checkpoint), stored on the sample; trainer, a frozen second model in the trainer "
         "(--opd-teacher-checkpoint, sharded like the policy) scoring the packed batch inside the train step; self "
-        "(slime's OPSD) is not implemented yet.", choices=("engine", "trainer", "self"))
+        "(slime's OPSD): the frozen initial policy reads each episode with --opsd-privileged-field in its prompt, "
+        "and the clipped full-vocabulary JSD (--opsd-beta, --opsd-jsd-clip) weighted by --opd-kl-coef joins the "
+        "loss.", choices=("engine", "trainer", "self"))
     opd_teacher_url: str | None = opt(
         None, "--opd-type engine: URL of a running teacher that scores prompts: SGLang or `jaxrl-vlm serve` "
         "(/generate, logprob_start_len 0), or vLLM (its token route with prompt_logprobs 0; started with "
@@ -235,6 +237,14 @@ class RolloutOptions(ArgsOptions):
         "processor as the student either way.")
     opd_teacher_concurrency: int = opt(
         8, "Teacher scoring requests in flight at once (one per finished episode).", ge=1)
+    opsd_privileged_field: str = opt(
+        "label", "--opd-type self: the privileged information the teacher reads and the student does not: label "
+        "(the dataset row's label) or label.NAME (one key of a dict label). A sample without it fails with "
+        "finalize_error, naming the field.")
+    opsd_privileged_template: str = opt(
+        "Privileged information (it will not be shown at test time): {privileged}",
+        "--opd-type self: the text appended to the episode's first user turn for the teacher, a str.format "
+        "string whose {privileged} slot receives --opsd-privileged-field's value.")
 
 
 @dataclass

@@ -23,7 +23,7 @@ import logging
 from collections import Counter
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from rollout.client import SGLangClient
 from rollout.encoding import ChatEncoder
@@ -31,6 +31,9 @@ from rollout.options import MultiTurnOptions, RolloutOptions
 from rollout.rewards import RewardSettings
 from rollout.sample import Sample, Status
 from rollout.teacher import TeacherScorer
+
+if TYPE_CHECKING:
+    from rollout.privileged import PrivilegedView
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +61,8 @@ class RolloutContext:
     aborting: bool = False
     # --use-opd: the teacher that scores each finished episode (rollout/teacher.py); None without distillation.
     teacher: TeacherScorer | None = None
+    # --opd-type self: renders each finished episode's privileged prompt (rollout/privileged.py); None otherwise.
+    privileged: "PrivilegedView | None" = None
 
     @property
     def reward_fn(self) -> Callable[[str, Any], float] | None:

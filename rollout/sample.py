@@ -227,6 +227,10 @@ class Sample:
     # On-policy distillation (--use-opd): the teacher's log-prob of each response token, length = response_length,
     # 0.0 where loss_mask is 0 (as rollout_log_probs); None until a teacher scored the episode.
     teacher_log_probs: list[float] | None = None
+    # On-policy self-distillation (--opd-type self): the episode's prompt tokens rendered again with the privileged
+    # text at the end of its first user turn (image pads expanded, like `tokens`). The teacher reads these followed by
+    # `tokens[prompt_length:]`; None without it (rollout/privileged.py).
+    privileged_prompt_tokens: list[int] | None = None
 
     # ------------------------------------------------------------------ views
     @property
@@ -312,6 +316,10 @@ class Sample:
                     raise SampleError(f"{self.name}: teacher_log_probs[{i}]={lp} where loss_mask is 0")
                 if m == 1 and not (math.isfinite(lp) and lp <= 1e-6):
                     raise SampleError(f"{self.name}: teacher_log_probs[{i}]={lp} is not a log-prob (finite, <= 0)")
+        privileged = self.privileged_prompt_tokens
+        if privileged is not None and not (isinstance(privileged, list) and privileged
+                                           and all(isinstance(t, int) and t >= 0 for t in privileged)):
+            raise SampleError(f"{self.name}: privileged_prompt_tokens must be a non-empty list of token ids")
         if not isinstance(self.status, Status):
             raise SampleError(f"{self.name}: status {self.status!r} is not a Status")
         if not isinstance(self.remove_sample, bool):

@@ -43,13 +43,15 @@ def _x64() -> Iterator[None]:
         yield
 
 
-def numpy_opd(adv, student, teacher, mask, coef, only):
-    """The reference: slime's A - coef * (student - teacher) per loss-mask token; only: the KL term alone."""
+def numpy_opd(adv, student, teacher, mask, coef, only, baseline="none"):
+    """The reference: slime's A - coef * (student - teacher) per loss-mask token; only: the KL term alone;
+    baseline "mean": the loss-mask tokens' mean reverse KL is subtracted from each token's first."""
     m = mask > 0
     with np.errstate(invalid="ignore"):
         rkl = np.where(m, student - teacher, 0.0)
+        b = rkl[m].mean() if baseline == "mean" else 0.0
         base = np.zeros_like(adv) if only else adv
-        out = np.where(m, base - coef * rkl, base)
+        out = np.where(m, base - coef * (rkl - b), base)
     n = m.sum()
     metrics = {"opd/reverse_kl": rkl[m].sum() / n, "opd/teacher_logprob": teacher[m].sum() / n,
                "opd/student_logprob": student[m].sum() / n}
@@ -63,12 +65,14 @@ def with_teacher(seed: int = 0):
     return b, teacher
 
 
-@pytest.mark.parametrize("only", [False, True])
-def test_opd_advantage_and_metrics_match_numpy(only: bool) -> None:
+@pytest.mark.parametrize(("only", "baseline"), [(False, "none"), (True, "none"), (False, "mean"), (True, "mean")])
+def test_opd_advantage_and_metrics_match_numpy(only: bool, baseline: str) -> None:
     b, teacher = with_teacher()
     got = opd_advantages(jnp.asarray(b.adv), jnp.asarray(b.old), jnp.asarray(teacher), jnp.asarray(b.mask),
-                         kl_coef=COEF, only=only)
-    want, want_metrics = numpy_opd(b.adv, b.old, teacher, b.mask, COEF, only)
+                         kl_coef=COEF, only=only, baseline=baseline)
+    want, want_metrics = numpy_opd(b.adv, b.old, teacher, b.mask, COEF, only, baseline)
+    if baseline == "mean" and only:  # centred: the OPD term sums to 0 over the loss-mask tokens
+        assert abs(float(np.sum(np.asarray(got)[b.mask > 0]))) < 1e-9
     m = b.mask > 0
     np.testing.assert_allclose(np.asarray(got)[m], want[m], rtol=0, atol=1e-6)
     assert np.isfinite(np.asarray(got)[m]).all()  # NaN padding never leaks into a trained token
@@ -86,21 +90,21 @@ def test_opd_metrics_combine_exactly_over_micro_batches() -> None:
     assert {k: float(v) for k, v in finalize_metrics(acc).items()} == pytest.approx(want, abs=1e-9)
 
 
-@pytest.mark.parametrize("only", [False, True])
+@pytest.mark.parametrize(("only", "baseline"), [(False, "none"), (True, "none"), (True, "mean")])
 @pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean"])
-def test_gradient_with_the_opd_advantage_is_the_closed_form(mode: str, only: bool) -> None:
+def test_gradient_with_the_opd_advantage_is_the_closed_form(mode: str, only: bool, baseline: str) -> None:
     """No clipping: d loss / d logp_t = -w_t * ratio_t * A'_t, with A' the numpy OPD advantage (a constant)."""
     b, teacher = with_teacher()
     cfg = LossConfig(eps_clip=10.0, eps_clip_high=100.0, num_sequences=12, aggregation=mode, opd_kl_coef=COEF,
-                     opd_only=only)
+                     opd_only=only, opd_baseline=baseline)
     w = aggregation_weights(b.mask, b.ids, mode, None, dtype=np.float64)
     adv = opd_advantages(jnp.asarray(b.adv), jnp.asarray(b.old), jnp.asarray(teacher), jnp.asarray(b.mask),
-                         kl_coef=cfg.opd_kl_coef, only=cfg.opd_only)
+                         kl_coef=cfg.opd_kl_coef, only=cfg.opd_only, baseline=cfg.opd_baseline)
     x = LossInputs(logprobs=jnp.asarray(b.logp), old_logprobs=jnp.asarray(b.old), advantages=adv,
                    loss_mask=jnp.asarray(b.mask), sequence_ids=jnp.asarray(b.ids), token_weights=jnp.asarray(w))
     loss, g = jax.value_and_grad(lambda lp: get_loss("ppo_clip")(dataclasses.replace(x, logprobs=lp), cfg)[0])(
         x.logprobs)
-    want_adv, _ = numpy_opd(b.adv, b.old, teacher, b.mask, COEF, only)
+    want_adv, _ = numpy_opd(b.adv, b.old, teacher, b.mask, COEF, only, baseline)
     m = b.mask > 0
     with np.errstate(invalid="ignore"):
         ratio = np.exp(np.where(m, b.logp - b.old, 0.0))
@@ -270,7 +274,7 @@ def test_slimes_opd_type_spellings_and_the_teacher_options(tmp_path) -> None:
     (["--use-opd", "--opd-teacher-url", "u", "--opd-teacher-checkpoint", "c"], "needs exactly one teacher"),
     (["--use-opd", "--opd-type", "megatron", "--opd-teacher-url", "u"], "--opd-type trainer runs the teacher inside"),
     (["--use-opd", "--opd-type", "trainer"], "--opd-type trainer needs --opd-teacher-checkpoint"),
-    (["--use-opd", "--opd-type", "self", "--opd-teacher-url", "u"], "--opd-type self .* not implemented yet"),
+    (["--use-opd", "--opd-type", "self", "--opd-teacher-url", "u"], "--opd-type self .* --opd-teacher-url names another"),
     (["--opd-teacher-url", "u"], "--opd-teacher-url needs --use-opd"),
     (["--use-opd", "--opd-teacher-url", "u", "--opd-only", "--opd-kl-coef", "0"], "leaves no signal"),
     (["--opd-kl-coef", "-1"], "opd_kl_coef"),

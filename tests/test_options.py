@@ -136,7 +136,8 @@ def test_the_trainer_copies_every_loss_option_by_name():
     values = {"eps_clip": 0.3, "eps_clip_high": 0.28, "eps_clip_c": 3.0, "rollout_correction": "icepop",
               "rollout_correction_high": 1.5, "rollout_correction_low": 0.1, "use_kl_loss": True, "kl_loss_coef": 0.01,
               "kl_loss_type": "low_var_kl", "entropy_coef": 0.001, "router_aux_loss_coef": 0.002,
-              "router_z_loss_coef": 0.0005, "opd_kl_coef": 0.5, "opd_only": True}
+              "router_z_loss_coef": 0.0005, "opd_kl_coef": 0.5, "opd_only": True, "opd_baseline": "mean",
+              "opsd_beta": 0.3, "opsd_jsd_clip": 0.1}
     assert set(values) | {"custom_tis_function_path"} == {f.name for f in dataclasses.fields(LossOptions)}
     argv = [a for k, v in values.items() for a in (FIELDS[k].flag, str(v))]
     opd = ["--use-opd", "--opd-teacher-url", "http://127.0.0.1:1"]  # --opd-only needs a teacher (never reached here)

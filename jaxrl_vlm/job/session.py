@@ -29,6 +29,7 @@ from rollout.options import total_generate_concurrency
 from rollout.processing import load_image_processor, load_tokenizer
 from rollout.rewards import RewardSettings
 from rollout.run import RolloutContext, RolloutRun
+from rollout.privileged import PrivilegedView
 from rollout.teacher import TeacherScorer, connect_teacher
 from rollout.vllm_client import VLLMClient, client_class, detect_engine_api
 
@@ -136,6 +137,8 @@ async def rollout_session(
                 total_generate_concurrency(cfg.rollout.sglang_server_concurrency, cfg.engine.engine_worker_urls)),
             router_mode=bool(cfg.engine.engine_worker_urls),
             teacher=teacher,
+            privileged=(PrivilegedView(cfg.rollout.opsd_privileged_field, cfg.rollout.opsd_privileged_template)
+                        if cfg.rollout.use_opd and cfg.rollout.opd_type == "self" else None),
         )
         yield client
     finally:

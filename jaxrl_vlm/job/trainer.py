@@ -23,6 +23,7 @@ from flax import nnx
 
 from jaxrl_vlm.batching import TrainBatch, build_train_batch
 from jaxrl_vlm.config import Config, is_sft
+from jaxrl_vlm.device_lock import exclusive
 from jaxrl_vlm.devices import pick_devices
 from jaxrl_vlm.errors import ConfigError
 from jaxrl_vlm.lora.adapters import (
@@ -40,7 +41,16 @@ from jaxrl_vlm.models.hf_io import from_hf, load_hf_config
 from jaxrl_vlm.rl.advantages import compute_advantages
 from jaxrl_vlm.rl.losses import LossConfig
 from jaxrl_vlm.rl.options import LossOptions
-from jaxrl_vlm.rl.train_step import StepConfig, TrainState, compile_train_step, compute_logprobs, make_optimizer
+from jaxrl_vlm.privileged import alignment, teacher_views
+from jaxrl_vlm.rl.opsd import PrivilegedTeacher
+from jaxrl_vlm.rl.train_step import (
+    StepConfig,
+    TrainState,
+    compile_train_step,
+    compute_logprobs,
+    make_optimizer,
+    privileged_hidden,
+)
 from jaxrl_vlm.sharding.activations import ActivationSharding
 from jaxrl_vlm.sharding.layout import (
     batch_sharding,
@@ -286,6 +296,7 @@ class Trainer:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self._step_fns: dict[tuple[int, bool, float], Any] = {}
         self._logprob_fn: Any = None
+        self._privileged_fn: Any = None
         self._merge_fn: Any = None
         # LoRA (--lora-rank > 0): the adapters' setup, and the frozen base state they adapt (`state.params` are then
         # the adapters, all that trains and has optimizer state).
@@ -357,12 +368,13 @@ class Trainer:
         self.state = jax.device_put(state, self.state_shardings)
         if cfg.rollout.use_opd and cfg.rollout.opd_type == "trainer":
             self.build_teacher(model_dir)
-        needs_ref = cfg.algo.use_kl_loss or cfg.algo.kl_coef != 0.0
+        needs_ref = cfg.algo.use_kl_loss or cfg.algo.kl_coef != 0.0 or self.self_distills
         if self.lora is not None:
             # The reference is the base: the same parameters with the adapters switched off, no copy.
             self.ref_params = self.frozen if needs_ref else None
         else:
             self.ref_params = self._with_frozen(jax.tree.map(jnp.copy, params)) if needs_ref else None
+        self._set_privileged_teacher()
 
     def build_teacher(self, student_dir: Path) -> None:
         """--opd-type trainer: load --opd-teacher-checkpoint beside the policy, on the same mesh with the same rules
@@ -429,7 +441,8 @@ class Trainer:
     def compiled_programs(self) -> int:
         return sum(len(getattr(f, "cache", {})) for f in self._step_fns.values())
 
-    def _batch(self, samples: list[Sample], advantages: np.ndarray) -> tuple[TrainBatch, Any]:
+    def _batch(self, samples: list[Sample], advantages: np.ndarray, *, seq_buckets: list[int] | None = None,
+               routing_replay: bool | None = None) -> tuple[TrainBatch, Any]:
         cfg = self.cfg
         check_frame_patches(samples, self.frame_patch_cap)
         shards = row_multiple(self.mesh, self.rules)  # devices the batch rows are split over
@@ -439,14 +452,16 @@ class Trainer:
         budget = cfg.batching.max_tokens_per_device
         batch = build_train_batch(
             samples, advantages.astype(np.float32), self.model_cfg,
-            seq_buckets=cfg.batching.seq_buckets, row_buckets=cfg.batching.row_buckets,
+            seq_buckets=cfg.batching.seq_buckets if seq_buckets is None else seq_buckets,
+            row_buckets=cfg.batching.row_buckets,
             patch_buckets=cfg.batching.patch_buckets, packing=cfg.batching.packing,
             micro_batch_rows=cfg.train.micro_batch_size, row_multiple=shards,
             aggregation=aggregation_mode(cfg), aggregation_constant=aggregation_constant(cfg),
             overlong_policy=cfg.batching.overlong_policy,
             max_tokens_per_micro_batch=None if budget is None else budget * shards * per_row_devices,
-            routing_replay=cfg.rollout.use_rollout_routing_replay, vision_reuse=cfg.batching.vision_reuse,
-            teacher_logprobs=cfg.rollout.use_opd and cfg.rollout.opd_type == "engine",  # trainer: the step scores
+            routing_replay=cfg.rollout.use_rollout_routing_replay if routing_replay is None else routing_replay,
+            vision_reuse=cfg.batching.vision_reuse,
+            teacher_logprobs=cfg.rollout.use_opd and cfg.rollout.opd_type == "engine",  # trainer, self: the step scores
         )
         # Each process uploads only the rows its devices hold (plain device_put would first gather and compare
         # the whole batch across processes).
@@ -454,6 +469,12 @@ class Trainer:
 
     # -------------------------------------------------------------------------- one update
     def train_on(self, samples: list[Sample]) -> dict[str, float]:
+        """`_train_on` with the trainer's devices held (`device_lock`): an engine in this process that shares them
+        runs none of its programs meanwhile (two threads' collectives on the same devices can deadlock)."""
+        with exclusive(self.mesh.devices.flat):
+            return self._train_on(samples)
+
+    def _train_on(self, samples: list[Sample]) -> dict[str, float]:
         """Advantages -> fixed-shape batches -> compiled optimizer steps. One host sync (the metrics) per call.
 
         Advantages are computed over the whole rollout (grouped by `group_index`). The samples are then cut into
@@ -472,11 +493,14 @@ class Trainer:
         advantages, kl_metrics = (np.zeros(len(samples)), {}) if sft else self.advantages(samples)
         chunks = [(samples[i : i + size], advantages[i : i + size]) for i in range(0, len(samples), size)]
         batches = [self._batch(chunk, adv) for chunk, adv in chunks]
+        if self.self_distills and not sft:
+            batches = [(b, self._with_privileged(chunk, adv, b, dev)) for (chunk, adv), (b, dev) in zip(chunks, batches)]
         # The NLL needs no old log-probs: SFT steps always take the current ones (never read).
         single = sft or (len(batches) == 1 and cfg.train.num_steps_per_rollout == 1)
         current = None if single else self.policy_params()
         # The reference routes itself (as slime's), so it reads the batches before the old routing joins them.
-        ref = [None if self.ref_params is None else self._logprobs(self.ref_params, dev) for _, dev in batches]
+        scores_ref = self.ref_params is not None and (cfg.algo.use_kl_loss or cfg.algo.kl_coef != 0.0)
+        ref = [self._logprobs(self.ref_params, dev) if scores_ref else None for _, dev in batches]
         if replays_old_routing(cfg, single):
             old_and_ids = [self._logprobs(current, dev, with_routing=True) for _, dev in batches]
             old = [lp for lp, _ in old_and_ids]
@@ -514,6 +538,10 @@ class Trainer:
         """(summed negative log-likelihood of the samples' masked target tokens at the training temperature, number
         of those tokens), with the current weights and no update, in batches of `batch_size` samples. A collective
         under several processes: every process calls it with the same samples."""
+        with exclusive(self.mesh.devices.flat):  # as train_on
+            return self._nll(samples, batch_size)
+
+    def _nll(self, samples: list[Sample], batch_size: int) -> tuple[float, float]:
         total, tokens = 0.0, 0.0
         params = self.policy_params()
         for start in range(0, len(samples), batch_size):
@@ -531,6 +559,44 @@ class Trainer:
         self.state = jax.device_put(self.state._replace(params=params), self.state_shardings)
         if self.ref_params is not None and self.lora is None:  # LoRA's reference stays the base
             self.ref_params = self._with_frozen(jax.tree.map(jnp.copy, self.state.params))
+            self._set_privileged_teacher()
+
+    @property
+    def self_distills(self) -> bool:
+        """--use-opd --opd-type self: the frozen initial policy (`ref_params`) reads each episode with privileged
+        information, and the clipped JSD joins the loss (rl/opsd.py)."""
+        return self.cfg.rollout.use_opd and self.cfg.rollout.opd_type == "self"
+
+    def _set_privileged_teacher(self) -> None:
+        """--opd-type self: the step's teacher is the reference policy's LM head (its hidden states come with the
+        batch, `_with_privileged`)."""
+        if not self.self_distills:
+            return
+        kernel = jax.jit(lambda p: nnx.merge(self.graphdef, p).lm_head_kernel())(self.ref_params)
+        self.teacher_params = PrivilegedTeacher(kernel)
+        self.teacher_shardings = PrivilegedTeacher(kernel.sharding)
+        self._step_fns.clear()
+
+    def _with_privileged(self, samples: list[Sample], advantages: np.ndarray, batch: TrainBatch,
+                         device_batch: Any) -> Any:
+        """--opd-type self: the device batch with the teacher's hidden states on its target slots. The teacher's
+        views of `samples` (privileged prompt, then the student's tokens) are packed like the student's, with a
+        seq bucket that fits them, and read by the frozen initial policy; `privileged.alignment` says which of
+        its slots predicts each student target."""
+        views = teacher_views(samples)
+        longest = max(len(v.tokens) for v in views)
+        buckets = list(self.cfg.batching.seq_buckets)
+        if longest > max(buckets):
+            buckets.append(-(-longest // 64) * 64)
+        teacher, teacher_dev = self._batch(views, advantages, seq_buckets=buckets, routing_replay=False)
+        where = alignment(batch, teacher, samples)
+        where_dev = global_batch(where, self.mesh, rules=self.rules)
+        if self._privileged_fn is None:
+            self._privileged_fn = jax.jit(privileged_hidden, static_argnums=(0,), static_argnames=("activations",),
+                                          out_shardings=batch_sharding(self.mesh, self.rules, ndim=4))
+        hidden = self._privileged_fn(self.graphdef, self.ref_params, teacher_dev, where_dev.index,
+                                     activations=self._activations())
+        return device_batch._replace(privileged_hidden=hidden, privileged_valid=where_dev.valid)
 
     def advantages(self, samples: list[Sample]) -> tuple[np.ndarray, dict[str, float]]:
         """Advantages of a rollout, after `--custom-reward-post-process-path` (its rewards replace the samples'; it

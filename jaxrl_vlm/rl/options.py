@@ -13,6 +13,10 @@ from jaxrl_vlm.rl.registries import KL_ESTIMATORS, ROLLOUT_CORRECTIONS
 from rollout.options import opt
 
 
+#: --opd-baseline's values (rl/opd.py `opd_baseline` says what each subtracts).
+OPD_BASELINES = ("none", "mean")
+
+
 @dataclass(frozen=True)
 class LossOptions:
     """Static loss hyper-parameters (hashable, like the `LossConfig` built on them)."""
@@ -53,6 +57,17 @@ class LossOptions:
     opd_only: bool = opt(
         False, "With --use-opd: the reverse KL is the only signal (advantage = -coef * (student - teacher) per "
         "token; the reward's advantages are dropped), pure on-policy distillation.")
+    opd_baseline: str = opt(
+        "none", "With --use-opd: the baseline subtracted from each token's reverse KL before it is folded in. none: "
+        "slime's uncentred term; mean: the micro-batch's mean reverse KL over loss-mask tokens (the expected "
+        "gradient is unchanged, and sampled tokens are no longer pushed down on average, which otherwise moves "
+        "mass to tokens the engine never samples). See rl/opd.py.", choices=OPD_BASELINES)
+    opsd_beta: float = opt(
+        0.5, "--opd-type self (slime's --opsd-beta): the generalized JSD's mixture weight, M = beta * student + (1 - "
+        "beta) * teacher; 0 is KL(teacher || student), 1 is KL(student || teacher).", ge=0.0, le=1.0)
+    opsd_jsd_clip: float = opt(
+        0.05, "--opd-type self (slime's --opsd-jsd-clip): each token's JSD is clipped from above at this value (a "
+        "clipped token gives no gradient). Logged as train/opd/{jsd,jsd_clipped_frac}.", gt=0.0)
     use_kl_loss: bool = opt(False, "Add a KL(policy || reference) loss term.")
     kl_loss_coef: float = opt(0.0, "Coefficient of the KL loss term.", ge=0.0)
     kl_loss_type: str = opt("k1", "KL estimator of the KL loss (slime's default k1).", choices=KL_ESTIMATORS)
@@ -86,9 +101,6 @@ def rollout_correction_problem(name: str, low: float, high: float, custom_tis_fu
     return None
 
 
-OPD_TYPES_BUILT = ("engine", "trainer")  # --opd-type values this project implements; the others are refused by name
-
-
 def opd_problem(use_opd: bool, opd_type: str, teacher_url: str | None, teacher_checkpoint: str | None,
                 opd_only: bool, kl_coef: float) -> str | None:
     """What is wrong with the on-policy distillation settings, in words naming the flags (None: nothing)."""
@@ -99,11 +111,13 @@ def opd_problem(use_opd: bool, opd_type: str, teacher_url: str | None, teacher_c
         if not set_here:
             return None
         return f"{', '.join(set_here)} {'needs' if len(set_here) == 1 else 'need'} --use-opd"
-    if opd_type not in OPD_TYPES_BUILT:
-        what = {"self": "slime's OPSD, the frozen initial policy with privileged information"}.get(opd_type, opd_type)
-        return (f"--opd-type {opd_type} ({what}) is not implemented yet: use --opd-type engine (a teacher engine) "
-                "or trainer (a second model in the trainer) with --opd-teacher-checkpoint")
-    if opd_type == "trainer":
+    if opd_type == "self":
+        given = [flag for flag, v in (("--opd-teacher-url", teacher_url), ("--opd-teacher-checkpoint",
+                                                                          teacher_checkpoint)) if v is not None]
+        if given:
+            return (f"--opd-type self is the frozen initial policy with privileged information: {', '.join(given)} "
+                    "names another teacher (use --opd-type engine or trainer for it)")
+    elif opd_type == "trainer":
         if teacher_url is not None:
             return (f"--opd-type trainer runs the teacher inside the trainer from --opd-teacher-checkpoint; "
                     f"--opd-teacher-url {teacher_url} is a served teacher: use --opd-type engine for it")

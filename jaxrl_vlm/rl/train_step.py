@@ -43,6 +43,7 @@ from jaxrl_vlm.models.layers import token_logprobs
 from jaxrl_vlm.rl.losses import LossConfig, LossFn, LossInputs, select_loss
 from jaxrl_vlm.rl.metrics import Metric, accumulate_metrics, finalize_metrics, init_metrics
 from jaxrl_vlm.rl.opd import opd_advantages, opd_metrics
+from jaxrl_vlm.rl.opsd import PrivilegedTeacher, opsd_term
 from jaxrl_vlm.rl.router_losses import load_metrics, router_terms
 
 class TrainState(NamedTuple):
@@ -134,16 +135,35 @@ def policy_forward(model: PolicyModel, mb: Any) -> tuple[jax.Array, Any]:
 
 def policy_logprobs(
     graphdef: nnx.GraphDef, params: Any, mb: Any, *, chunk_size: int, need_entropy: bool, temperature: float = 1.0,
-    with_routing: bool = False,
+    with_routing: bool = False, with_model: bool = False,
 ):
     """Per-token log-probs (and entropy) of `mb.targets` under `params` at `temperature`, one micro-batch [R, T];
-    with `with_routing` also the routing (None for a dense family) as a third value."""
+    with `with_routing` also the routing (None for a dense family) as a third value; with `with_model` also the
+    merged model and its hidden states [R, T, D] (on-policy self-distillation reads the full-vocabulary logits)."""
     model: PolicyModel = nnx.merge(graphdef, params)
     hidden, routing = policy_forward(model, mb)
     lp, ent = token_logprobs(
         model, hidden, mb.targets, chunk_size=chunk_size, return_entropy=need_entropy, temperature=temperature
     )
-    return (lp, ent, routing) if with_routing else (lp, ent)
+    out = (lp, ent, routing) if with_routing else (lp, ent)
+    return (*out, model, hidden) if with_model else out
+
+
+def privileged_hidden(graphdef: nnx.GraphDef, params: Any, batch: Any, index: jax.Array,
+                      activations: ActivationLayout | None = None) -> jax.Array:
+    """--opd-type self: the frozen teacher's hidden states over its privileged batch [K', R', T', D], gathered
+    onto the student batch's target slots through `index` [K, R, T] (jaxrl_vlm/privileged.py `alignment`): [K, R,
+    T, D], no gradient. An MoE teacher routes every token itself."""
+
+    def one(k):
+        model: PolicyModel = nnx.merge(graphdef, params)
+        hidden, _ = policy_forward(model, _micro(batch, k)._replace(routed_experts=None))
+        return hidden
+
+    with activation_sharding(activations):
+        hidden = jax.lax.map(one, jnp.arange(batch.tokens.shape[0]))
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    return jax.lax.stop_gradient(jnp.take(flat, index, axis=0))
 
 
 def _loss_inputs(mb: Any, logprobs, entropy, old, ref, advantages=None) -> LossInputs:
@@ -184,7 +204,7 @@ def opd_terms(mb: Any, old: jax.Array, loss_cfg: LossConfig,
     if teacher is None:
         return None, {}
     advantages = opd_advantages(mb.advantages, old, teacher, mb.loss_mask, kl_coef=loss_cfg.opd_kl_coef,
-                                only=loss_cfg.opd_only)
+                                only=loss_cfg.opd_only, baseline=loss_cfg.opd_baseline)
     return advantages, opd_metrics(old, teacher, mb.loss_mask)
 
 
@@ -238,18 +258,29 @@ def _train_step(graphdef, tx, cfg: StepConfig, state: TrainState, batch, old_log
             return params if frozen is None else join_params(params, frozen)
         return merged_params(frozen, with_rank_dropout(params, cfg.lora, jax.random.fold_in(step_key, k)), cfg.lora)
 
+    self_distill = isinstance(teacher, PrivilegedTeacher)  # --opd-type self: the batch holds the teacher's states
+
     def micro_loss(params, k):
         mb = _micro(batch, k)
-        lp, ent, routing = policy_logprobs(
+        lp, ent, routing, model, hidden = policy_logprobs(
             graphdef, policy(params, k), mb, chunk_size=cfg.logprob_chunk_size, need_entropy=cfg.need_entropy,
-            temperature=cfg.temperature, with_routing=True,
+            temperature=cfg.temperature, with_routing=True, with_model=True,
         )
         old = jax.lax.stop_gradient(lp) if cfg.old_from_current else old_logprobs[k]
         ref = None if ref_logprobs is None else ref_logprobs[k]
-        scored = None if teacher is None else teacher_logprobs(teacher_graphdef, teacher, mb,
-                                                                chunk_size=cfg.logprob_chunk_size)
-        advantages, distill = opd_terms(mb, old, cfg.loss, scored)
+        if self_distill:
+            term, distill = opsd_term(
+                hidden, model.lm_head_kernel(), mb.privileged_hidden, teacher, mb.privileged_valid,
+                mb.token_weights, beta=cfg.loss.opsd_beta, clip=cfg.loss.opsd_jsd_clip, coef=cfg.loss.opd_kl_coef,
+                chunk_size=cfg.logprob_chunk_size, compute_dtype=model.compute_dtype)
+            advantages = jnp.zeros_like(mb.advantages) if cfg.loss.opd_only else None
+        else:
+            scored = None if teacher is None else teacher_logprobs(teacher_graphdef, teacher, mb,
+                                                                    chunk_size=cfg.logprob_chunk_size)
+            advantages, distill = opd_terms(mb, old, cfg.loss, scored)
+            term = 0.0
         loss, metrics = loss_fn(_loss_inputs(mb, lp, ent, old, ref, advantages), cfg.loss)
+        loss = loss + term
         metrics = {**metrics, **distill}
         if routing is not None:  # an MoE family: router losses and expert load (a dense one pays nothing)
             valid = mb.segment_ids > 0
