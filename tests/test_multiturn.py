@@ -101,7 +101,8 @@ def _prompt_sample(make_image, with_image: bool = True) -> Sample:
     return Sample(prompt=[{"role": "user", "content": content}], label="7")
 
 
-async def _run(encoder, env, sample, script=None, generate_fn=None, client_retries: int = 0, **arg_overrides):
+async def _run(encoder, env, sample, script=None, generate_fn=None, client_retries: int = 0, privileged=None,
+               **arg_overrides):
     server = FakeSGLangServer(
         script=script,
         generate_fn=generate_fn or (lambda body: _model_reply(encoder)),
@@ -111,7 +112,8 @@ async def _run(encoder, env, sample, script=None, generate_fn=None, client_retri
     async with server:
         client = SGLangClient(server.url, timeout_s=1.0, retry=RetryPolicy(max_retries=client_retries, backoff_base_s=0.01, backoff_max_s=0.02))
         async with client:
-            ctx = RolloutContext(client=client, encoder=encoder, env_module=_env_module(env), generate_slots=asyncio.Semaphore(8))
+            ctx = RolloutContext(client=client, encoder=encoder, env_module=_env_module(env),
+                                 generate_slots=asyncio.Semaphore(8), privileged=privileged)
             out = await generate(_args(ctx, **arg_overrides), sample)
     return out, server
 
@@ -139,6 +141,40 @@ async def test_env_done_completes_and_closes_env(encoder, make_test_image):
     # The env saw the model's own text only, never special tokens.
     assert env.steps == ["the answer is 7", "the answer is 7"]
     assert s.metadata["prefix_stable"] is True
+
+
+class OpeningEnv(ScriptedEnv):
+    """A ScriptedEnv whose reset opens the episode with a line of text and a picture."""
+
+    def reset(self):
+        super().reset()
+        return {"obs_str": "You see a card.", "multi_modal_data": {"image": [self.make_image(99, 64)]}}
+
+
+async def test_self_distillation_renders_the_prompt_again_with_the_privileged_text(encoder, make_test_image):
+    """--opd-type self: the finished episode carries its prompt (with the env's opening) rendered with the
+    privileged text at the end of the first user turn; a label without the field fails that sample by name."""
+    from rollout.privileged import PrivilegedView
+
+    view = PrivilegedView("label", "The answer is {privileged}.")
+    env = OpeningEnv([("obs", "wrong, try again", 1), ("done",)], make_test_image)
+    s, _ = await _run(encoder, env, _prompt_sample(make_test_image), privileged=view)
+    assert s.status is Status.COMPLETED
+    student = encoder.tokenizer.decode(s.tokens[: s.prompt_length])
+    teacher = encoder.tokenizer.decode(s.privileged_prompt_tokens)
+    assert "You see a card." in student  # the env's opening is in both
+    assert teacher == student.replace("<|im_end|>", "\nThe answer is 7.<|im_end|>", 1)
+    pad = encoder.vision.image_pad
+    assert s.privileged_prompt_tokens.count(pad) == s.tokens[: s.prompt_length].count(pad) > 0
+    s.validate()
+
+    bad = _prompt_sample(make_test_image)
+    bad.label = {"answer": "7"}
+    env = OpeningEnv([("done",)], make_test_image)
+    s, _ = await _run(encoder, env, bad, privileged=PrivilegedView("label.hint", "{privileged}"))
+    assert s.status is Status.FAILED and str(s.termination) == "finalize_error"
+    assert "--opsd-privileged-field label.hint" in s.metadata["error"]
+    assert env.closed == 1
 
 
 async def test_max_turns_completes_without_an_unanswered_observation(encoder, make_test_image):
