@@ -2,6 +2,8 @@
 # OpenEnv conformance (tests/openenv_conformance): the real openenv-core client against `env-serve`, and our client
 # against openenv-core's create_app, in a venv of its own (.venv-openenv: openenv-core pulls gradio, fastapi and
 # fastmcp, ~470 MB; never into .venv). The venv is reused once complete (a marker file written last).
+# The MiniWoB test starts `jaxrl-vlm env-serve envs.miniwob` from the project venv (MINIWOB_ENV_SERVE, else jaxrl-vlm
+# on PATH, else .venv/bin/jaxrl-vlm), which needs the miniwob extra and chromium-driver (.ci/run's browser step).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=.venv-openenv

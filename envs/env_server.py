@@ -27,6 +27,7 @@ import importlib
 import inspect
 import itertools
 import logging
+import signal
 import types
 import uuid
 from collections.abc import AsyncIterator
@@ -285,9 +286,24 @@ async def running(server: EnvServer, host: str = "127.0.0.1", port: int = 0, *,
 
 async def serve(server: EnvServer, host: str = "127.0.0.1", port: int = 8000,
                 ready: asyncio.Event | None = None) -> None:
-    """Run `server` on host:port until cancelled."""
-    async with running(server, host, port) as url:
-        logger.info("env-serve: %s on %s (max %d sessions)", server.module.__name__, url, server.max_sessions)
-        if ready is not None:
-            ready.set()
-        await asyncio.Event().wait()
+    """Run `server` on host:port until cancelled or SIGTERM. SIGTERM ends it like Ctrl-C: the sessions' envs are
+    closed and the process exits normally, so an env holding outside processes (MiniWoB's Chrome pool) releases
+    them; the default action would kill the process with them still running."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    try:
+        loop.add_signal_handler(signal.SIGTERM, stop.set)
+    except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or no signals on this platform
+        pass
+    try:
+        async with running(server, host, port) as url:
+            logger.info("env-serve: %s on %s (max %d sessions)", server.module.__name__, url, server.max_sessions)
+            if ready is not None:
+                ready.set()
+            await stop.wait()
+            logger.info("env-serve: SIGTERM, closing")
+    finally:
+        try:
+            loop.remove_signal_handler(signal.SIGTERM)
+        except (NotImplementedError, RuntimeError, ValueError):
+            pass

@@ -1,6 +1,8 @@
 """OpenEnv conformance, in the venv of `.ci/openenv_conformance.sh` (the real openenv-core; not the default run).
 
-- openenv-core's own client (`GenericEnvClient`) plays multi-turn episodes against `env-serve` (sokoban);
+- openenv-core's own client (`GenericEnvClient`) plays multi-turn episodes against `env-serve` (sokoban, in this
+  process; MiniWoB++, `jaxrl-vlm env-serve envs.miniwob` in a process of its own from the project venv, with its
+  Chrome pool);
 - our client env (`envs/remote.py`) plays one against a server built with openenv-core's `create_app`.
 Loopback only.
 """
@@ -8,11 +10,16 @@ Loopback only.
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
+import signal
 import socket
+import subprocess
 import threading
 import time
 import types
 
+import aiohttp
 import pytest
 import uvicorn
 from aiohttp import web
@@ -51,6 +58,66 @@ async def test_openenv_client_drives_env_serve():
                 assert getattr(state, "step_count", None) == len(solution) or state["step_count"] == len(solution)
     finally:
         await runner.cleanup()
+
+
+#: The project's CLI from the project venv: MINIWOB_ENV_SERVE, else `jaxrl-vlm` on PATH (CI's activated venv), else
+#: .venv's. The env server runs with its own dependencies (the miniwob extra, Chromium), none of which this venv has.
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ENV_SERVE = (os.environ.get("MINIWOB_ENV_SERVE") or shutil.which("jaxrl-vlm")
+             or os.path.join(ROOT, ".venv", "bin", "jaxrl-vlm"))
+
+
+def _sweep():
+    """Click points 32 task-pixels apart over click-test's 160x160 area (Qwen-VL 0-1000 coordinates): its button is
+    at least 35 px a side, so one of them hits it, and a miss leaves the episode going."""
+    for y_px in range(66, 210, 32):
+        for x_px in range(16, 160, 32):
+            yield f"click({round(x_px * 1000 / 160)}, {round(y_px * 1000 / 210)})"
+
+
+async def test_openenv_client_drives_env_serve_of_miniwob():
+    if not (os.environ.get("MINIWOB_CHROMEDRIVER") or shutil.which("chromedriver")):
+        pytest.skip("no chromedriver: apt-get install chromium chromium-driver (.ci/run's browser step installs them)")
+    port = _free_port()
+    server = subprocess.Popen([ENV_SERVE, "env-serve", "envs.miniwob", "--port", str(port), "--max-sessions", "2",
+                               "--max-turns", "30"], cwd=ROOT)
+    try:
+        async with aiohttp.ClientSession() as http:
+            for _ in range(200):
+                try:
+                    async with http.get(f"http://127.0.0.1:{port}/health") as answer:
+                        if answer.status == 200:
+                            break
+                except aiohttp.ClientError:
+                    pass
+                assert server.poll() is None, f"env-serve envs.miniwob exited with {server.returncode}"
+                await asyncio.sleep(0.1)
+            else:
+                pytest.fail(f"env-serve envs.miniwob ({ENV_SERVE}) not healthy on port {port} after 20 s")
+        for seed in (0, 1):
+            async with GenericEnvClient(base_url=f"http://127.0.0.1:{port}") as client:
+                result = await client.reset(seed=seed)
+                assert result.observation["images"] and not result.done
+                assert "Click the button." in result.observation["text"]
+                result = await client.step({"text": "where is it?"})  # malformed: a penalty, and the page stays
+                assert not result.done and result.observation["text"].startswith("Invalid action")
+                turns = 1
+                for reply in _sweep():
+                    result = await client.step({"text": reply})
+                    turns += 1
+                    if result.done:
+                        break
+                    assert result.observation["images"]
+                assert result.done and result.reward == pytest.approx(1.0 - 0.1) and turns >= 2
+                state = await client.state()
+                assert getattr(state, "step_count", None) == turns or state["step_count"] == turns
+    finally:
+        server.send_signal(signal.SIGINT)  # a clean exit quits the pooled Chromes (SIGTERM would leave them running)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            raise
 
 
 class CountAction(Action):
