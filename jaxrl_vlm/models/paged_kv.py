@@ -15,6 +15,11 @@ cached keys.
 
 Positions are M-RoPE ids computed on the host (`rope.get_rope_index`). A decoded token at sequence
 index i has position i + rope_delta on all three axes (text tokens after the prompt).
+
+Decode attention (`decode_attention`) follows the model's `attention_impl`: `xla` (and `ring`) gather each row's
+pages into a dense array and attend with XLA; `pallas_gpu` / `pallas_tpu` read the pages in place with a paged
+kernel (`paged_attention_kernel`; Pallas' interpreter on a CPU backend). Prefill always gathers: it attends many
+queries at once, where the gather's extra copy is small next to the attention itself.
 """
 
 from __future__ import annotations
@@ -24,8 +29,13 @@ from typing import Any, Callable, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 
+from jaxrl_vlm.models import paged_attention_kernel
 from jaxrl_vlm.models.config import ModelConfig
 from jaxrl_vlm.models.layers import VisionLanguageDecoder, add_at_slots, attention, mrope_cos_sin
+
+# Attends to the cache after this step's K/V write: (q [B, T, N, H], k_all, v_all [L, pages, page_size, K, H],
+# layer, scale) -> [B, T, N, H].
+CacheAttention = Callable[[jax.Array, jax.Array, jax.Array, int, float], jax.Array]
 
 
 class KVCache(NamedTuple):
@@ -93,6 +103,33 @@ def gather_pages(part: jax.Array, i: int, table: jax.Array) -> jax.Array:
     return pages.reshape(b, p * s, *pages.shape[3:])
 
 
+def gather_attention(mask: jax.Array, tables_bp: jax.Array) -> CacheAttention:
+    """Attention to the pages of `tables_bp` [B, P] gathered end to end, under `mask` bool [B, T, P * page_size]."""
+
+    def attend(q: jax.Array, k_all: jax.Array, v_all: jax.Array, i: int, scale: float) -> jax.Array:
+        keys, values = (gather_pages(part, i, tables_bp).astype(q.dtype) for part in (k_all, v_all))
+        return attention(q, keys, values, mask, scale)
+
+    return attend
+
+
+def decode_attention(attention_impl: str, tables_bp: jax.Array, lengths_b: jax.Array, page_size: int) -> CacheAttention:
+    """The decode step's attention: each row's one query (at sequence index lengths_b [B]) to positions
+    [0, lengths_b] of its table `tables_bp` [B, P]. `attention_impl` pallas_gpu / pallas_tpu: the paged kernel
+    reads the pages in place (`paged_attention_kernel.paged_decode_attention`, which raises naming the constraint
+    a cache breaks); any other: the gather."""
+    if attention_impl in paged_attention_kernel.IMPLS:
+
+        def attend(q: jax.Array, k_all: jax.Array, v_all: jax.Array, i: int, scale: float) -> jax.Array:
+            out = paged_attention_kernel.paged_decode_attention(q[:, 0], k_all, v_all, i, tables_bp, lengths_b,
+                                                                scale=scale, impl=attention_impl)
+            return out[:, None]
+
+        return attend
+    span = tables_bp.shape[1] * page_size
+    return gather_attention((jnp.arange(span)[None, :] <= lengths_b[:, None])[:, None, :], tables_bp)
+
+
 def _logits(model: VisionLanguageDecoder, hidden_nd: jax.Array) -> jax.Array:
     kernel = model.lm_head_kernel().astype(model.compute_dtype)
     return jnp.einsum("nd,dv->nv", hidden_nd.astype(model.compute_dtype), kernel, preferred_element_type=jnp.float32)
@@ -104,24 +141,22 @@ def _decoder(
     x: jax.Array,
     cos: jax.Array,
     sin: jax.Array,
-    mask: jax.Array,
     write: Callable[[jax.Array, int, jax.Array], jax.Array],
-    read: Callable[[jax.Array, int], jax.Array],
+    attend: CacheAttention,
     deepstack: Sequence[jax.Array] = (),
     image_slots: jax.Array | None = None,
 ) -> tuple[KVCache, jax.Array, list[jax.Array]]:
     """The decoder layers against the cache, shared by prefill and decode: per layer, project,
-    `write(cache_part, layer, new)` the new K (and V), attend to `read(cache_part, layer)` under
-    `mask`, MLP, and add deepstack features after the first layers. Returns the cache, the
-    final-normed hidden states and the top-k expert ids [B, T, k] of each routed MoE layer (a layer with
-    `sparse` set, in layer order; none for a dense decoder)."""
+    `write(cache_part, layer, new)` the new K (and V), `attend` to the cache, MLP, and add deepstack
+    features after the first layers. Returns the cache, the final-normed hidden states and the top-k
+    expert ids [B, T, k] of each routed MoE layer (a layer with `sparse` set, in layer order; none for a
+    dense decoder)."""
     k_all, v_all = cache.k, cache.v
     routed: list[jax.Array] = []
     for i, layer in enumerate(model.layers):
         q, k, v = layer.attn.project(layer.input_norm(x), cos, sin)
         k_all, v_all = write(k_all, i, k.astype(k_all.dtype)), write(v_all, i, v.astype(v_all.dtype))
-        keys, values = read(k_all, i).astype(q.dtype), read(v_all, i).astype(q.dtype)
-        x = x + layer.attn.output(attention(q, keys, values, mask, layer.attn.scale))
+        x = x + layer.attn.output(attend(q, k_all, v_all, i, layer.attn.scale))
         if getattr(layer, "sparse", False):
             y, routing = layer.mlp.forward(layer.post_attn_norm(x))
             routed.append(routing.topk_ids)
@@ -188,10 +223,8 @@ def prefill_routed(
     def write(part: jax.Array, i: int, new: jax.Array) -> jax.Array:
         return part.at[i, page_t, row_t].set(new[0], mode="drop")
 
-    def read(part: jax.Array, i: int) -> jax.Array:
-        return gather_pages(part, i, table_p[None])
-
-    cache, hidden, routed = _decoder(model, cache, x, cos, sin, mask, write, read, deepstack, image_slots)
+    attend = gather_attention(mask, table_p[None])
+    cache, hidden, routed = _decoder(model, cache, x, cos, sin, write, attend, deepstack, image_slots)
     last = jax.lax.dynamic_slice_in_dim(hidden[0], length - 1, 1, axis=0)
     return cache, _logits(model, last)[0], routed
 
@@ -226,7 +259,7 @@ def decode_routed(
     index lengths_b (not yet in the cache); lengths_b int32 [B]: tokens already cached per row;
     rope_deltas_b int32 [B]. Padding rows carry a table of num_pages only: their K/V writes are
     dropped, so no page but the rows' own is ever written (shared and cached pages stay intact),
-    and their logits are discarded.
+    and their logits are discarded. Attention follows `model.attention_impl` (`decode_attention`).
     Returns the updated cache, fp32 logits [B, V] and each routed MoE layer's top-k expert ids [B, 1, k].
     """
     b = tokens_b.shape[0]
@@ -234,15 +267,11 @@ def decode_routed(
     x = model.embed(tokens_b[:, None])  # [B, 1, D]
     pos = (lengths_b + rope_deltas_b)[None, :, None]
     cos, sin = mrope_cos_sin(jnp.broadcast_to(pos, (3, b, 1)), model.cfg, model.compute_dtype)
-    span = tables_bp.shape[1] * page_size
-    mask = (jnp.arange(span)[None, :] <= lengths_b[:, None])[:, None, :]  # [B, 1, P * page_size]
     page_b, row_b = page_slots(tables_bp, lengths_b[:, None], page_size, num_pages)
 
     def write(part: jax.Array, i: int, new: jax.Array) -> jax.Array:
         return part.at[i, page_b[:, 0], row_b[:, 0]].set(new[:, 0], mode="drop")
 
-    def read(part: jax.Array, i: int) -> jax.Array:
-        return gather_pages(part, i, tables_bp)
-
-    cache, hidden, routed = _decoder(model, cache, x, cos, sin, mask, write, read)
+    attend = decode_attention(model.attention_impl, tables_bp, lengths_b, page_size)
+    cache, hidden, routed = _decoder(model, cache, x, cos, sin, write, attend)
     return cache, _logits(model, hidden[:, 0]), routed

@@ -54,7 +54,6 @@ from jaxrl_vlm.models.layers import (
     RMSNorm,
     TextMLP,
     apply_rotary,
-    attention,
     image_slots,
     param,
     remat_runner,
@@ -65,7 +64,7 @@ from jaxrl_vlm.models.layers import (
 )
 from jaxrl_vlm.models.linear_context import context_causal_conv, context_chunk_gated_delta_rule, context_split
 from jaxrl_vlm.models.moe import SparseMoE
-from jaxrl_vlm.models.paged_kv import gather_pages, page_slots
+from jaxrl_vlm.models.paged_kv import CacheAttention, decode_attention, gather_attention, page_slots
 from jaxrl_vlm.models.remat import RematPlan
 from jaxrl_vlm.models.rope import rope_inv_freq
 
@@ -752,13 +751,14 @@ def init_cache(cfg: Qwen3_5Config, num_pages: int, page_size: int, max_slots: in
     )
 
 
-def _run_layers(model: Qwen3_5, cache: HybridCache, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array,
-                write_kv: Any, tables_bp: jax.Array, load: Any, store: Any, valid_bt: jax.Array | None,
+def _run_layers(model: Qwen3_5, cache: HybridCache, x: jax.Array, cos: jax.Array, sin: jax.Array, write_kv: Any,
+                attend: CacheAttention, load: Any, store: Any, valid_bt: jax.Array | None,
                 length: jax.Array | None) -> tuple[HybridCache, jax.Array, list[jax.Array]]:
     """The decoder against the cache, shared by prefill and decode: a full layer writes its K/V (`write_kv`) and
-    attends to its pages under `mask`; a linear layer runs from `load(cache, j)` and `store`s its new state.
-    Returns the cache (its other fields, e.g. Qwen3.5-MoE's expert ids, untouched), the final-normed hidden states
-    and the top-k expert ids [B, T, k] of each layer whose MLP is a routed `SparseMoE` (in layer order)."""
+    attends to its pages (`attend`, given its index among the full layers); a linear layer runs from
+    `load(cache, j)` and `store`s its new state. Returns the cache (its other fields, e.g. Qwen3.5-MoE's expert
+    ids, untouched), the final-normed hidden states and the top-k expert ids [B, T, k] of each layer whose MLP is
+    a routed `SparseMoE` (in layer order)."""
     k_all, v_all, conv_all, rec_all = cache.k, cache.v, cache.conv, cache.recurrent
     kinds = model.cfg.text.layer_types
     routed: list[jax.Array] = []
@@ -768,8 +768,7 @@ def _run_layers(model: Qwen3_5, cache: HybridCache, x: jax.Array, cos: jax.Array
         if kind == "full_attention":
             q, k, v, gate = layer.attn.project(h, cos, sin)
             k_all, v_all = write_kv(k_all, fi, k.astype(k_all.dtype)), write_kv(v_all, fi, v.astype(v_all.dtype))
-            keys, values = gather_pages(k_all, fi, tables_bp).astype(q.dtype), gather_pages(v_all, fi, tables_bp).astype(q.dtype)
-            x = x + layer.attn.output(attention(q, keys, values, mask, layer.attn.scale), gate)
+            x = x + layer.attn.output(attend(q, k_all, v_all, fi, layer.attn.scale), gate)
             fi += 1
         else:
             run = jnp.zeros(x.shape[:2], jnp.int32)
@@ -846,8 +845,8 @@ def prefill_routed(
         return conv_all, rec_all.at[slot, j].set(s.recurrent[0], mode="drop")
 
     valid = (jnp.arange(t) < length)[None]
-    cache, hidden, routed = _run_layers(model, cache, x, cos, sin, mask, write_kv, table_p[None], load, store, valid,
-                                        length)
+    attend = gather_attention(mask, table_p[None])
+    cache, hidden, routed = _run_layers(model, cache, x, cos, sin, write_kv, attend, load, store, valid, length)
     last = jax.lax.dynamic_slice_in_dim(hidden[0], length - 1, 1, axis=0)
     return cache, _lm_logits(model, last)[0], routed
 
@@ -885,8 +884,6 @@ def decode_routed(
     x = model.embed(tokens_b[:, None])
     pos = (lengths_b + rope_deltas_b)[None, :, None]
     cos, sin = partial_mrope_cos_sin(jnp.broadcast_to(pos, (3, b, 1)), model.cfg.text, model.compute_dtype)
-    span = tables_bp.shape[1] * page_size
-    mask = (jnp.arange(span)[None, :] <= lengths_b[:, None])[:, None, :]
     page_b, row_b = page_slots(tables_bp, lengths_b[:, None], page_size, num_pages)
     rows = cache.conv.shape[0]
     slots = jnp.clip(slots_b, 0, rows - 1)  # reads
@@ -902,7 +899,8 @@ def decode_routed(
         conv_all = conv_all.at[write_rows, j].set(jnp.swapaxes(s.conv, 1, 2).astype(conv_all.dtype), mode="drop")
         return conv_all, rec_all.at[write_rows, j].set(s.recurrent, mode="drop")
 
-    cache, hidden, routed = _run_layers(model, cache, x, cos, sin, mask, write_kv, tables_bp, load, store, None, None)
+    attend = decode_attention(model.attention_impl, tables_bp, lengths_b, page_size)
+    cache, hidden, routed = _run_layers(model, cache, x, cos, sin, write_kv, attend, load, store, None, None)
     return cache, _lm_logits(model, hidden[:, 0]), routed
 
 
