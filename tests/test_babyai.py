@@ -5,6 +5,7 @@ chance figures' simulation against the env itself, and SFT transcripts the conve
 from __future__ import annotations
 
 import json
+import re
 import types
 
 import numpy as np
@@ -20,7 +21,7 @@ from rollout.multiturn import prompt_with_opening
 from rollout.processing import ImageReadPolicy
 from envs.babyai.prompts import QUESTION
 from envs.babyai.synthetic import generate_row, make_dataset, make_sft_dataset, opening_message
-from envs.babyai.world import episode_seed, new_world, oracle_actions
+from envs.babyai.world import describe_view, episode_seed, new_world, oracle_actions
 
 GO_TO_OBJ, GO_TO_LOCAL = LEVELS
 
@@ -41,18 +42,56 @@ def _pixels(observation: dict) -> np.ndarray:
 def test_reset_opens_with_the_view_and_the_mission_and_each_action_brings_a_new_view():
     env = build_env(_sample(generate_row(0, seed=3)), _args())
     opening = env.reset()
-    assert opening["role"] == "user" and opening["obs_str"] == f"Mission: {env.mission}."
+    assert opening["role"] == "user" and opening["obs_str"] == f"Mission: {env.mission}. {describe_view(env.world)}"
     assert env.mission.startswith("go to ")
     (image,) = opening["multi_modal_data"]["image"]
     assert isinstance(image, Image.Image) and image.size == (56, 56) and image.mode == "RGB"
     observation, done, info = env.step("left")
     assert not done and info == {"turn": 1, "action": "left"}
-    assert observation["obs_str"] == "Turn 1: left." and _pixels(observation).shape == (56, 56, 3)
+    assert observation["obs_str"] == f"Turn 1: left. {describe_view(env.world)}"
+    assert _pixels(observation).shape == (56, 56, 3)
     message = env.format_observation(observation)
     assert message["role"] == "user" and [c["type"] for c in message["content"]] == ["image", "text"]
     env.close()
     with pytest.raises(RuntimeError, match="after close"):
         env.step("left")
+
+
+_PLACE = re.compile(r"a (\w+) (\w+)(?: (\d+) ahead)?(?: and)?(?: (\d+) (left|right))?$")
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_the_view_in_words_places_each_object_where_minigrid_has_it(level):
+    """Each object the words name lies at agent + ahead x the facing direction + sideways x the right vector, by
+    minigrid's own agent pose and object positions; and the words name no object the agent cannot see."""
+    checked = 0
+    for index in range(6):
+        world = new_world(level, episode_seed(9, index))
+        for action in ("forward", "left", "forward", "right"):
+            text = describe_view(world)
+            objects = text.split(". Wall")[0].removeprefix("You see ").rstrip(".")
+            named = [] if objects == "no object" else objects.split(", ")
+            for words in named:
+                color, kind, ahead, side, way = _PLACE.fullmatch(words).groups()
+                side = int(side or 0) * (1 if way == "right" else -1)
+                x, y = np.asarray(world.agent_pos) + int(ahead or 0) * world.dir_vec + side * world.right_vec
+                cell = world.grid.get(int(x), int(y))
+                assert (cell.color, cell.type) == (color, kind), (text, words)
+                assert world.in_view(int(x), int(y))
+                checked += 1
+            visible = [o for o in world.grid.grid if o is not None and o.type not in ("wall", "door")
+                       and world.agent_sees(*o.cur_pos)]
+            assert len(named) == len(visible), (text, visible)
+            world.step(ACTIONS.index(action))
+    assert checked >= 6
+
+
+def test_the_view_in_words_is_an_option():
+    env = BabyAIEnv(GO_TO_OBJ, 3, max_turns=2, options=BabyAIOptions(view_text=False))
+    assert env.reset()["obs_str"] == f"Mission: {env.mission}."
+    assert env.step("left")[0]["obs_str"] == "Turn 1: left."
+    with_words = BabyAIEnv(GO_TO_OBJ, 3, max_turns=2)
+    assert with_words.reset()["obs_str"] == f"Mission: {env.mission}. {describe_view(with_words.world)}"
 
 
 def test_step_before_reset_is_refused_naming_reset():
@@ -109,7 +148,7 @@ def test_an_invalid_reply_is_a_penalty_turn_that_leaves_the_world_as_it_is():
     first = _pixels(env.reset())
     pose = (tuple(env.world.agent_pos), env.world.agent_dir, env.world.step_count)
     observation, done, info = env.step("walk north")
-    assert not done and observation["obs_str"] == "Invalid: not one action word. Your view:"
+    assert not done and observation["obs_str"] == f"Invalid: not one action word. Your view: {describe_view(env.world)}"
     assert "walk north" in info["invalid"]
     assert np.array_equal(_pixels(observation), first)
     assert (tuple(env.world.agent_pos), env.world.agent_dir, env.world.step_count) == pose

@@ -4,7 +4,9 @@ BabyAI level, measured over world seeds (a simulation; the figures are in the en
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
@@ -33,6 +35,17 @@ def oracle_lengths(level: str, seeds: Sequence[int]) -> list[int]:
     return [len(oracle_actions(level, seed)) for seed in seeds]
 
 
+def dump_success(path: str) -> tuple[float, int]:
+    """(success rate, episodes) of a rollout or eval dump (`jaxrl-vlm eval --dump-dir`, `jaxrl-vlm rollout --dump`)
+    of this task. An episode succeeded iff its reward is > 0: success earns at least 1 - 0.9 * 8 / 64 within 8 turns
+    and the invalid penalties of the turns before it cost at most 0.1 each, so a success stays above 0 and every
+    other episode is at or below it (with max_turns <= 8 and the default penalty)."""
+    rewards = [json.loads(line)["reward"] for line in Path(path).read_text().splitlines() if line.strip()]
+    if not rewards:
+        raise ValueError(f"{path}: no episodes")
+    return sum(r > 0 for r in rewards) / len(rewards), len(rewards)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Print random and oracle success rates per level (default: configs/babyai_tiny.yaml's held-out worlds, seed 1235,
     64 of them, 8 turns)."""
@@ -40,7 +53,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=1235, help="dataset seed of the worlds (envs.babyai.synthetic)")
     p.add_argument("--rows", type=int, default=64)
     p.add_argument("--max-turns", type=int, default=8)
+    p.add_argument("--dump", help="instead: the success rate of this eval or rollout dump (a model's episodes)")
     ns = p.parse_args(argv)
+    if ns.dump:
+        rate, episodes = dump_success(ns.dump)
+        print(f"{ns.dump}: {episodes} episodes, success {rate:.3f}")
+        return 0
     seeds = [episode_seed(ns.seed, i) for i in range(ns.rows)]
     for level in LEVELS:
         success, reward = random_success(level, seeds, ns.max_turns)

@@ -9,6 +9,9 @@ Episode (`BabyAIEnv`, options `BabyAIOptions`):
   left, right, forward, pickup, drop, toggle, done (any case, one trailing period allowed).
 - A valid action is one BabyAI step, answered with the new view and a text that only repeats the action
   ("Turn 3: forward.").
+- With `view_text` (the default) every observation's text ends with the view in words (`world.describe_view`,
+  BALROG's rendering: "You see a red box 2 ahead and 1 left. Wall 3 ahead."), read from the same partial
+  observation the picture draws; the tiny model does not learn to read the 4-token picture alone.
 - A turn without a valid action (documented policy: a penalty turn, never an exception) leaves the world as it
   is, costs `invalid_penalty` and is answered with "Invalid: not one action word. Your view:" and the unchanged
   view (`info["invalid"]` names the error). It spends a model turn, not one of BabyAI's own steps.
@@ -30,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from envs.actions import ActionError
-from envs.babyai.world import ACTIONS, DEFAULT_TILE_PX, LEVELS, check_level, new_world, view
+from envs.babyai.world import ACTIONS, DEFAULT_TILE_PX, LEVELS, check_level, describe_view, new_world, view
 from envs.base import BaseInteractionEnv, EnvOptions, option, require_max_turns, sample_where
 
 SUCCESS_TEXT = "Mission complete."
@@ -49,6 +52,9 @@ class BabyAIOptions(EnvOptions):
         None, f"babyai: the level every episode plays ({' or '.join(LEVELS)}), with each row's world seed; None "
         "plays each row's own level.")
     invalid_penalty: float = option(0.1, "babyai: reward subtracted per turn without a valid action word.", ge=0)
+    view_text: bool = option(
+        True, "babyai: every view also in words after the picture, BALROG-style (\"You see a red box 2 ahead and 1 "
+        "left. Wall 3 ahead.\"), read from the same partial observation; false: the picture alone.")
 
     def validate(self) -> None:
         if self.level is not None:
@@ -100,8 +106,8 @@ class BabyAIEnv(BaseInteractionEnv):
         """Build the world of (level, seed) afresh; returns the opening observation: the view and the mission."""
         self.world = new_world(self.level, self.seed)
         self._clear()
-        return {"obs_str": f"Mission: {self.world.mission}.", "multi_modal_data": {"image": [self.picture()]},
-                "role": "user"}
+        return {"obs_str": self._with_view_text(f"Mission: {self.world.mission}."),
+                "multi_modal_data": {"image": [self.picture()]}, "role": "user"}
 
     @property
     def mission(self) -> str:
@@ -109,6 +115,10 @@ class BabyAIEnv(BaseInteractionEnv):
 
     def picture(self):
         return view(self.world, self.tile_px)
+
+    def _with_view_text(self, text: str) -> str:
+        """`text`, then the view in words (`world.describe_view`) when the `view_text` option is on."""
+        return f"{text} {describe_view(self.world)}" if self.options.view_text else text
 
     def step(self, response_text: str) -> tuple[dict[str, Any], bool, dict[str, Any]]:
         self.check_step(response_text)
@@ -138,7 +148,7 @@ class BabyAIEnv(BaseInteractionEnv):
         if ended or self.turn >= self.max_turns:
             self.done = True
             return {"obs_str": OUT_OF_STEPS_TEXT if ended else OUT_OF_TURNS_TEXT}, True, {**info, "success": False}
-        return {"obs_str": text, "multi_modal_data": {"image": [self.picture()]}}, False, info
+        return {"obs_str": self._with_view_text(text), "multi_modal_data": {"image": [self.picture()]}}, False, info
 
     def verdict(self) -> float:
         return self.babyai_reward - self.options.invalid_penalty * self.invalid

@@ -8,7 +8,8 @@ image_size // 7 per cell).
 
 SFT transcripts (`make_sft_dataset`): prompt row i's opening (question, first view, mission, joined as the rollout
 joins a reset observation to the prompt), then the oracle bot's actions, one per turn, each answered by the env's
-own observation; played through `BabyAIEnv`, which must end in success.
+own observation (the default options: the view in pictures and words); played through `BabyAIEnv`, which must end in
+success.
 Run `python -m envs.babyai.synthetic OUT --rows N --seed S [--level L] [--sft]`.
 
 No jax; numpy, PIL, pyarrow, minigrid.

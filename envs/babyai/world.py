@@ -75,6 +75,33 @@ def view(world: Any, tile_px: int = DEFAULT_TILE_PX) -> Image.Image:
     return Image.fromarray(np.asarray(pixels, dtype=np.uint8), "RGB")
 
 
+def describe_view(world: Any) -> str:
+    """The agent's view in words, BALROG-style relative positions: every object it sees ("a red box 2 ahead and 1
+    left"), nearest first, and the distance to the wall straight ahead ("Wall 3 ahead."). It reads the same partial
+    observation (`gen_obs`) the picture draws, so it tells no more than the picture: what is in the 7x7 cells the
+    agent sees. "ahead" counts cells forward from the agent, "left"/"right" cells sideways."""
+    constants = importlib.import_module("minigrid.core.constants")
+    cells = world.gen_obs()["image"]  # [x, y, (type, color, state)]: the agent at (VIEW_CELLS // 2, VIEW_CELLS - 1)
+    me_x, me_y = VIEW_CELLS // 2, VIEW_CELLS - 1
+    seen: list[tuple[int, str]] = []
+    for x in range(VIEW_CELLS):
+        for y in range(VIEW_CELLS):
+            kind = constants.IDX_TO_OBJECT[int(cells[x, y, 0])]
+            if kind in ("unseen", "empty", "wall", "floor", "agent") or (x, y) == (me_x, me_y):
+                continue
+            ahead, side = me_y - y, x - me_x
+            where = [f"{ahead} ahead"] if ahead else []
+            if side:
+                where.append(f"{abs(side)} {'right' if side > 0 else 'left'}")
+            seen.append((ahead + abs(side), f"a {constants.IDX_TO_COLOR[int(cells[x, y, 1])]} {kind} "
+                                            f"{' and '.join(where)}"))
+    text = "You see " + ", ".join(words for _, words in sorted(seen)) + "." if seen else "You see no object."
+    for ahead in range(1, VIEW_CELLS):
+        if constants.IDX_TO_OBJECT[int(cells[me_x, me_y - ahead, 0])] in ("wall", "unseen"):
+            return f"{text} Wall {ahead} ahead."
+    return text
+
+
 def oracle_actions(level: str, seed: int, limit: int = 256) -> list[str]:
     """The oracle bot's (minigrid's `BabyAIBot`) actions for `level` with `seed`, played on a world of its own until
     the mission succeeds; a ValueError if it does not within `limit` actions."""

@@ -4,8 +4,9 @@ Rows have the Geometry3K layout (`problem` = "<image>" + task, `answer` = JSON {
 `params`). Row i depends only on (seed, i): even rows ask to turn on a toggle, odd rows to set the name.
 `image_size` is the screenshot's width (height 3/4 of it).
 
-SFT transcripts (`make_sft_dataset`): the scripted solution (click Settings, click the toggle; or click Settings,
-click the field, type the name), each action answered by the env's own screenshot; the env must end in success.
+SFT transcripts (`make_sft_dataset`): the system prompt configs/gui_tiny.yaml sets, the task, then the scripted
+solution (click Settings, click the toggle; or click Settings, click the field, type the name), each action
+answered by the env's own screenshot; the env must end in success.
 Run `python -m envs.gui.synthetic OUT --rows N --seed S [--sft]`. No jax.
 """
 
@@ -18,7 +19,7 @@ import numpy as np
 
 from envs.color_reveal.images import png_bytes
 from envs.gui.env import GuiEnv
-from envs.gui.prompts import rename_task, toggle_task
+from envs.gui.prompts import SYSTEM_PROMPT, rename_task, toggle_task
 from envs.gui.screen import TOGGLES, initial_state, layout_params, render, to_relative
 from envs.rows import synthetic_main, write_rows
 from envs.transcripts import transcript_row, write_transcripts
@@ -68,7 +69,7 @@ def solution(env: GuiEnv) -> list[str]:
 def generate_transcript(index: int, seed: int = 0, image_size: int = DEFAULT_IMAGE_SIZE) -> dict[str, Any]:
     layout, task, words = task_for(index, seed, image_size)
     env = GuiEnv(layout, task, max_turns=3)
-    messages: list[dict[str, Any]] = [{"role": "user", "content": [
+    messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": [
         {"type": "image", "image": render(env.state)}, {"type": "text", "text": words}]}]
     done = False
     for action in solution(env):
