@@ -28,13 +28,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import importlib
 import math
 import re
 import sys
 import types
 import typing
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -53,27 +52,16 @@ from jaxrl_vlm.rl.options import CUSTOM_CORRECTION, LossOptions, opd_problem, ro
 from jaxrl_vlm.rl.registries import ADVANTAGE_ESTIMATORS, AGGREGATION_MODES, LOSS_TYPES, POLICY_LOSSES
 from rollout.hooks import HOOK_OPTIONS, load_hook
 from rollout.loading import LoadError, load_function, load_module
-from rollout.options import DebugOptions, MultiTurnOptions, RolloutOptions, bound_error, check_template, opt, option_of
-
-
-class NamesOf(Collection[str]):
-    """The names `module.attr` holds, as choices: read (importing `module`) when a value is checked, so a module
-    that imports jax is imported only then, not with the config."""
-
-    def __init__(self, module: str, attr: str):
-        self.module, self.attr = module, attr
-
-    def _names(self) -> Collection[str]:
-        return getattr(importlib.import_module(self.module), self.attr)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._names()
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._names())
-
-    def __len__(self) -> int:
-        return len(self._names())
+from rollout.options import (
+    DebugOptions,
+    MultiTurnOptions,
+    NamesOf,
+    RolloutOptions,
+    bound_error,
+    check_template,
+    opt,
+    option_of,
+)
 
 
 # --------------------------------------------------------------------------- sections
@@ -91,14 +79,13 @@ class ModelConfig:
         "none", "Rematerialisation policy per layer kind: a policy for every layer (none, full, dots, offload) or "
         "comma-separated KIND=POLICY items after an optional default, kinds full_attention, linear_attention, moe, "
         "vision; e.g. 'full,vision=none' (jaxrl_vlm/models/remat.py).")
-    attention_impl: str = opt(
-        "xla",
+    attention_impl: str = option_of(
+        EngineOptions, "attention_impl",
         "Attention of the training forward: xla (einsums, dense masks; under context parallelism K/V all-gathered), "
         "pallas_gpu or pallas_tpu (fused segment-aware flash kernels, O(T) memory; seq/patch buckets must be "
         "multiples of 16 (GPU) / 128 (TPU)), or ring (plain-XLA blockwise attention, no dense mask; under context "
         "parallelism K/V passed around the context group in zig-zag order, seq buckets multiples of 2 x cp; the "
-        "vision tower keeps xla).",
-        choices=NamesOf("jaxrl_vlm.models.layers", "ATTENTION_IMPLS"),
+        "vision tower keeps xla). The run's embedded engine builds its model with it too (its --attention-impl).",
     )
     logprob_chunk_size: int = opt(512, "Sequence chunk for log-prob computation (bounds fp32 vocab logits memory).",
                                   gt=0)

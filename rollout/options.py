@@ -13,10 +13,11 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import importlib
 import string
 import types
 import typing
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 
@@ -37,6 +38,26 @@ def opt(default: Any, help: str, *, choices: Collection[Any] | None = None, gt: 
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: copy.deepcopy(d), metadata=meta)
     return field(default=default, metadata=meta)
+
+
+class NamesOf(Collection[str]):
+    """The names `module.attr` holds, as choices: read (importing `module`) when a value is checked, so a module
+    that imports jax is imported only then, not with the config."""
+
+    def __init__(self, module: str, attr: str):
+        self.module, self.attr = module, attr
+
+    def _names(self) -> Collection[str]:
+        return getattr(importlib.import_module(self.module), self.attr)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names())
+
+    def __len__(self) -> int:
+        return len(self._names())
 
 
 def option_of(owner: type, name: str, help: str) -> Any:

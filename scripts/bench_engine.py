@@ -21,11 +21,18 @@ request owns one contiguous max_seq_len row; both attend to the same kv-length b
 both alive at once and timed in alternation (best of `--repeats` rounds each); their ratio is the
 cost of reading K/V through page tables (issue 18 (d)).
 
-Peer case (`--cases peer --peer-url URL --checkpoint DIR`, issue 27): the embedded engine on DIR against a real
-engine serving DIR (vLLM or SGLang, detected), in one run: decode tok/s at each `--concurrency` (alternating, best
-of `--repeats`, warm-up rounds untimed) and the prompt tokens prefilled (prompt - cached) for one GRPO group of
-`--group-size` on one image prompt. vLLM on CPU needs a head_dim >= 32 checkpoint (`make-tiny --head-dim 32`) and
-`--enable-prompt-tokens-details` to report cached tokens.
+Peer case (`--cases peer --peer-url URL --checkpoint DIR`, issues 27 and 48): the embedded engine on DIR, with
+the engine's default buckets, against a real engine serving DIR (vLLM or SGLang, detected), in one run: decode tok/s
+at each `--concurrency` over `--repeats` timed rounds per side (default 5) after one untimed warm-up round each, A/B
+alternated (the side that goes first alternates too), reported as median, min-max and spread (max / min) per side
+and the ratio of the medians; for the embedded engine also the host's share of its decode steps (the part outside
+the decode program calls), ms per decode step and the compilations during the timed rounds (jax's compile events;
+any is a defect). Then the prompt tokens prefilled (prompt - cached) for one GRPO group of `--group-size` on one
+image prompt. `--launch-vllm PYTHON` starts the vLLM server itself (vLLM's interpreter, e.g. .venv-vllm/bin/python;
+the CPU settings of tests/vllm_real: fp32, eager, no chunked prefill) instead of `--peer-url`. The load average
+before and after is printed: on a shared machine only the ratio of sides timed in alternation means much. vLLM on
+CPU needs a head_dim >= 32 checkpoint (`make-tiny --head-dim 32`) and `--enable-prompt-tokens-details` to report
+cached tokens.
 
 Group case (issue 18 (a)): one GRPO group of n samples (seeded, temperature 1) of a ~1,000-token
 prompt with an image, arriving together, on an engine with the radix cache and one without: prompt
@@ -63,6 +70,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -393,38 +401,111 @@ def bench_group(model_dir: Path, encoder: Any, n: int, prompt_tokens: int, new_t
     return rows
 
 
+def _load() -> str:
+    """The machine's 1/5/15-minute load averages and core count, for the record of a timing."""
+    one, five, fifteen = os.getloadavg()
+    return f"load average {one:.1f} / {five:.1f} / {fifteen:.1f} on {os.cpu_count()} cores"
+
+
+class _CompileCounter:
+    """Backend compilations in this process (jax's monitoring event), for "no compilation after warm-up"."""
+
+    def __init__(self) -> None:
+        import jax
+
+        self.count = 0
+        jax.monitoring.register_event_duration_secs_listener(self._on_event)
+
+    def _on_event(self, event: str, duration_s: float, **_: Any) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            self.count += 1
+
+
+def _spread(values: list[float]) -> dict[str, Any]:
+    import statistics
+
+    return {"runs": values, "median": statistics.median(values), "min": min(values), "max": max(values),
+            "spread": max(values) / min(values)}
+
+
 def bench_peer(model_dir: Path, encoder: Any, peer_url: str, prompt: list[int], new_tokens: int, concurrencies: list[int],
                repeats: int, group_size: int, group_prompt_tokens: int) -> dict[str, Any]:
     """The embedded engine against a real server (`peer_url`, serving `model_dir`; its API detected), in one run:
-    decode tok/s at each concurrency (best of `repeats`, in alternation, after an untimed warm-up round each), and
-    the prompt tokens prefilled for a GRPO group of `group_size` on one image prompt (prompt - cached tokens)."""
+    decode tok/s at each concurrency over `repeats` rounds after one untimed warm-up round each, A/B alternated
+    (the side that goes first alternates too), as median, min, max and spread (max / min) per side; for the
+    embedded engine also the host's share of its decode steps (time outside the decode program calls), ms per
+    decode step and the compilations during the timed rounds (each one a defect: the warm-up round compiles what
+    a concurrency needs). Then the prompt tokens prefilled for a GRPO group of `group_size` on one image prompt
+    (prompt - cached tokens)."""
     from jaxrl_vlm.engine import EmbeddedEngine, EngineOptions
     from rollout.vllm_client import detect_engine_api
 
+    compiles = _CompileCounter()
     api = asyncio.run(detect_engine_api(peer_url))
-    config = EngineOptions(max_batch=max(max(concurrencies), group_size), max_seq_len=2048, min_kv_bucket=256)
-    out: dict[str, Any] = {"peer_api": api, "decode": [], "group": {}}
+    config = EngineOptions(max_batch=max(max(concurrencies), group_size), max_seq_len=2048)
+    out: dict[str, Any] = {"peer_api": api, "decode": [], "group": {}, "load_before": _load()}
     ids, images = _group_prompt(encoder, group_prompt_tokens, seed=7)
     with EmbeddedEngine(str(model_dir), config=config) as engine:
+        runner, sched = engine.engine.runner, engine.engine.scheduler
         urls = {"embedded": (engine.url, "sglang"), "peer": (peer_url, api)}
         for c in concurrencies:
-            best = {}
             for name, (url, kind) in urls.items():
                 asyncio.run(_round(url, prompt, c, new_tokens, kind))  # warm-up (compiles the embedded engine's programs)
-                best[name] = (0, float("inf"))
-            for _ in range(repeats):
-                for name, (url, kind) in urls.items():
+            runs: dict[str, list[float]] = {name: [] for name in urls}
+            programs, compiled = runner.num_programs, compiles.count
+            steps, step_s, program_s = sched.timing.decode_steps, sched.timing.decode_s, runner.decode_program_s
+            for r in range(repeats):
+                for name in (list(urls) if r % 2 == 0 else list(urls)[::-1]):
+                    url, kind = urls[name]
                     tokens, seconds = asyncio.run(_round(url, prompt, c, new_tokens, kind))
-                    best[name] = min(best[name], (tokens, seconds), key=lambda t: t[1])
-            row = {"concurrency": c, **{f"{n}_tokens_per_s": t / s for n, (t, s) in best.items()}}
-            row["ratio"] = row["embedded_tokens_per_s"] / row["peer_tokens_per_s"]
+                    runs[name].append(tokens / seconds)
+            steps = sched.timing.decode_steps - steps
+            step_s, program_s = sched.timing.decode_s - step_s, runner.decode_program_s - program_s
+            row = {"concurrency": c, **{name: _spread(v) for name, v in runs.items()},
+                   "host_share": 1.0 - program_s / step_s, "ms_per_decode_step": 1e3 * step_s / max(1, steps),
+                   "new_programs": runner.num_programs - programs, "compilations": compiles.count - compiled}
+            row["ratio"] = row["embedded"]["median"] / row["peer"]["median"]
             out["decode"].append(row)
         for name, (url, kind) in urls.items():
             results = asyncio.run(_group(url, ids, images, group_size, 8, kind))
             out["group"][name] = {"prompt_tokens": results[0].prompt_tokens,
                                   "prefilled": sum(r.prompt_tokens - r.cached_tokens for r in results)}
     out["group"]["ratio"] = out["group"]["peer"]["prefilled"] / out["group"]["embedded"]["prefilled"]
+    out["load_after"] = _load()
     return out
+
+
+class _LaunchedVLLM:
+    """vLLM's server on `model_dir` from the interpreter `python` (`jaxrl_vlm.vllm_launcher`, the CPU settings of
+    tests/vllm_real: fp32, eager, no chunked prefill, 1 GiB of KV cache), for `--cases peer --launch-vllm`."""
+
+    ARGS = ["--max-model-len", "2048", "--enforce-eager", "--no-enable-chunked-prefill", "--max-num-batched-tokens",
+            "2048", "--dtype", "float32", "--enable-prompt-tokens-details"]
+
+    def __init__(self, python: str, model_dir: Path, log_path: Path):
+        from jaxrl_vlm.vllm_launcher import VLLMProcess
+
+        self.server = VLLMProcess(python, str(model_dir), extra_args=list(self.ARGS), log_path=log_path)
+        self.server.extra_env = {**self.server.extra_env, "VLLM_CPU_KVCACHE_SPACE": "1"}
+
+    def __enter__(self) -> str:
+        from rollout.vllm_client import VLLMClient
+
+        url = self.server.start()
+
+        async def ready() -> None:
+            async with VLLMClient(url) as client:
+                await self.server.wait_ready(client, timeout_s=600.0)
+
+        try:
+            asyncio.run(ready())
+        except BaseException:
+            self.server.stop()
+            raise
+        return url
+
+    def __exit__(self, *exc: Any) -> None:
+        self.server.stop()
 
 
 def bench_capacity(model_dir: Path, encoder: Any, episodes: int, turns: int, new_tokens: int, memory_tokens: int,
@@ -524,7 +605,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", choices=sorted(SIZES), default="tiny")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=None, help="Timed rounds (default 2; 5 for the peer case).")
     p.add_argument("--torch-threads", type=int, default=max(1, os.cpu_count() or 1))
     p.add_argument("--cases", nargs="+", choices=("decode", "multiturn", "group", "capacity", "weights", "peer", "memory"),
                    default=["decode", "multiturn", "group", "capacity"])
@@ -545,11 +626,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="Also write the results to this file.")
     p.add_argument("--peer-url", default=None, help="A real engine (vLLM or SGLang) serving --checkpoint: `--cases peer` "
                    "compares the embedded engine with it (decode tok/s at --concurrency, GRPO group prefill).")
+    p.add_argument("--launch-vllm", default=None, metavar="PYTHON", help="`--cases peer` against a vLLM server this "
+                   "script starts on --checkpoint with vLLM's interpreter PYTHON (e.g. .venv-vllm/bin/python), instead "
+                   "of --peer-url.")
     p.add_argument("--checkpoint", default=None, help="Use this checkpoint instead of building one of --size (the one "
                    "--peer-url serves; e.g. `jaxrl-vlm make-tiny DIR --head-dim 32` for vLLM on CPU).")
     ns = p.parse_args(argv)
-    if ("peer" in ns.cases) != bool(ns.peer_url):
-        p.error("the peer case and --peer-url go together (and --checkpoint: the checkpoint the peer serves)")
+    if ("peer" in ns.cases) != bool(ns.peer_url or ns.launch_vllm):
+        p.error("the peer case and --peer-url (or --launch-vllm) go together (and --checkpoint: the checkpoint the "
+                "peer serves)")
+    peer_repeats = 5 if ns.repeats is None else ns.repeats
+    ns.repeats = 2 if ns.repeats is None else ns.repeats
 
     out: dict[str, Any] = {"size": ns.size}
     if ns.cases == ["memory"]:  # shapes only: no checkpoint, no engine
@@ -578,8 +665,11 @@ def main(argv: list[str] | None = None) -> int:
             out["weights"] = bench_weight_update(model_dir, max(ns.repeats, WEIGHT_PUSHES), Path(tmp))
         if "peer" in ns.cases:
             peer_prompt = encoder.encode_prompt([{"role": "user", "content": "Find the area of the triangle with base 6."}]).wire_ids
-            out["peer"] = bench_peer(model_dir, encoder, ns.peer_url, peer_prompt, ns.new_tokens, ns.concurrency,
-                                     ns.repeats, ns.group_size, ns.group_prompt_tokens)
+            with contextlib.ExitStack() as stack:
+                if ns.launch_vllm:
+                    ns.peer_url = stack.enter_context(_LaunchedVLLM(ns.launch_vllm, model_dir, Path(tmp) / "vllm.log"))
+                out["peer"] = bench_peer(model_dir, encoder, ns.peer_url, peer_prompt, ns.new_tokens, ns.concurrency,
+                                         peer_repeats, ns.group_size, ns.group_prompt_tokens)
 
     if "memory" in ns.cases:
         out["memory"] = bench_memory(ns.contexts, ns.page_size)
@@ -651,10 +741,16 @@ def main(argv: list[str] | None = None) -> int:
     if "peer" in ns.cases:
         peer = out["peer"]
         print(f"\npeer: the embedded engine against {peer['peer_api']} at {ns.peer_url}, same checkpoint, {ns.new_tokens} "
-              f"new tokens per request, greedy, EOS ignored, best of {ns.repeats}")
-        print(f"{'concurrent':>10} {'embedded tok/s':>15} {'peer tok/s':>11} {'embedded/peer':>14}")
+              f"new tokens per request, greedy, EOS ignored; {peer_repeats} timed rounds per side after a warm-up "
+              f"round, A/B alternated")
+        print(f"machine: {peer['load_before']} before, {peer['load_after']} after")
+        print(f"{'concurrent':>10} {'embedded tok/s: median (min-max) spread':>42} {'peer tok/s: median (min-max) spread':>38} "
+              f"{'ratio':>6} {'host':>5} {'ms/step':>8} {'compiles':>8}")
         for r in peer["decode"]:
-            print(f"{r['concurrency']:>10} {r['embedded_tokens_per_s']:>15.1f} {r['peer_tokens_per_s']:>11.1f} {r['ratio']:>13.2f}x")
+            e, v = r["embedded"], r["peer"]
+            print(f"{r['concurrency']:>10} {e['median']:>14.0f} ({e['min']:>6.0f}-{e['max']:<6.0f}) {e['spread']:>6.2f}x "
+                  f"{v['median']:>12.0f} ({v['min']:>6.0f}-{v['max']:<6.0f}) {v['spread']:>6.2f}x {r['ratio']:>5.2f}x "
+                  f"{r['host_share']:>5.0%} {r['ms_per_decode_step']:>8.2f} {r['compilations']:>8}")
         g = peer["group"]
         print(f"GRPO group of {ns.group_size} on one image prompt ({g['embedded']['prompt_tokens']} tokens): prompt tokens "
               f"prefilled, embedded {g['embedded']['prefilled']}, peer {g['peer']['prefilled']} (peer / embedded "

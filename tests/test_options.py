@@ -96,12 +96,12 @@ def test_the_run_config_composes_the_engine_options_under_their_keys():
 
 
 def test_an_engine_option_the_run_holds_elsewhere_is_declared_once():
-    """The engine's seed is the rollout seed and its dtypes the trainer's: `serve` and a run's engine start from
-    the same default and accept the same values (issue 46: the seed was 42 for `train` and 0 for `serve`, and
+    """The engine's seed is the rollout seed and its dtypes and attention the trainer's: `serve` and a run's engine
+    start from the same default and accept the same values (issue 46: the seed was 42 for `train` and 0 for `serve`, and
     `serve` offered float16, which the trainer refused)."""
     shared = [f for f in dataclasses.fields(EngineOptions) if f.metadata["key"] and
               FIELDS[f.metadata["key"]].section != "engine"]
-    assert sorted(f.metadata["key"] for f in shared) == ["compute_dtype", "param_dtype", "rollout_seed"]
+    assert sorted(f.metadata["key"] for f in shared) == ["attention_impl", "compute_dtype", "param_dtype", "rollout_seed"]
     for f in shared:
         info = FIELDS[f.metadata["key"]]
         assert info.default == f.default and info.choices == f.metadata["choices"], info

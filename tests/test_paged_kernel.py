@@ -83,6 +83,18 @@ def test_a_cache_the_compiled_kernel_cannot_tile_is_refused_naming_the_constrain
                                jnp.zeros((1,), jnp.int32), scale=1.0, impl="pallas_gpu", interpret=False)
 
 
+def test_a_runs_attention_impl_reaches_its_embedded_engine_and_tensor_parallel_kernels_are_refused():
+    from jaxrl_vlm.config import load_config
+    from jaxrl_vlm.engine.options import EngineOptions
+
+    cfg = load_config(None, ["--attention-impl", "pallas_tpu"])
+    assert EngineOptions.from_run_config(cfg).attention_impl == "pallas_tpu"  # one option, both models
+    assert EngineOptions.from_run_config(load_config(None, [])).attention_impl == "xla"
+    with pytest.raises(ValueError, match="tp_size 2: the paged decode kernel is not split"):
+        EngineOptions(attention_impl="pallas_gpu", tp_size=2)
+    assert EngineOptions(attention_impl="xla", tp_size=2).tp_size == 2
+
+
 class _SpecialTokens:
     """Just what the tiny configs read of a tokenizer: one id per special token, and the vocabulary size."""
 

@@ -21,6 +21,7 @@ import jax
 from flax import nnx
 
 from jaxrl_vlm import weight_delta
+from jaxrl_vlm.device_lock import devices_of, exclusive
 from jaxrl_vlm.devices import pick_devices
 from jaxrl_vlm.engine import weights
 from jaxrl_vlm.engine.inbox import ContinueMsg, ControlMsg, FlushMsg, PauseMsg, Reply, UpdateWeightsMsg
@@ -93,7 +94,8 @@ class Engine:
         first = placements[0]
         # Loaded straight into the first replica's shards; the other replicas copy them device to device.
         model = from_hf(model_dir, param_dtype=self.config.jnp_param_dtype, compute_dtype=self.config.jnp_compute_dtype,
-                        shardings_for=shardings_for(first.mesh, first.rules, load_hf_config(str(model_dir))))
+                        shardings_for=shardings_for(first.mesh, first.rules, load_hf_config(str(model_dir))),
+                        attention_impl=self.config.attention_impl)
         self.cfg = model.cfg
         self.tokenizer = load_tokenizer(model_dir)
         has_images = (Path(model_dir) / "preprocessor_config.json").is_file()
@@ -192,8 +194,10 @@ class Engine:
         with `may_alias` (a trainer that keeps them, `Trainer.share_params`) the arrays that already fit a replica's
         dtype and shardings are served as they are, with no copy (`weights.place_weights`). `partial`: `params` holds
         some of the parameters (`ModelRunner.stage_params`); the others keep the served arrays."""
-        staged = jax.block_until_ready([runner.stage_params(params, via_dtype, partial, may_alias)
-                                        for runner in self.runners])
+        # device_lock: the trainer's devices and the engine's, held while the weights cross between them
+        with exclusive(devices_of(params).union(*(runner.placement.devices for runner in self.runners))):
+            staged = jax.block_until_ready([runner.stage_params(params, via_dtype, partial, may_alias)
+                                            for runner in self.runners])
         self._put_staged(name, staged, None)
 
     def stage_delta(self, name: str, delta: weight_delta.WeightDelta) -> None:

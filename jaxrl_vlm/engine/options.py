@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jaxrl_vlm.devices import parse_device_ids
-from rollout.options import RolloutOptions, bound_error, opt, option_of
+from rollout.options import NamesOf, RolloutOptions, bound_error, opt, option_of
 from rollout.processing import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS, ImageReadPolicy
 from rollout.sglang_wire import DEFAULT_MAX_N
 
@@ -77,6 +77,11 @@ class EngineOptions:
                            choices=DTYPES, key="param_dtype")
     compute_dtype: str = opt("float32", "Dtype of activations and of the KV cache (in a run: the trainer's "
                              "--compute-dtype).", choices=DTYPES, key="compute_dtype")
+    attention_impl: str = opt(
+        "xla", "Attention of the engine's model: xla (and ring) gather each request's KV pages into a dense array for "
+        "decode; pallas_gpu / pallas_tpu decode with a paged kernel that reads the pages in place (Triton / Mosaic; "
+        "Pallas' interpreter on a CPU backend; tp_size 1 only). In a run: the trainer's --attention-impl.",
+        choices=NamesOf("jaxrl_vlm.models.layers", "ATTENTION_IMPLS"), key="attention_impl")
     seed: int = option_of(RolloutOptions, "rollout_seed", "Draws the seed of requests that carry no sampling_seed.")
     max_prefills_per_step: int = opt(64, "Admissions between two decode steps.", ge=1)
     page_size: int = opt(16, "Tokens per KV-cache page (SGLang's page_size); a shared prefix shares its whole pages "
@@ -149,6 +154,10 @@ class EngineOptions:
         if self.num_pages < self.pages_per_request:
             raise ValueError(f"max_total_tokens={self.max_total_tokens} holds {self.num_pages} pages of {self.page_size} "
                              f"tokens; one request of max_seq_len={self.max_seq_len} tokens needs {self.pages_per_request}")
+        if self.attention_impl in ("pallas_gpu", "pallas_tpu") and self.tp_size > 1:
+            raise ValueError(f"attention_impl={self.attention_impl!r} with tp_size {self.tp_size}: the paged decode "
+                             "kernel is not split over tensor-parallel devices yet; use attention_impl 'xla' or "
+                             "tp_size 1 (dp_size scales out)")
         if self.tp_size % self.ep_size:
             raise ValueError(f"ep_size {self.ep_size} must divide tp_size {self.tp_size}: experts are split over ep "
                              "of a replica's tp devices")

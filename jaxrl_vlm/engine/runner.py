@@ -2,9 +2,17 @@
 
 `ModelRunner` owns every device array and is driven by one thread (the scheduler's). It pads host
 inputs (tokens, page tables) to the buckets of `EngineOptions`, calls one jitted program per step
-(prefill+sample for one prompt, or decode+sample for a batch of requests) and returns plain numpy
+(prefill+sample for a run of prompts, or decode+sample for a batch of requests) and returns plain numpy
 results. Which pages a request uses is the scheduler's business (`prefix_cache.PageCache`).
-Parameters are an `nnx.State` passed as an argument, so new weights swap in without recompiling.
+Parameters are an `nnx.State` passed as an argument, so new weights swap in without recompiling; the programs take
+its leaves as a flat list, flattened once per weight swap (flattening the state on every call cost more host time
+than the tiny programs themselves).
+
+Prefill and extend (a prefill after a reused prefix) are one program per (prompt bucket, kv-length bucket): a cold
+prefill attends to the kv-length bucket of its prompt, as an extend does, so the warm-up's cold prefill compiles the
+program that every later prefix hit of the same prompt runs (two programs there made the first repeat of a request
+compile, issue 48). The copy of a partly shared last page runs inside that program, and the text-only prompts
+admitted together run in one call (a loop over their rows on the device, so padding rows cost nothing).
 """
 
 from __future__ import annotations
@@ -13,6 +21,8 @@ import collections
 import enum
 import functools
 import os
+import time
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import jax
@@ -20,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxrl_vlm.device_lock import exclusive
 from jaxrl_vlm.engine import forward
 from jaxrl_vlm.engine.options import EngineOptions, bucket_for
 from jaxrl_vlm.engine.placement import ReplicaPlacement
@@ -84,6 +95,53 @@ def images_after(
     return pixel_values[first_patch:], grid[done:]
 
 
+@dataclass(frozen=True)
+class PrefillRow:
+    """One request's prompt for `ModelRunner.prefill_rows`.
+
+    input_ids [L] (image pads expanded), positions int32 [3, L]; the request's page table `pages` (at least
+    ceil(L / page_size) pages) and `slot` (its bias and state row). `start` > 0: positions [0, start) of the pages
+    hold a reused prefix (whose images lie wholly inside it) and only [start, L) is computed. `copy` (src, dst):
+    page src is copied into page dst first (the partly shared last page of that prefix). `logit_bias`: (token id,
+    value) pairs, added up per id. ints int32 [6] / floats float32 [3]: the slot's column of `IntRow` / `FloatRow`.
+    """
+
+    slot: int
+    pages: Sequence[int]
+    input_ids: np.ndarray
+    positions: np.ndarray
+    pixel_values: np.ndarray | None
+    image_grid_thw: np.ndarray | None
+    ints: np.ndarray
+    floats: np.ndarray
+    start: int = 0
+    copy: tuple[int, int] | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+
+# Most prompt tokens (padded) of one multi-row prefill call: its rows are a function of the prompt bucket alone, so
+# the number of requests admitted together never picks a new program.
+PREFILL_CALL_TOKENS = 8192
+MIN_BIAS_ENTRIES = 8  # smallest bucket of logit_bias entries per row (then doubling)
+# Decode steps a bucket may borrow a larger compiled program before its own is compiled (`_decode_buckets`): a
+# bucket needed that often is part of the workload, not a passing ramp.
+FALLBACK_STEPS = 64
+
+
+@dataclass
+class _PreparedPrefill:
+    """A `PrefillRow` padded on the host: tokens [T], positions [3, T], table [W], vision (None for text)."""
+
+    row: PrefillRow
+    key: tuple[int, int, int | None]  # (prompt bucket T, kv-length bucket, patch bucket or None)
+    length: int
+    tokens: np.ndarray
+    positions: np.ndarray
+    table: np.ndarray
+    vision: VisionInputs | None
+    images: int  # images the vision tower encodes for it
+
+
 SCORE_CHUNK = 512  # sequence chunk of the scoring forward's fp32 logits (the trainer's default --logprob-chunk-size)
 
 
@@ -108,6 +166,8 @@ class ModelRunner:
         self.vocab_size = model.cfg.text.vocab_size
         self.placement = placement or ReplicaPlacement(jax.local_devices()[:1])
         self._graphdef, params = nnx.split(model)
+        self._param_def: Any = None
+        self._param_leaves: list[Any] = []
         self.params = self.placement.put_params(params)
         self._params_backup: Any = None  # host copy of released weights
         self.cache: DecodeCache | None = None
@@ -138,26 +198,43 @@ class ModelRunner:
         graphdef = self._graphdef
         layout = self.placement.activations  # None but with expert parallelism (--ep-size)
 
-        def prefill_program(params, cache, bias, slot, table, start, tokens, positions, length, vision, bias_row, ints, floats):
-            model = nnx.merge(graphdef, params)
-            with activation_sharding(layout):
-                cache, logits = forward.prefill(model, cache, slot, table, start, tokens, positions, length, vision)
-            bias = bias.at[slot].set(bias_row)
-            # Always the filtered sampler: sorting one row is cheap next to a prefill, and it halves the programs.
-            ids, lps = sample_tokens(logits[None], bias_row[None], banned_v, _rows(ints, floats), filtered=True)
-            return cache, bias, ids[0], lps[0]
+        vocab = self.vocab_size
 
-        def decode_program(params, cache, bias, slots, tables, ints, floats, *, filtered):
-            model = nnx.merge(graphdef, params)
+        def prefill_program(leaves, cache, bias, n, slots, tables, starts, tokens, positions, lengths, copies,
+                            bias_ids, bias_vals, ints, floats, vision):
+            # Rows [0, n) of R: each copies its shared page (src == dst: none), then prefills into the cache, in
+            # row order (a later row may reuse pages an earlier one wrote); rows past n are never run.
+            model = nnx.merge(graphdef, jax.tree.unflatten(self._param_def, leaves))
+            rows = slots.shape[0]
+
+            def one(i, carry):
+                cache, logits = carry
+                cache = cache.copy_page(copies[0, i], copies[1, i])
+                with activation_sharding(layout):
+                    cache, row_logits = forward.prefill(model, cache, slots[i], tables[i], starts[i], tokens[i],
+                                                        positions[i], lengths[i], vision)
+                return cache, logits.at[i].set(row_logits.astype(jnp.float32))
+
+            carry = (cache, jnp.zeros((rows, vocab), jnp.float32))
+            cache, logits = one(0, carry) if vision is not None else jax.lax.fori_loop(0, n, one, carry)
+            bias_rows = jnp.zeros((rows, vocab), jnp.float32).at[jnp.arange(rows)[:, None], bias_ids].add(
+                bias_vals, mode="drop")
+            bias = bias.at[slots].set(bias_rows, mode="drop")  # padding rows name slot max_batch: dropped
+            # Always the filtered sampler: sorting a few rows is cheap next to a prefill, and it halves the programs.
+            ids, lps = sample_tokens(logits, bias_rows, banned_v, _rows(ints, floats), filtered=True)
+            return cache, bias, ids, lps
+
+        def decode_program(leaves, cache, bias, slots, tables, ints, floats, *, filtered):
+            model = nnx.merge(graphdef, jax.tree.unflatten(self._param_def, leaves))
             with activation_sharding(layout):
                 cache, logits = forward.decode(model, cache, slots, tables, ints[IntRow.TOKEN], ints[IntRow.LENGTH],
                                                ints[IntRow.ROPE_DELTA])
             ids, lps = sample_tokens(logits, bias[slots], banned_v, _rows(ints, floats), filtered=filtered)
             return cache, ids, lps
 
-        def score_program(params, tokens, positions, segment_ids, vision, targets, *, temperature):
+        def score_program(leaves, tokens, positions, segment_ids, vision, targets, *, temperature):
             # The trainer's forward (`rl/train_step.policy_logprobs`): no cache, every position's log-prob.
-            model = nnx.merge(graphdef, params)
+            model = nnx.merge(graphdef, jax.tree.unflatten(self._param_def, leaves))
             with activation_sharding(layout):
                 hidden = model(tokens, positions, segment_ids, vision)
                 lp, _ = token_logprobs(model, hidden, targets, chunk_size=SCORE_CHUNK,
@@ -173,7 +250,25 @@ class ModelRunner:
         self._copy_page = jax.jit(forward.copy_page, donate_argnames=("cache",), out_shardings=cache_sh)
         self._copy_state = jax.jit(forward.copy_state, donate_argnames=("cache",), out_shardings=cache_sh)
         self.program_calls: collections.Counter[tuple[Any, ...]] = collections.Counter()
+        self.programs: set[tuple[Any, ...]] = set()  # the compiled programs' keys (several call kinds share one)
+        self._fallbacks: collections.Counter[tuple[int, int, bool]] = collections.Counter()  # `_decode_buckets`
+        # Seconds inside program calls (dispatch until the results are on the host), for the host share of a step.
+        self.decode_program_s = 0.0
+        self.prefill_program_s = 0.0
         self.encoded_images = 0  # images run through the vision tower (a reused prefix skips its images)
+
+    # ------------------------------------------------------------------ parameters
+
+    @property
+    def params(self) -> Any:
+        """The served parameters (an `nnx.State`; shapes only while released)."""
+        return self._params
+
+    @params.setter
+    def params(self, state: Any) -> None:
+        # Flattened once here, not by every program call (nnx flattens each Variable in Python).
+        self._params = state
+        self._param_leaves, self._param_def = jax.tree.flatten(state)
 
     # ------------------------------------------------------------------ memory
 
@@ -219,8 +314,14 @@ class ModelRunner:
 
     @property
     def num_programs(self) -> int:
-        """Distinct compiled programs so far (one per bucket key)."""
-        return len(self.program_calls)
+        """Distinct compiled programs so far (one per bucket key; a prefill and an extend of the same buckets share
+        one)."""
+        return len(self.programs)
+
+    def _call(self, kind: tuple[Any, ...], program: tuple[Any, ...]) -> None:
+        """Count a call of kind `kind` (`program_calls`) running compiled program `program`."""
+        self.program_calls[kind] += 1
+        self.programs.add(program)
 
     def _table_width(self, kv_len: int) -> int:
         """Page-table entries covering a kv-length bucket."""
@@ -233,6 +334,11 @@ class ModelRunner:
         n, w = tables.shape[0], min(tables.shape[1], width)
         out[:n, :w] = tables[:, :w]
         return out
+
+    def prefill_rows_per_call(self, prompt_bucket: int) -> int:
+        """Rows R of the text-only prefill program of `prompt_bucket` tokens: R x bucket <= PREFILL_CALL_TOKENS, at
+        most max_batch and max_prefills_per_step (a function of the bucket alone: no program per admission count)."""
+        return max(1, min(self.config.max_batch, self.config.max_prefills_per_step, PREFILL_CALL_TOKENS // prompt_bucket))
 
     def prefill(
         self,
@@ -247,50 +353,115 @@ class ModelRunner:
         floats: np.ndarray,
         *,
         start: int = 0,
+        copy: tuple[int, int] | None = None,
     ) -> tuple[int, float]:
-        """Prefill `input_ids` [L] (positions [3, L]) into the request's `pages` (its page table, at
-        least ceil(L / page_size) pages) and sample its next token; `slot` is its bias row.
+        """Prefill `input_ids` [L] (positions [3, L]) into the request's `pages` and sample its next token; one
+        `PrefillRow` (see there and `prefill_rows`). bias_row float32 [V] or None (no bias).
+        Returns (token id, its log-prob)."""
+        bias: tuple[tuple[int, float], ...] = ()
+        if bias_row is not None:
+            nonzero = np.flatnonzero(bias_row)
+            bias = tuple(zip(nonzero.tolist(), np.asarray(bias_row, np.float32)[nonzero].tolist()))
+        row = PrefillRow(slot, pages, input_ids, positions, pixel_values, image_grid_thw, ints, floats, start=start,
+                         copy=copy, logit_bias=bias)
+        return self.prefill_rows([self.prepare_prefill(row)])[0]
 
-        start > 0 ("extend"): positions [0, start) of the pages already hold the K/V of
-        input_ids[:start] (a reused prefix, whose images must lie wholly inside it); only [start, L)
-        is computed, into pages the request owns alone, and the vision tower runs only on the images
-        there.
-        ints int32 [6] / floats float32 [3]: the slot's column of `IntRow` / `FloatRow` (token,
-        length and rope_delta are unused here). bias_row float32 [V] or None (no bias).
-        Returns (token id, its log-prob).
-        """
-        total = int(input_ids.shape[0])
+    def prepare_prefill(self, row: PrefillRow) -> _PreparedPrefill:
+        """Pad one request's prompt to its buckets on the host (and build its vision inputs); a ValueError names
+        what does not fit. Nothing runs on the device."""
+        total = int(row.input_ids.shape[0])
+        start = row.start
         if not 0 <= start < total:
             raise ValueError(f"prefill start={start} must lie in [0, {total}) (the last prompt token is always computed)")
+        if len(row.pages) * self.config.page_size < total:
+            raise ValueError(f"{len(row.pages)} pages of {self.config.page_size} tokens cannot hold a prompt of {total} tokens")
         length = total - start
         t = bucket_for(length, self.config.prefill_buckets, "prompt tokens")
-        kv_len = t if start == 0 else bucket_for(total, self.config.kv_buckets, "cached tokens")
-        if len(pages) * self.config.page_size < total:
-            raise ValueError(f"{len(pages)} pages of {self.config.page_size} tokens cannot hold a prompt of {total} tokens")
-        table = self._padded_tables(np.asarray(pages, np.int32)[None], 1, self._table_width(kv_len))[0]
-        tokens = np.zeros((1, t), np.int32)
-        tokens[0, :length] = input_ids[start:]
-        pos = np.zeros((3, 1, t), np.int32)
-        pos[:, 0, :length] = positions[:, start:]
-        pixel_values, image_grid_thw = images_after(input_ids, start, pixel_values, image_grid_thw, self.cfg)
+        # A cold prefill attends to its prompt's kv bucket too: it then shares the extend's program (see the module).
+        kv_len = bucket_for(total, self.config.kv_buckets, "cached tokens")
+        table = self._padded_tables(np.asarray(row.pages, np.int32)[None], 1, self._table_width(kv_len))[0]
+        tokens = np.zeros((t,), np.int32)
+        tokens[:length] = row.input_ids[start:]
+        pos = np.zeros((3, t), np.int32)
+        pos[:, :length] = row.positions[:, start:]
+        pixel_values, image_grid_thw = images_after(row.input_ids, start, row.pixel_values, row.image_grid_thw, self.cfg)
         vision: VisionInputs | None = None
         patch_bucket = None
         if pixel_values is not None:
             patch_bucket = self.config.patch_bucket(int(pixel_values.shape[0]))
             valid = np.zeros((1, t), bool)
             valid[0, :length] = True
-            vision = build_vision_inputs(pixel_values, image_grid_thw, tokens, self.cfg, patch_bucket=patch_bucket, token_valid=valid)
+            vision = build_vision_inputs(pixel_values, image_grid_thw, tokens[None], self.cfg, patch_bucket=patch_bucket,
+                                         token_valid=valid)
             vision = type(vision)(*(None if a is None else np.asarray(a) for a in vision))
-            self.encoded_images += len(image_grid_thw)
-        row = np.zeros((self.vocab_size,), np.float32) if bias_row is None else bias_row.astype(np.float32)
-        key = ("prefill", t, patch_bucket) if start == 0 else ("extend", t, kv_len, patch_bucket)
-        self.program_calls[key] += 1
-        self.cache, self.bias, tok, lp = self._prefill(
-            self.params, self.cache, self.bias, np.int32(slot), table, np.int32(start), tokens, pos, np.int32(length), vision,
-            row, ints[:, None], floats[:, None],
-        )
-        tok, lp = jax.device_get((tok, lp))
-        return int(tok), float(lp)
+        for token, _ in row.logit_bias:
+            if not 0 <= int(token) < self.vocab_size:
+                raise ValueError(f"logit_bias token id {token} is outside the vocabulary [0, {self.vocab_size})")
+        images = 0 if image_grid_thw is None else len(image_grid_thw)
+        return _PreparedPrefill(row, (t, kv_len, patch_bucket), length, tokens, pos, table, vision, images)
+
+    def prefill_rows(self, prepared: Sequence[_PreparedPrefill]) -> list[tuple[int, float]]:
+        """Run prepared prompts (`prepare_prefill`) in order and sample each one's next token; returns (token id,
+        log-prob) per row. Consecutive text-only rows of the same buckets share one program call (up to
+        `prefill_rows_per_call` rows); a prompt with images runs alone. One device->host transfer per call."""
+        out: list[tuple[int, float]] = []
+        i = 0
+        while i < len(prepared):
+            key = prepared[i].key
+            cap = 1 if key[2] is not None else self.prefill_rows_per_call(key[0])
+            j = i + 1
+            while j < len(prepared) and j - i < cap and prepared[j].key == key:
+                j += 1
+            out.extend(self._prefill_call(prepared[i:j], 1 if key[2] is not None else cap))
+            i = j
+        return out
+
+    def _prefill_call(self, rows: Sequence[_PreparedPrefill], width: int) -> list[tuple[int, float]]:
+        """One call of the prefill program of `rows`' buckets, padded to `width` rows."""
+        t, kv_len, patch_bucket = rows[0].key
+        n = len(rows)
+        slots = np.full((width,), self.config.max_batch, np.int32)  # padding rows: bias writes dropped
+        tables = np.full((width, self._table_width(kv_len)), self.config.num_pages, np.int32)
+        starts = np.zeros((width,), np.int32)
+        lengths = np.ones((width,), np.int32)
+        tokens = np.zeros((width, 1, t), np.int32)
+        positions = np.zeros((width, 3, 1, t), np.int32)
+        copies = np.zeros((2, width), np.int32)  # src == dst: no copy
+        entries = max((len(p.row.logit_bias) for p in rows), default=0)
+        k = MIN_BIAS_ENTRIES
+        while k < entries:
+            k *= 2
+        bias_ids = np.full((width, k), self.vocab_size, np.int32)  # padding entries: dropped
+        bias_vals = np.zeros((width, k), np.float32)
+        ints = np.zeros((len(IntRow), width), np.int32)
+        floats = np.zeros((len(FloatRow), width), np.float32)
+        for r, p in enumerate(rows):
+            slots[r] = p.row.slot
+            tables[r] = p.table
+            starts[r] = p.row.start
+            lengths[r] = p.length
+            tokens[r, 0] = p.tokens
+            positions[r, :, 0] = p.positions
+            if p.row.copy is not None:
+                copies[:, r] = p.row.copy
+            for e, (token, value) in enumerate(p.row.logit_bias):
+                bias_ids[r, e], bias_vals[r, e] = token, value
+            ints[:, r] = p.row.ints
+            floats[:, r] = p.row.floats
+        vision = rows[0].vision  # only ever in a one-row call
+        self.encoded_images += sum(p.images for p in rows)
+        for p in rows:
+            kind = ("prefill", t, patch_bucket) if p.row.start == 0 else ("extend", t, kv_len, patch_bucket)
+            self.program_calls[kind] += 1
+        self.programs.add(("prefill", width, t, kv_len, patch_bucket, k))
+        started = time.perf_counter()
+        with exclusive(self.placement.devices):  # device_lock: a trainer sharing these devices waits meanwhile
+            self.cache, self.bias, ids, lps = self._prefill(
+                self._param_leaves, self.cache, self.bias, np.int32(n), slots, tables, starts, tokens, positions,
+                lengths, copies, bias_ids, bias_vals, ints, floats, vision)
+            ids, lps = jax.device_get((ids, lps))
+        self.prefill_program_s += time.perf_counter() - started
+        return [(int(ids[r]), float(lps[r])) for r in range(n)]
 
     def score(self, input_ids: np.ndarray, positions: np.ndarray, pixel_values: np.ndarray | None,
               image_grid_thw: np.ndarray | None, temperature: float) -> np.ndarray:
@@ -316,9 +487,11 @@ class ModelRunner:
                                          token_valid=segment_ids > 0)
             vision = type(vision)(*(None if a is None else np.asarray(a) for a in vision))
             self.encoded_images += len(image_grid_thw)
-        self.program_calls[("score", t, patch_bucket)] += 1
-        lp = self._score(self.params, tokens, pos, segment_ids, vision, targets, temperature=float(temperature))
-        return np.asarray(jax.device_get(lp), np.float32)[: total - 1]
+        self._call(("score", t, patch_bucket), ("score", t, patch_bucket, float(temperature)))
+        with exclusive(self.placement.devices):  # device_lock
+            lp = self._score(self._param_leaves, tokens, pos, segment_ids, vision, targets, temperature=float(temperature))
+            lp = jax.device_get(lp)
+        return np.asarray(lp, np.float32)[: total - 1]
 
     def routed_experts(self, pages: Sequence[int], n: int) -> np.ndarray:
         """int32 [n, num_hidden_layers, top_k]: the experts positions [0, n) of the request with page table
@@ -332,12 +505,12 @@ class ModelRunner:
 
     def copy_page(self, src: int, dst: int) -> None:
         """Copy the K/V of page `src` into page `dst` (a reused, partly shared last page)."""
-        self.program_calls[("copy_page",)] += 1
+        self._call(("copy_page",), ("copy_page",))
         self.cache = self._copy_page(self.cache, np.int32(src), np.int32(dst))
 
     def copy_state(self, src: int, dst: int) -> None:
         """Copy recurrent-state row `src` into row `dst` (rows: slots, then snapshots at `max_batch + i`)."""
-        self.program_calls[("copy_state",)] += 1
+        self._call(("copy_state",), ("copy_state",))
         self.cache = self._copy_state(self.cache, np.int32(src), np.int32(dst))
 
     def decode(
@@ -351,8 +524,7 @@ class ModelRunner:
         int32 [n] and log-probs float32 [n].
         """
         n = int(slots.shape[0])
-        b = bucket_for(n, self.config.batch_buckets, "running requests")
-        kv_len = bucket_for(int(ints[IntRow.LENGTH].max()) + 1, self.config.kv_buckets, "cached tokens")
+        b, kv_len = self._decode_buckets(n, int(ints[IntRow.LENGTH].max()) + 1, filtered)
         batch_slots = np.zeros((b,), np.int32)
         batch_slots[:n] = slots
         batch_tables = self._padded_tables(tables, b, self._table_width(kv_len))  # padding rows: no page, writes dropped
@@ -360,11 +532,32 @@ class ModelRunner:
         batch_ints[:, :n] = ints
         batch_floats = np.zeros((floats.shape[0], b), np.float32)
         batch_floats[:, :n] = floats
-        self.program_calls[("decode", b, kv_len, filtered)] += 1
-        self.cache, ids, lps = self._decode(self.params, self.cache, self.bias, batch_slots, batch_tables, batch_ints,
-                                            batch_floats, filtered=filtered)
-        ids, lps = jax.device_get((ids, lps))
+        self._call(("decode", b, kv_len, filtered), ("decode", b, kv_len, filtered))
+        started = time.perf_counter()
+        with exclusive(self.placement.devices):  # device_lock
+            self.cache, ids, lps = self._decode(self._param_leaves, self.cache, self.bias, batch_slots, batch_tables,
+                                                batch_ints, batch_floats, filtered=filtered)
+            ids, lps = jax.device_get((ids, lps))
+        self.decode_program_s += time.perf_counter() - started
         return np.asarray(ids)[:n], np.asarray(lps)[:n]
+
+    def _decode_buckets(self, n: int, kv_needed: int, filtered: bool) -> tuple[int, int]:
+        """(batch bucket, kv-length bucket) of a decode step of `n` rows attending to `kv_needed` positions: the
+        buckets' own program when it is compiled; else, for the first FALLBACK_STEPS such steps, the cheapest
+        compiled program that covers them (more rows, a longer kv span: padding rows are dropped and the keys past
+        each row's length masked); else the buckets' program, compiled now. A ramp of requests arriving one by one
+        thus runs on the programs the warm-up compiled instead of compiling the bucket of every size it passes
+        through (a compilation stalls every running request for a second or more on a CPU)."""
+        b = bucket_for(n, self.config.batch_buckets, "running requests")
+        kv_len = bucket_for(kv_needed, self.config.kv_buckets, "cached tokens")
+        if ("decode", b, kv_len, filtered) in self.programs or self._fallbacks[(b, kv_len, filtered)] >= FALLBACK_STEPS:
+            return b, kv_len
+        covering = [(key[1], key[2]) for key in self.programs
+                    if key[0] == "decode" and key[3] == filtered and key[1] >= n and key[2] >= kv_needed]
+        if not covering:
+            return b, kv_len
+        self._fallbacks[(b, kv_len, filtered)] += 1
+        return min(covering, key=lambda key: key[0] * key[1])
 
     # ------------------------------------------------------------------ weights
 

@@ -1,8 +1,9 @@
 """Continuous batching: one thread that admits, prefills, decodes and finishes requests.
 
 Every loop iteration (1) applies the typed messages of its inbox (`inbox.py`: requests, aborts, control), (2) runs a
-pending weight update once nothing is decoding, (3) admits waiting requests (one prefill each,
-which samples their first token) and (4) runs ONE decode step for every running request. Requests
+pending weight update once nothing is decoding, (3) admits waiting requests (their prefills
+run together: the text-only prompts of the same buckets in one program call, each sampling its first token) and
+(4) runs ONE decode step for every running request. Requests
 therefore join and leave between decode steps. A decode batch holds only the running requests
 (padded to a batch bucket).
 
@@ -26,7 +27,8 @@ Stop rules follow SGLang's `Req.check_finished`, in its order: abort, then `max_
 tail of the output.
 
 All methods except the `submit` / `abort` / `call` / `stop` entry points run on the scheduler
-thread; results leave through each request's `on_finish(GenerateOutput)` callback.
+thread; results leave through each request's `on_finish(GenerateOutput)` callback. `timing` (`StepTiming`) keeps
+the wall seconds of decode steps and admissions, for the host share that benchmarks report.
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ from jaxrl_vlm.engine.prefix_cache import (
     tail_key,
 )
 from jaxrl_vlm.engine.protocol import GenerateOutput, GenerateRequest
-from jaxrl_vlm.engine.runner import FloatRow, IntRow, ModelRunner
+from jaxrl_vlm.engine.runner import FloatRow, IntRow, ModelRunner, PrefillRow
 from rollout.sglang_wire import (
     FinishReason,
     IN_MEMORY_LOAD_FORMAT,
@@ -110,6 +112,17 @@ class ActiveRequest:
         return self.request.rid
 
 
+@dataclass(eq=False)
+class _Admission:
+    """A request admitted this iteration whose prefill has not run yet (`Scheduler._run_admissions`)."""
+
+    seq: ActiveRequest
+    prepared: Any  # runner._PreparedPrefill
+    reused: int  # prompt tokens served by the prefix cache
+    computed: int  # prompt tokens prefilled
+    resumed: bool  # a retracted request: its next token is its last output, not a sampled one
+
+
 @dataclass
 class EngineStats:
     """Counters for tests and benchmarks (not timing): a batched engine has far fewer decode
@@ -130,6 +143,18 @@ class EngineStats:
     prefix_evictions: int = 0  # cached pages evicted to make room
     prefix_invalidations: int = 0  # times the prefix cache was dropped (weights, flush, failures)
     retractions: int = 0  # running requests sent back to the queue for lack of KV pages
+
+
+@dataclass
+class StepTiming:
+    """Wall seconds of the scheduler's work, for benchmarks: decode steps (page growth, padding, the program call,
+    output handling) and admissions (page matching, preparing and running prefills). With the runner's
+    `decode_program_s` (inside decode program calls, dispatch to results on the host) it gives the host's share
+    of a decode step."""
+
+    decode_steps: int = 0
+    decode_s: float = 0.0
+    admit_s: float = 0.0
 
 
 class Scheduler:
@@ -154,6 +179,7 @@ class Scheduler:
         self.max_batch = runner.config.max_batch
         self.max_seq_len = runner.config.max_seq_len
         self.stats = EngineStats()
+        self.timing = StepTiming()
         self._rng = np.random.default_rng(runner.config.seed)
         self._inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self._waiting: deque[ActiveRequest] = deque()
@@ -228,9 +254,14 @@ class Scheduler:
                 if self._stop:
                     break
                 self._run_weight_updates()
+                started = time.perf_counter()
                 self._admit()
+                admitted = time.perf_counter()
+                self.timing.admit_s += admitted - started
                 if self._running and self._paused is not PauseMode.IN_PLACE:
                     self._decode_step()
+                    self.timing.decode_steps += 1
+                    self.timing.decode_s += time.perf_counter() - admitted
         except BaseException as exc:  # the thread must not die silently: record it and fail everyone
             logger.exception("engine scheduler crashed")
             self.error = exc
@@ -338,6 +369,7 @@ class Scheduler:
         if self._paused or self._updates or not self.runner.resident:
             return
         admitted = 0
+        batch: list[_Admission] = []
         while self._waiting and self._has_free_slot() and admitted < self.runner.config.max_prefills_per_step:
             seq = self._waiting[0]
             if seq.request.scores_prompt:  # one forward, no pages: it waits (pause, weight update) like a prefill
@@ -347,12 +379,15 @@ class Scheduler:
                 continue
             slot = None
             try:
-                start = self._take_pages(seq)
-                if start is None:
+                taken = self._take_pages(seq)
+                if taken is None:
                     break  # in arrival order: wait until running requests free pages
                 self._waiting.popleft()
                 slot = heapq.heappop(self._free)
-                self._prefill(seq, slot, start)
+                batch.append(self._start_prefill(seq, slot, *taken))
+                if self._snapshots is not None:  # recurrent state moves between rows: each prefill runs at once
+                    self._run_admissions(batch)
+                    batch = []
             except Exception as exc:  # a failed prefill fails that request, not the server
                 logger.exception("prefill of %s failed", seq.rid)
                 if self._waiting and self._waiting[0] is seq:
@@ -367,7 +402,37 @@ class Scheduler:
                 self._invalidate_prefix_cache()
                 self._finish(seq, None, error=f"prefill failed: {type(exc).__name__}: {exc}")
             admitted += 1
+        self._run_admissions(batch)
         self.stats.prefix_evictions = self._pages.evictions
+
+    def _run_admissions(self, batch: list[_Admission]) -> None:
+        """Run the prefills of `batch` (admission order; `ModelRunner.prefill_rows` calls one program per run of
+        text prompts) and give each request its first token; a failed program fails every request of `batch`."""
+        if not batch:
+            return
+        try:
+            results = self.runner.prefill_rows([a.prepared for a in batch])
+        except Exception as exc:
+            logger.exception("prefill of %s failed", ", ".join(a.seq.rid for a in batch))
+            self._invalidate_prefix_cache()  # the cache was donated to the failed program
+            for a in batch:
+                seq = a.seq
+                if seq.slot is not None and self._running.get(seq.slot) is seq:
+                    del self._running[seq.slot]
+                    self._release(seq.slot, seq, cache=False)
+                seq.slot = None
+                self._finish(seq, None, error=f"prefill failed: {type(exc).__name__}: {exc}")
+            return
+        self.stats.encoded_images = self.runner.encoded_images
+        for a, (token, logprob) in zip(batch, results):
+            self.stats.prefills += 1
+            self.stats.prefix_hits += int(a.reused > 0)
+            self.stats.cached_tokens += a.reused
+            self.stats.prefilled_tokens += a.computed
+            if a.resumed:
+                self._set_next(a.seq, a.seq.output_ids[-1])
+            else:
+                self._append(a.seq, token, logprob)
 
     def _score(self, seq: ActiveRequest) -> None:
         """Answer a prompt-scoring request (logprob_start_len >= 0, max_new_tokens 0): the log-prob of every prompt
@@ -387,11 +452,14 @@ class Scheduler:
         start = seq.request.logprob_start_len
         self._finish(seq, FinishReason.at_length(0), input_logprobs=list(zip(values[start:], ids[start:])))
 
-    def _take_pages(self, seq: ActiveRequest) -> int | None:
+    def _take_pages(self, seq: ActiveRequest) -> tuple[int, tuple[int, int] | None] | None:
         """Give `seq` the pages of its longest cached prefix and fresh pages for the rest of its prompt
-        and its first decoded token; returns the cached prefix's length in tokens, or None (nothing
+        and its first decoded token; returns the cached prefix's length in tokens and the page copy its
+        prefill starts with ((src, dst): the partly shared last page of that prefix, or None), or None (nothing
         changed) when that would leave less than one free page per running request that may still
-        need one (without that headroom a new request would be retracted at the next page boundary)."""
+        need one (without that headroom a new request would be retracted at the next page boundary).
+        The copy's source may be evicted once this returns: a later admission that takes it over writes it in a
+        later prefill row, after this one's copy has run."""
         ids = self._cached_sequence(seq)
         total = ids.shape[0]
         ps = self.page_size
@@ -416,11 +484,9 @@ class Scheduler:
             fresh = self._pages.allocate(need)
             assert fresh is not None, "available() promised these pages"
             seq.pages = reused + fresh
-            if source:
-                self.runner.copy_page(source[0], fresh[0])
         finally:
             self._pages.release(source)
-        return reuse
+        return reuse, ((source[0], fresh[0]) if source else None)
 
     def _may_grow(self, seq: ActiveRequest) -> bool:
         """Whether a running request may still write past its pages (before its token budget ends)."""
@@ -460,9 +526,10 @@ class Scheduler:
                                         cfg.image_token_id, cfg.vision.spatial_merge_size)
         return prompt.images
 
-    def _prefill(self, seq: ActiveRequest, slot: int, start: int) -> None:
-        """Run `seq` in `slot` with the pages `_take_pages` gave it: reuse the K/V of its cached
-        prefix, prefill the rest, sample its first token and offer its full prompt pages to the tree."""
+    def _start_prefill(self, seq: ActiveRequest, slot: int, start: int, copy: tuple[int, int] | None) -> _Admission:
+        """Put `seq` in `slot` with the pages `_take_pages` gave it, its prefill prepared (the K/V of its cached
+        prefix reused, the rest to compute) and its full prompt pages offered to the tree, so that the group's
+        other samples, admitted next, reuse them (their prefill rows run after this one's)."""
         req, params = seq.request, seq.request.params
         prompt = req.prompt
         ids, positions = prompt.input_ids, prompt.positions
@@ -481,23 +548,13 @@ class Scheduler:
         self._floats[FloatRow.TOP_P, slot] = params.top_p
         self._floats[FloatRow.MIN_P, slot] = params.min_p
         self._filtered[slot] = params.needs_filter
-        bias_row = None
-        if params.logit_bias:
-            bias_row = np.zeros((self.runner.vocab_size,), np.float32)
-            for token, value in params.logit_bias:
-                bias_row[token] += value
+        bias = tuple(params.logit_bias)
         reused = start  # served by the prefix cache (the rest is computed, in one or two parts)
         if self._snapshots is not None:
-            start = self._prefill_to_snapshot(seq, slot, ids, positions, bias_row, start)
-        token, logprob = self.runner.prefill(
-            slot, seq.pages, ids, positions, prompt.pixel_values, prompt.image_grid_thw, bias_row,
-            self._ints[:, slot], self._floats[:, slot], start=start,
-        )
-        self.stats.prefills += 1
-        self.stats.prefix_hits += int(reused > 0)
-        self.stats.cached_tokens += reused
-        self.stats.prefilled_tokens += ids.shape[0] - reused
-        self.stats.encoded_images = self.runner.encoded_images
+            start, copy = self._prefill_to_snapshot(seq, slot, ids, positions, bias, start, copy)
+        prepared = self.runner.prepare_prefill(PrefillRow(
+            slot, seq.pages, ids, positions, prompt.pixel_values, prompt.image_grid_thw, self._ints[:, slot].copy(),
+            self._floats[:, slot].copy(), start=start, copy=copy, logit_bias=bias))
         seq.cached_tokens += reused
         seq.cache_epoch = self._cache_epoch
         seq.slot = slot
@@ -507,10 +564,7 @@ class Scheduler:
         self._tables[slot, : len(seq.pages)] = seq.pages
         self._table_len[slot] = len(seq.pages)
         self._cache_pages(seq, ids)  # the group's other samples, admitted next, reuse the prompt
-        if resumed:
-            self._set_next(seq, seq.output_ids[-1])
-        else:
-            self._append(seq, token, logprob)
+        return _Admission(seq, prepared, reused, ids.shape[0] - reused, resumed)
 
     def _grow_pages(self) -> None:
         """Give every running request the page its next decoded token is written to, retracting the
@@ -597,24 +651,27 @@ class Scheduler:
         return None
 
     def _prefill_to_snapshot(self, seq: ActiveRequest, slot: int, ids: np.ndarray, positions: np.ndarray,
-                             bias_row: np.ndarray | None, start: int) -> int:
+                             bias: tuple[tuple[int, float], ...], start: int,
+                             copy: tuple[int, int] | None) -> tuple[int, tuple[int, int] | None]:
         """A family with recurrent state: the slot continues from its reused prefix's snapshot, and the prompt but
         its last token is prefilled first, its state kept as a snapshot (so the group's other samples, whose
-        prompt is the same, prefill only that last token). Returns where the rest of the prefill starts."""
+        prompt is the same, prefill only that last token). Returns where the rest of the prefill starts and the
+        page copy it still has to make (None once this part made it)."""
         if start > 0:
             self.runner.copy_state(seq.state_row, slot)
         cut = ids.shape[0] - 1
         if start >= cut or cut_before_images(cut, self._images(seq)) != cut:
-            return start
+            return start, copy
         row = self._snapshots.reserve(ids, self._images(seq), cut)
         if row is None:
-            return start
+            return start, copy
         prompt = seq.request.prompt
         # The token this part samples is not used: the last prompt token's logits come from the second part.
-        self.runner.prefill(slot, seq.pages, ids[:cut], positions[:, :cut], prompt.pixel_values, prompt.image_grid_thw,
-                            bias_row, self._ints[:, slot], self._floats[:, slot], start=start)
+        self.runner.prefill_rows([self.runner.prepare_prefill(PrefillRow(
+            slot, seq.pages, ids[:cut], positions[:, :cut], prompt.pixel_values, prompt.image_grid_thw,
+            self._ints[:, slot].copy(), self._floats[:, slot].copy(), start=start, copy=copy, logit_bias=bias))])
         self.runner.copy_state(slot, row)
-        return cut
+        return cut, None
 
     def _snapshot_state(self, slot: int, seq: ActiveRequest) -> None:
         """Keep the recurrent state of a request that stops with its state intact: a later turn of the same

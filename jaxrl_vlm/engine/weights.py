@@ -302,7 +302,18 @@ def place_weights(sources: list[Any], targets: list[Any], via_dtype: Any = None,
     if len(devices) == 1 and all(isinstance(x, jax.Array) for x in sources):
         return _cast_copy_program(tuple(jnp.dtype(t.dtype) for t in targets), tuple(shardings))(sources)
     cast = [x if x.dtype == t.dtype else jnp.asarray(x, t.dtype) for x, t in zip(sources, targets)]
-    return jax.device_put(cast, shardings, may_alias=False)
+    placed = jax.device_put(cast, shardings, may_alias=False)
+    # jax 0.10.2 hands back the source's own per-device buffers when every target device already holds a whole copy
+    # (an array replicated over the trainer's 8 devices, put on an engine's 2), even with may_alias=False: the next
+    # train step then donates them under the engine, which crashes on deleted buffers (issue 49;
+    # tests/test_one_process_devices.py). The caller's own arrays get a real copy on the target devices.
+    kept = [i for i, (c, x) in enumerate(zip(cast, sources)) if c is x and isinstance(x, jax.Array)]
+    if kept:
+        copies = _cast_copy_program(tuple(jnp.dtype(targets[i].dtype) for i in kept),
+                                    tuple(shardings[i] for i in kept))([placed[i] for i in kept])
+        for i, copy in zip(kept, copies):
+            placed[i] = copy
+    return placed
 
 
 # ---------------------------------------------------------------------------------------------------- weight deltas

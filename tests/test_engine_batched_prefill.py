@@ -1,0 +1,122 @@
+"""The engine's multi-row prefill and its fixed set of programs (issue 48).
+
+* Prompts admitted together run in one prefill program call (a loop over their rows on the device): the tokens,
+  log-probs and K/V pages it gives equal those of one call per prompt, in the same order, including a row that
+  reuses the pages an earlier row of the same call wrote (a prefix hit with its copied last page).
+* After one warm-up round at a concurrency, repeating that round compiles nothing: a cold prefill and the prefix
+  hits of later rounds share one program, and decode steps while requests arrive one by one borrow the programs the
+  warm-up compiled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import pytest
+
+from jaxrl_vlm.engine import EmbeddedEngine, EngineOptions
+from jaxrl_vlm.engine.runner import FloatRow, IntRow, ModelRunner, PrefillRow
+from jaxrl_vlm.models import from_hf
+from rollout.client import SGLangClient
+
+PAGE = 16
+MAX_SEQ = 128
+
+
+def _columns(temperature: float = 0.0, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    ints = np.zeros((len(IntRow),), np.int32)
+    ints[IntRow.TOP_K] = -1
+    ints[IntRow.SEED] = seed
+    floats = np.zeros((len(FloatRow),), np.float32)
+    floats[FloatRow.TEMPERATURE] = temperature
+    floats[FloatRow.TOP_P] = 1.0
+    return ints, floats
+
+
+def _rows(vocab: int) -> list[PrefillRow]:
+    """A 40-token prompt, then four of 5 to 32 tokens (one prompt bucket of 32) in pages of their own, then a sixth
+    that extends the 32-token one: its first 20 tokens reuse that prompt's page 0 and a copy of its page 1 (which
+    holds 4 of them), and 9 more are computed."""
+    rng = np.random.default_rng(0)
+    rows, next_page = [], 0
+    for slot, n in enumerate([40, 5, 17, 30, 32]):
+        ids = rng.integers(0, vocab - 8, size=n).astype(np.int32)
+        pages = list(range(next_page, next_page + -(-(n + 1) // PAGE)))
+        next_page = pages[-1] + 1
+        ints, floats = _columns(*((1.0, 7) if slot == 3 else (0.0, 0)))  # one sampled row, seeded
+        bias = ((3, 2.5), (3, 0.5), (11, -1.0)) if slot == 2 else ()  # repeated ids add up
+        rows.append(PrefillRow(slot, pages, ids, np.broadcast_to(np.arange(n, dtype=np.int32), (3, n)), None, None,
+                               ints, floats, logit_bias=bias))
+    base = rows[4]
+    ids = np.concatenate([base.input_ids[:20], rng.integers(0, vocab - 8, size=9).astype(np.int32)])
+    own = [next_page, next_page + 1]
+    ints, floats = _columns()
+    rows.append(PrefillRow(5, [base.pages[0], *own], ids, np.broadcast_to(np.arange(29, dtype=np.int32), (3, 29)),
+                           None, None, ints, floats, start=20, copy=(base.pages[1], own[0])))
+    return rows
+
+
+def _kv(runner: ModelRunner, pages: list[int], n: int) -> tuple[np.ndarray, np.ndarray]:
+    """K and V [layers, n, kv_heads, head_dim] of positions [0, n) under page table `pages`."""
+    k, v = (np.asarray(getattr(runner.cache, part)[:, np.asarray(pages)]) for part in ("k", "v"))
+    flat = lambda a: a.reshape(a.shape[0], -1, *a.shape[3:])[:, :n]  # noqa: E731
+    return flat(k), flat(v)
+
+
+def test_prompts_prefilled_in_one_call_equal_one_call_each(tiny_hf_checkpoint: Path):
+    config = EngineOptions(max_batch=8, max_seq_len=MAX_SEQ, min_prefill_bucket=32, min_kv_bucket=MAX_SEQ,
+                           page_size=PAGE)
+    model = from_hf(str(tiny_hf_checkpoint))
+    together, alone = ModelRunner(model, config, ()), ModelRunner(model, config, ())
+    rows = _rows(together.vocab_size)
+    calls: list[int] = []
+    program = together._prefill
+    together._prefill = lambda *args: calls.append(int(args[3])) or program(*args)  # args[3]: the rows it runs
+
+    batched = together.prefill_rows([together.prepare_prefill(r) for r in rows])
+    single = [alone.prefill_rows([alone.prepare_prefill(r)])[0] for r in rows]
+
+    # The 40-token prompt runs alone; the next rows, one prompt bucket (32 tokens; the extension computes 9), share a call.
+    assert calls == [1, 5]
+    assert [t for t, _ in batched] == [t for t, _ in single]
+    np.testing.assert_allclose([lp for _, lp in batched], [lp for _, lp in single], atol=1e-5)
+    for r in rows:
+        n = len(r.input_ids)
+        for got, want in zip(_kv(together, list(r.pages), n), _kv(alone, list(r.pages), n)):
+            np.testing.assert_allclose(got, want, atol=1e-5)
+    # The extension attends to the prefix another row of its call wrote: its K/V there is that prompt's.
+    base, ext = rows[4], rows[5]
+    for got, want in zip(_kv(together, list(ext.pages), 20), _kv(alone, list(base.pages), 20)):
+        np.testing.assert_allclose(got, want, atol=1e-5)
+    # The logit bias entered the bias row of its slot (the decode steps read it from there).
+    bias = np.asarray(together.bias[2])
+    assert bias[3] == pytest.approx(3.0) and bias[11] == pytest.approx(-1.0) and np.count_nonzero(bias) == 2
+
+
+async def _round(url: str, prompt: list[int], concurrency: int, new_tokens: int) -> list[Any]:
+    params = {"temperature": 0.0, "max_new_tokens": new_tokens, "ignore_eos": True}
+    async with SGLangClient(url, timeout_s=120) as client:
+        return await asyncio.gather(*(client.generate(prompt, sampling_params=params) for _ in range(concurrency)))
+
+
+def test_repeated_rounds_after_a_warm_up_round_compile_nothing(tiny_hf_checkpoint: Path):
+    compiles: list[str] = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, _s, **_k: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None)
+    config = EngineOptions(max_batch=32, max_seq_len=MAX_SEQ, min_kv_bucket=MAX_SEQ)
+    prompt = list(range(40, 67))  # 27 tokens: one whole page, and a partly filled one a prefix hit copies
+    with EmbeddedEngine(str(tiny_hf_checkpoint), config=config) as engine:
+        runner = engine.engine.runner
+        for c in (1, 8, 32):
+            first = asyncio.run(_round(engine.url, prompt, c, 6))  # warm-up: compiles what this concurrency needs
+            programs, compiled = set(runner.programs), len(compiles)
+            for _ in range(2):
+                again = asyncio.run(_round(engine.url, prompt, c, 6))
+                assert [r.output_ids for r in again] == [r.output_ids for r in first]
+                assert all(r.cached_tokens > 0 for r in again)  # every repeat is a prefix hit
+            assert runner.programs == programs, f"concurrency {c}: compiled {runner.programs - programs} after warm-up"
+            assert len(compiles) == compiled, f"concurrency {c}: {len(compiles) - compiled} compilations after warm-up"
