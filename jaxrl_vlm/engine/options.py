@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from jaxrl_vlm.devices import parse_device_ids
-from rollout.options import NamesOf, RolloutOptions, bound_error, opt, option_of
+from jaxrl_vlm.models.config import ATTENTION_IMPLS
+from rollout.options import RolloutOptions, bound_error, opt, option_of
 from rollout.processing import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS, ImageReadPolicy
 from rollout.sglang_wire import DEFAULT_MAX_N
 
@@ -81,7 +82,7 @@ class EngineOptions:
         "xla", "Attention of the engine's model: xla (and ring) gather each request's KV pages into a dense array for "
         "decode; pallas_gpu / pallas_tpu decode with a paged kernel that reads the pages in place (Triton / Mosaic; "
         "Pallas' interpreter on a CPU backend; tp_size 1 only). In a run: the trainer's --attention-impl.",
-        choices=NamesOf("jaxrl_vlm.models.layers", "ATTENTION_IMPLS"), key="attention_impl")
+        choices=ATTENTION_IMPLS, key="attention_impl")
     seed: int = option_of(RolloutOptions, "rollout_seed", "Draws the seed of requests that carry no sampling_seed.")
     max_prefills_per_step: int = opt(64, "Admissions between two decode steps.", ge=1)
     page_size: int = opt(16, "Tokens per KV-cache page (SGLang's page_size); a shared prefix shares its whole pages "

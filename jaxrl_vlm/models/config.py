@@ -27,6 +27,10 @@ from typing import Any, ClassVar
 from jaxrl_vlm.errors import ConfigError
 from jaxrl_vlm.models.families import FAMILIES, Family, register
 
+#: The attention implementations a model can be built with (`--attention-impl`; models/layers.py says what each
+#: does). Here, in a module without jax, so that option checks never import jax (an env host, `jaxrl-vlm config`).
+ATTENTION_IMPLS = ("xla", "pallas_gpu", "pallas_tpu", "ring")
+
 _SUPPORTED_TEXT_ACTS = ("silu",)
 _SUPPORTED_VISION_ACTS = ("gelu_pytorch_tanh", "gelu", "silu", "quick_gelu")
 

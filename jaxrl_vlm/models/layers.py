@@ -51,14 +51,13 @@ from jaxrl_vlm.models.activation_sharding import (
     TEXT_MASK,
     constrain,
 )
-from jaxrl_vlm.models.config import ModelConfig, VisionConfig
+from jaxrl_vlm.models.config import ATTENTION_IMPLS, ModelConfig, VisionConfig
 from jaxrl_vlm.models.families import PolicyModel
 from jaxrl_vlm.models.flash_attention import IMPLS as FUSED_IMPLS, flash_attention
 from jaxrl_vlm.models.remat import POLICIES, RematPlan
 from jaxrl_vlm.models.ring_attention import ring_attention
 from jaxrl_vlm.models.rope import mrope_frequency_axis, rope_inv_freq
 
-ATTENTION_IMPLS = ("xla", "pallas_gpu", "pallas_tpu", "ring")
 _NEG_INF = float(np.finfo(np.float32).min)
 
 
