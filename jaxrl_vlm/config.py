@@ -61,6 +61,7 @@ from rollout.options import (
     check_template,
     opt,
     option_of,
+    privileged_problem,
 )
 
 
@@ -1166,8 +1167,6 @@ def _validate_hooks(cfg: Config) -> None:
     if problem:
         raise ConfigError(problem)
     if r.use_opd and r.opd_type == "self":
-        from rollout.privileged import privileged_problem
-
         problem = privileged_problem(r.opsd_privileged_field, r.opsd_privileged_template)
         if problem:
             raise ConfigError(problem)

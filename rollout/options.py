@@ -60,6 +60,23 @@ class NamesOf(Collection[str]):
         return len(self._names())
 
 
+LABEL_FIELD = "label"  # --opsd-privileged-field: the dataset row's label (or label.NAME: one key of it)
+
+
+def privileged_problem(field: str, template: str) -> str | None:
+    """What is wrong with --opsd-privileged-field / --opsd-privileged-template, in words (None: nothing)."""
+    if field != LABEL_FIELD and not (field.startswith(LABEL_FIELD + ".") and len(field) > len(LABEL_FIELD) + 1):
+        return (f"--opsd-privileged-field {field!r}: use 'label' (the dataset row's label) or 'label.NAME' (a key "
+                "of a dict label)")
+    try:
+        template.format(privileged="x")
+    except (KeyError, IndexError, ValueError) as e:
+        return f"--opsd-privileged-template {template!r} is not a format string with only a {{privileged}} slot ({e})"
+    if "{privileged}" not in template:
+        return f"--opsd-privileged-template {template!r} has no {{privileged}} slot"
+    return None
+
+
 def option_of(owner: type, name: str, help: str) -> Any:
     """The option `name` declared by the dataclass `owner`, offered by another component under its own help text:
     its default, choices and bounds are read from `owner`'s field, so they are written once, and the run config

@@ -14,9 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollout.encoding import ChatEncoder, prompt_with_opening
+from rollout.options import LABEL_FIELD, privileged_problem
 from rollout.sample import Sample
-
-LABEL_FIELD = "label"
 
 
 class PrivilegedFieldError(KeyError):
@@ -57,20 +56,6 @@ class PrivilegedView:
         message = {"role": "user", "content": [{"type": "text", "text": self.text(sample)}]}
         seg = encoder.encode_prompt(prompt_with_opening(prompt, message), tools=sample.metadata.get("tools"))
         return list(seg.train_ids)
-
-
-def privileged_problem(field: str, template: str) -> str | None:
-    """What is wrong with --opsd-privileged-field / --opsd-privileged-template, in words (None: nothing)."""
-    if field != LABEL_FIELD and not (field.startswith(LABEL_FIELD + ".") and len(field) > len(LABEL_FIELD) + 1):
-        return (f"--opsd-privileged-field {field!r}: use 'label' (the dataset row's label) or 'label.NAME' (a key "
-                "of a dict label)")
-    try:
-        template.format(privileged="x")
-    except (KeyError, IndexError, ValueError) as e:
-        return f"--opsd-privileged-template {template!r} is not a format string with only a {{privileged}} slot ({e})"
-    if "{privileged}" not in template:
-        return f"--opsd-privileged-template {template!r} has no {{privileged}} slot"
-    return None
 
 
 def _short(value: Any, limit: int = 80) -> str:

@@ -23,17 +23,15 @@ import logging
 from collections import Counter
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from rollout.client import SGLangClient
 from rollout.encoding import ChatEncoder
 from rollout.options import MultiTurnOptions, RolloutOptions
 from rollout.rewards import RewardSettings
 from rollout.sample import Sample, Status
+from rollout.privileged import PrivilegedView
 from rollout.teacher import TeacherScorer
-
-if TYPE_CHECKING:
-    from rollout.privileged import PrivilegedView
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +60,7 @@ class RolloutContext:
     # --use-opd: the teacher that scores each finished episode (rollout/teacher.py); None without distillation.
     teacher: TeacherScorer | None = None
     # --opd-type self: renders each finished episode's privileged prompt (rollout/privileged.py); None otherwise.
-    privileged: "PrivilegedView | None" = None
+    privileged: PrivilegedView | None = None
 
     @property
     def reward_fn(self) -> Callable[[str, Any], float] | None:

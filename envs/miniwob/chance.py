@@ -19,6 +19,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from envs.miniwob.browser import TASK_HEIGHT, TASK_WIDTH, BrowserPool, Screen
+from envs.miniwob.env import MiniWoBEnv
+from envs.miniwob.synthetic import page_seed
 from envs.miniwob.tasks import COORD_MAX, TASKS, scripted_reply, to_normalized
 
 Policy = Callable[[str, Screen, np.random.Generator], str]
@@ -69,7 +71,6 @@ POLICIES: dict[str, Policy] = {"random": random_click, "blind centre": blind_cli
 
 def success_rate(task: str, seeds: Sequence[int], policy: Policy, pool: BrowserPool, rng_seed: int = 0) -> float:
     """Fraction of the pages `seeds` of `task` where `policy`'s one click succeeds (raw reward > 0), in Chromium."""
-    from envs.miniwob.env import MiniWoBEnv
 
     successes = 0
     for seed in seeds:
@@ -98,7 +99,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"click-test, one click (exact, from the page generator): random clicks succeed {random:.3f}, the best "
               f"fixed blind click (click({bx}, {by})) {best:.3f}.")
         return 0
-    from envs.miniwob.synthetic import page_seed
 
     seeds = [page_seed(ns.seed, i) for i in range(ns.rows)]
     pool = BrowserPool(1)
