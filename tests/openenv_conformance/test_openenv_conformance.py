@@ -77,7 +77,7 @@ def _sweep():
 
 async def test_openenv_client_drives_env_serve_of_miniwob():
     if not (os.environ.get("MINIWOB_CHROMEDRIVER") or shutil.which("chromedriver")):
-        pytest.skip("no chromedriver: apt-get install chromium chromium-driver (.ci/run's browser step installs them)")
+        pytest.fail("no chromedriver: apt-get install chromium chromium-driver (.ci/run's browser step installs them)")
     port = _free_port()
     server = subprocess.Popen([ENV_SERVE, "env-serve", "envs.miniwob", "--port", str(port), "--max-sessions", "2",
                                "--max-turns", "30"], cwd=ROOT)
