@@ -138,6 +138,10 @@ def test_train_names_a_checkpoint_without_vision_config_or_without_config_json(i
                       f"{inputs.no_vision}/config.json", "vision_config")
     fails_in_one_line(capsys, ["train", "--hf-checkpoint", inputs.no_config, "--output-dir", inputs.out],
                       f"--hf-checkpoint {inputs.no_config}: no config.json")
+    # A warm start whose run has not happened yet (configs/zoom_tiny.yaml before configs/zoom_sft_tiny.yaml).
+    export = inputs.no_config / "sft_run" / "final_model"
+    fails_in_one_line(capsys, ["train", "--hf-checkpoint", export, "--output-dir", inputs.out],
+                      f"--hf-checkpoint {export}: no config.json yet", f"the run in {export.parent}: run that config")
 
 
 def test_serve_names_a_checkpoint_without_vision_config_or_without_config_json(inputs, capsys):

@@ -32,6 +32,10 @@ def prepare_model(cfg: Config) -> Path:
     model_dir = Path(cfg.model.hf_checkpoint)
     if not (model_dir / "config.json").exists():
         if not cfg.model.make_tiny:
+            if model_dir.name == "final_model":  # another run's export: a warm start whose run has not happened
+                raise CheckpointError(f"--hf-checkpoint {model_dir}: no config.json yet. It is the final export of "
+                                      f"the run in {model_dir.parent}: run that config first (an SFT warm start: "
+                                      "the RL config's header names it), or point --hf-checkpoint elsewhere")
             raise CheckpointError(f"--hf-checkpoint {model_dir}: no config.json (an HF model directory; set "
                                   "--make-tiny to create a tiny random model there)")
         logger.info("creating a tiny random %s at %s", cfg.model.make_tiny_arch, model_dir)
