@@ -203,6 +203,15 @@ def _new_group(prompts: PromptTaker, n: int) -> _Group:
     return _Group(group_index, prompt, make_group(prompt, group_index, n))
 
 
+def count_restored_drops(state: DriverState, result: RolloutResult) -> list[tuple[int, str]]:
+    """Count the groups a checkpoint says were dropped whole before their batch (`DriverState.dropped_groups`) in
+    `result`, so the resumed run reports them; returns and clears them."""
+    restored, state.dropped_groups = state.dropped_groups, []
+    for _, reason in restored:
+        result.dropped[reason] += 1
+    return restored
+
+
 def keep_group(group: list[Sample], dynamic_filter: str | None, result: RolloutResult,
                custom_filter: Hook | None = None, args: Any = None) -> list[Sample] | None:
     """Apply the failure policy, the dynamic filter and then `--dynamic-sampling-filter-path` (called as slime
@@ -440,6 +449,7 @@ async def rollout_step(run: RolloutRun, rollout_id: int, data_source: PromptSour
                        lambda prompt: prompt_train_length(ctx, prompt))
 
     pending: list[_Group] = []
+    count_restored_drops(state, result)
     carried_groups, state.partial_groups = state.partial_groups, []
     if hooks.buffer_filter is not None and carried_groups:
         carried_groups, state.partial_groups, discarded = _take_buffered(

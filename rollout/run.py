@@ -93,9 +93,9 @@ def _prepared_context(args: Any, multiturn: MultiTurnOptions | None) -> RolloutC
 RUNNABLE = (Status.PENDING, Status.ABORTED)
 # Version of the dict written by `driver_checkpoint_state`. Version 2 added `next_group_index`; version 1 (which
 # kept it beside the driver state) is still read when the caller passes the index. Version 3 added
-# `filtered_long_prompts` (older states read as 0).
-DRIVER_STATE_VERSION = 3
-_READABLE_VERSIONS = (1, 2, 3)
+# `filtered_long_prompts` (older states read as 0). Version 4 added `dropped_groups` (older states read as none).
+DRIVER_STATE_VERSION = 4
+_READABLE_VERSIONS = (1, 2, 3, 4)
 
 
 class DriverStateError(ValueError):
@@ -122,18 +122,22 @@ class DriverState:
     `next_group_index` numbers groups globally (per-request sampling seeds derive from it); `prompt_buffer` holds
     prompts fetched from the source but not used yet; `partial_groups` are the groups suspended by partial
     rollout, resumed first in the next step; `filtered_long_prompts` counts the prompts skipped over the run for
-    `--rollout-max-prompt-len`.
+    `--rollout-max-prompt-len`. `dropped_groups` are (group index, reason) of the groups the streaming rollout
+    dropped whole since its last batch (stale or filtered): they are counted with the next batch, so a checkpoint
+    taken before that batch carries them and the resumed run counts them instead (nothing is dropped silently).
     """
 
     next_group_index: int = 0
     prompt_buffer: list[Sample] = field(default_factory=list)
     partial_groups: list[CarriedGroup] = field(default_factory=list)
     filtered_long_prompts: int = 0
+    dropped_groups: list[tuple[int, str]] = field(default_factory=list)
 
     def held(self) -> dict[str, int]:
         """What a used state holds (empty for a fresh one)."""
         held = {"next_group_index": self.next_group_index, "partial_groups": len(self.partial_groups),
-                "prompt_buffer": len(self.prompt_buffer), "filtered_long_prompts": self.filtered_long_prompts}
+                "prompt_buffer": len(self.prompt_buffer), "filtered_long_prompts": self.filtered_long_prompts,
+                "dropped_groups": len(self.dropped_groups)}
         return {k: v for k, v in held.items() if v}
 
     def to_dict(self) -> dict[str, Any]:
@@ -152,7 +156,8 @@ class DriverState:
             })
         return {"version": DRIVER_STATE_VERSION, "next_group_index": int(self.next_group_index),
                 "prompt_buffer": buffer, "partial_groups": groups,
-                "filtered_long_prompts": int(self.filtered_long_prompts)}
+                "filtered_long_prompts": int(self.filtered_long_prompts),
+                "dropped_groups": [{"group_index": int(g), "reason": str(r)} for g, r in self.dropped_groups]}
 
     @classmethod
     def from_dict(cls, data: Any, *, next_group_index: int | None = None) -> "DriverState":
@@ -161,8 +166,11 @@ class DriverState:
         version = _version(data)
         expected = {"version", "prompt_buffer", "partial_groups"} | ({"next_group_index"} if version >= 2 else set())
         expected |= {"filtered_long_prompts"} if version >= 3 else set()
+        expected |= {"dropped_groups"} if version >= 4 else set()
         _check_keys(data, expected, "driver state")
         filtered = _index(data["filtered_long_prompts"], "driver state.filtered_long_prompts") if version >= 3 else 0
+        dropped = [_dropped_group_from(d, f"dropped_groups[{k}]")
+                   for k, d in enumerate(_list(data, "dropped_groups", "driver state"))] if version >= 4 else []
         if version >= 2:
             counter = _index(data["next_group_index"], "driver state.next_group_index")
             if next_group_index is not None and next_group_index != counter:
@@ -180,14 +188,14 @@ class DriverState:
         repeated = sorted(g for g, count in seen.items() if count > 1)
         if repeated:
             raise DriverStateError(f"driver state carries group indices {repeated} more than once")
-        late = [g.group_index for g in groups if g.group_index >= counter]
+        late = [g.group_index for g in groups if g.group_index >= counter] + [g for g, _ in dropped if g >= counter]
         if late:
             raise DriverStateError(
                 f"driver state carries groups {late} but its next_group_index is {counter}: the driver state and "
                 "the group counter come from different checkpoints"
             )
         return cls(next_group_index=counter, prompt_buffer=buffer, partial_groups=groups,
-                   filtered_long_prompts=filtered)
+                   filtered_long_prompts=filtered, dropped_groups=dropped)
 
 
 def driver_state(args: Any) -> DriverState:
@@ -255,6 +263,16 @@ def _carried_from(data: Any, where: str) -> CarriedGroup:
         raise DriverStateError(f"{where}: the group has no samples (finished and restart are both empty)")
     samples = finished + [_restarted(prompt, group_index, i) for i in restart]
     return CarriedGroup(group_index, prompt, sorted(samples, key=lambda s: s.index))
+
+
+def _dropped_group_from(data: Any, where: str) -> tuple[int, str]:
+    if not isinstance(data, dict):
+        raise DriverStateError(f"{where} must be a dict, got {type(data).__name__}")
+    _check_keys(data, {"group_index", "reason"}, where)
+    reason = data["reason"]
+    if not isinstance(reason, str) or not reason:
+        raise DriverStateError(f"{where}.reason must be a non-empty string, got {reason!r}")
+    return _index(data["group_index"], f"{where}.group_index"), reason
 
 
 def _restarted(prompt: Sample, group_index: int, index: int) -> Sample:

@@ -17,7 +17,9 @@ batch per version (which keeps its own code path).
 group as it finishes (against the version the next batch will train at) and the whole buffer again when a batch is
 taken; `--stale-group-policy` then runs the group's prompt again as a new group (`regenerate`) or drops it (`drop`),
 counted as `dropped["stale_group"]` and in `StreamCounters`. A running group whose tokens are already too stale no
-longer counts as live (its replacement starts at once); it still runs to its end and is counted then.
+longer counts as live (its replacement starts at once) and is counted as dropped at once; it still runs to its end.
+The groups dropped whole since the last batch are listed by index, so a checkpoint of that moment carries them
+(`DriverState.dropped_groups`) and the resumed run counts them with its first batch.
 
 **Weight updates** happen at step boundaries and close the client's `WeightUpdateGate`; episodes in flight continue
 or rerun by `--inflight-update-policy` (rollout/multiturn.py, `driver.run_group`).
@@ -54,6 +56,7 @@ from rollout.driver import (
     PromptTaker,
     RolloutResult,
     StepHooks,
+    count_restored_drops,
     end_of_step_hooks,
     keep_group,
     log_step_problems,
@@ -149,6 +152,8 @@ class GroupStream:
         self._finished: list[list[Sample]] = []  # every group finished since the last batch (all-samples hook)
         self._to_start: list[_Running] = []  # restored in-flight groups, started first
         self._regenerate: list[Sample] = []  # prompts of stale groups, run again as new groups
+        # (group index, reason) of the groups dropped whole since the last batch: a checkpoint carries them.
+        self._dropped_since_take: list[tuple[int, str]] = count_restored_drops(self.state, self.result)
         self._submitted_since_take = 0
         self._wake = asyncio.Event()
         self._changed = asyncio.Event()
@@ -213,6 +218,7 @@ class GroupStream:
         taken, self.buffer = self.buffer[:n], self.buffer[n:]
         result, counters, finished = self.result, self.counters, self._finished
         self.result, self.counters, self._finished = RolloutResult(groups=[]), StreamCounters(), []
+        self._dropped_since_take = []
         self.prompts.result = self.result
         result.groups = [g.samples for g in taken]
         for s in result.samples:
@@ -237,7 +243,8 @@ class GroupStream:
         state = DriverState(next_group_index=self.state.next_group_index,
                             prompt_buffer=[*self._regenerate, *self.state.prompt_buffer],
                             partial_groups=carried,
-                            filtered_long_prompts=self.state.filtered_long_prompts)
+                            filtered_long_prompts=self.state.filtered_long_prompts,
+                            dropped_groups=list(self._dropped_since_take))
         return state.to_dict()
 
     # -------------------------------------------------------------------------- the producer
@@ -285,20 +292,35 @@ class GroupStream:
 
     def _finish(self, group: _Running, samples: list[Sample]) -> None:
         self._finished.append(samples)
+        if group.superseded:  # already counted as a dropped group: only its samples' fates are counted now
+            self._count_samples_only(samples)
+            return
+        before = self.result.dropped.copy()
         kept = keep_group(samples, self.opts.dynamic_filter, self.result, self.hooks.dynamic_filter, self.args)
         if kept is None:
+            grew = [k for k in self.result.dropped if self.result.dropped[k] > before[k] and not k.endswith("_sample")]
+            self._dropped_since_take.append((group.group_index, grew[0] if grew else "filtered_group"))
             return
-        if group.superseded or self.too_stale(kept):
+        if self.too_stale(kept):
             self._stale(group, kept)
             return
         self.buffer.append(BufferedGroup(group.group_index, group.prompt, kept, time.monotonic()))
 
-    def _stale(self, group: _Running | BufferedGroup, samples: list[Sample]) -> None:
-        """Count a too-stale group and apply --stale-group-policy (a superseded group's prompt is already handled)."""
-        self.result.dropped["stale_group"] += 1
+    def _count_samples_only(self, samples: list[Sample]) -> None:
+        """A superseded group's end: its FAILED, aborted and unrewarded samples are counted (and FAILED ones
+        dumped) as for any group, the group itself was counted as stale when it was superseded."""
+        scratch = RolloutResult(groups=[])
+        keep_group(samples, None, scratch)
+        self.result.failed.extend(scratch.failed)
+        self.result.episodes += scratch.episodes
+        self.result.dropped.update({k: v for k, v in scratch.dropped.items() if k.endswith("_sample")})
         self.counters.stale_samples += len(samples)
-        if isinstance(group, _Running) and group.superseded:
-            return
+
+    def _stale(self, group: _Running | BufferedGroup, samples: list[Sample]) -> None:
+        """Count a too-stale group and apply --stale-group-policy."""
+        self.counters.stale_samples += len(samples)
+        self.result.dropped["stale_group"] += 1
+        self._dropped_since_take.append((group.group_index, "stale_group"))
         self._handle_stale_prompt(group.prompt)
 
     def _handle_stale_prompt(self, prompt: Sample) -> None:
@@ -315,6 +337,8 @@ class GroupStream:
             with_tokens = [s for s in group.samples if s.weight_versions]
             if with_tokens and self.too_stale(with_tokens):
                 group.superseded = True
+                self.result.dropped["stale_group"] += 1
+                self._dropped_since_take.append((group.group_index, "stale_group"))
                 self._handle_stale_prompt(group.prompt)
 
     def _drop_stale_buffered(self) -> None:

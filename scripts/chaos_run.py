@@ -34,7 +34,8 @@ and the report gives:
 
 * the sample ledger: every sample of every group the run started (`next_group_index` of the last checkpoint x
   n_samples_per_prompt) is trained (in a step's dump), FAILED with a typed cause (in a step's dump), in a group
-  dropped whole by a counted reason (the step records), or carried in the last checkpoint's stream state. The
+  dropped whole by a counted reason (the step records, or the last checkpoint's `dropped_groups` for groups dropped
+  after the last batch), or carried in the last checkpoint's stream state. The
   others are the "samples unaccounted". The dumps and records are those of the chain of runs (a resumed run's
   lines replace what an interrupted run logged after its checkpoint);
 * failures by cause, steps trained, the recovery time of each fault, step time before and after each fault;
@@ -885,6 +886,12 @@ def sample_ledger(out: Path, steps: list[dict]) -> dict[str, Any]:
             if k.startswith("rollout/dynamic_filter/drop_") and k.removeprefix("rollout/dynamic_filter/drop_") \
                     not in PER_SAMPLE_DROPS and k != "rollout/dynamic_filter/drop_empty_group":
                 whole_group_drops[k.removeprefix("rollout/dynamic_filter/drop_")] += int(v)
+    # Groups dropped whole after the last batch the chain trained: the last checkpoint names them (the resumed run
+    # would have counted them with its first batch).
+    dropped_pending = {int(d["group_index"]): d["reason"] for d in state.get("dropped_groups", [])}
+    for g, reason in dropped_pending.items():
+        for i in range(n):
+            fate.setdefault((g, i), f"in_group_dropped_after_last_batch:{reason}")
     groups_seen = {g for g, _ in fate}
     absent_groups = [g for g in range(started_groups) if g not in groups_seen]
     # A group dropped whole (a stale group, a filter) trains none of its samples; its FAILED ones were dumped before
@@ -903,6 +910,7 @@ def sample_ledger(out: Path, steps: list[dict]) -> dict[str, Any]:
         "samples_started": started_groups * n, "samples_trained": trained,
         "samples_failed_by_cause": dict(causes), "samples_carried_in_last_checkpoint": carried,
         "groups_dropped_whole_by_reason": dict(whole_group_drops), "samples_in_groups_dropped_whole": in_dropped_groups,
+        "groups_dropped_after_last_batch": sorted(dropped_pending),
         "groups_incomplete": incomplete, "samples_incomplete": sorted(partial.items())[:10],
         "samples_seen_twice": double[:20],
         "samples_beyond_started_groups": beyond[:20], "unaccounted": unaccounted,

@@ -296,6 +296,43 @@ async def test_stale_groups_are_regenerated_or_dropped_and_counted(encoder, poli
         assert batch1.counters.stale_groups_dropped == 1 and taken.prompt.label == "2"
 
 
+async def test_a_checkpoint_between_batches_carries_the_groups_dropped_since_and_the_resumed_run_counts_them(encoder):
+    # Group 1 finishes too stale after batch 0 was taken; the checkpoint comes before batch 1, which would have
+    # counted it. The resumed run counts it with its first batch, and the checkpoint names it.
+    trainer = {"version": 0}
+
+    def select(record: RecordedRequest):
+        return Delay(0.3) if rid_of(record).startswith("g1-") else None
+
+    async with harness(encoder, lambda s: EnvSpec(turns=1, reward=float(s.index)), select=select, max_staleness=1,
+                       rollout_batch_size=1, n_samples_per_prompt=2, stale_group_policy="drop") as h:
+        h.server.weight_version = "0"
+        stream = GroupStream(h.args, PromptSource(batch=1), engine_version=0, batches_taken=0,
+                             too_stale=lambda samples: too_stale(samples, trainer["version"], 1))
+        stream.start()
+        try:
+            await stream.take(1, rollout_id=0)
+            trainer["version"] = 2
+            await _until(lambda: stream.result.dropped["stale_group"] == 1)
+            saved = json.loads(json.dumps(stream.checkpoint_state()))
+        finally:
+            await stream.close()
+        assert saved["dropped_groups"] == [{"group_index": 1, "reason": "stale_group"}]
+        args = types.SimpleNamespace(**{**vars(h.args), "driver_state": None})
+        args.rollout_context = h.ctx
+        restore_driver_state(args, saved)
+        assert args.driver_state.dropped_groups == [(1, "stale_group")]
+        resumed = GroupStream(args, PromptSource(batch=1, start=9), engine_version=2, batches_taken=1,
+                              too_stale=lambda samples: False)
+        assert resumed.checkpoint_state()["dropped_groups"] == saved["dropped_groups"]  # still pending
+        resumed.start()
+        try:
+            first = await asyncio.wait_for(resumed.take(1, rollout_id=1), 10)
+        finally:
+            await resumed.close()
+    assert first.result.dropped["stale_group"] == 1 and resumed.checkpoint_state()["dropped_groups"] == []
+
+
 async def test_stream_checkpoint_restores_buffered_samples_exactly_and_restarts_running_groups(encoder):
     hold = {"on": True}
 

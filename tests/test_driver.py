@@ -578,7 +578,12 @@ def _delete(key: str) -> Callable[[dict], Any]:
     [
         (lambda state: [state], "driver state must be a dict, got list"),
         (_delete("version"), "driver state has no 'version'"),
-        (_set(("version",), 4), "driver state version 4 is not supported (this driver reads versions 1, 2, 3)"),
+        (_set(("version",), 5), "driver state version 5 is not supported (this driver reads versions 1, 2, 3, 4)"),
+        (_delete("dropped_groups"), "driver state: missing keys ['dropped_groups'], unknown keys []"),
+        (_set(("dropped_groups",), [{"group_index": 1}]), "dropped_groups[0]: missing keys ['reason']"),
+        (_set(("dropped_groups",), [{"group_index": 1, "reason": ""}]), "dropped_groups[0].reason must be a non-empty"),
+        (_set(("dropped_groups",), [{"group_index": 9, "reason": "stale_group"}]),
+         "carries groups [9] but its next_group_index is 6"),
         (_delete("filtered_long_prompts"), "driver state: missing keys ['filtered_long_prompts'], unknown keys []"),
         (_delete("next_group_index"), "driver state: missing keys ['next_group_index'], unknown keys []"),
         (_set(("next_group_index",), "6"), "driver state.next_group_index must be a non-negative int, got '6'"),
@@ -626,7 +631,7 @@ def test_driver_state_restore_refuses_a_foreign_counter_or_used_args():
 def test_older_checkpoints_restore_with_the_counter_saved_beside_them(caplog):
     args, *_ = rich_driver_state()
     v1 = {k: v for k, v in driver_checkpoint_state(args).items()
-          if k not in ("next_group_index", "filtered_long_prompts")} | {"version": 1}
+          if k not in ("next_group_index", "filtered_long_prompts", "dropped_groups")} | {"version": 1}
     with pytest.raises(DriverStateError, match="version 1 driver state has no next_group_index"):
         restore_driver_state(offline_args(), v1)
     fresh = offline_args()

@@ -113,11 +113,13 @@ async def test_a_limit_below_every_prompt_is_an_error_not_a_hang(encoder, monkey
 
 
 def test_older_driver_states_read_with_no_filtered_prompts():
-    state = DriverState(next_group_index=4, filtered_long_prompts=9).to_dict()
-    assert state["version"] == 3
-    v2 = {k: v for k, v in state.items() if k != "filtered_long_prompts"} | {"version": 2}
+    state = DriverState(next_group_index=4, filtered_long_prompts=9, dropped_groups=[(3, "stale_group")]).to_dict()
+    assert state["version"] == 4
+    v3 = {k: v for k, v in state.items() if k != "dropped_groups"} | {"version": 3}
+    assert DriverState.from_dict(v3) == DriverState(next_group_index=4, filtered_long_prompts=9)
+    v2 = {k: v for k, v in v3.items() if k != "filtered_long_prompts"} | {"version": 2}
     assert DriverState.from_dict(v2) == DriverState(next_group_index=4)
-    assert DriverState.from_dict(state).filtered_long_prompts == 9
+    assert DriverState.from_dict(state).dropped_groups == [(3, "stale_group")]
 
 
 # ----------------------------------------------------------------------------- sampling_params
