@@ -29,7 +29,7 @@ and the ratio of the medians; for the embedded engine also the host's share of i
 the decode program calls), ms per decode step and the compilations during the timed rounds (jax's compile events;
 any is a defect). Then the prompt tokens prefilled (prompt - cached) for one GRPO group of `--group-size` on one
 image prompt. `--launch-vllm PYTHON` starts the vLLM server itself (vLLM's interpreter, e.g. .venv-vllm/bin/python;
-the CPU settings of tests/vllm_real: fp32, eager, no chunked prefill) instead of `--peer-url`. The load average
+fp32, eager, vLLM's default chunked prefill, as issue 48 measured it) instead of `--peer-url`. The load average
 before and after is printed: on a shared machine only the ratio of sides timed in alternation means much. vLLM on
 CPU needs a head_dim >= 32 checkpoint (`make-tiny --head-dim 32`) and `--enable-prompt-tokens-details` to report
 cached tokens.
@@ -476,11 +476,11 @@ def bench_peer(model_dir: Path, encoder: Any, peer_url: str, prompt: list[int], 
 
 
 class _LaunchedVLLM:
-    """vLLM's server on `model_dir` from the interpreter `python` (`jaxrl_vlm.vllm_launcher`, the CPU settings of
-    tests/vllm_real: fp32, eager, no chunked prefill, 1 GiB of KV cache), for `--cases peer --launch-vllm`."""
+    """vLLM's server on `model_dir` from the interpreter `python` (`jaxrl_vlm.vllm_launcher`) as issue 48 measured
+    it: fp32, eager, vLLM's own scheduler defaults (chunked prefill on), 1 GiB of KV cache; for `--cases peer
+    --launch-vllm`. (tests/vllm_real turns chunked prefill off for exact parity; a throughput race should not.)"""
 
-    ARGS = ["--max-model-len", "2048", "--enforce-eager", "--no-enable-chunked-prefill", "--max-num-batched-tokens",
-            "2048", "--dtype", "float32", "--enable-prompt-tokens-details"]
+    ARGS = ["--max-model-len", "2048", "--enforce-eager", "--dtype", "float32", "--enable-prompt-tokens-details"]
 
     def __init__(self, python: str, model_dir: Path, log_path: Path):
         from jaxrl_vlm.vllm_launcher import VLLMProcess

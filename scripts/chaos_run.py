@@ -41,7 +41,7 @@ and the report gives:
 * failures by cause, steps trained, the recovery time of each fault, step time before and after each fault;
 * the engine's KV pages at the end (`/get_server_info`, after `/flush_cache`): leaked = total - free;
 * RSS and open file descriptors of trainer and engine every `--sample-interval` seconds; per process lifetime
-  (each restart is a new one) the growth after its warm-up;
+  (each restart is a new one) the growth after its warm-up (RSS judged over `--rss-window-min` seconds or more);
 * the eval curve (`eval/heldout/raw_reward`), and with `--compare-with` the fault-free run's at the same steps.
 
 The last line is `chaos: F faults injected, R recovered, U samples unaccounted`. Exit status 0 only when every
@@ -106,6 +106,9 @@ class ChaosOptions:
     sample_interval_s: float = 5.0
     warmup_s: float = 150.0  # a process's warm-up (compilations) before its RSS/fd growth is judged
     rss_growth_bound_mib: float = 256.0
+    # RSS growth is judged over at least this long after warm-up: over a shorter window the allocator settling after
+    # the last compilations reads as growth (a 3-minute run's last trainer grew 283 MiB in the 45 s after a 60 s warm-up).
+    rss_window_min_s: float = 300.0
     fd_growth_bound: int = 32
     eval_interval: int = 10
     initial_eval: bool = True
@@ -129,6 +132,8 @@ def parse_options(argv: list[str] | None = None) -> ChaosOptions:
     p.add_argument("--sample-interval", type=float, default=d.sample_interval_s, help="Seconds between RSS/fd samples.")
     p.add_argument("--warmup", type=float, default=d.warmup_s, help="Seconds of a process's warm-up.")
     p.add_argument("--rss-growth-bound-mib", type=float, default=d.rss_growth_bound_mib)
+    p.add_argument("--rss-window-min", type=float, default=d.rss_window_min_s,
+                   help="Seconds after warm-up a process must live before its RSS growth is judged (fds: 8 samples).")
     p.add_argument("--fd-growth-bound", type=int, default=d.fd_growth_bound)
     p.add_argument("--eval-interval", type=int, default=d.eval_interval)
     p.add_argument("--no-initial-eval", action="store_true", help="No eval before the first step (shorter start).")
@@ -140,6 +145,7 @@ def parse_options(argv: list[str] | None = None) -> ChaosOptions:
                         json_path=ns.json, compare_with=ns.compare_with, mean_gap_s=ns.mean_gap,
                         recovery_timeout_s=ns.recovery_timeout, sample_interval_s=ns.sample_interval,
                         warmup_s=ns.warmup, rss_growth_bound_mib=ns.rss_growth_bound_mib,
+                        rss_window_min_s=ns.rss_window_min,
                         fd_growth_bound=ns.fd_growth_bound, eval_interval=ns.eval_interval, keep=ns.keep,
                         initial_eval=not ns.no_initial_eval)
 
@@ -400,12 +406,13 @@ class ResourceSeries:
         except (ProcessLookupError, FileNotFoundError, PermissionError, RuntimeError):
             pass
 
-    def growth(self, warmup_s: float, first_step_after: Callable[[float], float | None]) -> dict[str, dict[str, Any]]:
+    def growth(self, warmup_s: float, first_step_after: Callable[[float], float | None],
+               rss_window_min_s: float) -> dict[str, dict[str, Any]]:
         """Per incarnation: its warm-up ends `warmup_s` after the first step the run trained once it had started
         (start-up and the first compilations are no leak). After it, the drift: the median of the last quarter of
         the samples minus the median of the first quarter (a leak drifts; a spike, e.g. files a checkpoint opens for
         a moment, does not), and the maximum; open files by the quarters' maxima. Judged only with 8 samples or more
-        after warm-up."""
+        after warm-up, RSS only over `rss_window_min_s` or more (`rss_judged`)."""
         out = {}
         for key, series in self.samples.items():
             if not series:
@@ -422,6 +429,7 @@ class ResourceSeries:
                 q = max(1, len(after) // 4)
                 head, tail_ = after[:q], after[-q:]
                 entry["judged"] = True
+                entry["rss_judged"] = after[-1][0] - after[0][0] >= rss_window_min_s
                 entry["warmup_end_s"] = round(warm_end, 1)
                 entry["rss_at_warmup_end_mib"] = after[0][1]
                 entry["rss_growth_after_warmup_mib"] = round(statistics.median(s[1] for s in tail_)
@@ -433,7 +441,7 @@ class ResourceSeries:
                 entry["fd_growth_after_warmup"] = max(s[2] for s in tail_) - max(s[2] for s in head)
                 entry["fds_max_after_warmup"] = max(s[2] for s in after)
             else:
-                entry["judged"] = False
+                entry["judged"] = entry["rss_judged"] = False
             out[key] = entry
         return out
 
@@ -791,7 +799,7 @@ class Chaos:
         def first_step_after(t: float) -> float | None:
             return next((x for x in step_times if x > t), None)
 
-        resources = self.resources.growth(self.opts.warmup_s, first_step_after)
+        resources = self.resources.growth(self.opts.warmup_s, first_step_after, self.opts.rss_window_min_s)
         evals = [(int(r["step"]), round(float(r[EVAL_KEY]), 4)) for r in chain if EVAL_KEY in r]
         report: dict[str, Any] = {
             "minutes": self.opts.minutes, "seed": self.opts.seed, "faults_on": self.opts.faults,
@@ -804,6 +812,7 @@ class Chaos:
             "step_time_median_s": self.step_time(steps, last=10**9),
             "bounds": {"rss_growth_after_warmup_mib": self.opts.rss_growth_bound_mib,
                        "fd_growth_after_warmup": self.opts.fd_growth_bound, "warmup_s": self.opts.warmup_s,
+                       "rss_window_min_s": self.opts.rss_window_min_s,
                        "recovery_timeout_s": self.opts.recovery_timeout_s},
         }
         if self.opts.compare_with is not None:
@@ -943,7 +952,7 @@ def verdict(report: dict[str, Any], opts: ChaosOptions) -> tuple[int, int, int |
     if report["pages"].get("leaked") != 0 or report["pages"].get("held_by_requests") != 0:
         problems.append(f"KV pages: {report['pages']}")
     for key, g in report["resources"].items():
-        if g.get("judged") and (g["rss_growth_after_warmup_mib"] > opts.rss_growth_bound_mib
+        if g.get("judged") and ((g["rss_judged"] and g["rss_growth_after_warmup_mib"] > opts.rss_growth_bound_mib)
                                 or g["fd_growth_after_warmup"] > opts.fd_growth_bound):
             problems.append(f"{key}: RSS +{g['rss_growth_after_warmup_mib']} MiB, fds +{g['fd_growth_after_warmup']}"
                             " after warm-up")
@@ -974,7 +983,8 @@ def print_report(report: dict[str, Any], opts: ChaosOptions) -> int:
     print("RSS/fds per process lifetime (growth judged after a warm-up of "
           f"{opts.warmup_s:g} s; bounds +{opts.rss_growth_bound_mib:g} MiB, +{opts.fd_growth_bound} fds):")
     for key, g in sorted(report["resources"].items()):
-        judged = (f"after warm-up RSS +{g['rss_growth_after_warmup_mib']} MiB, fds +{g['fd_growth_after_warmup']}"
+        rss = "" if g.get("rss_judged") else f" (RSS not judged: under {opts.rss_window_min_s:g} s after warm-up)"
+        judged = (f"after warm-up RSS +{g['rss_growth_after_warmup_mib']} MiB, fds +{g['fd_growth_after_warmup']}{rss}"
                   if g["judged"] else "not judged (short-lived)")
         print(f"  {key:<12} {g['lifetime_s']:7.0f} s  RSS {g['rss_first_mib']}->{g['rss_last_mib']} MiB "
               f"(max {g['rss_max_mib']})  fds {g['fds_first']}->{g['fds_last']} (max {g['fds_max']})  {judged}")
