@@ -27,7 +27,8 @@ at each `--concurrency` over `--repeats` timed rounds per side (default 5) after
 alternated (the side that goes first alternates too), reported as median, min-max and spread (max / min) per side
 and the ratio of the medians; for the embedded engine also the host's share of its decode steps (the part outside
 the decode program calls), ms per decode step and the compilations during the timed rounds (jax's compile events;
-any is a defect). Then the prompt tokens prefilled (prompt - cached) for one GRPO group of `--group-size` on one
+any is a defect), and the machine's own spread: one fixed piece of Python work timed after each A/B pair (on the
+2-core VM it varies by 1.5x between identical runs, a floor under both sides' spreads). Then the prompt tokens prefilled (prompt - cached) for one GRPO group of `--group-size` on one
 image prompt. `--launch-vllm PYTHON` starts the vLLM server itself (vLLM's interpreter, e.g. .venv-vllm/bin/python;
 fp32, eager, vLLM's default chunked prefill, as issue 48 measured it) instead of `--peer-url`. The load average
 before and after is printed: on a shared machine only the ratio of sides timed in alternation means much. vLLM on
@@ -421,6 +422,16 @@ class _CompileCounter:
             self.count += 1
 
 
+def _fixed_work_seconds(loops: int = 400_000) -> float:
+    """Seconds one fixed piece of single-threaded Python work takes now (about 30 ms on the 2-core machine): timed
+    beside the rounds, its spread is the machine's own, the floor under any engine's spread in the same run."""
+    start = time.perf_counter()
+    total = 0
+    for i in range(loops):
+        total += i & 7
+    return time.perf_counter() - start
+
+
 def _spread(values: list[float]) -> dict[str, Any]:
     import statistics
 
@@ -452,6 +463,7 @@ def bench_peer(model_dir: Path, encoder: Any, peer_url: str, prompt: list[int], 
             for name, (url, kind) in urls.items():
                 asyncio.run(_round(url, prompt, c, new_tokens, kind))  # warm-up (compiles the embedded engine's programs)
             runs: dict[str, list[float]] = {name: [] for name in urls}
+            fixed: list[float] = []  # the machine's noise: fixed work, timed after each A/B pair
             programs, compiled = runner.num_programs, compiles.count
             steps, step_s, program_s = sched.timing.decode_steps, sched.timing.decode_s, runner.decode_program_s
             for r in range(repeats):
@@ -459,9 +471,10 @@ def bench_peer(model_dir: Path, encoder: Any, peer_url: str, prompt: list[int], 
                     url, kind = urls[name]
                     tokens, seconds = asyncio.run(_round(url, prompt, c, new_tokens, kind))
                     runs[name].append(tokens / seconds)
+                fixed.append(1.0 / _fixed_work_seconds())
             steps = sched.timing.decode_steps - steps
             step_s, program_s = sched.timing.decode_s - step_s, runner.decode_program_s - program_s
-            row = {"concurrency": c, **{name: _spread(v) for name, v in runs.items()},
+            row = {"concurrency": c, **{name: _spread(v) for name, v in runs.items()}, "machine": _spread(fixed),
                    "host_share": 1.0 - program_s / step_s, "ms_per_decode_step": 1e3 * step_s / max(1, steps),
                    "new_programs": runner.num_programs - programs, "compilations": compiles.count - compiled}
             row["ratio"] = row["embedded"]["median"] / row["peer"]["median"]
@@ -745,12 +758,15 @@ def main(argv: list[str] | None = None) -> int:
               f"round, A/B alternated")
         print(f"machine: {peer['load_before']} before, {peer['load_after']} after")
         print(f"{'concurrent':>10} {'embedded tok/s: median (min-max) spread':>42} {'peer tok/s: median (min-max) spread':>38} "
-              f"{'ratio':>6} {'host':>5} {'ms/step':>8} {'compiles':>8}")
+              f"{'ratio':>6} {'host':>5} {'ms/step':>8} {'compiles':>8} {'machine spread':>14}")
         for r in peer["decode"]:
             e, v = r["embedded"], r["peer"]
             print(f"{r['concurrency']:>10} {e['median']:>14.0f} ({e['min']:>6.0f}-{e['max']:<6.0f}) {e['spread']:>6.2f}x "
                   f"{v['median']:>12.0f} ({v['min']:>6.0f}-{v['max']:<6.0f}) {v['spread']:>6.2f}x {r['ratio']:>5.2f}x "
-                  f"{r['host_share']:>5.0%} {r['ms_per_decode_step']:>8.2f} {r['compilations']:>8}")
+                  f"{r['host_share']:>5.0%} {r['ms_per_decode_step']:>8.2f} {r['compilations']:>8} "
+                  f"{r['machine']['spread']:>13.2f}x")
+        print("machine spread: the spread of one fixed piece of Python work timed after each A/B pair (the floor "
+              "under both sides' spreads)")
         g = peer["group"]
         print(f"GRPO group of {ns.group_size} on one image prompt ({g['embedded']['prompt_tokens']} tokens): prompt tokens "
               f"prefilled, embedded {g['embedded']['prefilled']}, peer {g['peer']['prefilled']} (peer / embedded "

@@ -69,7 +69,7 @@ def test_tiny_config_runs_to_the_end_and_writes_everything(full_run):
     meta = json.loads((out / "checkpoints" / "6" / "meta" / "metadata").read_text())  # orbax's JsonSave file
     assert meta["weight_version"] == 6
     driver = meta["driver_state"]  # buffered prompts and carried groups survive a resume (test_driver.py)
-    assert driver["version"] == 3 and isinstance(driver["prompt_buffer"], list)
+    assert driver["version"] == 4 and isinstance(driver["prompt_buffer"], list)
     final = out / "final_model"
     config = json.loads((final / "config.json").read_text())
     assert config["model_type"] == "qwen3_vl" and (final / "model.safetensors").stat().st_size > 0

@@ -70,7 +70,7 @@ class EngineOptions:
         4096, "Most tokens of one request: prompt (image pads expanded) + output (SGLang's context_length).", ge=2,
         key="engine_max_seq_len")
     min_prefill_bucket: int = opt(64, "Smallest prompt bucket (then doubling up to max_seq_len).", ge=1)
-    min_kv_bucket: int = opt(256, "Smallest attended-cache bucket (then doubling up to max_seq_len).", ge=1)
+    min_kv_bucket: int = opt(64, "Smallest attended-cache bucket (then doubling up to max_seq_len).", ge=1)
     min_patch_bucket: int = opt(64, "Smallest image-patch bucket, a multiple of 4 (2x2 patch merge).", ge=4)
     decode_batch_sizes: tuple[int, ...] | None = opt(
         None, "Batch buckets of decode, ending at max_batch (None: powers of two up to max_batch).")
