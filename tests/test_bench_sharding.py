@@ -75,6 +75,7 @@ def _axes(result) -> set[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.ci_step
 def test_every_shipped_layout_runs_on_8_devices_with_the_same_batch_and_gradient(bench8, bench1):
     report, _ = bench8
     rows = _by_layout(report)
@@ -98,6 +99,8 @@ def test_every_shipped_layout_runs_on_8_devices_with_the_same_batch_and_gradient
     assert _by_layout(bench1)["dp"].batch_shape == rows["dp"].batch_shape
 
 
+@pytest.mark.slow
+@pytest.mark.ci_step
 def test_outputs_have_the_documented_columns(bench8):
     report, paths = bench8
     with open(paths["csv"]) as f:
@@ -120,6 +123,8 @@ def test_outputs_have_the_documented_columns(bench8):
         assert any(line.startswith(r.layout + " ") for line in table.splitlines())
 
 
+@pytest.mark.slow
+@pytest.mark.ci_step
 def test_collective_bytes_zero_on_one_device_and_on_the_right_axes_when_sharded(bench8, bench1):
     rows = _by_layout(bench8[0])
     single = _by_layout(bench1)["dp"]  # compiled for one device (then found not to fit)
@@ -152,6 +157,7 @@ def test_collective_bytes_zero_on_one_device_and_on_the_right_axes_when_sharded(
 
 
 @pytest.mark.slow
+@pytest.mark.ci_step
 def test_fsdp_gathers_weights_instead_of_all_reducing_activations(bench8):
     """The activation constraints (`models/activation_sharding.py`) make FSDP all-reduce only gradients, and use
     less memory per device than dp; without them XLA all-reduces the log-prob logits and MLP activations."""
@@ -185,6 +191,8 @@ def test_context_sizes_split_one_rows_activations():
     assert "fsdp_cp@cp4" in table and f"{temps[0] / temps[2]:.2f}x" in table
 
 
+@pytest.mark.slow
+@pytest.mark.ci_step
 def test_memory_and_flops_come_from_the_compiled_program(bench8, bench1):
     rows = _by_layout(bench8[0])
     single = _by_layout(bench1)["dp"]
