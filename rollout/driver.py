@@ -70,6 +70,7 @@ from rollout.run import (
     DriverStateError,  # noqa: F401  (re-exported: slime-style callers of restore_driver_state catch it here)
     RolloutContext,
     RolloutRun,
+    Unreported,
     driver_state,
     episode_copy,
     get_context,
@@ -204,11 +205,16 @@ def _new_group(prompts: PromptTaker, n: int) -> _Group:
 
 
 def count_restored_drops(state: DriverState, result: RolloutResult) -> list[tuple[int, str]]:
-    """Count the groups a checkpoint says were dropped whole before their batch (`DriverState.dropped_groups`) in
-    `result`, so the resumed run reports them; returns and clears them."""
+    """Count what a checkpoint says was dropped before its batch (`DriverState.dropped_groups` and `unreported`) in
+    `result`, so the resumed run reports it (FAILED samples dumped with its first batch); clears both and returns
+    the dropped groups."""
     restored, state.dropped_groups = state.dropped_groups, []
+    unreported, state.unreported = state.unreported, Unreported()
     for _, reason in restored:
         result.dropped[reason] += 1
+    result.dropped.update(unreported.sample_drops)
+    result.failed.extend(unreported.failed)
+    result.episodes += unreported.episodes
     return restored
 
 

@@ -93,7 +93,8 @@ def _prepared_context(args: Any, multiturn: MultiTurnOptions | None) -> RolloutC
 RUNNABLE = (Status.PENDING, Status.ABORTED)
 # Version of the dict written by `driver_checkpoint_state`. Version 2 added `next_group_index`; version 1 (which
 # kept it beside the driver state) is still read when the caller passes the index. Version 3 added
-# `filtered_long_prompts` (older states read as 0). Version 4 added `dropped_groups` (older states read as none).
+# `filtered_long_prompts` (older states read as 0). Version 4 added `dropped_groups` and `unreported` (older states
+# read as none).
 DRIVER_STATE_VERSION = 4
 _READABLE_VERSIONS = (1, 2, 3, 4)
 
@@ -116,6 +117,33 @@ class CarriedGroup:
 
 
 @dataclass
+class Unreported:
+    """What the streaming rollout counted since its last batch besides whole-group drops (`RolloutResult`'s
+    FAILED samples, per-sample drop counts and finished episodes): reported with the next batch, so a checkpoint
+    taken before it carries them."""
+
+    failed: list[Sample] = field(default_factory=list)
+    sample_drops: dict[str, int] = field(default_factory=dict)
+    episodes: int = 0
+
+    def to_dict(self, where: str) -> dict[str, Any]:
+        return {"failed": [_sample_json(s, f"{where}.failed[{i}]") for i, s in enumerate(self.failed)],
+                "sample_drops": {str(k): int(v) for k, v in self.sample_drops.items()}, "episodes": int(self.episodes)}
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> "Unreported":
+        if not isinstance(data, dict):
+            raise DriverStateError(f"{where} must be a dict, got {type(data).__name__}")
+        _check_keys(data, {"failed", "sample_drops", "episodes"}, where)
+        failed = [_sample_from(d, f"{where}.failed[{i}]") for i, d in enumerate(_list(data, "failed", where))]
+        drops = data["sample_drops"]
+        if not isinstance(drops, dict) or not all(isinstance(k, str) and k for k in drops):
+            raise DriverStateError(f"{where}.sample_drops must be a dict of reason -> count, got {drops!r}")
+        counts = {k: _index(v, f"{where}.sample_drops[{k!r}]") for k, v in drops.items()}
+        return cls(failed=failed, sample_drops=counts, episodes=_index(data["episodes"], f"{where}.episodes"))
+
+
+@dataclass
 class DriverState:
     """What the driver carries from one rollout step to the next (`args.driver_state`).
 
@@ -124,7 +152,8 @@ class DriverState:
     rollout, resumed first in the next step; `filtered_long_prompts` counts the prompts skipped over the run for
     `--rollout-max-prompt-len`. `dropped_groups` are (group index, reason) of the groups the streaming rollout
     dropped whole since its last batch (stale or filtered): they are counted with the next batch, so a checkpoint
-    taken before that batch carries them and the resumed run counts them instead (nothing is dropped silently).
+    taken before that batch carries them and the resumed run counts them instead (nothing is dropped silently);
+    `unreported` does the same for the FAILED samples and per-sample counts of that moment.
     """
 
     next_group_index: int = 0
@@ -132,12 +161,15 @@ class DriverState:
     partial_groups: list[CarriedGroup] = field(default_factory=list)
     filtered_long_prompts: int = 0
     dropped_groups: list[tuple[int, str]] = field(default_factory=list)
+    unreported: Unreported = field(default_factory=Unreported)
 
     def held(self) -> dict[str, int]:
         """What a used state holds (empty for a fresh one)."""
         held = {"next_group_index": self.next_group_index, "partial_groups": len(self.partial_groups),
                 "prompt_buffer": len(self.prompt_buffer), "filtered_long_prompts": self.filtered_long_prompts,
-                "dropped_groups": len(self.dropped_groups)}
+                "dropped_groups": len(self.dropped_groups),
+                "unreported": len(self.unreported.failed) + sum(self.unreported.sample_drops.values())
+                + self.unreported.episodes}
         return {k: v for k, v in held.items() if v}
 
     def to_dict(self) -> dict[str, Any]:
@@ -157,7 +189,8 @@ class DriverState:
         return {"version": DRIVER_STATE_VERSION, "next_group_index": int(self.next_group_index),
                 "prompt_buffer": buffer, "partial_groups": groups,
                 "filtered_long_prompts": int(self.filtered_long_prompts),
-                "dropped_groups": [{"group_index": int(g), "reason": str(r)} for g, r in self.dropped_groups]}
+                "dropped_groups": [{"group_index": int(g), "reason": str(r)} for g, r in self.dropped_groups],
+                "unreported": self.unreported.to_dict("unreported")}
 
     @classmethod
     def from_dict(cls, data: Any, *, next_group_index: int | None = None) -> "DriverState":
@@ -166,11 +199,12 @@ class DriverState:
         version = _version(data)
         expected = {"version", "prompt_buffer", "partial_groups"} | ({"next_group_index"} if version >= 2 else set())
         expected |= {"filtered_long_prompts"} if version >= 3 else set()
-        expected |= {"dropped_groups"} if version >= 4 else set()
+        expected |= {"dropped_groups", "unreported"} if version >= 4 else set()
         _check_keys(data, expected, "driver state")
         filtered = _index(data["filtered_long_prompts"], "driver state.filtered_long_prompts") if version >= 3 else 0
         dropped = [_dropped_group_from(d, f"dropped_groups[{k}]")
                    for k, d in enumerate(_list(data, "dropped_groups", "driver state"))] if version >= 4 else []
+        unreported = Unreported.from_dict(data["unreported"], "unreported") if version >= 4 else Unreported()
         if version >= 2:
             counter = _index(data["next_group_index"], "driver state.next_group_index")
             if next_group_index is not None and next_group_index != counter:
@@ -195,7 +229,7 @@ class DriverState:
                 "the group counter come from different checkpoints"
             )
         return cls(next_group_index=counter, prompt_buffer=buffer, partial_groups=groups,
-                   filtered_long_prompts=filtered, dropped_groups=dropped)
+                   filtered_long_prompts=filtered, dropped_groups=dropped, unreported=unreported)
 
 
 def driver_state(args: Any) -> DriverState:

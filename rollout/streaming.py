@@ -19,7 +19,8 @@ taken; `--stale-group-policy` then runs the group's prompt again as a new group 
 counted as `dropped["stale_group"]` and in `StreamCounters`. A running group whose tokens are already too stale no
 longer counts as live (its replacement starts at once) and is counted as dropped at once; it still runs to its end.
 The groups dropped whole since the last batch are listed by index, so a checkpoint of that moment carries them
-(`DriverState.dropped_groups`) and the resumed run counts them with its first batch.
+(`DriverState.dropped_groups`, with the FAILED samples and per-sample counts in `unreported`) and the resumed run
+counts them with its first batch.
 
 **Weight updates** happen at step boundaries and close the client's `WeightUpdateGate`; episodes in flight continue
 or rerun by `--inflight-update-policy` (rollout/multiturn.py, `driver.run_group`).
@@ -66,7 +67,7 @@ from rollout.driver import (
 )
 from rollout.loading import load_function
 from rollout.multiturn import default_sampling_params
-from rollout.run import RolloutRun
+from rollout.run import RolloutRun, Unreported
 from rollout.sample import Sample
 
 logger = logging.getLogger(__name__)
@@ -244,7 +245,10 @@ class GroupStream:
                             prompt_buffer=[*self._regenerate, *self.state.prompt_buffer],
                             partial_groups=carried,
                             filtered_long_prompts=self.state.filtered_long_prompts,
-                            dropped_groups=list(self._dropped_since_take))
+                            dropped_groups=list(self._dropped_since_take),
+                            unreported=Unreported(
+                                failed=list(self.result.failed), episodes=self.result.episodes,
+                                sample_drops={k: v for k, v in self.result.dropped.items() if k.endswith("_sample")}))
         return state.to_dict()
 
     # -------------------------------------------------------------------------- the producer

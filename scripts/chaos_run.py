@@ -881,6 +881,11 @@ def sample_ledger(out: Path, steps: list[dict]) -> dict[str, Any]:
             if what != "trained":
                 causes[what] += 1
     n = int(meta["config"]["rollout"]["n_samples_per_prompt"])
+    for rec in state.get("unreported", {}).get("failed", []):  # FAILED after the last batch, dumped by a resume
+        key = (int(rec["group_index"]), int(rec["index"]))
+        if key not in fate:
+            fate[key] = "failed_after_last_batch"
+            causes["failed_after_last_batch"] += 1
     carried = 0
     for group in state.get("partial_groups", []):  # the whole group is in the checkpoint (finished or to restart)
         g = int(group["group_index"])
@@ -898,9 +903,12 @@ def sample_ledger(out: Path, steps: list[dict]) -> dict[str, Any]:
     # Groups dropped whole after the last batch the chain trained: the last checkpoint names them (the resumed run
     # would have counted them with its first batch).
     dropped_pending = {int(d["group_index"]): d["reason"] for d in state.get("dropped_groups", [])}
-    for g, reason in dropped_pending.items():
+    dropped_after = 0
+    for g in dropped_pending:
         for i in range(n):
-            fate.setdefault((g, i), f"in_group_dropped_after_last_batch:{reason}")
+            if (g, i) not in fate:
+                fate[(g, i)] = "in_group_dropped_after_last_batch"
+                dropped_after += 1
     groups_seen = {g for g, _ in fate}
     absent_groups = [g for g in range(started_groups) if g not in groups_seen]
     # A group dropped whole (a stale group, a filter) trains none of its samples; its FAILED ones were dumped before
@@ -920,6 +928,7 @@ def sample_ledger(out: Path, steps: list[dict]) -> dict[str, Any]:
         "samples_failed_by_cause": dict(causes), "samples_carried_in_last_checkpoint": carried,
         "groups_dropped_whole_by_reason": dict(whole_group_drops), "samples_in_groups_dropped_whole": in_dropped_groups,
         "groups_dropped_after_last_batch": sorted(dropped_pending),
+        "samples_in_groups_dropped_after_last_batch": dropped_after,
         "groups_incomplete": incomplete, "samples_incomplete": sorted(partial.items())[:10],
         "samples_seen_twice": double[:20],
         "samples_beyond_started_groups": beyond[:20], "unaccounted": unaccounted,

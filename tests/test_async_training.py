@@ -318,6 +318,7 @@ async def test_a_checkpoint_between_batches_carries_the_groups_dropped_since_and
         finally:
             await stream.close()
         assert saved["dropped_groups"] == [{"group_index": 1, "reason": "stale_group"}]
+        assert saved["unreported"]["episodes"] >= 2  # group 1's, finished after batch 0
         args = types.SimpleNamespace(**{**vars(h.args), "driver_state": None})
         args.rollout_context = h.ctx
         restore_driver_state(args, saved)
@@ -331,6 +332,7 @@ async def test_a_checkpoint_between_batches_carries_the_groups_dropped_since_and
         finally:
             await resumed.close()
     assert first.result.dropped["stale_group"] == 1 and resumed.checkpoint_state()["dropped_groups"] == []
+    assert first.result.episodes >= saved["unreported"]["episodes"] + 2  # the carried ones and the batch's own
 
 
 async def test_stream_checkpoint_restores_buffered_samples_exactly_and_restarts_running_groups(encoder):

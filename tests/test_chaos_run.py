@@ -12,6 +12,7 @@ test takes 8-15 minutes in all.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -43,7 +44,8 @@ def test_a_3_minute_chaos_run_recovers_from_every_fault_and_accounts_for_every_s
     ledger = report["ledger"]
     assert ledger["samples_started"] == (ledger["samples_trained"] + sum(ledger["samples_failed_by_cause"].values())
                                          + ledger["samples_carried_in_last_checkpoint"]
-                                         + ledger["samples_in_groups_dropped_whole"])
+                                         + ledger["samples_in_groups_dropped_whole"]
+                                         + ledger["samples_in_groups_dropped_after_last_batch"])
     assert report["pages"]["leaked"] == 0 and report["pages"]["held_by_requests"] == 0, report["pages"]
     for key, growth in report["resources"].items():
         if growth["judged"]:  # RSS over 5 minutes after warm-up only (ChaosOptions.rss_window_min_s)
@@ -51,3 +53,52 @@ def test_a_3_minute_chaos_run_recovers_from_every_fault_and_accounts_for_every_s
         if growth["rss_judged"]:
             assert growth["rss_growth_after_warmup_mib"] <= report["bounds"]["rss_growth_after_warmup_mib"], (key, growth)
     assert done.returncode == 0, out[-4000:]
+
+
+# ----------------------------------------------------------------------------- the ledger's arithmetic (fast)
+def _load_chaos_run():
+    spec = importlib.util.spec_from_file_location("chaos_run_for_ledger", ROOT / "scripts" / "chaos_run.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def _fake_chain(out, *, dumps: dict[int, list[tuple[int, int, str]]], driver_state: dict, metrics: list[dict], n: int):
+    """A run directory as the ledger reads it: step dumps, and the last checkpoint's meta (step = len(dumps))."""
+    (out / "rollout").mkdir(parents=True)
+    for step, rows in dumps.items():
+        (out / "rollout" / f"step_{step}.jsonl").write_text("".join(
+            json.dumps({"group_index": g, "index": i, "status": status, "termination": "env_error"}) + "\n"
+            for g, i, status in rows))
+    meta = out / "checkpoints" / str(len(dumps)) / "meta"
+    meta.mkdir(parents=True)
+    (meta / "metadata").write_text(json.dumps({"driver_state": driver_state,
+                                               "config": {"rollout": {"n_samples_per_prompt": n}}}))
+    return [{"step": s, **m} for s, m in enumerate(metrics)]
+
+
+def test_the_ledger_accounts_for_groups_dropped_and_samples_failed_after_the_last_batch(tmp_path):
+    chaos = _load_chaos_run()
+    # Groups 0-4 of 2 samples. Step 0 trained group 0 and dumped group 1's FAILED sample 0 (group 1 then dropped as
+    # stale, counted in step 1's metrics); step 1 trained group 2. After the last batch: group 3 dropped stale (named
+    # by the checkpoint) with its sample 1 FAILED (unreported), group 4 buffered (carried).
+    steps = _fake_chain(
+        tmp_path, n=2,
+        dumps={0: [(0, 0, "completed"), (0, 1, "completed"), (1, 0, "failed")],
+               1: [(2, 0, "completed"), (2, 1, "completed")]},
+        metrics=[{}, {"rollout/dynamic_filter/drop_stale_group": 1}],
+        driver_state={"next_group_index": 5, "partial_groups": [{"group_index": 4}],
+                      "dropped_groups": [{"group_index": 3, "reason": "stale_group"}],
+                      "unreported": {"failed": [{"group_index": 3, "index": 1}], "sample_drops": {}, "episodes": 2}})
+    ledger = chaos.sample_ledger(tmp_path, steps)
+    assert ledger["unaccounted"] == 0, ledger
+    assert (ledger["samples_trained"], ledger["samples_carried_in_last_checkpoint"]) == (4, 2)
+    assert ledger["samples_failed_by_cause"] == {"failed:env_error": 1, "failed_after_last_batch": 1}
+    assert (ledger["samples_in_groups_dropped_whole"], ledger["samples_in_groups_dropped_after_last_batch"]) == (1, 1)
+    assert ledger["samples_started"] == 10 == (4 + 2 + 2 + 1 + 1)
+    # Without the checkpoint's record of group 3, its sample 0 is lost: the ledger says so.
+    (tmp_path / "checkpoints" / "2" / "meta" / "metadata").write_text(json.dumps({
+        "driver_state": {"next_group_index": 5, "partial_groups": [{"group_index": 4}]},
+        "config": {"rollout": {"n_samples_per_prompt": 2}}}))
+    assert chaos.sample_ledger(tmp_path, steps)["unaccounted"] == 3  # group 1's and group 3's missing samples

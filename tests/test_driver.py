@@ -582,6 +582,11 @@ def _delete(key: str) -> Callable[[dict], Any]:
         (_delete("dropped_groups"), "driver state: missing keys ['dropped_groups'], unknown keys []"),
         (_set(("dropped_groups",), [{"group_index": 1}]), "dropped_groups[0]: missing keys ['reason']"),
         (_set(("dropped_groups",), [{"group_index": 1, "reason": ""}]), "dropped_groups[0].reason must be a non-empty"),
+        (_delete("unreported"), "driver state: missing keys ['unreported'], unknown keys []"),
+        (_set(("unreported", "episodes"), -1), "unreported.episodes must be a non-negative int, got -1"),
+        (_set(("unreported", "sample_drops"), {"failed_sample": "2"}),
+         "unreported.sample_drops['failed_sample'] must be a non-negative int, got '2'"),
+        (_set(("unreported", "failed"), [{"bogus": 1}]), "unreported.failed[0] is not a valid Sample dict"),
         (_set(("dropped_groups",), [{"group_index": 9, "reason": "stale_group"}]),
          "carries groups [9] but its next_group_index is 6"),
         (_delete("filtered_long_prompts"), "driver state: missing keys ['filtered_long_prompts'], unknown keys []"),
@@ -631,7 +636,7 @@ def test_driver_state_restore_refuses_a_foreign_counter_or_used_args():
 def test_older_checkpoints_restore_with_the_counter_saved_beside_them(caplog):
     args, *_ = rich_driver_state()
     v1 = {k: v for k, v in driver_checkpoint_state(args).items()
-          if k not in ("next_group_index", "filtered_long_prompts", "dropped_groups")} | {"version": 1}
+          if k not in ("next_group_index", "filtered_long_prompts", "dropped_groups", "unreported")} | {"version": 1}
     with pytest.raises(DriverStateError, match="version 1 driver state has no next_group_index"):
         restore_driver_state(offline_args(), v1)
     fresh = offline_args()

@@ -6,6 +6,7 @@ functions, and what a step full of FAILED episodes does (a warning with the caus
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import types
 from typing import Any
@@ -17,7 +18,13 @@ from jaxrl_vlm.config import Config
 from jaxrl_vlm.job.sources import LiveRollout
 from jaxrl_vlm.weight_sync import WeightSyncer
 from rollout import driver as driver_module
-from rollout.driver import DriverState, driver_checkpoint_state, restore_driver_state
+from rollout.driver import (
+    DriverState,
+    RolloutResult,
+    count_restored_drops,
+    driver_checkpoint_state,
+    restore_driver_state,
+)
 from rollout.encoding import ChatEncoder
 from rollout.failures import AllFailedStepsError, FailureReport, all_failed_streak, failure_report
 from rollout.loading import load_module
@@ -25,7 +32,7 @@ from rollout.metrics import rollout_metrics
 from rollout.multiturn import BANNED_TOKEN_BIAS
 from rollout.options import RolloutOptions, total_generate_concurrency
 from rollout.processing import image_to_data_url
-from rollout.run import RolloutRun
+from rollout.run import RolloutRun, Unreported
 from rollout.sample import Sample, Status, Termination, TerminationKind
 
 
@@ -113,13 +120,24 @@ async def test_a_limit_below_every_prompt_is_an_error_not_a_hang(encoder, monkey
 
 
 def test_older_driver_states_read_with_no_filtered_prompts():
-    state = DriverState(next_group_index=4, filtered_long_prompts=9, dropped_groups=[(3, "stale_group")]).to_dict()
+    failed = Sample(prompt="Q3", label="3", group_index=3, index=1, status=Status.FAILED)
+    unreported = Unreported(failed=[failed], sample_drops={"failed_sample": 1, "aborted_sample": 2}, episodes=6)
+    state = DriverState(next_group_index=4, filtered_long_prompts=9, dropped_groups=[(3, "stale_group")],
+                        unreported=unreported).to_dict()
     assert state["version"] == 4
-    v3 = {k: v for k, v in state.items() if k != "dropped_groups"} | {"version": 3}
+    v3 = {k: v for k, v in state.items() if k not in ("dropped_groups", "unreported")} | {"version": 3}
     assert DriverState.from_dict(v3) == DriverState(next_group_index=4, filtered_long_prompts=9)
     v2 = {k: v for k, v in v3.items() if k != "filtered_long_prompts"} | {"version": 2}
     assert DriverState.from_dict(v2) == DriverState(next_group_index=4)
-    assert DriverState.from_dict(state).dropped_groups == [(3, "stale_group")]
+    restored = DriverState.from_dict(json.loads(json.dumps(state)))
+    assert restored.dropped_groups == [(3, "stale_group")]
+    assert [s.to_dict() for s in restored.unreported.failed] == [failed.to_dict()]
+    # The resumed run reports all of it with its first batch, once.
+    result = RolloutResult(groups=[])
+    assert count_restored_drops(restored, result) == [(3, "stale_group")]
+    assert result.dropped == {"stale_group": 1, "failed_sample": 1, "aborted_sample": 2} and result.episodes == 6
+    assert [s.name for s in result.failed] == [failed.name] and restored.held() == {"next_group_index": 4,
+                                                                                       "filtered_long_prompts": 9}
 
 
 # ----------------------------------------------------------------------------- sampling_params
