@@ -11,10 +11,13 @@ log tails of all processes in the failure message.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import socket
 import subprocess
+import sys
 import time
+import types
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +34,15 @@ class Launched:
     name: str
     proc: subprocess.Popen
     log: Path
+
+
+def load_script(name: str) -> types.ModuleType:
+    """`scripts/<name>.py` imported as module `name` (scripts/ is no package), for tests of a script's functions."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
 
 
 def free_port() -> int:

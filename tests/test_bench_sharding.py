@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import importlib.util
 import json
 import math
 import os
@@ -17,6 +16,7 @@ from types import SimpleNamespace
 
 import jax
 import pytest
+from _launch import load_script
 
 from jaxrl_vlm.bench import flops as flops_lib
 from jaxrl_vlm.bench import hlo
@@ -399,11 +399,7 @@ def test_bench_cli_parses_layouts_and_config_overrides():
 
 
 def _gpu_check_module():
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script("gpu_check")
 
 
 def test_gpu_check_reads_pytest_results(tmp_path):

@@ -12,7 +12,6 @@ test takes 8-15 minutes in all.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -20,7 +19,7 @@ import subprocess
 import sys
 
 import pytest
-from _launch import ROOT, xla_flags
+from _launch import ROOT, load_script, xla_flags
 
 
 @pytest.mark.slow
@@ -56,14 +55,6 @@ def test_a_3_minute_chaos_run_recovers_from_every_fault_and_accounts_for_every_s
 
 
 # ----------------------------------------------------------------------------- the ledger's arithmetic (fast)
-def _load_chaos_run():
-    spec = importlib.util.spec_from_file_location("chaos_run_for_ledger", ROOT / "scripts" / "chaos_run.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
 def _fake_chain(out, *, dumps: dict[int, list[tuple[int, int, str]]], driver_state: dict, metrics: list[dict], n: int):
     """A run directory as the ledger reads it: step dumps, and the last checkpoint's meta (step = len(dumps))."""
     (out / "rollout").mkdir(parents=True)
@@ -79,7 +70,7 @@ def _fake_chain(out, *, dumps: dict[int, list[tuple[int, int, str]]], driver_sta
 
 
 def test_the_ledger_accounts_for_groups_dropped_and_samples_failed_after_the_last_batch(tmp_path):
-    chaos = _load_chaos_run()
+    chaos = load_script("chaos_run")
     # Groups 0-4 of 2 samples. Step 0 trained group 0 and dumped group 1's FAILED sample 0 (group 1 then dropped as
     # stale, counted in step 1's metrics); step 1 trained group 2. After the last batch: group 3 dropped stale (named
     # by the checkpoint) with its sample 1 FAILED (unreported), group 4 buffered (carried).
