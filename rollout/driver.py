@@ -108,6 +108,9 @@ class RolloutResult:
     # Prompts skipped for --rollout-max-prompt-len in this step, and over the whole run (checkpointed).
     filtered_long_prompts: int = 0
     filtered_long_prompts_total: int = 0
+    # (group index, reason) of every group dropped whole (`drop_group`): what a checkpoint between two batches
+    # carries (`DriverState.dropped_groups`).
+    dropped_groups: list[tuple[int, str]] = field(default_factory=list)
     # What a --custom-rollout-log-function-path hook said: skip the default rollout/* metrics, and the metrics it
     # added to its `rollout_extra_metrics` (logged as named).
     skip_default_log: bool = False
@@ -204,18 +207,22 @@ def _new_group(prompts: PromptTaker, n: int) -> _Group:
     return _Group(group_index, prompt, make_group(prompt, group_index, n))
 
 
-def count_restored_drops(state: DriverState, result: RolloutResult) -> list[tuple[int, str]]:
+def drop_group(result: RolloutResult, group_index: int, reason: str) -> None:
+    """Count a group dropped whole under `reason`, by index."""
+    result.dropped[reason] += 1
+    result.dropped_groups.append((int(group_index), reason))
+
+
+def count_restored_drops(state: DriverState, result: RolloutResult) -> None:
     """Count what a checkpoint says was dropped before its batch (`DriverState.dropped_groups` and `unreported`) in
-    `result`, so the resumed run reports it (FAILED samples dumped with its first batch); clears both and returns
-    the dropped groups."""
+    `result`, so the resumed run reports it (FAILED samples dumped with its first batch); clears both."""
     restored, state.dropped_groups = state.dropped_groups, []
     unreported, state.unreported = state.unreported, Unreported()
-    for _, reason in restored:
-        result.dropped[reason] += 1
+    for group_index, reason in restored:
+        drop_group(result, group_index, reason)
     result.dropped.update(unreported.sample_drops)
     result.failed.extend(unreported.failed)
     result.episodes += unreported.episodes
-    return restored
 
 
 def keep_group(group: list[Sample], dynamic_filter: str | None, result: RolloutResult,
@@ -234,16 +241,17 @@ def keep_group(group: list[Sample], dynamic_filter: str | None, result: RolloutR
             result.dropped["no_reward_sample"] += 1
         else:
             kept.append(s)
+    group_index = group[0].group_index
     if not kept:
-        result.dropped["empty_group"] += 1
+        drop_group(result, group_index, "empty_group")
         return None
     if dynamic_filter == "zero_std" and len({float(s.reward) for s in kept}) == 1:
-        result.dropped["zero_std_group"] += 1
+        drop_group(result, group_index, "zero_std_group")
         return None
     if custom_filter is not None:
         verdict = dynamic_filter_verdict(custom_filter, custom_filter(args, kept))
         if not verdict.keep:
-            result.dropped[verdict.reason or "dynamic_sampling_filter"] += 1
+            drop_group(result, group_index, verdict.reason or "dynamic_sampling_filter")
             return None
     return kept
 
@@ -461,7 +469,7 @@ async def rollout_step(run: RolloutRun, rollout_id: int, data_source: PromptSour
         carried_groups, state.partial_groups, discarded = _take_buffered(
             hooks.buffer_filter, args, rollout_id, carried_groups, submit_batch)
         for gone in discarded:
-            result.dropped["buffer_filter_discarded_group"] += 1
+            drop_group(result, gone.group_index, "buffer_filter_discarded_group")
             await _discard_aborted(ctx, gone.samples)
     # Groups suspended by the previous step go first, so partially generated work is not lost.
     for carried in carried_groups:
@@ -616,7 +624,7 @@ async def _carry_or_drop(ctx: RolloutContext, state: DriverState, group: _Group,
         state.partial_groups.append(group.carry(samples))
         result.dropped["partial_group_carried"] += 1
     else:
-        result.dropped[drop_reason] += 1
+        drop_group(result, group.group_index, drop_reason)
         await _discard_aborted(ctx, samples)
 
 
@@ -632,7 +640,7 @@ async def _abort_stragglers(ctx: RolloutContext, running: list[_Group], partial:
     ctx.aborting = False
     for group, outcome in zip(running, outcomes):
         if isinstance(outcome, BaseException):
-            result.dropped["straggler_group_error"] += 1
+            drop_group(result, group.group_index, "straggler_group_error")
             logger.warning("straggling group raised %s: %s", type(outcome).__name__, outcome)
             continue
         await _carry_or_drop(ctx, state, group, outcome, partial, result, "straggler_group")

@@ -58,6 +58,7 @@ from rollout.driver import (
     RolloutResult,
     StepHooks,
     count_restored_drops,
+    drop_group,
     end_of_step_hooks,
     keep_group,
     log_step_problems,
@@ -153,8 +154,7 @@ class GroupStream:
         self._finished: list[list[Sample]] = []  # every group finished since the last batch (all-samples hook)
         self._to_start: list[_Running] = []  # restored in-flight groups, started first
         self._regenerate: list[Sample] = []  # prompts of stale groups, run again as new groups
-        # (group index, reason) of the groups dropped whole since the last batch: a checkpoint carries them.
-        self._dropped_since_take: list[tuple[int, str]] = count_restored_drops(self.state, self.result)
+        count_restored_drops(self.state, self.result)
         self._submitted_since_take = 0
         self._wake = asyncio.Event()
         self._changed = asyncio.Event()
@@ -219,7 +219,6 @@ class GroupStream:
         taken, self.buffer = self.buffer[:n], self.buffer[n:]
         result, counters, finished = self.result, self.counters, self._finished
         self.result, self.counters, self._finished = RolloutResult(groups=[]), StreamCounters(), []
-        self._dropped_since_take = []
         self.prompts.result = self.result
         result.groups = [g.samples for g in taken]
         for s in result.samples:
@@ -245,7 +244,7 @@ class GroupStream:
                             prompt_buffer=[*self._regenerate, *self.state.prompt_buffer],
                             partial_groups=carried,
                             filtered_long_prompts=self.state.filtered_long_prompts,
-                            dropped_groups=list(self._dropped_since_take),
+                            dropped_groups=list(self.result.dropped_groups),
                             unreported=Unreported(
                                 failed=list(self.result.failed), episodes=self.result.episodes,
                                 sample_drops={k: v for k, v in self.result.dropped.items() if k.endswith("_sample")}))
@@ -299,11 +298,8 @@ class GroupStream:
         if group.superseded:  # already counted as a dropped group: only its samples' fates are counted now
             self._count_samples_only(samples)
             return
-        before = self.result.dropped.copy()
         kept = keep_group(samples, self.opts.dynamic_filter, self.result, self.hooks.dynamic_filter, self.args)
         if kept is None:
-            grew = [k for k in self.result.dropped if self.result.dropped[k] > before[k] and not k.endswith("_sample")]
-            self._dropped_since_take.append((group.group_index, grew[0] if grew else "filtered_group"))
             return
         if self.too_stale(kept):
             self._stale(group, kept)
@@ -323,8 +319,7 @@ class GroupStream:
     def _stale(self, group: _Running | BufferedGroup, samples: list[Sample]) -> None:
         """Count a too-stale group and apply --stale-group-policy."""
         self.counters.stale_samples += len(samples)
-        self.result.dropped["stale_group"] += 1
-        self._dropped_since_take.append((group.group_index, "stale_group"))
+        drop_group(self.result, group.group_index, "stale_group")
         self._handle_stale_prompt(group.prompt)
 
     def _handle_stale_prompt(self, prompt: Sample) -> None:
@@ -341,8 +336,7 @@ class GroupStream:
             with_tokens = [s for s in group.samples if s.weight_versions]
             if with_tokens and self.too_stale(with_tokens):
                 group.superseded = True
-                self.result.dropped["stale_group"] += 1
-                self._dropped_since_take.append((group.group_index, "stale_group"))
+                drop_group(self.result, group.group_index, "stale_group")
                 self._handle_stale_prompt(group.prompt)
 
     def _drop_stale_buffered(self) -> None:

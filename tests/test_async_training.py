@@ -300,12 +300,18 @@ async def test_a_checkpoint_between_batches_carries_the_groups_dropped_since_and
     # Group 1 finishes too stale after batch 0 was taken; the checkpoint comes before batch 1, which would have
     # counted it. The resumed run counts it with its first batch, and the checkpoint names it.
     trainer = {"version": 0}
+    server: list[FakeSGLangServer] = []
 
     def select(record: RecordedRequest):
-        return Delay(0.3) if rid_of(record).startswith("g1-") else None
+        if rid_of(record).startswith("g1-"):
+            return Delay(0.3)
+        if not rid_of(record).startswith("g0-"):
+            server[0].weight_version = "2"  # later groups are fresh: group 1 is the only stale one
+        return None
 
     async with harness(encoder, lambda s: EnvSpec(turns=1, reward=float(s.index)), select=select, max_staleness=1,
                        rollout_batch_size=1, n_samples_per_prompt=2, stale_group_policy="drop") as h:
+        server.append(h.server)
         h.server.weight_version = "0"
         stream = GroupStream(h.args, PromptSource(batch=1), engine_version=0, batches_taken=0,
                              too_stale=lambda samples: too_stale(samples, trainer["version"], 1))

@@ -134,7 +134,8 @@ def test_older_driver_states_read_with_no_filtered_prompts():
     assert [s.to_dict() for s in restored.unreported.failed] == [failed.to_dict()]
     # The resumed run reports all of it with its first batch, once.
     result = RolloutResult(groups=[])
-    assert count_restored_drops(restored, result) == [(3, "stale_group")]
+    count_restored_drops(restored, result)
+    assert result.dropped_groups == [(3, "stale_group")]
     assert result.dropped == {"stale_group": 1, "failed_sample": 1, "aborted_sample": 2} and result.episodes == 6
     assert [s.name for s in result.failed] == [failed.name] and restored.held() == {"next_group_index": 4,
                                                                                        "filtered_long_prompts": 9}
