@@ -221,6 +221,13 @@ class OptimConfig:
     min_lr: float = opt(0.0, "Final learning rate of a decaying schedule.", ge=0)
     lr_decay_style: str = opt("constant", "Learning-rate schedule.", choices=("constant", "linear", "cosine"))
     lr_warmup_iters: int = opt(0, "Linear warm-up steps.", ge=0)
+    lr_decay_iters: int | None = opt(
+        None,
+        "Optimizer steps over which a decaying schedule reaches --min-lr, warm-up included, then holds it (Megatron's "
+        "--lr-decay-iters; None: the whole run, --num-rollout x --num-steps-per-rollout). For runs bounded by wall "
+        "time rather than --num-rollout.",
+        ge=1,
+    )
     weight_decay: float = opt(0.1, "AdamW weight decay.", ge=0)
     adam_beta1: float = opt(0.9, "Adam beta1.", ge=0, lt=1)
     adam_beta2: float = opt(0.98, "Adam beta2.", ge=0, lt=1)

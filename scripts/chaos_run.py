@@ -42,7 +42,9 @@ and the report gives:
 * the engine's KV pages at the end (`/get_server_info`, after `/flush_cache`): leaked = total - free;
 * RSS and open file descriptors of trainer and engine every `--sample-interval` seconds; per process lifetime
   (each restart is a new one) the growth after its warm-up (RSS judged over `--rss-window-min` seconds or more);
-* the eval curve (`eval/heldout/raw_reward`), and with `--compare-with` the fault-free run's at the same steps.
+* the eval curve (`eval/heldout/raw_reward`), and with `--compare-with` the fault-free run's at the same steps and
+  whether the two agree within noise once the learning rate has decayed (`--lr-decay-steps`);
+* the raw RSS/fd series (`resource_series` of the --json report).
 
 The last line is `chaos: F faults injected, R recovered, U samples unaccounted`. Exit status 0 only when every
 fault recovered, no sample is unaccounted, no page leaked and the RSS/fd growth is within the bounds.
@@ -56,6 +58,7 @@ import dataclasses
 import errno
 import io
 import json
+import math
 import os
 import random
 import select
@@ -111,6 +114,9 @@ class ChaosOptions:
     rss_window_min_s: float = 300.0
     fd_growth_bound: int = 32
     eval_interval: int = 10
+    # The config's cosine decay (3e-3 to 3e-4) over this many steps, then 3e-4: a run bounded by wall time has no
+    # --num-rollout to decay over, and a constant 3e-3 keeps the policy swinging, which hides how faults change it.
+    lr_decay_steps: int = 300
     initial_eval: bool = True
     eval_rows: int = 32
     save_interval: int = 5
@@ -136,6 +142,8 @@ def parse_options(argv: list[str] | None = None) -> ChaosOptions:
                    help="Seconds after warm-up a process must live before its RSS growth is judged (fds: 8 samples).")
     p.add_argument("--fd-growth-bound", type=int, default=d.fd_growth_bound)
     p.add_argument("--eval-interval", type=int, default=d.eval_interval)
+    p.add_argument("--lr-decay-steps", type=int, default=d.lr_decay_steps,
+                   help="Steps of the learning rate's decay to --min-lr, then held (the eval is compared after them).")
     p.add_argument("--no-initial-eval", action="store_true", help="No eval before the first step (shorter start).")
     p.add_argument("--keep", action="store_true", help="Keep the workdir (always kept when --workdir is given).")
     ns = p.parse_args(argv)
@@ -146,7 +154,8 @@ def parse_options(argv: list[str] | None = None) -> ChaosOptions:
                         recovery_timeout_s=ns.recovery_timeout, sample_interval_s=ns.sample_interval,
                         warmup_s=ns.warmup, rss_growth_bound_mib=ns.rss_growth_bound_mib,
                         rss_window_min_s=ns.rss_window_min,
-                        fd_growth_bound=ns.fd_growth_bound, eval_interval=ns.eval_interval, keep=ns.keep,
+                        fd_growth_bound=ns.fd_growth_bound, eval_interval=ns.eval_interval,
+                        lr_decay_steps=ns.lr_decay_steps, keep=ns.keep,
                         initial_eval=not ns.no_initial_eval)
 
 
@@ -529,7 +538,8 @@ class Chaos:
                 "--skip-eval-before-train", "false" if self.opts.initial_eval else "true",
                 "--engine-url", f"http://127.0.0.1:{proxy_port}", "--engine-reconnect-timeout", "300",
                 "--episode-timeout", "600", "--env-step-timeout", "5",
-                "--max-staleness", "1", "--num-rollout", "1000000", "--output-dir", str(self.out),
+                "--max-staleness", "1", "--num-rollout", "1000000", "--lr-decay-iters", str(self.opts.lr_decay_steps),
+                "--output-dir", str(self.out),
                 "--save-interval", str(self.opts.save_interval), "--keep-checkpoints", "2",
                 "--weight-sync-dir", str(self.sync_dir), "--preemption-grace-seconds", "120",
                 "--rollout-interaction-env-path", "chaos_env",
@@ -809,6 +819,8 @@ class Chaos:
             "trainer_starts": None, "unexpected": unexpected,
             "faults": [dataclasses.asdict(f) for f in self.faults],
             "ledger": ledger, "pages": pages, "resources": resources, "eval_curve": evals,
+            "lr_decay_steps": self.opts.lr_decay_steps,
+            "resource_series": {k: [list(x) for x in v] for k, v in self.resources.samples.items()},
             "step_time_median_s": self.step_time(steps, last=10**9),
             "bounds": {"rss_growth_after_warmup_mib": self.opts.rss_growth_bound_mib,
                        "fd_growth_after_warmup": self.opts.fd_growth_bound, "warmup_s": self.opts.warmup_s,
@@ -816,7 +828,8 @@ class Chaos:
                        "recovery_timeout_s": self.opts.recovery_timeout_s},
         }
         if self.opts.compare_with is not None:
-            report["comparison"] = compare_evals(evals, json.loads(self.opts.compare_with.read_text()))
+            report["comparison"] = compare_evals(evals, json.loads(self.opts.compare_with.read_text()),
+                                                 self.opts.lr_decay_steps)
         return report
 
 
@@ -936,15 +949,27 @@ def sample_ledger(out: Path, steps: list[dict]) -> dict[str, Any]:
     }
 
 
-def compare_evals(evals: list[tuple[int, float]], clean: dict[str, Any]) -> dict[str, Any]:
-    """Eval reward of this run and of the fault-free one at their common steps; noise = the binomial-like standard
-    error of a mean of `eval_rows x 4` rewards in [0, 1] (std <= 0.5)."""
+def compare_evals(evals: list[tuple[int, float]], clean: dict[str, Any], settled_from: int = 0) -> dict[str, Any]:
+    """Eval reward of this run and of the fault-free one at their common steps, and over the settled part (steps >=
+    `settled_from`, the end of the learning rate's decay) whether the two means are within noise: |difference| <= 2
+    standard errors, each run's error from the spread of its own evals there (eval sampling and the policy's wander
+    between evals together, as a repeat of the run would see them)."""
     other = dict((int(s), float(v)) for s, v in clean.get("eval_curve", []))
     common = [(s, v, other[s]) for s, v in evals if s in other]
     diffs = [v - w for _, v, w in common]
-    return {"common_steps": [s for s, _, _ in common], "chaos": [v for _, v, _ in common],
-            "fault_free": [w for _, _, w in common], "mean_diff": round(statistics.mean(diffs), 4) if diffs else None,
-            "max_abs_diff": round(max(map(abs, diffs)), 4) if diffs else None}
+    out: dict[str, Any] = {
+        "common_steps": [s for s, _, _ in common], "chaos": [v for _, v, _ in common],
+        "fault_free": [w for _, _, w in common], "mean_diff": round(statistics.mean(diffs), 4) if diffs else None,
+        "max_abs_diff": round(max(map(abs, diffs)), 4) if diffs else None}
+    settled = [(v, w) for s, v, w in common if s >= settled_from]
+    if len(settled) >= 3:
+        a, b = [v for v, _ in settled], [w for _, w in settled]
+        se = math.sqrt(statistics.variance(a) / len(a) + statistics.variance(b) / len(b))
+        diff = statistics.mean(a) - statistics.mean(b)
+        out["settled"] = {"from_step": settled_from, "evals": len(settled), "chaos_mean": round(statistics.mean(a), 4),
+                          "fault_free_mean": round(statistics.mean(b), 4), "diff": round(diff, 4),
+                          "two_se": round(2 * se, 4), "within_noise": abs(diff) <= 2 * se}
+    return out
 
 
 # ------------------------------------------------------------------------------------------ printing
@@ -1011,7 +1036,8 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["--compare"]:  # --compare CHAOS.json FAULT_FREE.json: the eval curves side by side
         chaos, clean = (json.loads(Path(a).read_text()) for a in args[1:3])
-        print(json.dumps(compare_evals([tuple(x) for x in chaos["eval_curve"]], clean), indent=1))
+        print(json.dumps(compare_evals([tuple(x) for x in chaos["eval_curve"]], clean, chaos.get("lr_decay_steps", 0)),
+                         indent=1))
         return 0
     opts = parse_options(argv)
     work = opts.workdir or Path(tempfile.mkdtemp(prefix="chaos_"))

@@ -93,3 +93,19 @@ def test_the_ledger_accounts_for_groups_dropped_and_samples_failed_after_the_las
         "driver_state": {"next_group_index": 5, "partial_groups": [{"group_index": 4}]},
         "config": {"rollout": {"n_samples_per_prompt": 2}}}))
     assert chaos.sample_ledger(tmp_path, steps)["unaccounted"] == 3  # group 1's and group 3's missing samples
+
+
+def test_the_eval_comparison_judges_the_settled_part_against_both_runs_spread():
+    compare_evals = load_script("chaos_run").compare_evals
+    clean = {"eval_curve": [[s, 0.2 if s < 30 else 0.90 + 0.02 * (s // 10 % 2)] for s in range(0, 100, 10)]}
+    # Equal after the decay (step 30), whatever came before: within noise.
+    same = [(s, 0.6 if s < 30 else 0.91 + 0.02 * (s // 10 % 2) - 0.01) for s in range(0, 100, 10)]
+    out = compare_evals(same, clean, settled_from=30)
+    assert out["common_steps"] == list(range(0, 100, 10)) and out["settled"]["evals"] == 7
+    assert out["settled"]["within_noise"] and abs(out["settled"]["diff"]) < out["settled"]["two_se"]
+    # 0.1 lower after the decay, against evals that spread by 0.02: not within noise.
+    low = [(s, v - 0.1) for s, v in same]
+    out = compare_evals(low, clean, settled_from=30)
+    assert not out["settled"]["within_noise"] and out["settled"]["diff"] == pytest.approx(-0.1, abs=1e-9)
+    # Too few common settled evals to judge: no verdict rather than a guess.
+    assert "settled" not in compare_evals(same[:5], clean, settled_from=30)

@@ -3,6 +3,7 @@ slime's meaning, or accepted with a logged reason; the flag map of docs/guides/s
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
@@ -181,6 +182,40 @@ def test_adam_is_slimes_adam_with_decoupled_weight_decay():
     # exactly lr * wd * w (coupled L2 would have gone through the moments: 0.1 * sign(...) instead).
     adam_step = 0.1 * 1.0 / (1.0 + 1e-8)  # m_hat / (sqrt(v_hat) + eps) = 1 for the first step
     np.testing.assert_allclose(results[0], [2.0 - adam_step - 0.1 * 0.5 * 2.0, -4.0 - 0.1 * 0.5 * -4.0], rtol=1e-6)
+
+
+def test_lr_decay_iters_ends_the_decay_there_and_holds_min_lr_like_megatron():
+    """Megatron's cosine: lr = min + (max - min) * 0.5 * (1 + cos(pi * (step - warmup) / (decay_iters - warmup)))
+    up to --lr-decay-iters, min_lr after it; linear warm-up from 0 before. The run's length does not matter then."""
+    cfg = load_config(None, ["--lr", "0.1", "--min-lr", "0.01", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2",
+                             "--lr-decay-iters", "10", "--clip-grad", "0", "--weight-decay", "0"])
+    params = {"w": np.zeros(1, np.float32)}
+    grads = {"w": np.ones(1, np.float32)}
+    for total_steps in (20, 10**6):
+        tx = make_optimizer(cfg.optim, total_steps=total_steps)
+        state = tx.init(params)
+        for step in range(14):
+            updates, state = tx.update(grads, state, params)
+            # Adam's first steps with a constant gradient move by lr exactly (m_hat / sqrt(v_hat) = 1).
+            if step < 2:
+                want = 0.1 * step / 2
+            elif step < 10:
+                want = 0.01 + 0.09 * 0.5 * (1 + math.cos(math.pi * (step - 2) / 8))
+            else:
+                want = 0.01
+            np.testing.assert_allclose(-float(updates["w"][0]), want, rtol=1e-5, atol=1e-9)
+    # Without it the decay spans the whole run.
+    whole = load_config(None, ["--lr", "0.1", "--min-lr", "0.01", "--lr-decay-style", "linear", "--clip-grad", "0",
+                               "--weight-decay", "0"])
+    tx = make_optimizer(whole.optim, total_steps=10)
+    state = tx.init(params)
+    lrs = []
+    for _ in range(12):
+        updates, state = tx.update(grads, state, params)
+        lrs.append(-float(updates["w"][0]))
+    np.testing.assert_allclose(lrs, [0.1 - 0.009 * i for i in range(10)] + [0.01, 0.01], rtol=1e-5)
+    with pytest.raises(ValueError, match="lr_decay_iters"):
+        load_config(None, ["--lr-decay-iters", "0"])
 
 
 def _megatron_router_losses(logits_lne: jax.Array, top_k: int, aux_coeff: float, z_coeff: float) -> jax.Array:

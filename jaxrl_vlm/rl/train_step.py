@@ -79,9 +79,12 @@ class StepConfig:
 
 
 def make_optimizer(optim: Any, total_steps: int) -> optax.GradientTransformation:
-    """AdamW with the configured schedule, global-norm clipping first (slime's order)."""
+    """AdamW with the configured schedule, global-norm clipping first (slime's order). A decaying schedule ends at
+    `lr_decay_iters` when set (Megatron's meaning: counted from step 0, warm-up included), else at `total_steps`, and
+    holds `min_lr` after it."""
     warmup = int(optim.lr_warmup_iters)
-    decay_steps = max(1, total_steps - warmup)
+    horizon = total_steps if optim.lr_decay_iters is None else int(optim.lr_decay_iters)
+    decay_steps = max(1, horizon - warmup)
     if optim.lr_decay_style == "constant":
         decay = optax.constant_schedule(optim.lr)
     elif optim.lr_decay_style == "linear":
