@@ -177,9 +177,7 @@ def test_build_vision_inputs_pads_to_the_bucket_and_validates(cfg):
 def ref_sequence_positions(ids: np.ndarray, grids: list[np.ndarray], cfg: Qwen3VLConfig, where: str) -> np.ndarray:
     """Walk the tokens in order; at an image token, the next grid takes the next t*(h/merge)*(w/merge) tokens."""
     merge = cfg.vision.spatial_merge_size
-    is_image = ids == cfg.image_token_id
-    if (ids == cfg.video_token_id).any():
-        raise ValueError(f"{where}: video tokens (id {cfg.video_token_id}) are not supported")
+    is_image = ids == cfg.image_token_id  # a video token is text to the picture walk (no clip grids given here)
     out = np.empty((3, ids.shape[0]), np.int64)
     pos = i = g = 0
     n = ids.shape[0]
@@ -212,6 +210,8 @@ def ref_sequence_positions(ids: np.ndarray, grids: list[np.ndarray], cfg: Qwen3V
         g += 1
     if g != len(grids):
         raise ValueError(f"{where}: {len(grids)} image grids given but only {g} images found in the tokens")
+    if (ids == cfg.video_token_id).any():
+        raise ValueError(f"{where}: more video-token runs than video_grid_thw rows (0)")
     return out
 
 
@@ -237,6 +237,9 @@ def ref_split_grids(seqs: list[np.ndarray], grid: np.ndarray, cfg: Qwen3VLConfig
         out.append(mine)
     if g != len(grid):
         raise ValueError(f"image_grid_thw has {len(grid)} rows but the tokens only use {g}")
+    for seq_idx, ids in enumerate(seqs):  # no clip grids are given here: clip tokens run out of them at once
+        if (need := int((ids == cfg.video_token_id).sum())):
+            raise ValueError(f"sequence {seq_idx} has {need} video tokens but video_grid_thw ran out after 0 rows")
     return out
 
 
@@ -301,11 +304,11 @@ def assert_same_outcome(got: Any, want: Any) -> str:
 
 
 ERROR_KINDS = {
-    "video": "video tokens",
+    "video": "video_grid_thw",  # clip tokens with no clip grids: in one sequence or at the split
     "more_runs": "more image-token runs",
     "run_too_short": "consecutive image tokens, found",
     "fewer_images": "images found in the tokens",
-    "split_ran_out": "ran out after",
+    "split_ran_out": "image_grid_thw ran out after",
     "split_mismatch": "do not match its grids'",
     "split_unused": "but the tokens only use",
 }
@@ -397,7 +400,7 @@ I, V = qwen3_vl_2b_instruct().image_token_id, qwen3_vl_2b_instruct().video_token
 MORE_RUNS = "s: more image-token runs than image_grid_thw rows (1)"
 NEEDS_4 = "s: image {} with grid (t=1, h=4, w=4) needs 4 consecutive image tokens, found {} at token {}"
 BAD_SEQUENCES = {  # tokens, grids (merge 2), the exact message
-    "video": ([1, V, 2], [], f"s: video tokens (id {V}) are not supported"),
+    "video": ([1, V, 2], [], "s: more video-token runs than video_grid_thw rows (0)"),
     "more_runs_than_grids": ([1, I, I, I, I, 2, I, I, I, I], [[1, 4, 4]], MORE_RUNS),
     "run_shorter_than_grid": ([1, I, I, I, 2], [[1, 4, 4]], NEEDS_4.format(0, 3, 1)),
     "run_longer_than_grid": ([1, I, I, I, I, I, 2], [[1, 4, 4]], MORE_RUNS),

@@ -77,13 +77,19 @@ def build_vision_inputs(
     *,
     patch_bucket: int | None = None,
     token_valid: np.ndarray | None = None,
+    pixel_values_videos: np.ndarray | None = None,
+    video_grid_thw: np.ndarray | None = None,
 ) -> VisionInputs | WindowedVisionInputs:
-    """Pad processor outputs for images of a whole [B, T] token batch to `patch_bucket` patches, in the
-    input type of `cfg`'s family.
+    """Pad processor outputs for the pictures (and clips) of a whole [B, T] token batch to `patch_bucket` patches,
+    in the input type of `cfg`'s family.
 
-    tokens [B, T]: image pads expanded; the i-th image-pad token in row-major order receives the
-    i-th merged image token. token_valid [B, T] (optional, e.g. segment_ids > 0) excludes padding
-    slots that happen to hold the image-pad id.
+    tokens [B, T]: image and video pads expanded; the i-th image-pad token in row-major order receives the
+    i-th merged picture token, the i-th video-pad token the i-th merged clip token. token_valid [B, T]
+    (optional, e.g. segment_ids > 0) excludes padding slots that happen to hold a pad id.
+
+    The tower sees the pictures' patches, then the clips' (`pixel_values_videos` [P', C*T*p*p], one row of
+    `video_grid_thw` per clip): it encodes every frame group on its own (attention stays inside a frame, as in
+    transformers), so the order of the two does not change any output row.
     """
     v = cfg.vision
     pixels = np.asarray(pixel_values)
@@ -91,11 +97,18 @@ def build_vision_inputs(
     tokens = np.asarray(tokens)
     if tokens.ndim != 2:
         raise ValueError(f"tokens must be [B, T], got shape {tokens.shape}")
-    if pixels.ndim != 2 or pixels.shape[1] != v.patch_dim:
-        raise ValueError(f"pixel_values must be [P, {v.patch_dim}] (C*T*p*p), got shape {pixels.shape}")
+    _check_pixels(pixels, grid, v.patch_dim, "pixel_values", "image_grid_thw")
+    clip_grid = np.zeros((0, 3), np.int64)
+    if video_grid_thw is not None or pixel_values_videos is not None:
+        if video_grid_thw is None or pixel_values_videos is None:
+            raise ValueError("pixel_values_videos and video_grid_thw come together")
+        clip_pixels = np.asarray(pixel_values_videos)
+        clip_grid = np.asarray(video_grid_thw, dtype=np.int64).reshape(-1, 3)
+        _check_pixels(clip_pixels, clip_grid, v.patch_dim, "pixel_values_videos", "video_grid_thw")
+        if len(clip_grid):
+            pixels = np.concatenate([pixels.astype(clip_pixels.dtype, copy=False), clip_pixels])
+            grid = np.concatenate([grid, clip_grid])
     n_patches = int(grid.prod(-1).sum()) if len(grid) else 0
-    if pixels.shape[0] != n_patches:
-        raise ValueError(f"pixel_values has {pixels.shape[0]} patches but image_grid_thw {grid.tolist()} needs {n_patches}")
     bucket = n_patches if patch_bucket is None else int(patch_bucket)
     if bucket < n_patches:
         raise ValueError(f"patch_bucket={bucket} is smaller than the {n_patches} patches of this batch")
@@ -106,15 +119,22 @@ def build_vision_inputs(
     frames = np.repeat(np.arange(len(frame_sizes)), frame_sizes)
     rotary = vision_rotary_positions(grid, v.spatial_merge_size)
 
-    is_image = tokens == cfg.image_token_id
-    if token_valid is not None:
-        is_image &= np.asarray(token_valid).astype(bool)
-    slots = np.flatnonzero(is_image.reshape(-1))
+    valid = np.ones(tokens.shape, bool) if token_valid is None else np.asarray(token_valid).astype(bool)
+    slots = np.flatnonzero(((tokens == cfg.image_token_id) & valid).reshape(-1))
+    clip_slots = np.flatnonzero(((tokens == cfg.video_token_id) & valid).reshape(-1))
+    n_clip = int(clip_grid.prod(-1).sum()) // v.merge_unit if len(clip_grid) else 0
     n_merged = n_patches // v.merge_unit
-    if slots.size != n_merged:
+    if slots.size != n_merged - n_clip:
         raise ValueError(
-            f"tokens hold {slots.size} image-pad tokens (id {cfg.image_token_id}) but the images give {n_merged} merged tokens"
+            f"tokens hold {slots.size} image-pad tokens (id {cfg.image_token_id}) but the images give "
+            f"{n_merged - n_clip} merged tokens"
         )
+    if clip_slots.size != n_clip:
+        raise ValueError(
+            f"tokens hold {clip_slots.size} video-pad tokens (id {cfg.video_token_id}) but the clips give "
+            f"{n_clip} merged tokens"
+        )
+    slots = np.concatenate([slots, clip_slots])
     token_index = np.full((bucket // v.merge_unit,), tokens.size, np.int32)
 
     def padded(values: np.ndarray, fill: int | float, dtype: np.dtype) -> np.ndarray:
@@ -144,6 +164,14 @@ def build_vision_inputs(
         padded(w, 0, np.float32),
         token_index,
     )
+
+
+def _check_pixels(pixels: np.ndarray, grid: np.ndarray, patch_dim: int, name: str, grid_name: str) -> None:
+    if pixels.ndim != 2 or pixels.shape[1] != patch_dim:
+        raise ValueError(f"{name} must be [P, {patch_dim}] (C*T*p*p), got shape {pixels.shape}")
+    n_patches = int(grid.prod(-1).sum()) if len(grid) else 0
+    if pixels.shape[0] != n_patches:
+        raise ValueError(f"{name} has {pixels.shape[0]} patches but {grid_name} {grid.tolist()} needs {n_patches}")
 
 
 def build_reused_vision_inputs(

@@ -1,0 +1,239 @@
+"""Clips in the model, against transformers' own video path: M-RoPE positions (`get_rope_index`) and logits.
+
+A clip reaches the model as the processor gives it (`pixel_values_videos`, one `video_grid_thw` row per clip) and
+as the chat template lays it out: Qwen3-VL and Qwen3.5 write a timestamp (text) before every frame group, each
+group between vision_start and vision_end; Qwen2.5-VL keeps the clip in one run and spaces its temporal positions
+by tokens_per_second x `second_per_grid_ts`. The pixels here are random patches of the processor's layout (the
+model's parity does not depend on where they came from). Checked per family, fp32 logits within 1e-4 of
+transformers' (Qwen3.5: of its float64 run, as in test_qwen3_5.py): a clip in the prompt, and an episode with a
+picture in the prompt and a clip in a later observation, in a right-padded batch of two.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from _hf_tiny import VOCAB_SPECIALS, build_hf_model, save_hf_model
+from _hf_tiny_qwen3_5 import build_hf_qwen3_5
+from flax import nnx
+
+from jaxrl_vlm.models import Qwen25VLConfig, build_vision_inputs, from_hf, get_rope_index, get_rope_index_packed
+from jaxrl_vlm.models.rope import split_video_grids
+
+TOL = 1e-4
+T_FIX, PATCH_BUCKET = 96, 160
+START, END, IMG, VID = (VOCAB_SPECIALS[k] for k in ("vision_start_token_id", "vision_end_token_id", "image_token_id",
+                                                    "video_token_id"))
+
+
+@nnx.jit
+def _logits(model, tokens, positions, segment_ids, vision):
+    return model.logits(model(tokens, positions, segment_ids, vision))
+
+
+@pytest.fixture(scope="module", params=["A", "Q25A", "qwen3_5"])
+def pair(request, tmp_path_factory):
+    """(transformers model, the reference to compare logits with, our model from its save_pretrained directory)."""
+    hf = build_hf_qwen3_5() if request.param == "qwen3_5" else build_hf_model(request.param)
+    ours = from_hf(save_hf_model(hf, tmp_path_factory.mktemp(f"video_{request.param}")))
+    ref = copy.deepcopy(hf).double() if request.param == "qwen3_5" else hf
+    return hf, ref, ours
+
+
+@dataclass
+class Episode:
+    input_ids: np.ndarray  # [B, T], right-padded
+    attention_mask: np.ndarray
+    pixel_values: np.ndarray | None
+    image_grid_thw: np.ndarray | None
+    pixel_values_videos: np.ndarray
+    video_grid_thw: np.ndarray
+    second_per_grid_ts: np.ndarray | None
+
+    def torch_kwargs(self, dtype: torch.dtype) -> dict:
+        mm = (self.input_ids == IMG) * 1 + (self.input_ids == VID) * 2
+        kw = dict(input_ids=torch.from_numpy(self.input_ids), attention_mask=torch.from_numpy(self.attention_mask),
+                  mm_token_type_ids=torch.from_numpy(mm * self.attention_mask),
+                  pixel_values_videos=torch.from_numpy(self.pixel_values_videos).to(dtype),
+                  video_grid_thw=torch.from_numpy(self.video_grid_thw))
+        if self.pixel_values is not None:
+            kw.update(pixel_values=torch.from_numpy(self.pixel_values).to(dtype),
+                      image_grid_thw=torch.from_numpy(self.image_grid_thw))
+        if self.second_per_grid_ts is not None:
+            kw["second_per_grid_ts"] = torch.from_numpy(self.second_per_grid_ts)
+        return kw
+
+
+def _episode(cfg, rows: list[list], clips: list[tuple[int, int, int]], pictures: list[tuple[int, int]],
+             seed: int) -> Episode:
+    """rows: per sequence, items: an int n = n random text tokens, "clip" = the next clip laid out as the family's
+    template lays it out (a 2-token timestamp before each frame group where the family writes them), "img" = the
+    next picture. Clips are (t, h, w) grids; pictures (h, w) grids (t = 1)."""
+    rng = np.random.RandomState(seed)
+    merge = cfg.vision.spatial_merge_size
+    qwen25 = isinstance(cfg, Qwen25VLConfig)
+    clip_grid = np.array(clips, np.int64).reshape(-1, 3)
+    pic_grid = np.array([(1, h, w) for h, w in pictures], np.int64).reshape(-1, 3)
+    seqs, c, p = [], 0, 0
+    for row in rows:
+        ids: list[int] = []
+        for item in row:
+            if item == "clip":
+                t, h, w = clip_grid[c]
+                c += 1
+                if qwen25:
+                    ids += [START] + [VID] * int(t * h * w // merge**2) + [END]
+                else:
+                    for _ in range(t):
+                        ids += rng.randint(0, 200, size=2).tolist() + [START] + [VID] * int(h * w // merge**2) + [END]
+            elif item == "img":
+                _, h, w = pic_grid[p]
+                p += 1
+                ids += [START] + [IMG] * int(h * w // merge**2) + [END]
+            else:
+                ids += rng.randint(0, 200, size=int(item)).tolist()
+        seqs.append(ids)
+    width = max(map(len, seqs))
+    input_ids = np.zeros((len(seqs), width), np.int64)
+    mask = np.zeros_like(input_ids)
+    for b, s in enumerate(seqs):
+        input_ids[b, : len(s)], mask[b, : len(s)] = s, 1
+
+    def patches(grid: np.ndarray) -> np.ndarray:
+        return rng.randn(int(grid.prod(-1).sum()), cfg.vision.patch_dim).astype(np.float32)
+
+    seconds = np.round(rng.uniform(0.3, 1.7, len(clip_grid)), 2).astype(np.float32) if qwen25 else None
+    return Episode(input_ids, mask, patches(pic_grid) if len(pic_grid) else None, pic_grid if len(pic_grid) else None,
+                   patches(clip_grid), clip_grid, seconds)
+
+
+def _ours(model, ep: Episode) -> np.ndarray:
+    cfg = model.cfg
+    b = ep.input_ids.shape[0]
+    ids = np.zeros((b, T_FIX), np.int64)
+    mask = np.zeros((b, T_FIX), np.int64)
+    ids[:, : ep.input_ids.shape[1]], mask[:, : ep.input_ids.shape[1]] = ep.input_ids, ep.attention_mask
+    positions, _ = get_rope_index(ids, ep.image_grid_thw, mask, cfg, video_grid_thw=ep.video_grid_thw,
+                                  second_per_grid_ts=ep.second_per_grid_ts)
+    pixels = ep.pixel_values if ep.pixel_values is not None else np.zeros((0, cfg.vision.patch_dim), np.float32)
+    grid = ep.image_grid_thw if ep.image_grid_thw is not None else np.zeros((0, 3), np.int64)
+    vis = build_vision_inputs(pixels, grid, ids, cfg, patch_bucket=PATCH_BUCKET, token_valid=mask,
+                              pixel_values_videos=ep.pixel_values_videos, video_grid_thw=ep.video_grid_thw)
+    out = _logits(model, jnp.asarray(ids, jnp.int32), jnp.asarray(positions), jnp.asarray(mask, jnp.int32), vis)
+    return np.asarray(out)[:, : ep.input_ids.shape[1]]
+
+
+def _hf_positions(hf, ep: Episode) -> tuple[np.ndarray, np.ndarray]:
+    kw = ep.torch_kwargs(torch.float32)
+    pos, deltas = hf.model.get_rope_index(
+        kw["input_ids"], mm_token_type_ids=kw["mm_token_type_ids"], image_grid_thw=kw.get("image_grid_thw"),
+        video_grid_thw=kw["video_grid_thw"], attention_mask=kw["attention_mask"],
+        **({"second_per_grid_ts": kw["second_per_grid_ts"]} if "second_per_grid_ts" in kw else {}))
+    return pos.numpy(), deltas.numpy().reshape(-1)
+
+
+def _check(pair, ep: Episode) -> None:
+    hf, ref, ours = pair
+    want_pos, want_delta = _hf_positions(hf, ep)
+    pos, delta = get_rope_index(ep.input_ids, ep.image_grid_thw, ep.attention_mask, ours.cfg,
+                                video_grid_thw=ep.video_grid_thw, second_per_grid_ts=ep.second_per_grid_ts)
+    np.testing.assert_array_equal(pos, want_pos)
+    np.testing.assert_array_equal(delta, want_delta)
+    dtype = next(ref.parameters()).dtype
+    with torch.no_grad():
+        want = ref(**ep.torch_kwargs(dtype)).logits.numpy()
+    got = _ours(ours, ep)
+    diff = np.abs(got - want)[ep.attention_mask.astype(bool)].max()
+    assert diff <= TOL, diff
+
+
+def test_a_clip_in_the_prompt_matches_transformers(pair):
+    _, _, ours = pair
+    ep = _episode(ours.cfg, [[5, "clip", 7]], clips=[(3, 4, 6)], pictures=[], seed=1)
+    _check(pair, ep)
+
+
+def test_a_picture_then_a_clip_in_an_observation_in_a_padded_batch_matches_transformers(pair):
+    """Turn 1: a picture in the prompt and the model's answer; turn 2: an observation holding a clip of 2 frame
+    groups, then the next answer; a second, shorter row with a clip of its own (right padding)."""
+    _, _, ours = pair
+    ep = _episode(ours.cfg, [[4, "img", 3, 6, "clip", 2, 5], [3, "clip", 4]], clips=[(2, 4, 4), (2, 2, 6)],
+                  pictures=[(4, 6)], seed=2)
+    assert ep.attention_mask[1].sum() < ep.attention_mask[0].sum()
+    _check(pair, ep)
+
+
+def test_qwen3_families_place_each_frame_group_like_a_picture_and_qwen2_5_spaces_time():
+    """Hand-computed ids for one clip of 2 frame groups (1 x 2 merged tokens each) after 1 text token."""
+    hf_a, hf_q25 = build_hf_model("A"), build_hf_model("Q25A")
+    from jaxrl_vlm.models import from_hf_dict
+
+    a, q25 = (from_hf_dict(m.config.to_dict()) for m in (hf_a, hf_q25))
+    assert split_video_grids(np.array([[2, 2, 4], [1, 4, 4]])).tolist() == [[1, 2, 4], [1, 2, 4], [1, 4, 4]]
+    # Qwen3-VL: a 2-token timestamp, <s>, the group at base 3 (t = h = 3, w = 3, 4), </s> at 3 + max(2, 4) // 2,
+    # then the second group the same way from 8.
+    ids = np.array([[9, 7, START, VID, VID, END, 8, START, VID, VID, END, 6]])
+    pos, _ = get_rope_index(ids, None, None, a, video_grid_thw=np.array([[2, 2, 4]]))
+    assert pos[:, 0].tolist() == [[0, 1, 2, 3, 3, 5, 6, 7, 8, 8, 10, 11], [0, 1, 2, 3, 3, 5, 6, 7, 8, 8, 10, 11],
+                                  [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
+    # Qwen2.5-VL: one run; frame 1's temporal id is base + trunc(1 x tokens_per_second x 1.5); text resumes at
+    # base + max(h, w) // merge, as transformers 5 does.
+    ids = np.array([[9, START, VID, VID, VID, VID, END, 6]])
+    pos, _ = get_rope_index(ids, None, None, q25, video_grid_thw=np.array([[2, 2, 4]]),
+                            second_per_grid_ts=np.array([1.5]))
+    step = int(q25.vision.tokens_per_second * 1.5)
+    assert pos[0, 0].tolist() == [0, 1, 2, 2, 2 + step, 2 + step, 4, 5]
+    assert pos[2, 0].tolist() == [0, 1, 2, 3, 2, 3, 4, 5]
+    with pytest.raises(ValueError, match="second_per_grid_ts is Qwen2.5-VL's"):
+        get_rope_index(ids, None, None, a, video_grid_thw=np.array([[2, 2, 4]]), second_per_grid_ts=np.array([1.0]))
+    with pytest.raises(ValueError, match="^sequence 0 has 4 video tokens but video_grid_thw ran out after 0 rows$"):
+        get_rope_index(ids, None, None, q25)
+
+
+def test_packed_rows_with_clips_restart_positions_per_segment(pair):
+    _, _, ours = pair
+    cfg = ours.cfg
+    first = _episode(cfg, [[3, "clip", 2]], clips=[(2, 4, 4)], pictures=[], seed=3)
+    second = _episode(cfg, [[2, "img", "clip", 4]], clips=[(2, 2, 4)], pictures=[(4, 4)], seed=4)
+    n1, n2 = first.input_ids.shape[1], second.input_ids.shape[1]
+    tokens = np.zeros((1, n1 + n2 + 3), np.int64)
+    seg = np.zeros_like(tokens, np.int32)
+    tokens[0, :n1], tokens[0, n1 : n1 + n2] = first.input_ids[0], second.input_ids[0]
+    seg[0, :n1], seg[0, n1 : n1 + n2] = 1, 2
+    seconds = (None if first.second_per_grid_ts is None
+               else np.concatenate([first.second_per_grid_ts, second.second_per_grid_ts]))
+    pos, deltas = get_rope_index_packed(tokens, seg, second.image_grid_thw, cfg,
+                                        video_grid_thw=np.concatenate([first.video_grid_thw, second.video_grid_thw]),
+                                        second_per_grid_ts=seconds)
+    for ep, lo, n, k in ((first, 0, n1, 0), (second, n1, n2, 1)):
+        alone, delta = get_rope_index(ep.input_ids, ep.image_grid_thw, None, cfg, video_grid_thw=ep.video_grid_thw,
+                                      second_per_grid_ts=ep.second_per_grid_ts)
+        np.testing.assert_array_equal(pos[:, 0, lo : lo + n], alone[:, 0])
+        assert deltas[0, k] == delta[0]
+
+
+def test_vision_inputs_refuse_clip_tokens_that_do_not_match_the_clips():
+    cfg = from_hf_cfg_a()
+    ids = np.array([[1, START, VID, VID, END]])
+    pixels = np.zeros((8, cfg.vision.patch_dim), np.float32)
+    with pytest.raises(ValueError, match="tokens hold 2 video-pad tokens .* but the clips give 4 merged tokens"):
+        build_vision_inputs(np.zeros((0, cfg.vision.patch_dim), np.float32), np.zeros((0, 3)), ids, cfg,
+                            pixel_values_videos=np.zeros((16, cfg.vision.patch_dim), np.float32),
+                            video_grid_thw=np.array([[4, 2, 2]]))
+    with pytest.raises(ValueError, match="pixel_values_videos has 8 patches but video_grid_thw"):
+        build_vision_inputs(np.zeros((0, cfg.vision.patch_dim), np.float32), np.zeros((0, 3)), ids, cfg,
+                            pixel_values_videos=pixels, video_grid_thw=np.array([[4, 2, 2]]))
+    with pytest.raises(ValueError, match="come together"):
+        build_vision_inputs(np.zeros((0, cfg.vision.patch_dim), np.float32), np.zeros((0, 3)), ids, cfg,
+                            pixel_values_videos=pixels)
+
+
+def from_hf_cfg_a():
+    from jaxrl_vlm.models import from_hf_dict
+
+    return from_hf_dict(build_hf_model("A").config.to_dict())
