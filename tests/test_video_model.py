@@ -21,12 +21,14 @@ import torch
 from _hf_tiny import VOCAB_SPECIALS, build_hf_model, save_hf_model
 from _hf_tiny_qwen3_5 import build_hf_qwen3_5
 from flax import nnx
+from test_qwen3_5_moe import build_hf_qwen3_5_moe
+from test_qwen3_vl_moe import build_hf_moe
 
 from jaxrl_vlm.models import Qwen25VLConfig, build_vision_inputs, from_hf, get_rope_index, get_rope_index_packed
 from jaxrl_vlm.models.rope import split_video_grids
 
 TOL = 1e-4
-T_FIX, PATCH_BUCKET = 96, 160
+B_FIX, T_FIX, PATCH_BUCKET = 2, 96, 160  # one shape: each family compiles one program
 START, END, IMG, VID = (VOCAB_SPECIALS[k] for k in ("vision_start_token_id", "vision_end_token_id", "image_token_id",
                                                     "video_token_id"))
 
@@ -36,12 +38,22 @@ def _logits(model, tokens, positions, segment_ids, vision):
     return model.logits(model(tokens, positions, segment_ids, vision))
 
 
-@pytest.fixture(scope="module", params=["A", "Q25A", "qwen3_5"])
+# Every shipped family: Qwen3-VL (config A), Qwen2.5-VL (Q25A), Qwen3.5, and the two MoE families.
+BUILDERS = {"qwen3_vl": lambda: build_hf_model("A"), "qwen2_5_vl": lambda: build_hf_model("Q25A"),
+            "qwen3_5": build_hf_qwen3_5, "qwen3_vl_moe": build_hf_moe, "qwen3_5_moe": build_hf_qwen3_5_moe}
+FLOAT64_REFERENCE = {"qwen3_5", "qwen3_5_moe"}  # transformers' own fp32 round-off is near 1e-4 there
+
+
+@pytest.fixture(scope="module", params=list(BUILDERS))
 def pair(request, tmp_path_factory):
     """(transformers model, the reference to compare logits with, our model from its save_pretrained directory)."""
-    hf = build_hf_qwen3_5() if request.param == "qwen3_5" else build_hf_model(request.param)
+    hf = BUILDERS[request.param]()
     ours = from_hf(save_hf_model(hf, tmp_path_factory.mktemp(f"video_{request.param}")))
-    ref = copy.deepcopy(hf).double() if request.param == "qwen3_5" else hf
+    ref = hf
+    if request.param in FLOAT64_REFERENCE:
+        ref = copy.deepcopy(hf).double()
+        if request.param == "qwen3_5_moe":
+            ref.set_experts_implementation("eager")  # its grouped-GEMM path is fp32/bf16 only
     return hf, ref, ours
 
 
@@ -114,10 +126,10 @@ def _episode(cfg, rows: list[list], clips: list[tuple[int, int, int]], pictures:
 
 def _ours(model, ep: Episode) -> np.ndarray:
     cfg = model.cfg
-    b = ep.input_ids.shape[0]
-    ids = np.zeros((b, T_FIX), np.int64)
-    mask = np.zeros((b, T_FIX), np.int64)
-    ids[:, : ep.input_ids.shape[1]], mask[:, : ep.input_ids.shape[1]] = ep.input_ids, ep.attention_mask
+    b, t = ep.input_ids.shape
+    ids = np.zeros((B_FIX, T_FIX), np.int64)
+    mask = np.zeros((B_FIX, T_FIX), np.int64)
+    ids[:b, :t], mask[:b, :t] = ep.input_ids, ep.attention_mask
     positions, _ = get_rope_index(ids, ep.image_grid_thw, mask, cfg, video_grid_thw=ep.video_grid_thw,
                                   second_per_grid_ts=ep.second_per_grid_ts)
     pixels = ep.pixel_values if ep.pixel_values is not None else np.zeros((0, cfg.vision.patch_dim), np.float32)
@@ -125,7 +137,7 @@ def _ours(model, ep: Episode) -> np.ndarray:
     vis = build_vision_inputs(pixels, grid, ids, cfg, patch_bucket=PATCH_BUCKET, token_valid=mask,
                               pixel_values_videos=ep.pixel_values_videos, video_grid_thw=ep.video_grid_thw)
     out = _logits(model, jnp.asarray(ids, jnp.int32), jnp.asarray(positions), jnp.asarray(mask, jnp.int32), vis)
-    return np.asarray(out)[:, : ep.input_ids.shape[1]]
+    return np.asarray(out)[:b, :t]
 
 
 def _hf_positions(hf, ep: Episode) -> tuple[np.ndarray, np.ndarray]:
