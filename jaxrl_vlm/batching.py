@@ -13,12 +13,15 @@ Layout and alignment (per micro-batch k, row r, slot t; T = padded row length in
 - `sequence_ids` number the sequences of ONE micro-batch 0..n_k-1 (-1 on padding); `token_weights`
   come from `aggregation_weights` over the GLOBAL batch, so summing the per-micro-batch losses gives
   the full-batch loss whatever the split.
-- Vision: each micro-batch concatenates its images' patches in row-major token order, padded to the
-  patch bucket P; `image_token_index` points into that micro-batch's flat R*T slots (R*T = dropped).
+- Vision: each micro-batch concatenates its images' patches in row-major token order, then its clips'
+  (`pixel_values_videos`, `video_grid_thw`, Qwen2.5-VL's `second_per_grid_ts`), padded to the patch bucket P;
+  `image_token_index` points into that micro-batch's flat R*T slots (R*T = dropped). A clip counts its patches
+  like a picture, is never cut by truncation, and its positions follow the family (`models.rope`).
 - Vision reuse (`vision_reuse=True`, the trainer's default): an image is identified by a hash of its processed
   patches and grid; a micro-batch holds each DISTINCT image once (first-seen order, padded to P, which now bounds
   distinct patches) and `vision.token_image_rows [K, R, T]` maps every image-pad slot to its image's merged row,
   so the tower runs once per distinct image and the train step gathers (`models.vision.build_reused_vision_inputs`).
+  Clips are identified the same way (a GRPO group's prompt clip is encoded once).
   Packing counts a micro-batch's patches as distinct patches and places rows where their images already are.
 
 A sequence never spans rows or micro-batches. Packing is best-fit decreasing (tokens, with patch
@@ -34,19 +37,18 @@ import hashlib
 import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from jaxrl_vlm.models.config import ModelConfig
+from jaxrl_vlm.models.config import ModelConfig, Qwen25VLConfig
 from jaxrl_vlm.models.rope import get_rope_index_packed
 from jaxrl_vlm.models.vision import build_reused_vision_inputs, build_vision_inputs
 from jaxrl_vlm.rl.aggregation import aggregation_weights
 from rollout.sample import Sample
 
 OVERLONG_POLICIES = ("error", "truncate")
-_VIDEO_KEYS = ("pixel_values_videos", "video_grid_thw")
 
 
 class BatchingError(ValueError):
@@ -216,6 +218,7 @@ class _Seq:
     pixels: np.ndarray | None  # [patches, patch_dim]
     original_length: int
     image_ids: tuple[int, ...] = ()  # vision reuse: distinct-image id of each of its images (batch-wide)
+    clips: "_Clips" = field(default_factory=lambda: _Clips.none())
 
     @property
     def length(self) -> int:
@@ -223,7 +226,38 @@ class _Seq:
 
     @property
     def num_patches(self) -> int:
+        """Patches of its pictures and clips: what the sample alone costs the tower."""
+        return (0 if self.pixels is None else int(self.pixels.shape[0])) + self.clips.num_patches
+
+
+@dataclass
+class _Clips:
+    """A sample's clips (video observations), in token order: `video_grid_thw` rows, `pixel_values_videos`, and
+    Qwen2.5-VL's `second_per_grid_ts` (None for the families that write timestamps as text)."""
+
+    grid: np.ndarray  # int64 [n_clips, 3]
+    pixels: np.ndarray | None  # [patches, patch_dim]
+    seconds: np.ndarray | None  # float32 [n_clips]
+    ids: tuple[int, ...] = ()  # vision reuse: distinct-clip id of each clip (batch-wide, beside the image ids)
+
+    @staticmethod
+    def none() -> "_Clips":
+        return _Clips(np.zeros((0, 3), np.int64), None, None)
+
+    @property
+    def num_patches(self) -> int:
         return 0 if self.pixels is None else int(self.pixels.shape[0])
+
+    def take(self, n: int) -> "_Clips":
+        """The first n clips (a truncated sample keeps the clips before its cut)."""
+        kept = int(self.grid[:n].prod(-1).sum()) if n else 0
+        return _Clips(self.grid[:n], self.pixels[:kept] if n and self.pixels is not None else None,
+                      None if self.seconds is None else self.seconds[:n])
+
+    def patches_of(self, j: int) -> np.ndarray:
+        sizes = self.grid.prod(-1)
+        start = int(sizes[:j].sum())
+        return self.pixels[start : start + int(sizes[j])]
 
 
 def _prepare(position: int, sample: Sample, cfg: ModelConfig, max_len: int, overlong_policy: str) -> _Seq:
@@ -241,8 +275,6 @@ def _prepare(position: int, sample: Sample, cfg: ModelConfig, max_len: int, over
     if (tokens < 0).any() or (tokens >= cfg.text.vocab_size).any():
         bad = int(tokens[(tokens < 0) | (tokens >= cfg.text.vocab_size)][0])
         raise BatchingError(f"{where}: token id {bad} outside the vocabulary [0, {cfg.text.vocab_size})")
-    if (tokens == cfg.video_token_id).any():
-        raise BatchingError(f"{where}: video tokens (id {cfg.video_token_id}) are not supported")
     loss_mask = np.asarray(sample.loss_mask, dtype=np.float64).reshape(-1)
     logprobs = np.asarray(sample.rollout_log_probs, dtype=np.float64).reshape(-1)
     if loss_mask.shape[0] != resp or logprobs.shape[0] != resp:
@@ -256,6 +288,7 @@ def _prepare(position: int, sample: Sample, cfg: ModelConfig, max_len: int, over
         raise BatchingError(f"{where}: rollout_log_probs has non-finite values")
 
     grid, pixels = _sample_images(sample, tokens, cfg, where)
+    clips = _sample_clips(sample, tokens, cfg, where)
 
     mask = np.zeros(n, np.float32)
     # slime's remove_sample (a --rollout-sample-filter-path verdict): the sample trains no token.
@@ -271,13 +304,14 @@ def _prepare(position: int, sample: Sample, cfg: ModelConfig, max_len: int, over
                 f"{where} has {n} tokens (prompt {n - resp}, response {resp}), more than the largest seq bucket "
                 f"{max_len}; add a larger bucket to seq_buckets or set overlong_policy='truncate'"
             )
-        cut, n_images = _truncation_cut(tokens, grid, max_len, cfg, where)
+        cut, n_images, n_clips = _truncation_cut(tokens, grid, clips.grid, max_len, cfg, where)
         tokens, mask, lp, response = tokens[:cut], mask[:cut], lp[:cut], response[:cut]
         grid = grid[:n_images]
         if pixels is not None:
             kept = int(grid.prod(-1).sum())
             pixels = pixels[:kept] if n_images else None
-    return _Seq(position, sample, tokens.astype(np.int32), mask, lp, response, grid, pixels, n)
+        clips = clips.take(n_clips)
+    return _Seq(position, sample, tokens.astype(np.int32), mask, lp, response, grid, pixels, n, clips=clips)
 
 
 def teacher_row(seq: _Seq) -> np.ndarray:
@@ -328,9 +362,6 @@ def replay_ids(seq: _Seq, cfg: ModelConfig) -> np.ndarray:
 def _sample_images(sample: Sample, tokens: np.ndarray, cfg: ModelConfig, where: str) -> tuple[np.ndarray, np.ndarray | None]:
     """(image_grid_thw [N, 3], pixel_values [patches, patch_dim] or None), checked against the image pads."""
     mm = sample.multimodal_train_inputs or {}
-    for key in _VIDEO_KEYS:
-        if key in mm:
-            raise BatchingError(f"{where}: multimodal_train_inputs[{key!r}]: videos are not supported")
     n_pads = int((tokens == cfg.image_token_id).sum())
     grid_raw, pixels = mm.get("image_grid_thw"), mm.get("pixel_values")
     if grid_raw is None and pixels is None:
@@ -365,21 +396,73 @@ def _sample_images(sample: Sample, tokens: np.ndarray, cfg: ModelConfig, where: 
     return grid, pixels
 
 
-def _truncation_cut(tokens: np.ndarray, grid: np.ndarray, max_len: int, cfg: ModelConfig, where: str) -> tuple[int, int]:
-    """(tokens kept, images kept): cut at max_len, moved back before an image it would split."""
+def _sample_clips(sample: Sample, tokens: np.ndarray, cfg: ModelConfig, where: str) -> _Clips:
+    """The sample's clips (`pixel_values_videos`, `video_grid_thw`, Qwen2.5-VL's `second_per_grid_ts`), checked
+    against its video pads."""
+    mm = sample.multimodal_train_inputs or {}
+    n_pads = int((tokens == cfg.video_token_id).sum())
+    grid_raw, pixels, seconds = mm.get("video_grid_thw"), mm.get("pixel_values_videos"), mm.get("second_per_grid_ts")
+    if grid_raw is None and pixels is None:
+        if n_pads:
+            raise BatchingError(f"{where} has {n_pads} video-pad tokens but no multimodal_train_inputs "
+                                "(pixel_values_videos, video_grid_thw)")
+        if seconds is not None:
+            raise BatchingError(f"{where}: multimodal_train_inputs has second_per_grid_ts but no clips")
+        return _Clips.none()
+    if grid_raw is None or pixels is None:
+        missing = "video_grid_thw" if grid_raw is None else "pixel_values_videos"
+        raise BatchingError(f"{where}: multimodal_train_inputs has no {missing!r}")
+    grid = np.asarray(grid_raw, dtype=np.int64)
+    if grid.ndim != 2 or grid.shape[1] != 3 or (grid <= 0).any():
+        raise BatchingError(f"{where}: video_grid_thw must be [clips, 3] of positive ints, got {grid.tolist()}")
+    merge = cfg.vision.spatial_merge_size
+    if (grid[:, 1] % merge).any() or (grid[:, 2] % merge).any():
+        raise BatchingError(f"{where}: video_grid_thw {grid.tolist()} has h or w not a multiple of spatial_merge_size={merge}")
+    patches = int(grid.prod(-1).sum())
+    if patches // cfg.vision.merge_unit != n_pads:
+        raise BatchingError(f"{where}: {n_pads} video-pad tokens (id {cfg.video_token_id}) but video_grid_thw "
+                            f"{grid.tolist()} gives {patches // cfg.vision.merge_unit} merged tokens")
+    pixels = np.asarray(pixels)
+    if pixels.ndim != 2 or pixels.shape != (patches, cfg.vision.patch_dim):
+        raise BatchingError(f"{where}: pixel_values_videos shape {pixels.shape} != ({patches}, {cfg.vision.patch_dim}) "
+                            "(patches of video_grid_thw, C*T*p*p)")
+    qwen25 = isinstance(cfg, Qwen25VLConfig)
+    if seconds is not None:
+        if not qwen25:
+            raise BatchingError(f"{where}: second_per_grid_ts is Qwen2.5-VL's; {type(cfg).__name__} writes a clip's "
+                                "timestamps as text")
+        seconds = np.asarray(seconds, np.float32).reshape(-1)
+        if seconds.shape != (len(grid),) or not (np.isfinite(seconds) & (seconds > 0)).all():
+            raise BatchingError(f"{where}: second_per_grid_ts must be {len(grid)} positive numbers (one per clip), "
+                                f"got {seconds.tolist()}")
+    elif qwen25:
+        seconds = np.ones(len(grid), np.float32)  # transformers' default when the processor gives none
+    return _Clips(grid, pixels, seconds)
+
+
+def _truncation_cut(tokens: np.ndarray, grid: np.ndarray, clip_grid: np.ndarray, max_len: int, cfg: ModelConfig,
+                    where: str) -> tuple[int, int, int]:
+    """(tokens kept, images kept, clips kept): cut at max_len, moved back before an image or a clip it would split
+    (a clip of the families that write timestamps spans several runs of pads: all of it goes)."""
     cut = max_len
-    n_images = 0
-    if len(grid):
-        per_image = grid.prod(-1) // cfg.vision.merge_unit  # merged tokens per image
-        bounds = np.concatenate([[0], np.cumsum(per_image)])  # image g = pad tokens [bounds[g], bounds[g+1])
-        pad_slots = np.flatnonzero(tokens == cfg.image_token_id)
-        pads_before = int(np.searchsorted(pad_slots, cut))
-        n_images = int(np.searchsorted(bounds, pads_before, side="right")) - 1
-        if bounds[n_images] < pads_before:  # the cut splits image n_images: drop all of it
-            cut = int(pad_slots[bounds[n_images]])
+    for pad, g in ((cfg.image_token_id, grid), (cfg.video_token_id, clip_grid)):
+        if len(g):
+            bounds = np.concatenate([[0], np.cumsum(g.prod(-1) // cfg.vision.merge_unit)])  # item k: pads [b_k, b_k+1)
+            pad_slots = np.flatnonzero(tokens == pad)
+            pads_before = int(np.searchsorted(pad_slots, cut))
+            k = int(np.searchsorted(bounds, pads_before, side="right")) - 1
+            if bounds[k] < pads_before:  # the cut splits item k: drop all of it
+                cut = int(pad_slots[bounds[k]])
     if cut < 1:
         raise BatchingError(f"{where}: truncating to {max_len} tokens would leave nothing before its first image")
-    return cut, n_images
+
+    def kept(pad: int, g: np.ndarray) -> int:
+        if not len(g):
+            return 0
+        bounds = np.cumsum(g.prod(-1) // cfg.vision.merge_unit)
+        return int(np.searchsorted(bounds, int((tokens[:cut] == pad).sum()), side="right"))
+
+    return cut, kept(cfg.image_token_id, grid), kept(cfg.video_token_id, clip_grid)
 
 
 # ----------------------------------------------------------------------------- packing
@@ -696,25 +779,32 @@ def image_key(grid_thw: np.ndarray, pixels: np.ndarray) -> bytes:
 
 
 def _identify_images(seqs: list[_Seq], cfg: ModelConfig) -> tuple[list[tuple[int, ...]], np.ndarray]:
-    """Give every image of the batch a distinct-image id (by `image_key`); sets each `_Seq.image_ids`.
+    """Give every image and clip of the batch a distinct id (by `image_key`; one id space, a clip never equals an
+    image); sets each `_Seq.image_ids` and `_Seq.clips.ids`.
 
-    Returns the ids of each sample's images (in its token order) and the patches of each distinct image."""
+    Returns the ids of each sample's images then clips (each in its token order) and the patches of each distinct
+    image or clip."""
     ids: dict[bytes, int] = {}
     sizes: list[int] = []
     per_item: list[tuple[int, ...]] = []
-    for s in seqs:
+
+    def identify(grid: np.ndarray, pixels: np.ndarray | None, kind: bytes) -> tuple[int, ...]:
         mine: list[int] = []
         start = 0
-        for g in s.grid:
+        for g in grid:
             n = int(np.prod(g))
-            key = image_key(g, s.pixels[start : start + n])
+            key = kind + image_key(g, pixels[start : start + n])
             start += n
             if key not in ids:
                 ids[key] = len(sizes)
                 sizes.append(n)
             mine.append(ids[key])
-        s.image_ids = tuple(mine)
-        per_item.append(s.image_ids)
+        return tuple(mine)
+
+    for s in seqs:
+        s.image_ids = identify(s.grid, s.pixels, b"image")
+        s.clips.ids = identify(s.clips.grid, s.clips.pixels, b"clip")
+        per_item.append(s.image_ids + s.clips.ids)
     return per_item, np.array(sizes, np.int64)
 
 
@@ -797,31 +887,46 @@ def _materialize(
     token_weights = scatter(weights, np.float32)
     sequence_ids = scatter(local_ids, np.int32, fill=-1)
 
-    # Images of each micro-batch in row-major token order: the order of `mb_items`.
-    grids = [
-        np.concatenate([seqs[i].grid for i in items]) if items else np.zeros((0, 3), np.int64) for items in mb_items
-    ]
-    positions = np.stack([get_rope_index_packed(arrays_tokens[k], segment_ids[k], grids[k], cfg)[0] for k in range(k_n)])
+    # Images (and clips) of each micro-batch in row-major token order: the order of `mb_items`.
+    def joined(part: Callable[[_Seq], np.ndarray], items: list[int]) -> np.ndarray:
+        return np.concatenate([part(seqs[i]) for i in items]) if items else np.zeros((0, 3), np.int64)
+
+    grids = [joined(lambda s: s.grid, items) for items in mb_items]
+    clip_grids = [joined(lambda s: s.clips.grid, items) for items in mb_items]
+    qwen25 = isinstance(cfg, Qwen25VLConfig)
+    clip_seconds = [np.concatenate([seqs[i].clips.seconds for i in items if seqs[i].clips.seconds is not None]
+                                   + [np.zeros(0, np.float32)]) if qwen25 else None for items in mb_items]
+    positions = np.stack([
+        get_rope_index_packed(arrays_tokens[k], segment_ids[k], grids[k], cfg, video_grid_thw=clip_grids[k],
+                              second_per_grid_ts=clip_seconds[k])[0]
+        for k in range(k_n)
+    ])
 
     n_images = sum(len(s.grid) for s in seqs)
     if vision_reuse:
-        # Each micro-batch's distinct images, in first-seen (row-major token) order: (sample, its image j) of the
-        # first copy, and the distinct index of every image occurrence.
-        mb_distinct: list[list[tuple[int, int]]] = []
-        mb_occurrence: list[np.ndarray] = []
-        for items in mb_items:
-            where: dict[int, int] = {}
-            firsts: list[tuple[int, int]] = []
-            occ: list[int] = []
-            for i in items:
-                for j, g in enumerate(seqs[i].image_ids):
-                    if g not in where:
-                        where[g] = len(firsts)
-                        firsts.append((i, j))
-                    occ.append(where[g])
-            mb_distinct.append(firsts)
-            mb_occurrence.append(np.array(occ, np.int64))
-        mb_patches = [sum(int(np.prod(seqs[i].grid[j])) for i, j in firsts) for firsts in mb_distinct]
+        # Each micro-batch's distinct images (and clips), in first-seen (row-major token) order: (sample, its image
+        # j) of the first copy, and the distinct index of every occurrence.
+        def distinct(ids_of: Callable[[_Seq], tuple[int, ...]]) -> tuple[list[list[tuple[int, int]]], list[np.ndarray]]:
+            firsts_per_mb, occurrence_per_mb = [], []
+            for items in mb_items:
+                where: dict[int, int] = {}
+                firsts: list[tuple[int, int]] = []
+                occ: list[int] = []
+                for i in items:
+                    for j, g in enumerate(ids_of(seqs[i])):
+                        if g not in where:
+                            where[g] = len(firsts)
+                            firsts.append((i, j))
+                        occ.append(where[g])
+                firsts_per_mb.append(firsts)
+                occurrence_per_mb.append(np.array(occ, np.int64))
+            return firsts_per_mb, occurrence_per_mb
+
+        mb_distinct, mb_occurrence = distinct(lambda s: s.image_ids)
+        mb_clips, mb_clip_occurrence = distinct(lambda s: s.clips.ids)
+        mb_patches = [sum(int(np.prod(seqs[i].grid[j])) for i, j in firsts)
+                      + sum(int(np.prod(seqs[i].clips.grid[j])) for i, j in clips)
+                      for firsts, clips in zip(mb_distinct, mb_clips)]
         n_distinct = sum(len(firsts) for firsts in mb_distinct)
     else:
         mb_patches = [sum(seqs[i].num_patches for i in items) for items in mb_items]
@@ -831,21 +936,27 @@ def _materialize(
     if has_vision:
         p_n = _smallest_at_least(patch_choices, max(mb_patches))
         assert p_n is not None  # guaranteed by the planner's patch capacity
-        dtype = np.result_type(*[s.pixels.dtype for s in seqs if s.pixels is not None])
+        dtype = np.result_type(*[x.dtype for s in seqs for x in (s.pixels, s.clips.pixels) if x is not None])
+
+        def stacked(pix: list[np.ndarray]) -> np.ndarray:
+            return np.concatenate(pix).astype(dtype, copy=False) if pix else np.zeros((0, cfg.vision.patch_dim), dtype)
+
         per_mb = []
         for k, items in enumerate(mb_items):
             valid = segment_ids[k] > 0
             if vision_reuse:
-                pix = [_image_pixels(seqs[i], j) for i, j in mb_distinct[k]]
+                pixels = stacked([_image_pixels(seqs[i], j) for i, j in mb_distinct[k]])
                 grid_k = np.array([seqs[i].grid[j] for i, j in mb_distinct[k]], np.int64).reshape(-1, 3)
-            else:
-                pix = [seqs[i].pixels for i in items if seqs[i].pixels is not None]
-            pixels = np.concatenate(pix).astype(dtype, copy=False) if pix else np.zeros((0, cfg.vision.patch_dim), dtype)
-            if vision_reuse:
+                clip_pixels = stacked([seqs[i].clips.patches_of(j) for i, j in mb_clips[k]])
+                clip_grid_k = np.array([seqs[i].clips.grid[j] for i, j in mb_clips[k]], np.int64).reshape(-1, 3)
                 v = build_reused_vision_inputs(pixels, grid_k, mb_occurrence[k], arrays_tokens[k], cfg, patch_bucket=p_n,
-                                               token_valid=valid)
+                                               token_valid=valid, pixel_values_videos=clip_pixels,
+                                               video_grid_thw=clip_grid_k, clip_of_occurrence=mb_clip_occurrence[k])
             else:
-                v = build_vision_inputs(pixels, grids[k], arrays_tokens[k], cfg, patch_bucket=p_n, token_valid=valid)
+                pixels = stacked([seqs[i].pixels for i in items if seqs[i].pixels is not None])
+                clip_pixels = stacked([seqs[i].clips.pixels for i in items if seqs[i].clips.pixels is not None])
+                v = build_vision_inputs(pixels, grids[k], arrays_tokens[k], cfg, patch_bucket=p_n, token_valid=valid,
+                                        pixel_values_videos=clip_pixels, video_grid_thw=clip_grids[k])
             per_mb.append(v._replace(pixel_values=v.pixel_values.astype(dtype, copy=False)))
         vision = type(per_mb[0])(*(None if field[0] is None else np.stack(field) for field in zip(*per_mb)))
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -24,8 +25,10 @@ from flax import nnx
 from test_qwen3_5_moe import build_hf_qwen3_5_moe
 from test_qwen3_vl_moe import build_hf_moe
 
+from jaxrl_vlm.batching import BatchingError, build_train_batch
 from jaxrl_vlm.models import Qwen25VLConfig, build_vision_inputs, from_hf, get_rope_index, get_rope_index_packed
 from jaxrl_vlm.models.rope import split_video_grids
+from rollout.sample import Sample
 
 TOL = 1e-4
 B_FIX, T_FIX, PATCH_BUCKET = 2, 96, 160  # one shape: each family compiles one program
@@ -249,3 +252,100 @@ def from_hf_cfg_a():
     from jaxrl_vlm.models import from_hf_dict
 
     return from_hf_dict(build_hf_model("A").config.to_dict())
+
+
+def _sample(ep: Episode, row: int, response: int, name: int) -> Sample:
+    """Row `row` of an episode as a rollout sample whose last `response` tokens are the answer."""
+    n = int(ep.attention_mask[row].sum())
+    clip_rows = _items_of_row(ep, row, VID, ep.video_grid_thw, ours_merge=2)
+    pic_rows = _items_of_row(ep, row, IMG, ep.image_grid_thw, ours_merge=2)
+    mm = {"pixel_values_videos": _rows_pixels(ep.pixel_values_videos, ep.video_grid_thw, clip_rows),
+          "video_grid_thw": ep.video_grid_thw[clip_rows]}
+    if ep.second_per_grid_ts is not None:
+        mm["second_per_grid_ts"] = ep.second_per_grid_ts[clip_rows]
+    if pic_rows.size:
+        mm.update(pixel_values=_rows_pixels(ep.pixel_values, ep.image_grid_thw, pic_rows),
+                  image_grid_thw=ep.image_grid_thw[pic_rows])
+    return Sample(group_index=name, index=0, tokens=ep.input_ids[row, :n].tolist(), response_length=response,
+                  loss_mask=[1] * response, rollout_log_probs=[0.0] * response, multimodal_train_inputs=mm)
+
+
+def _items_of_row(ep: Episode, row: int, pad: int, grid: np.ndarray | None, ours_merge: int) -> np.ndarray:
+    """Which grid rows (clips or pictures, listed in row-major token order) belong to batch row `row`."""
+    if grid is None:
+        return np.zeros(0, np.int64)
+    need = (ep.input_ids[: row + 1] == pad) & ep.attention_mask[: row + 1].astype(bool)
+    before, mine = int(need[:row].sum()), int(need[row].sum())
+    ends = np.cumsum(grid.prod(-1) // ours_merge**2)
+    return np.flatnonzero((ends > before) & (ends <= before + mine))
+
+
+def _rows_pixels(pixels: np.ndarray, grid: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    starts = np.concatenate([[0], np.cumsum(grid.prod(-1))])
+    return np.concatenate([pixels[starts[r] : starts[r + 1]] for r in rows])
+
+
+@pytest.mark.parametrize("reuse", [True, False])
+def test_the_train_batch_packs_clip_episodes_that_match_transformers(pair, reuse):
+    """Three clip episodes (two of them the same prompt clip, as a GRPO group) packed into rows by
+    `build_train_batch`: each segment's logits equal transformers' on that episode alone; with reuse the shared clip
+    is encoded once."""
+    hf, ref, ours = pair
+    cfg = ours.cfg
+    # (seed 5 gave Qwen3.5-MoE a text token so ill-conditioned that transformers' own fp32 run is 1.6e-4 from its
+    # float64 one there, and ours 6.6e-4, with the same experts routed: not a clip's doing, so other random tokens)
+    ep = _episode(cfg, [[4, "clip", 5], [3, "clip", 6]], clips=[(2, 4, 4), (2, 2, 4)], pictures=[], seed=8)
+    samples = [_sample(ep, 0, 5, 0), _sample(ep, 0, 5, 1), _sample(ep, 1, 6, 2)]
+    batch = build_train_batch(samples, np.ones(3), cfg, seq_buckets=[T_FIX], row_buckets=[2], patch_buckets=[64, 128],
+                              packing=True, micro_batch_rows=None, aggregation="token_mean", aggregation_constant=None,
+                              overlong_policy="error", vision_reuse=reuse)
+    a = batch.arrays
+    assert batch.layout.shape_key[0] == 1 and a.tokens.shape[1] <= 2
+    assert batch.layout.real_patches == (32 + 16 if reuse else 2 * 32 + 16)
+    dtype = next(ref.parameters()).dtype
+    with torch.no_grad():
+        want = ref(**ep.torch_kwargs(dtype)).logits.numpy()
+    got = np.asarray(_logits(ours, jnp.asarray(a.tokens[0]), jnp.asarray(a.positions[0]), jnp.asarray(a.segment_ids[0]),
+                             jax.tree.map(lambda x: None if x is None else jnp.asarray(x[0]), a.vision,
+                                          is_leaf=lambda x: x is None)))
+    for p, row in zip(batch.layout.placements, (0, 0, 1)):
+        n = int(ep.attention_mask[row].sum())
+        diff = np.abs(got[p.row, p.offset : p.offset + p.length] - want[row, :n]).max()
+        assert diff <= TOL, (p, diff)
+
+
+def test_truncation_never_splits_a_clip():
+    cfg = from_hf_cfg_a()
+    ep = _episode(cfg, [[3, "clip", 2, "clip", 30]], clips=[(2, 2, 4), (2, 2, 4)], pictures=[], seed=6)
+    sample = _sample(ep, 0, 30, 0)
+    pads = np.flatnonzero(ep.input_ids[0] == VID)
+    # A bucket ending inside the second clip's second frame group keeps only the first clip.
+    cut_at = int(pads[6]) + 1
+    batch = build_train_batch([sample], np.ones(1), cfg, seq_buckets=[cut_at], row_buckets=[1], patch_buckets=[64],
+                              packing=False, micro_batch_rows=None, aggregation="token_mean",
+                              aggregation_constant=None, overlong_policy="truncate", vision_reuse=False)
+    kept = batch.layout.placements[0].length
+    assert kept == int(pads[4]) and (batch.arrays.tokens[0, 0, :kept] == VID).sum() == 4
+    assert batch.layout.real_patches == 16
+
+
+def test_clip_inputs_that_do_not_match_their_tokens_are_refused_by_name():
+    cfg = from_hf_cfg_a()
+    ep = _episode(cfg, [[3, "clip", 2]], clips=[(2, 2, 4)], pictures=[], seed=7)
+    good = _sample(ep, 0, 2, 0)
+    kw = dict(seq_buckets=[64], row_buckets=[1], patch_buckets=[64], packing=False, micro_batch_rows=None,
+              aggregation="token_mean", aggregation_constant=None, overlong_policy="error")
+    cases = {
+        "video_grid_thw .* gives 2 merged tokens": {"video_grid_thw": np.array([[1, 2, 4]])},
+        "no 'pixel_values_videos'": {"pixel_values_videos": None},
+        "second_per_grid_ts is Qwen2.5-VL's": {"second_per_grid_ts": np.array([1.0])},
+    }
+    for message, change in cases.items():
+        mm = {**good.multimodal_train_inputs, **change}
+        mm = {k: v for k, v in mm.items() if v is not None}
+        bad = Sample(**{**good.__dict__, "multimodal_train_inputs": mm})
+        with pytest.raises(BatchingError, match=message):
+            build_train_batch([bad], np.ones(1), cfg, **kw)
+    no_inputs = Sample(**{**good.__dict__, "multimodal_train_inputs": None})
+    with pytest.raises(BatchingError, match="4 video-pad tokens but no multimodal_train_inputs"):
+        build_train_batch([no_inputs], np.ones(1), cfg, **kw)

@@ -183,44 +183,55 @@ def build_reused_vision_inputs(
     *,
     patch_bucket: int,
     token_valid: np.ndarray | None = None,
+    pixel_values_videos: np.ndarray | None = None,
+    video_grid_thw: np.ndarray | None = None,
+    clip_of_occurrence: np.ndarray | None = None,
 ) -> VisionInputs | WindowedVisionInputs:
-    """Vision inputs that encode each distinct image once and gather it into every slot that shows it.
+    """Vision inputs that encode each distinct image (and clip) once and gather it into every slot that shows it.
 
     pixel_values / image_grid_thw: the DISTINCT images (processor layout, as `build_vision_inputs`).
     image_of_occurrence int [n]: the distinct image of each image occurrence of `tokens` [B, T], in row-major
     token order (the i-th occurrence fills the next grid_t*grid_h*grid_w / merge**2 image pads).
+    pixel_values_videos / video_grid_thw / clip_of_occurrence: the same for the DISTINCT clips and the video pads.
     Returns the family's inputs with `token_image_rows [B, T]` set (the tower row gathered at each slot, -1
-    elsewhere) and `image_token_index` all padding. The tower sees only the distinct images, each attending
-    within its own frames (and windows), so every gathered row equals a per-sample encoding of that image.
+    elsewhere) and `image_token_index` all padding. The tower sees only the distinct images and clips, each
+    attending within its own frames (and windows), so every gathered row equals a per-sample encoding of it.
     """
     v = cfg.vision
     grid = np.asarray(image_grid_thw, dtype=np.int64).reshape(-1, 3)
+    clip_grid = np.zeros((0, 3), np.int64) if video_grid_thw is None else np.asarray(video_grid_thw, np.int64).reshape(-1, 3)
     tokens = np.asarray(tokens)
-    merged_sizes = grid.prod(-1) // v.merge_unit if len(grid) else np.zeros((0,), np.int64)
-    n_merged = int(merged_sizes.sum())
-    # The tower's output order for these images alone: lay them out as one row of image pads, so that
-    # image_token_index[j] is the row-major (canonical) merged index of tower row j (window order for Qwen2.5-VL).
-    canonical = build_vision_inputs(pixel_values, grid, np.full((1, n_merged), cfg.image_token_id), cfg,
-                                    patch_bucket=patch_bucket)
-    tower_row = np.empty(n_merged, np.int64)
-    tower_row[canonical.image_token_index[:n_merged]] = np.arange(n_merged)
-    occurrence = np.asarray(image_of_occurrence, np.int64).reshape(-1)
-    if occurrence.size and (occurrence.min() < 0 or occurrence.max() >= len(grid)):
-        raise ValueError(f"image_of_occurrence {occurrence.tolist()} names images outside the {len(grid)} distinct ones")
-    first = np.cumsum(merged_sizes) - merged_sizes
-    sizes = merged_sizes[occurrence]
-    wanted = np.repeat(first[occurrence] - (np.cumsum(sizes) - sizes), sizes) + np.arange(int(sizes.sum()))
-    is_image = tokens == cfg.image_token_id
-    if token_valid is not None:
-        is_image &= np.asarray(token_valid).astype(bool)
-    slots = np.flatnonzero(is_image.reshape(-1))
-    if slots.size != wanted.size:
-        raise ValueError(
-            f"tokens hold {slots.size} image-pad tokens (id {cfg.image_token_id}) but the image occurrences give "
-            f"{wanted.size} merged tokens"
-        )
+    sizes = grid.prod(-1) // v.merge_unit if len(grid) else np.zeros((0,), np.int64)
+    clip_sizes = clip_grid.prod(-1) // v.merge_unit if len(clip_grid) else np.zeros((0,), np.int64)
+    n_img, n_clip = int(sizes.sum()), int(clip_sizes.sum())
+    # The tower's output order for these images and clips alone: lay them out as one row of image pads, then video
+    # pads, so that image_token_index[j] is the canonical merged index of tower row j (window order for Qwen2.5-VL).
+    row = np.concatenate([np.full(n_img, cfg.image_token_id), np.full(n_clip, cfg.video_token_id)])[None]
+    canonical = build_vision_inputs(pixel_values, grid, row, cfg, patch_bucket=patch_bucket,
+                                    pixel_values_videos=pixel_values_videos if n_clip else None,
+                                    video_grid_thw=clip_grid if n_clip else None)
+    tower_row = np.empty(n_img + n_clip, np.int64)
+    tower_row[canonical.image_token_index[: n_img + n_clip]] = np.arange(n_img + n_clip)
+    valid = np.ones(tokens.shape, bool) if token_valid is None else np.asarray(token_valid).astype(bool)
     rows = np.full(tokens.size, -1, np.int32)
-    rows[slots] = tower_row[wanted]
+    for kind, pad, merged, occurrence, offset in (
+        ("image", cfg.image_token_id, sizes, image_of_occurrence, 0),
+        ("clip", cfg.video_token_id, clip_sizes, clip_of_occurrence, n_img),
+    ):
+        occurrence = np.zeros(0, np.int64) if occurrence is None else np.asarray(occurrence, np.int64).reshape(-1)
+        if occurrence.size and (occurrence.min() < 0 or occurrence.max() >= len(merged)):
+            raise ValueError(f"{kind}_of_occurrence {occurrence.tolist()} names {kind}s outside the {len(merged)} "
+                             "distinct ones")
+        first = np.cumsum(merged) - merged
+        take = merged[occurrence]
+        wanted = np.repeat(first[occurrence] - (np.cumsum(take) - take), take) + np.arange(int(take.sum()))
+        slots = np.flatnonzero(((tokens == pad) & valid).reshape(-1))
+        if slots.size != wanted.size:
+            raise ValueError(
+                f"tokens hold {slots.size} {'image' if kind == 'image' else 'video'}-pad tokens (id {pad}) but the "
+                f"{kind} occurrences give {wanted.size} merged tokens"
+            )
+        rows[slots] = tower_row[offset + wanted]
     return canonical._replace(
         image_token_index=np.full_like(canonical.image_token_index, tokens.size),
         token_image_rows=rows.reshape(tokens.shape),
