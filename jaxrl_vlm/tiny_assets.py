@@ -467,6 +467,25 @@ def tiny_image_processor_config(
     }
 
 
+def tiny_video_processor_config(
+    min_pixels: int = 64 * 64, max_pixels: int = 128 * 128, arch: str = "qwen3_vl"
+) -> dict[str, Any]:
+    """A `video_preprocessor_config.json` dict with `arch`'s values (as the released checkpoints ship it beside
+    `preprocessor_config.json`): Qwen3VLVideoProcessor for the Qwen3 families (2 frames per second, whole-clip
+    sizing), Qwen2VLVideoProcessor for Qwen2.5-VL (every frame). `size` bounds the pixels of a whole clip for the
+    former and of one frame for the latter, as in transformers."""
+    image = tiny_image_processor_config(min_pixels, max_pixels, arch)
+    qwen3 = image["processor_class"] == "Qwen3VLProcessor"
+    out = {key: image[key] for key in ("image_mean", "image_std", "merge_size", "patch_size", "processor_class",
+                                       "temporal_patch_size")}
+    out.update(video_processor_type="Qwen3VLVideoProcessor" if qwen3 else "Qwen2VLVideoProcessor",
+               size={"longest_edge": int(max_pixels) * (8 if qwen3 else 1), "shortest_edge": int(min_pixels)},
+               do_sample_frames=qwen3, min_frames=4, max_frames=768)
+    if qwen3:
+        out["fps"] = 2
+    return out
+
+
 def _write_json(path: Path, obj: dict[str, Any]) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
 
@@ -481,8 +500,8 @@ def save_tiny_processing(
     max_pixels: int = 128 * 128,
     arch: str = "qwen3_vl",
 ) -> Path:
-    """Write tokenizer.json, tokenizer_config.json, chat_template.jinja and preprocessor_config.json to out_dir
-    (the preprocessing of `arch`, a `TINY_ARCHS` model_type).
+    """Write tokenizer.json, tokenizer_config.json, chat_template.jinja, preprocessor_config.json and
+    video_preprocessor_config.json to out_dir (the preprocessing of `arch`, a `TINY_ARCHS` model_type).
 
     The layout matches a released Qwen3-VL checkpoint (tokenizer_class Qwen2Tokenizer, image
     processor type Qwen2VLImageProcessorFast), so loaders exercise the real code path.
@@ -501,6 +520,7 @@ def save_tiny_processing(
     tok_config["split_special_tokens"] = False
     _write_json(config_path, tok_config)
     _write_json(out / "preprocessor_config.json", tiny_image_processor_config(min_pixels, max_pixels, arch))
+    _write_json(out / "video_preprocessor_config.json", tiny_video_processor_config(min_pixels, max_pixels, arch))
     return out
 
 

@@ -18,15 +18,17 @@ Never imports jax.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 from PIL import Image
 
-__all__ = ["Clip", "ProcessedClips", "VideoProcessorConfig", "frame_group_timestamps", "process_clips",
-           "sample_frame_indices"]
+__all__ = ["Clip", "ClipError", "ProcessedClips", "VideoProcessorConfig", "frame_group_timestamps",
+           "load_video_processor_config", "process_clips", "sample_frame_indices"]
 
 
 class ClipError(ValueError):
@@ -105,6 +107,17 @@ class VideoProcessorConfig:
             min_frames=int(d.get("min_frames", 4)),
             max_frames=int(d.get("max_frames", 768)),
         )
+
+
+def load_video_processor_config(model_dir: str | Path) -> VideoProcessorConfig:
+    """The checkpoint's `video_preprocessor_config.json` (released Qwen-VL checkpoints and tiny ones ship it)."""
+    path = Path(model_dir) / "video_preprocessor_config.json"
+    if not path.is_file():
+        raise ClipError(f"{model_dir} has no video_preprocessor_config.json: clips cannot be processed for this model")
+    try:
+        return VideoProcessorConfig.from_dict(json.loads(path.read_text(encoding="utf-8")))
+    except json.JSONDecodeError as e:
+        raise ClipError(f"{path}: not valid JSON ({e})") from e
 
 
 def sample_frame_indices(total: int, clip_fps: float, cfg: VideoProcessorConfig) -> np.ndarray:

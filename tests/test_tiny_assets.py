@@ -246,7 +246,8 @@ def test_saved_files_are_byte_identical_and_load_as_the_built_tokenizer(tmp_path
     first = save_tiny_processing(tmp_path / "a")
     second = save_tiny_processing(tmp_path / "b")
     names = sorted(p.name for p in first.iterdir())
-    assert names == ["chat_template.jinja", "preprocessor_config.json", "tokenizer.json", "tokenizer_config.json"]
+    assert names == ["chat_template.jinja", "preprocessor_config.json", "tokenizer.json", "tokenizer_config.json",
+                     "video_preprocessor_config.json"]
     for name in names:
         assert (first / name).read_bytes() == (second / name).read_bytes(), name
     assert json.loads((first / "tokenizer_config.json").read_text())["tokenizer_class"] == "Qwen2Tokenizer"

@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from rollout.video import Clip, ClipError, VideoProcessorConfig, frame_group_timestamps, process_clips, sample_frame_indices
+from jaxrl_vlm.tiny_assets import TINY_ARCHS, save_tiny_processing
+from rollout.video import (Clip, ClipError, VideoProcessorConfig, frame_group_timestamps, load_video_processor_config,
+                           process_clips, sample_frame_indices)
 
 QWEN3 = VideoProcessorConfig.from_dict({"video_processor_type": "Qwen3VLVideoProcessor", "fps": 2,
                                         "size": {"shortest_edge": 32 * 32, "longest_edge": 64 * 64 * 8}})
@@ -84,3 +86,17 @@ def test_bad_clips_and_unknown_processors_are_refused_by_name():
         VideoProcessorConfig.from_dict({"video_processor_type": "Qwen3VLVideoProcessor", "cap_pixels_per_frame": True})
     with pytest.raises(ClipError, match="clip 0 .*aspect ratio"):
         process_clips([Clip.of(np.zeros((2, 8, 3000, 3), np.uint8), 1.0)], QWEN3)
+
+
+def test_tiny_checkpoints_ship_the_familys_video_processor_config(tmp_path):
+    for arch in TINY_ARCHS:
+        cfg = load_video_processor_config(save_tiny_processing(tmp_path / arch, vocab_size=300, arch=arch))
+        assert cfg.temporal_timestamps == (arch != "qwen2_5_vl") and cfg.patch_size == (14 if arch == "qwen2_5_vl" else 16)
+        clip = Clip.of(np.zeros((8, 64, 64, 3), np.uint8), 4.0)
+        grid = process_clips([clip], cfg).video_grid_thw
+        assert grid.shape == (1, 3) and (grid[0, 1:] % cfg.merge_size == 0).all()
+    with pytest.raises(ClipError, match="has no video_preprocessor_config.json"):
+        load_video_processor_config(tmp_path)
+    (tmp_path / "video_preprocessor_config.json").write_text("{not json")
+    with pytest.raises(ClipError, match="not valid JSON"):
+        load_video_processor_config(tmp_path)
