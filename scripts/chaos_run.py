@@ -3,6 +3,8 @@
     python scripts/chaos_run.py [--minutes 60] [--seed 0] [--workdir DIR] [--json report.json]
     python scripts/chaos_run.py --minutes 60 --no-faults          # the fault-free comparison run
     python scripts/chaos_run.py --minutes 60 --compare-with clean.json
+    python scripts/chaos_run.py --report-from WORKDIR [--earlier its.json] [--no-faults] [--json r.json]  # again
+    python scripts/chaos_run.py --compare chaos.json clean.json                       # two reports' eval curves
 
 What runs (issue 49 item 3): `jaxrl-vlm train configs/color_reveal_tiny.yaml` in async mode (`--max-staleness 1`)
 against an external `jaxrl-vlm serve` engine, reached through a small TCP proxy of this script (so connections can
@@ -87,8 +89,23 @@ from soak_engine import PageState, read_rss_mib  # noqa: E402  (scripts/ is on t
 
 CONFIG = "configs/color_reveal_tiny.yaml"
 EVAL_KEY = "eval/heldout/raw_reward"
+
+
+def eval_series(chain: list[dict]) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
+    """(step, eval reward) of every eval, and (step, its sampling standard error: the episodes' reward std over
+    the square root of their count)."""
+    evals = [(int(r["step"]), round(float(r[EVAL_KEY]), 4)) for r in chain if EVAL_KEY in r]
+    ses = [(int(r["step"]), round(float(r[EVAL_KEY + "_std"]) / math.sqrt(float(r["eval/heldout/samples"])), 5))
+           for r in chain if EVAL_KEY in r and EVAL_KEY + "_std" in r and r.get("eval/heldout/samples")]
+    return evals, ses
 FAULT_KINDS = ("engine_kill", "trainer_sigterm", "env_hang", "env_raise", "dropped_connection", "disk_full")
 PER_SAMPLE_DROPS = ("failed_sample", "aborted_sample", "no_reward_sample")
+
+
+def jsonl_lines(path: Path) -> list[str]:
+    """The lines of a JSONL file, split at "\n" only: `str.splitlines` also splits at U+2028, U+0085 and the like,
+    which a dump holds raw inside strings (a random model's text, written with ensure_ascii=False)."""
+    return [ln for ln in path.read_text(encoding="utf-8").split("\n") if ln]
 
 
 def log(t0: float, msg: str) -> None:
@@ -387,7 +404,7 @@ class Records:
 
     def poll(self) -> int:
         try:
-            lines = self.path.read_text().splitlines()
+            lines = jsonl_lines(self.path)
         except FileNotFoundError:
             return self.appended
         n = sum(1 for ln in lines if '"rollout/samples"' in ln)
@@ -445,9 +462,12 @@ class ResourceSeries:
                                                              - statistics.median(s[1] for s in head), 1)
                 entry["rss_max_after_warmup_mib"] = max(s[1] for s in after)
                 entry["fds_at_warmup_end"] = after[0][2]
-                # fds by the quarters' maxima: an engine holds one per client connection, which a dropped
-                # connection takes away for a moment (a median would read the dip as growth)
-                entry["fd_growth_after_warmup"] = max(s[2] for s in tail_) - max(s[2] for s in head)
+                # fds: the last quarter's maximum against every earlier sample of the lifetime (warm-up included).
+                # Engine and trainer hold one per client connection, which an engine kill or a dropped connection
+                # takes away for a while and the client's pool then refills to a level seen before; a leak rises
+                # above every earlier level.
+                earlier = series[: len(series) - len(tail_)]
+                entry["fd_growth_after_warmup"] = max(s[2] for s in tail_) - max(s[2] for s in earlier)
                 entry["fds_max_after_warmup"] = max(s[2] for s in after)
             else:
                 entry["judged"] = entry["rss_judged"] = False
@@ -797,7 +817,7 @@ class Chaos:
         chain = self.records.chain()
         steps = [r for r in chain if "rollout/samples" in r]
         ledger = sample_ledger(self.out, steps)
-        every = [json.loads(ln) for ln in self.records.path.read_text().splitlines()] if self.records.path.exists() else []
+        every = [json.loads(ln) for ln in jsonl_lines(self.records.path)] if self.records.path.exists() else []
         timed = [(r["time"], r["perf/step_time"]) for r in every if "perf/step_time" in r and "time" in r]
         for f in self.faults:  # median step time of the 5 steps logged before the fault and the 5 after its recovery
             before = [st for t, st in timed if t < f.injected_epoch][-5:]
@@ -810,15 +830,15 @@ class Chaos:
             return next((x for x in step_times if x > t), None)
 
         resources = self.resources.growth(self.opts.warmup_s, first_step_after, self.opts.rss_window_min_s)
-        evals = [(int(r["step"]), round(float(r[EVAL_KEY]), 4)) for r in chain if EVAL_KEY in r]
+        evals, eval_se = eval_series(chain)
         report: dict[str, Any] = {
             "minutes": self.opts.minutes, "seed": self.opts.seed, "faults_on": self.opts.faults,
-            "wall_s": round(wall_s, 1), "workdir": str(self.work),
+            "wall_s": round(wall_s, 1), "workdir": str(self.work), "t0_epoch": self.t0_epoch,
             "export_dir": "tmpfs" if self.tmpfs else self.disk_equivalent,
             "steps_trained": len(steps), "last_step": int(steps[-1]["step"]) if steps else None,
             "trainer_starts": None, "unexpected": unexpected,
             "faults": [dataclasses.asdict(f) for f in self.faults],
-            "ledger": ledger, "pages": pages, "resources": resources, "eval_curve": evals,
+            "ledger": ledger, "pages": pages, "resources": resources, "eval_curve": evals, "eval_sampling_se": eval_se,
             "lr_decay_steps": self.opts.lr_decay_steps,
             "resource_series": {k: [list(x) for x in v] for k, v in self.resources.samples.items()},
             "step_time_median_s": self.step_time(steps, last=10**9),
@@ -828,7 +848,7 @@ class Chaos:
                        "recovery_timeout_s": self.opts.recovery_timeout_s},
         }
         if self.opts.compare_with is not None:
-            report["comparison"] = compare_evals(evals, json.loads(self.opts.compare_with.read_text()),
+            report["comparison"] = compare_evals(report, json.loads(self.opts.compare_with.read_text()),
                                                  self.opts.lr_decay_steps)
         return report
 
@@ -858,7 +878,7 @@ def find_in_dumps(rollout_dir: Path, group: int, index: int, since: float) -> di
         if path.stat().st_mtime < since:
             continue
         with contextlib.suppress(OSError):
-            for line in path.read_text().splitlines():
+            for line in jsonl_lines(path):
                 if f'"group_index": {group},' in line or f'"group_index": {group}' in line:
                     rec = json.loads(line)
                     if rec.get("group_index") == group and rec.get("index") == index:
@@ -884,7 +904,7 @@ def sample_ledger(out: Path, steps: list[dict]) -> dict[str, Any]:
         path = out / "rollout" / f"step_{step}.jsonl"
         if not path.exists():
             continue
-        for line in path.read_text().splitlines():
+        for line in jsonl_lines(path):
             rec = json.loads(line)
             key = (int(rec["group_index"]), int(rec["index"]))
             what = "trained" if rec["status"] != "failed" else f"failed:{rec.get('termination')}"
@@ -949,26 +969,37 @@ def sample_ledger(out: Path, steps: list[dict]) -> dict[str, Any]:
     }
 
 
-def compare_evals(evals: list[tuple[int, float]], clean: dict[str, Any], settled_from: int = 0) -> dict[str, Any]:
-    """Eval reward of this run and of the fault-free one at their common steps, and over the settled part (steps >=
-    `settled_from`, the end of the learning rate's decay) whether the two means are within noise: |difference| <= 2
-    standard errors, each run's error from the spread of its own evals there (eval sampling and the policy's wander
-    between evals together, as a repeat of the run would see them)."""
+def compare_evals(run: dict[str, Any], clean: dict[str, Any], settled_from: int = 0) -> dict[str, Any]:
+    """Eval reward of a run and of the fault-free one (two reports) at their common steps, and over the settled part
+    (steps >= `settled_from`, the end of the learning rate's decay) whether the two means are within noise:
+    |difference| <= 2 standard errors of the difference. Each run's error has two parts: the spread of its settled
+    evals over their count (the policy's wander) and the sampling error of one eval (its episodes' reward std over
+    the square root of their count), not divided by the count, since every eval draws the same prompts and seeds
+    (a converged policy's evals are identical)."""
     other = dict((int(s), float(v)) for s, v in clean.get("eval_curve", []))
-    common = [(s, v, other[s]) for s, v in evals if s in other]
+    common = [(s, v, other[s]) for s, v in run.get("eval_curve", []) if s in other]
     diffs = [v - w for _, v, w in common]
     out: dict[str, Any] = {
         "common_steps": [s for s, _, _ in common], "chaos": [v for _, v, _ in common],
         "fault_free": [w for _, _, w in common], "mean_diff": round(statistics.mean(diffs), 4) if diffs else None,
         "max_abs_diff": round(max(map(abs, diffs)), 4) if diffs else None}
-    settled = [(v, w) for s, v, w in common if s >= settled_from]
-    if len(settled) >= 3:
-        a, b = [v for v, _ in settled], [w for _, w in settled]
-        se = math.sqrt(statistics.variance(a) / len(a) + statistics.variance(b) / len(b))
+    steps = [s for s, _, _ in common if s >= settled_from]
+    if len(steps) >= 3:
+        a, b = [v for s, v, _ in common if s >= settled_from], [w for s, _, w in common if s >= settled_from]
+
+        def sampling_se(report: dict[str, Any]) -> float:
+            ses = [float(se) for s, se in report.get("eval_sampling_se", []) if int(s) in steps]
+            return statistics.mean(ses) if ses else 0.0
+
+        se_a = math.sqrt(statistics.variance(a) / len(a) + sampling_se(run) ** 2)
+        se_b = math.sqrt(statistics.variance(b) / len(b) + sampling_se(clean) ** 2)
+        two_se = 2 * math.sqrt(se_a**2 + se_b**2)
         diff = statistics.mean(a) - statistics.mean(b)
-        out["settled"] = {"from_step": settled_from, "evals": len(settled), "chaos_mean": round(statistics.mean(a), 4),
+        out["settled"] = {"from_step": settled_from, "evals": len(steps), "chaos_mean": round(statistics.mean(a), 4),
                           "fault_free_mean": round(statistics.mean(b), 4), "diff": round(diff, 4),
-                          "two_se": round(2 * se, 4), "within_noise": abs(diff) <= 2 * se}
+                          "chaos_eval_sampling_se": round(sampling_se(run), 5),
+                          "fault_free_eval_sampling_se": round(sampling_se(clean), 5),
+                          "two_se": round(two_se, 4), "within_noise": abs(diff) <= two_se}
     return out
 
 
@@ -1032,12 +1063,50 @@ def print_report(report: dict[str, Any], opts: ChaosOptions) -> int:
     return 0 if not problems else 1
 
 
+def with_eval_se(report: dict[str, Any]) -> dict[str, Any]:
+    """A report with its evals' sampling errors, read from the run's metrics when the report predates them."""
+    metrics = Path(report.get("workdir", "")) / "run" / "metrics.jsonl"
+    if "eval_sampling_se" not in report and metrics.is_file():
+        report["eval_sampling_se"] = eval_series(Records(metrics).chain())[1]
+    return report
+
+
+def report_from(work: Path, opts: ChaosOptions, earlier: Path | None = None) -> int:
+    """The report of a run that has finished, rebuilt from its workdir (metrics, dumps, checkpoints): for a run
+    whose own report failed, or (with `earlier`, its first report) judged again by this script's rules. What only
+    the live run measured (faults, RSS/fd series, KV pages) comes from `earlier`, or is absent."""
+    chaos = Chaos(opts, work.resolve())
+    pages: dict[str, Any] = {"rebuilt": "not measured (report rebuilt from the run's files)"}
+    unexpected = ["rebuilt from files: no faults, RSS/fd series or KV pages"]
+    wall = 0.0
+    if earlier is not None:
+        old = json.loads(earlier.read_text())
+        chaos.faults = [FaultRecord(**f) for f in old["faults"]]
+        chaos.resources.samples.update({k: [tuple(x) for x in v] for k, v in old["resource_series"].items()})
+        if "t0_epoch" in old:
+            chaos.t0_epoch = old["t0_epoch"]
+        else:  # reports before t0_epoch was kept: the two clocks of a fault injected while running give it
+            timed = [f for f in chaos.faults if f.injected_epoch > 0]
+            if timed:
+                chaos.t0_epoch = statistics.median(f.injected_epoch - f.injected_at_s for f in timed)
+        pages, unexpected, wall = old["pages"], old["unexpected"], old["wall_s"]
+    report = chaos.report(pages, unexpected, wall_s=wall)
+    if opts.json_path is not None:
+        opts.json_path.write_text(json.dumps(report, indent=1))
+    return print_report(report, opts)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["--report-from"]:  # --report-from WORKDIR [--earlier REPORT.json] [options]: rebuilt from files
+        rest = args[2:]
+        earlier = None
+        if rest[:1] == ["--earlier"]:
+            earlier, rest = Path(rest[1]), rest[2:]
+        return report_from(Path(args[1]), parse_options(rest), earlier)
     if args[:1] == ["--compare"]:  # --compare CHAOS.json FAULT_FREE.json: the eval curves side by side
-        chaos, clean = (json.loads(Path(a).read_text()) for a in args[1:3])
-        print(json.dumps(compare_evals([tuple(x) for x in chaos["eval_curve"]], clean, chaos.get("lr_decay_steps", 0)),
-                         indent=1))
+        chaos, clean = (with_eval_se(json.loads(Path(a).read_text())) for a in args[1:3])
+        print(json.dumps(compare_evals(chaos, clean, chaos.get("lr_decay_steps", 0)), indent=1))
         return 0
     opts = parse_options(argv)
     work = opts.workdir or Path(tempfile.mkdtemp(prefix="chaos_"))

@@ -95,17 +95,36 @@ def test_the_ledger_accounts_for_groups_dropped_and_samples_failed_after_the_las
     assert chaos.sample_ledger(tmp_path, steps)["unaccounted"] == 3  # group 1's and group 3's missing samples
 
 
-def test_the_eval_comparison_judges_the_settled_part_against_both_runs_spread():
+def test_the_eval_comparison_judges_the_settled_part_against_both_runs_spread_and_eval_noise():
     compare_evals = load_script("chaos_run").compare_evals
-    clean = {"eval_curve": [[s, 0.2 if s < 30 else 0.90 + 0.02 * (s // 10 % 2)] for s in range(0, 100, 10)]}
+    curve = [[s, 0.2 if s < 30 else 0.90 + 0.02 * (s // 10 % 2)] for s in range(0, 100, 10)]
+    clean = {"eval_curve": curve}
     # Equal after the decay (step 30), whatever came before: within noise.
-    same = [(s, 0.6 if s < 30 else 0.91 + 0.02 * (s // 10 % 2) - 0.01) for s in range(0, 100, 10)]
+    same = {"eval_curve": [(s, 0.6 if s < 30 else 0.91 + 0.02 * (s // 10 % 2) - 0.01) for s in range(0, 100, 10)]}
     out = compare_evals(same, clean, settled_from=30)
     assert out["common_steps"] == list(range(0, 100, 10)) and out["settled"]["evals"] == 7
     assert out["settled"]["within_noise"] and abs(out["settled"]["diff"]) < out["settled"]["two_se"]
     # 0.1 lower after the decay, against evals that spread by 0.02: not within noise.
-    low = [(s, v - 0.1) for s, v in same]
+    low = {"eval_curve": [(s, v - 0.1) for s, v in same["eval_curve"]]}
     out = compare_evals(low, clean, settled_from=30)
     assert not out["settled"]["within_noise"] and out["settled"]["diff"] == pytest.approx(-0.1, abs=1e-9)
+    # Two converged runs whose evals never move: only the eval's own sampling error (std / sqrt(samples), the same
+    # for every eval: one draw of prompts and seeds) decides: 0.0023 apart is within 2 x sqrt(2) x 0.0044.
+    flat_a = {"eval_curve": [(s, 0.9438) for s in range(30, 100, 10)], "eval_sampling_se": [(s, 0.0044) for s in range(30, 100, 10)]}
+    flat_b = {"eval_curve": [(s, 0.9461) for s in range(30, 100, 10)], "eval_sampling_se": [(s, 0.0044) for s in range(30, 100, 10)]}
+    out = compare_evals(flat_a, flat_b, settled_from=30)["settled"]
+    assert out["within_noise"] and out["two_se"] == pytest.approx(2 * 2**0.5 * 0.0044, abs=1e-4)
+    far = {"eval_curve": [(s, 0.90) for s in range(30, 100, 10)], "eval_sampling_se": flat_a["eval_sampling_se"]}
+    assert not compare_evals(far, flat_b, settled_from=30)["settled"]["within_noise"]
     # Too few common settled evals to judge: no verdict rather than a guess.
-    assert "settled" not in compare_evals(same[:5], clean, settled_from=30)
+    assert "settled" not in compare_evals({"eval_curve": same["eval_curve"][:5]}, clean, settled_from=30)
+
+
+def test_dump_lines_holding_unicode_line_separators_are_read_whole(tmp_path):
+    """A random model's text can hold U+2028 / U+0085, written raw by the dump (ensure_ascii=False): the ledger
+    reads each JSONL line whole (`str.splitlines` would cut it and fail the report, as it did once)."""
+    jsonl_lines = load_script("chaos_run").jsonl_lines
+    records = [{"response": "a\u2028b\x85c\x1cd", "group_index": 1}, {"response": "plain", "group_index": 2}]
+    path = tmp_path / "step_0.jsonl"
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+    assert [json.loads(ln) for ln in jsonl_lines(path)] == records
