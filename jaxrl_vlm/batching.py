@@ -359,75 +359,60 @@ def replay_ids(seq: _Seq, cfg: ModelConfig) -> np.ndarray:
     return out
 
 
-def _sample_images(sample: Sample, tokens: np.ndarray, cfg: ModelConfig, where: str) -> tuple[np.ndarray, np.ndarray | None]:
-    """(image_grid_thw [N, 3], pixel_values [patches, patch_dim] or None), checked against the image pads."""
+def _checked_inputs(sample: Sample, tokens: np.ndarray, cfg: ModelConfig, where: str, pad: int, grid_key: str,
+                    pixels_key: str, kind: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """(grid [N, 3], patches [P, patch_dim] or None) of the sample's pictures or clips (`kind`: "image" or "video",
+    read from `multimodal_train_inputs[grid_key / pixels_key]`), checked against its `pad` tokens."""
     mm = sample.multimodal_train_inputs or {}
-    n_pads = int((tokens == cfg.image_token_id).sum())
-    grid_raw, pixels = mm.get("image_grid_thw"), mm.get("pixel_values")
+    n_pads = int((tokens == pad).sum())
+    grid_raw, pixels = mm.get(grid_key), mm.get(pixels_key)
     if grid_raw is None and pixels is None:
         if n_pads:
             raise BatchingError(
-                f"{where} has {n_pads} image-pad tokens but no multimodal_train_inputs (pixel_values, image_grid_thw)"
+                f"{where} has {n_pads} {kind}-pad tokens but no multimodal_train_inputs ({pixels_key}, {grid_key})"
             )
         return np.zeros((0, 3), np.int64), None
     if grid_raw is None or pixels is None:
-        missing = "image_grid_thw" if grid_raw is None else "pixel_values"
+        missing = grid_key if grid_raw is None else pixels_key
         raise BatchingError(f"{where}: multimodal_train_inputs has no {missing!r}")
     grid = np.asarray(grid_raw, dtype=np.int64)
     if grid.ndim != 2 or grid.shape[1] != 3 or (grid <= 0).any():
-        raise BatchingError(f"{where}: image_grid_thw must be [images, 3] of positive ints, got {grid.tolist()}")
+        raise BatchingError(f"{where}: {grid_key} must be [{kind}s, 3] of positive ints, got {grid.tolist()}")
     merge = cfg.vision.spatial_merge_size
     if (grid[:, 1] % merge).any() or (grid[:, 2] % merge).any():
-        raise BatchingError(f"{where}: image_grid_thw {grid.tolist()} has h or w not a multiple of spatial_merge_size={merge}")
+        raise BatchingError(f"{where}: {grid_key} {grid.tolist()} has h or w not a multiple of spatial_merge_size={merge}")
     patches = int(grid.prod(-1).sum())
     if patches // cfg.vision.merge_unit != n_pads:
         raise BatchingError(
-            f"{where}: {n_pads} image-pad tokens (id {cfg.image_token_id}) but image_grid_thw {grid.tolist()} "
+            f"{where}: {n_pads} {kind}-pad tokens (id {pad}) but {grid_key} {grid.tolist()} "
             f"gives {patches // cfg.vision.merge_unit} merged tokens"
         )
     pixels = np.asarray(pixels)
     if pixels.ndim != 2 or pixels.shape != (patches, cfg.vision.patch_dim):
         raise BatchingError(
-            f"{where}: pixel_values shape {pixels.shape} != ({patches}, {cfg.vision.patch_dim}) "
-            "(patches of image_grid_thw, C*T*p*p)"
+            f"{where}: {pixels_key} shape {pixels.shape} != ({patches}, {cfg.vision.patch_dim}) "
+            f"(patches of {grid_key}, C*T*p*p)"
         )
     if len(grid) == 0:
         return grid, None
     return grid, pixels
 
 
+def _sample_images(sample: Sample, tokens: np.ndarray, cfg: ModelConfig, where: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """(image_grid_thw [N, 3], pixel_values [patches, patch_dim] or None), checked against the image pads."""
+    return _checked_inputs(sample, tokens, cfg, where, cfg.image_token_id, "image_grid_thw", "pixel_values", "image")
+
+
 def _sample_clips(sample: Sample, tokens: np.ndarray, cfg: ModelConfig, where: str) -> _Clips:
     """The sample's clips (`pixel_values_videos`, `video_grid_thw`, Qwen2.5-VL's `second_per_grid_ts`), checked
     against its video pads."""
-    mm = sample.multimodal_train_inputs or {}
-    n_pads = int((tokens == cfg.video_token_id).sum())
-    grid_raw, pixels, seconds = mm.get("video_grid_thw"), mm.get("pixel_values_videos"), mm.get("second_per_grid_ts")
-    if grid_raw is None and pixels is None:
-        if n_pads:
-            raise BatchingError(f"{where} has {n_pads} video-pad tokens but no multimodal_train_inputs "
-                                "(pixel_values_videos, video_grid_thw)")
-        if seconds is not None:
-            raise BatchingError(f"{where}: multimodal_train_inputs has second_per_grid_ts but no clips")
-        return _Clips.none()
-    if grid_raw is None or pixels is None:
-        missing = "video_grid_thw" if grid_raw is None else "pixel_values_videos"
-        raise BatchingError(f"{where}: multimodal_train_inputs has no {missing!r}")
-    grid = np.asarray(grid_raw, dtype=np.int64)
-    if grid.ndim != 2 or grid.shape[1] != 3 or (grid <= 0).any():
-        raise BatchingError(f"{where}: video_grid_thw must be [clips, 3] of positive ints, got {grid.tolist()}")
-    merge = cfg.vision.spatial_merge_size
-    if (grid[:, 1] % merge).any() or (grid[:, 2] % merge).any():
-        raise BatchingError(f"{where}: video_grid_thw {grid.tolist()} has h or w not a multiple of spatial_merge_size={merge}")
-    patches = int(grid.prod(-1).sum())
-    if patches // cfg.vision.merge_unit != n_pads:
-        raise BatchingError(f"{where}: {n_pads} video-pad tokens (id {cfg.video_token_id}) but video_grid_thw "
-                            f"{grid.tolist()} gives {patches // cfg.vision.merge_unit} merged tokens")
-    pixels = np.asarray(pixels)
-    if pixels.ndim != 2 or pixels.shape != (patches, cfg.vision.patch_dim):
-        raise BatchingError(f"{where}: pixel_values_videos shape {pixels.shape} != ({patches}, {cfg.vision.patch_dim}) "
-                            "(patches of video_grid_thw, C*T*p*p)")
+    grid, pixels = _checked_inputs(sample, tokens, cfg, where, cfg.video_token_id, "video_grid_thw",
+                                   "pixel_values_videos", "video")
+    seconds = (sample.multimodal_train_inputs or {}).get("second_per_grid_ts")
     qwen25 = isinstance(cfg, Qwen25VLConfig)
     if seconds is not None:
+        if not len(grid):
+            raise BatchingError(f"{where}: multimodal_train_inputs has second_per_grid_ts but no clips")
         if not qwen25:
             raise BatchingError(f"{where}: second_per_grid_ts is Qwen2.5-VL's; {type(cfg).__name__} writes a clip's "
                                 "timestamps as text")
@@ -435,9 +420,9 @@ def _sample_clips(sample: Sample, tokens: np.ndarray, cfg: ModelConfig, where: s
         if seconds.shape != (len(grid),) or not (np.isfinite(seconds) & (seconds > 0)).all():
             raise BatchingError(f"{where}: second_per_grid_ts must be {len(grid)} positive numbers (one per clip), "
                                 f"got {seconds.tolist()}")
-    elif qwen25:
+    elif qwen25 and len(grid):
         seconds = np.ones(len(grid), np.float32)  # transformers' default when the processor gives none
-    return _Clips(grid, pixels, seconds)
+    return _Clips(grid, pixels, seconds) if len(grid) else _Clips.none()
 
 
 def _truncation_cut(tokens: np.ndarray, grid: np.ndarray, clip_grid: np.ndarray, max_len: int, cfg: ModelConfig,
