@@ -439,7 +439,7 @@ def _truncation_cut(tokens: np.ndarray, grid: np.ndarray, clip_grid: np.ndarray,
             if bounds[k] < pads_before:  # the cut splits item k: drop all of it
                 cut = int(pad_slots[bounds[k]])
     if cut < 1:
-        raise BatchingError(f"{where}: truncating to {max_len} tokens would leave nothing before its first image")
+        raise BatchingError(f"{where}: truncating to {max_len} tokens would leave nothing before its first image or clip")
 
     def kept(pad: int, g: np.ndarray) -> int:
         if not len(g):
