@@ -110,8 +110,9 @@ def test_the_eval_comparison_judges_the_settled_part_against_both_runs_spread_an
     assert not out["settled"]["within_noise"] and out["settled"]["diff"] == pytest.approx(-0.1, abs=1e-9)
     # Two converged runs whose evals never move: only the eval's own sampling error (std / sqrt(samples), the same
     # for every eval: one draw of prompts and seeds) decides: 0.0023 apart is within 2 x sqrt(2) x 0.0044.
-    flat_a = {"eval_curve": [(s, 0.9438) for s in range(30, 100, 10)], "eval_sampling_se": [(s, 0.0044) for s in range(30, 100, 10)]}
-    flat_b = {"eval_curve": [(s, 0.9461) for s in range(30, 100, 10)], "eval_sampling_se": [(s, 0.0044) for s in range(30, 100, 10)]}
+    se = [(s, 0.0044) for s in range(30, 100, 10)]
+    flat_a = {"eval_curve": [(s, 0.9438) for s in range(30, 100, 10)], "eval_sampling_se": se}
+    flat_b = {"eval_curve": [(s, 0.9461) for s in range(30, 100, 10)], "eval_sampling_se": se}
     out = compare_evals(flat_a, flat_b, settled_from=30)["settled"]
     assert out["within_noise"] and out["two_se"] == pytest.approx(2 * 2**0.5 * 0.0044, abs=1e-4)
     far = {"eval_curve": [(s, 0.90) for s in range(30, 100, 10)], "eval_sampling_se": flat_a["eval_sampling_se"]}

@@ -296,7 +296,8 @@ def test_the_train_batch_packs_clip_episodes_that_match_transformers(pair, reuse
     # float64 one there, and ours 6.6e-4, with the same experts routed: not a clip's doing, so other random tokens)
     ep = _episode(cfg, [[4, "clip", 5], [3, "clip", 6]], clips=[(2, 4, 4), (2, 2, 4)], pictures=[], seed=8)
     samples = [_sample(ep, 0, 5, 0), _sample(ep, 0, 5, 1), _sample(ep, 1, 6, 2)]
-    batch = build_train_batch(samples, np.ones(3), cfg, seq_buckets=[T_FIX], row_buckets=[2], patch_buckets=[PATCH_BUCKET],
+    batch = build_train_batch(samples, np.ones(3), cfg, seq_buckets=[T_FIX], row_buckets=[2],
+                              patch_buckets=[PATCH_BUCKET],
                               packing=True, micro_batch_rows=None, aggregation="token_mean", aggregation_constant=None,
                               overlong_policy="error", vision_reuse=reuse)
     a = batch.arrays  # [1, 2, T_FIX] and PATCH_BUCKET: without reuse, the program of the tests above serves it

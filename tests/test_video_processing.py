@@ -91,7 +91,8 @@ def test_bad_clips_and_unknown_processors_are_refused_by_name():
 def test_tiny_checkpoints_ship_the_familys_video_processor_config(tmp_path):
     for arch in TINY_ARCHS:
         cfg = load_video_processor_config(save_tiny_processing(tmp_path / arch, vocab_size=300, arch=arch))
-        assert cfg.temporal_timestamps == (arch != "qwen2_5_vl") and cfg.patch_size == (14 if arch == "qwen2_5_vl" else 16)
+        qwen25 = arch == "qwen2_5_vl"
+        assert cfg.temporal_timestamps == (not qwen25) and cfg.patch_size == (14 if qwen25 else 16)
         clip = Clip.of(np.zeros((8, 64, 64, 3), np.uint8), 4.0)
         grid = process_clips([clip], cfg).video_grid_thw
         assert grid.shape == (1, 3) and (grid[0, 1:] % cfg.merge_size == 0).all()

@@ -40,7 +40,8 @@ def dump_success(path: str) -> tuple[float, int]:
     of this task. An episode succeeded iff its reward is > 0: success earns at least 1 - 0.9 * 8 / 64 within 8 turns
     and the invalid penalties of the turns before it cost at most 0.1 each, so a success stays above 0 and every
     other episode is at or below it (with max_turns <= 8 and the default penalty)."""
-    rewards = [json.loads(line)["reward"] for line in Path(path).read_text(encoding="utf-8").split("\n") if line.strip()]
+    lines = Path(path).read_text(encoding="utf-8").split("\n")  # not splitlines(): U+2028 may sit inside a string
+    rewards = [json.loads(line)["reward"] for line in lines if line.strip()]
     if not rewards:
         raise ValueError(f"{path}: no episodes")
     return sum(r > 0 for r in rewards) / len(rewards), len(rewards)

@@ -199,7 +199,7 @@ def build_reused_vision_inputs(
     """
     v = cfg.vision
     grid = np.asarray(image_grid_thw, dtype=np.int64).reshape(-1, 3)
-    clip_grid = np.zeros((0, 3), np.int64) if video_grid_thw is None else np.asarray(video_grid_thw, np.int64).reshape(-1, 3)
+    clip_grid = np.asarray(np.zeros((0, 3)) if video_grid_thw is None else video_grid_thw, np.int64).reshape(-1, 3)
     tokens = np.asarray(tokens)
     sizes = grid.prod(-1) // v.merge_unit if len(grid) else np.zeros((0,), np.int64)
     clip_sizes = clip_grid.prod(-1) // v.merge_unit if len(clip_grid) else np.zeros((0,), np.int64)
