@@ -14,7 +14,7 @@ import pytest
 from PIL import Image
 
 from envs.babyai import ACTIONS, LEVELS, BabyAIEnv, BabyAIOptions, build_env, parse_action
-from envs.babyai.chance import random_success
+from envs.babyai.chance import dump_success, random_success
 from envs.babyai.env import OUT_OF_TURNS_TEXT, SUCCESS_TEXT
 from jaxrl_vlm.data.sft import parse_conversation
 from rollout.multiturn import prompt_with_opening
@@ -233,3 +233,11 @@ def test_sft_transcripts_are_the_oracles_episodes_in_the_loaders_layout(tmp_path
     opening = env.format_observation(env.reset())
     rollout_prompt = prompt_with_opening([{"role": "user", "content": QUESTION}], opening)
     assert rollout_prompt == [opening_message(QUESTION, opening)]
+
+
+def test_dump_success_reads_lines_whose_text_holds_unicode_line_separators(tmp_path):
+    """A dump writes a random model's text raw (ensure_ascii=False); U+2028 inside it must not split a record."""
+    path = tmp_path / "dump.jsonl"
+    records = [{"reward": 0.8, "response": "go\u2028forward"}, {"reward": -0.1, "response": "a\x85b"}]
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+    assert dump_success(str(path)) == (0.5, 2)
