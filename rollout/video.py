@@ -10,7 +10,8 @@ output against transformers' own processors, run in the vLLM venv (which has tor
 
 A clip is a list of frames (RGB, one size) and the frame rate they were taken at. Frames are sampled as the
 processor would (`sample_frame_indices`), padded to a multiple of the temporal patch size with the last frame,
-resized with Pillow's bicubic filter, rescaled and normalized, and cut into patches of
+resized bit for bit as torchvision's antialiased bicubic resize of uint8 frames (`resize_bicubic_uint8`; Pillow's
+bicubic differs from it by a level on ~0.3% of the values), rescaled and normalized, and cut into patches of
 `temporal_patch_size x patch_size x patch_size` in merge-window order: the layout of `pixel_values_videos`.
 
 Never imports jax.
@@ -28,7 +29,7 @@ import numpy as np
 from PIL import Image
 
 __all__ = ["Clip", "ClipError", "ProcessedClips", "VideoProcessorConfig", "frame_group_timestamps",
-           "load_video_processor_config", "process_clips", "sample_frame_indices"]
+           "load_video_processor_config", "process_clips", "resize_bicubic_uint8", "sample_frame_indices"]
 
 
 class ClipError(ValueError):
@@ -188,6 +189,52 @@ class ProcessedClips:
     second_per_grid_ts: np.ndarray
 
 
+def _bicubic_taps(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """Source index [out, k], int16-range weight [out, k] and precision bits of an antialiased bicubic resize of one
+    axis, as torch's uint8 kernel computes them (`_upsample_bicubic2d_aa`, which torchvision's `resize` runs on uint8
+    frames): Keys' cubic with a = -0.5 widened by the scale when shrinking, weights in float64 normalized per output
+    pixel, then fixed point with as many bits as keep the largest weight in int16."""
+    scale = in_size / out_size
+    support = 2.0 * scale if scale >= 1.0 else 2.0
+    invscale = 1.0 / scale if scale >= 1.0 else 1.0
+    centers = scale * (np.arange(out_size) + 0.5)
+    first = np.maximum((centers - support + 0.5).astype(np.int64), 0)
+    sizes = np.minimum((centers + support + 0.5).astype(np.int64), in_size) - first
+    k = int(sizes.max())
+    taps = np.arange(k)
+    x = np.abs((taps[None, :] + first[:, None] - centers[:, None] + 0.5) * invscale)
+    a = -0.5
+    w = np.where(x < 1, ((a + 2) * x - (a + 3)) * x * x + 1, np.where(x < 2, (((x - 5) * x + 8) * x - 4) * a, 0.0))
+    w = np.where(taps[None, :] < sizes[:, None], w, 0.0)
+    total = w.sum(1, keepdims=True)
+    w = np.where(total != 0, w / np.where(total != 0, total, 1.0), w)
+    bits = 0
+    while bits < 22 and int(0.5 + w.max() * (1 << (bits + 1))) < (1 << 15):
+        bits += 1
+    fixed = np.trunc(w * (1 << bits) + np.where(w < 0, -0.5, 0.5)).astype(np.int64)
+    index = np.where(taps[None, :] < sizes[:, None], first[:, None] + taps[None, :], first[:, None])
+    return index, fixed, bits
+
+
+def _resize_axis(x: np.ndarray, axis: int, out_size: int) -> np.ndarray:
+    index, weight, bits = _bicubic_taps(x.shape[axis], out_size)
+    x = np.moveaxis(x, axis, -1).astype(np.int64)
+    acc = np.full(x.shape[:-1] + (out_size,), 1 << (bits - 1), np.int64)
+    for j in range(index.shape[1]):
+        acc += x[..., index[:, j]] * weight[:, j]
+    return np.moveaxis(np.clip(acc >> bits, 0, 255).astype(np.uint8), -1, axis)
+
+
+def resize_bicubic_uint8(frames: np.ndarray, height: int, width: int) -> np.ndarray:
+    """[T, H, W, C] uint8 frames resized to (height, width) bit for bit as torchvision's antialiased bicubic
+    `resize` does on uint8 tensors (transformers' video processors): width first, rounded to uint8, then height."""
+    if frames.shape[2] != width:
+        frames = _resize_axis(frames, 2, width)
+    if frames.shape[1] != height:
+        frames = _resize_axis(frames, 1, height)
+    return frames
+
+
 def _patchify(frames: np.ndarray, cfg: VideoProcessorConfig) -> tuple[np.ndarray, tuple[int, int, int]]:
     """[T, C, H, W] float32 -> patches [t*h*w, C*tp*p*p] in merge-window order and the grid (t, h, w)."""
     tp, p, m = cfg.temporal_patch_size, cfg.patch_size, cfg.merge_size
@@ -213,9 +260,7 @@ def process_clips(clips: Sequence[Clip], cfg: VideoProcessorConfig) -> Processed
             new_h, new_w = frame_size(len(idx), height, width, cfg)
         except ValueError as e:
             raise ClipError(f"clip {n} ({len(idx)} frames of {width}x{height}): {e}") from e
-        resized = np.stack([np.asarray(Image.fromarray(f).resize((new_w, new_h), Image.Resampling.BICUBIC))
-                            if (new_h, new_w) != (height, width) else f for f in frames])
-        x = resized.transpose(0, 3, 1, 2).astype(np.float32)
+        x = resize_bicubic_uint8(frames, new_h, new_w).transpose(0, 3, 1, 2).astype(np.float32)
         # transformers fuses rescale and normalize: (x - 255 mean) / (255 std), in float32
         x = (x - mean * np.float32(255)) / (std * np.float32(255))
         flat, grid = _patchify(x, cfg)

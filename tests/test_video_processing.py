@@ -10,7 +10,7 @@ from PIL import Image
 
 from jaxrl_vlm.tiny_assets import TINY_ARCHS, save_tiny_processing
 from rollout.video import (Clip, ClipError, VideoProcessorConfig, frame_group_timestamps, load_video_processor_config,
-                           process_clips, sample_frame_indices)
+                           process_clips, resize_bicubic_uint8, sample_frame_indices)
 
 QWEN3 = VideoProcessorConfig.from_dict({"video_processor_type": "Qwen3VLVideoProcessor", "fps": 2,
                                         "size": {"shortest_edge": 32 * 32, "longest_edge": 64 * 64 * 8}})
@@ -101,3 +101,17 @@ def test_tiny_checkpoints_ship_the_familys_video_processor_config(tmp_path):
     (tmp_path / "video_preprocessor_config.json").write_text("{not json")
     with pytest.raises(ClipError, match="not valid JSON"):
         load_video_processor_config(tmp_path)
+
+
+def test_the_resize_keeps_flat_frames_flat_and_a_ramp_a_ramp():
+    """(Bit-exactness against torchvision is checked in the vLLM venv, tests/vllm_real/test_video_processor.py.)
+    Normalized weights keep a flat frame flat at every scale; a horizontal ramp stays monotone and spans the same
+    range within the filter's overshoot; the untouched axis is untouched."""
+    flat = np.full((2, 30, 41, 3), 77, np.uint8)
+    for h, w in [(64, 96), (12, 20), (30, 17)]:
+        out = resize_bicubic_uint8(flat, h, w)
+        assert out.shape == (2, h, w, 3) and out.dtype == np.uint8 and (out == 77).all()
+    ramp = np.broadcast_to(np.linspace(0, 255, 80).astype(np.uint8)[None, None, :, None], (1, 5, 80, 3)).copy()
+    out = resize_bicubic_uint8(ramp, 5, 33)
+    assert (np.diff(out[0, 0, :, 0].astype(int)) >= 0).all() and out[0, 0, 0, 0] <= 4 and out[0, 0, -1, 0] >= 251
+    assert (out == out[:, :1]).all()  # every row the same: height kept, so no vertical pass
