@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from conftest import vllm_python
-from rollout.video import Clip, VideoProcessorConfig, process_clips
+from rollout.video import Clip, VideoProcessorConfig, process_clips, resize_bicubic_uint8
 
 HERE = Path(__file__).parent
 QWEN3 = {"video_processor_type": "Qwen3VLVideoProcessor", "patch_size": 16, "temporal_patch_size": 2,
@@ -43,14 +43,23 @@ def _frames(t: int, h: int, w: int, seed: int) -> np.ndarray:
     return np.clip(np.stack(frames), 0, 255).astype(np.uint8)
 
 
+RESIZES = [((50, 70), (64, 64)), ((60, 90), (56, 84)), ((64, 96), (32, 48)), ((120, 200), (56, 84)),
+           ((33, 47), (64, 96)), ((100, 100), (100, 64)), ((480, 640), (224, 320))]  # (from, to), up and down
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     work = tmp_path_factory.mktemp("video_ref")
-    spec = {}
+    spec: dict = {}
     for i, (name, (config, shape, fps, _)) in enumerate(CASES.items()):
         path = work / f"{name}.npy"
         np.save(path, _frames(*shape, seed=i))
         spec[name] = {"config": config, "frames": str(path), "fps": fps}
+    rng = np.random.default_rng(0)
+    for k, ((h, w), size) in enumerate(RESIZES):
+        path = work / f"resize_{k}.npy"
+        np.save(path, rng.integers(0, 256, (2, h, w, 3), dtype=np.uint8))  # noise: every tap's weight shows
+        spec[f"resize_{k}"] = {"frames": str(path), "resize": list(size)}
     (work / "spec.json").write_text(json.dumps(spec))
     subprocess.run([str(vllm_python()), str(HERE / "_video_reference.py"), str(work / "spec.json"),
                     str(work / "out.json")], check=True, timeout=300)
@@ -68,3 +77,10 @@ def test_the_processor_equals_transformers_video_processor(name, reference):
     frames, patch = np.load(work / f"{name}.npy"), VideoProcessorConfig.from_dict(config).patch_size
     assert bool((ours.video_grid_thw[0, 1:] * patch != frames.shape[1:3]).any()) == resized  # it resizes, or not
     np.testing.assert_allclose(ours.pixel_values_videos, want, rtol=0, atol=1e-5)
+
+
+def test_the_resize_is_torchvisions_bit_for_bit(reference):
+    work, _ = reference
+    for k, (_, (h, w)) in enumerate(RESIZES):
+        frames = np.load(work / f"resize_{k}.npy")
+        np.testing.assert_array_equal(resize_bicubic_uint8(frames, h, w), np.load(work / f"resize_{k}.npy.resized.npy"))
