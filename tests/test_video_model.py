@@ -6,7 +6,9 @@ group between vision_start and vision_end; Qwen2.5-VL keeps the clip in one run 
 by tokens_per_second x `second_per_grid_ts`. The pixels here are random patches of the processor's layout (the
 model's parity does not depend on where they came from). Checked per family, fp32 logits within 1e-4 of
 transformers' (Qwen3.5: of its float64 run, as in test_qwen3_5.py): a clip in the prompt, and an episode with a
-picture in the prompt and a clip in a later observation, in a right-padded batch of two.
+picture in the prompt and a clip in a later observation, in a right-padded batch of two; and the trainer's packed
+batches of clip episodes (`build_train_batch`, vision reuse on and off), truncation and the refusals of clip inputs
+that do not match their tokens.
 """
 
 from __future__ import annotations
