@@ -46,6 +46,8 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_
 from tokenizers.models import BPE
 from transformers import PreTrainedTokenizerFast
 
+from rollout.processing import CLIP_IMAGE_MEAN, CLIP_IMAGE_STD  # Qwen2.5-VL's; tests read it here
+
 # Special tokens in Qwen's id order (a subset: the ones a VL chat model uses).
 QWEN_SPECIAL_TOKENS: tuple[str, ...] = (
     "<|endoftext|>",
@@ -425,9 +427,6 @@ def build_tiny_tokenizer(
     )
 
 
-# CLIP's normalization, which Qwen2-VL and Qwen2.5-VL preprocessing use.
-CLIP_IMAGE_MEAN = (0.48145466, 0.4578275, 0.40821073)
-CLIP_IMAGE_STD = (0.26862954, 0.26130258, 0.27577711)
 # Per architecture (config.json model_type): patch size, mean, std and processor class of its preprocessing.
 _PREPROCESSING: dict[str, tuple[int, tuple[float, ...], tuple[float, ...], str]] = {
     "qwen3_vl": (16, (0.5, 0.5, 0.5), (0.5, 0.5, 0.5), "Qwen3VLProcessor"),

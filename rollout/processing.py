@@ -44,6 +44,8 @@ if TYPE_CHECKING:
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 __all__ = [
+    "CLIP_IMAGE_MEAN",
+    "CLIP_IMAGE_STD",
     "DEFAULT_MAX_IMAGE_BYTES",
     "DEFAULT_MAX_IMAGE_PIXELS",
     "IMAGE_SUFFIXES",
@@ -65,6 +67,11 @@ __all__ = [
     "read_chat_template",
     "to_rgb",
 ]
+
+
+# CLIP's normalization, which the Qwen2-VL and Qwen2.5-VL image and video processors use.
+CLIP_IMAGE_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_IMAGE_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
 class ImageDecodeError(ValueError):

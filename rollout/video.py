@@ -1,4 +1,4 @@
-"""Clips for the Qwen-VL families: frame sampling, resizing, temporal patches and timestamps, in numpy and Pillow.
+"""Clips for the Qwen-VL families: frame sampling, resizing, temporal patches and timestamps, in numpy.
 
 Why not transformers' video processors: they need torchvision, which the project does not install (see
 `processing.py` for the images). This module reproduces them from the checkpoint's video preprocessor config:
@@ -27,6 +27,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 from PIL import Image
+
+from rollout.processing import CLIP_IMAGE_MEAN, CLIP_IMAGE_STD
 
 __all__ = ["Clip", "ClipError", "ProcessedClips", "VideoProcessorConfig", "frame_group_timestamps",
            "load_video_processor_config", "process_clips", "resize_bicubic_uint8", "sample_frame_indices"]
@@ -92,7 +94,6 @@ class VideoProcessorConfig:
                         else {"shortest_edge": 128 * 28 * 28, "longest_edge": 28 * 28 * 768})
         if d.get("cap_pixels_per_frame"):
             raise ClipError("cap_pixels_per_frame is not supported (transformers' default is off)")
-        clip_mean, clip_std = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
         return VideoProcessorConfig(
             temporal_timestamps=qwen3,
             patch_size=int(d.get("patch_size", 16 if qwen3 else 14)),
@@ -100,14 +101,18 @@ class VideoProcessorConfig:
             merge_size=int(d.get("merge_size", 2)),
             min_pixels=int(size.get("shortest_edge", default_size["shortest_edge"])),
             max_pixels=int(size.get("longest_edge", default_size["longest_edge"])),
-            image_mean=tuple(d.get("image_mean", (0.5, 0.5, 0.5) if qwen3 else clip_mean)),
-            image_std=tuple(d.get("image_std", (0.5, 0.5, 0.5) if qwen3 else clip_std)),
+            image_mean=tuple(d.get("image_mean", (0.5, 0.5, 0.5) if qwen3 else CLIP_IMAGE_MEAN)),
+            image_std=tuple(d.get("image_std", (0.5, 0.5, 0.5) if qwen3 else CLIP_IMAGE_STD)),
             do_sample_frames=bool(d.get("do_sample_frames", qwen3)),
-            fps=None if d.get("fps", 2 if qwen3 else None) is None else float(d.get("fps", 2)),
+            fps=_optional_float(d.get("fps", 2 if qwen3 else None)),
             num_frames=None if d.get("num_frames") is None else int(d["num_frames"]),
             min_frames=int(d.get("min_frames", 4)),
             max_frames=int(d.get("max_frames", 768)),
         )
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 def load_video_processor_config(model_dir: str | Path) -> VideoProcessorConfig:
