@@ -14,6 +14,7 @@ that do not match their tokens.
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass
 
 import jax
@@ -28,7 +29,8 @@ from test_qwen3_5_moe import build_hf_qwen3_5_moe
 from test_qwen3_vl_moe import build_hf_moe
 
 from jaxrl_vlm.batching import BatchingError, build_train_batch
-from jaxrl_vlm.models import Qwen25VLConfig, build_vision_inputs, from_hf, get_rope_index, get_rope_index_packed
+from jaxrl_vlm.models import (Qwen25VLConfig, build_vision_inputs, from_hf, from_hf_dict, get_rope_index,
+                              get_rope_index_packed)
 from jaxrl_vlm.models.rope import split_video_grids
 from rollout.sample import Sample
 
@@ -187,10 +189,7 @@ def test_a_picture_then_a_clip_in_an_observation_in_a_padded_batch_matches_trans
 
 def test_qwen3_families_place_each_frame_group_like_a_picture_and_qwen2_5_spaces_time():
     """Hand-computed ids for one clip of 2 frame groups (1 x 2 merged tokens each) after 1 text token."""
-    hf_a, hf_q25 = build_hf_model("A"), build_hf_model("Q25A")
-    from jaxrl_vlm.models import from_hf_dict
-
-    a, q25 = (from_hf_dict(m.config.to_dict()) for m in (hf_a, hf_q25))
+    a, q25 = from_hf_cfg_a(), from_hf_dict(build_hf_model("Q25A").config.to_dict())
     assert split_video_grids(np.array([[2, 2, 4], [1, 4, 4]])).tolist() == [[1, 2, 4], [1, 2, 4], [1, 4, 4]]
     # Qwen3-VL: a 2-token timestamp, <s>, the group at base 3 (t = h = 3, w = 3, 4), </s> at 3 + max(2, 4) // 2,
     # then the second group the same way from 8.
@@ -250,9 +249,9 @@ def test_vision_inputs_refuse_clip_tokens_that_do_not_match_the_clips():
                             pixel_values_videos=pixels)
 
 
+@functools.cache
 def from_hf_cfg_a():
-    from jaxrl_vlm.models import from_hf_dict
-
+    """Config A as our parser reads transformers' (built once per module)."""
     return from_hf_dict(build_hf_model("A").config.to_dict())
 
 
