@@ -37,8 +37,12 @@ the rollout goes on; a stuck async hook is cancelled and never awaited again.
 
 Observation dict:
     {"obs_str": str,
-     "multi_modal_data": {"image": [PIL.Image.Image | "data:image/...;base64,...", ...]},  # optional
+     "multi_modal_data": {"image": [PIL.Image.Image | "data:image/...;base64,...", ...],   # optional
+                          "video": [rollout.video.Clip | "data:video/...;base64,...", ...]},  # optional
      "role": "user" | "tool"}                                                             # optional, default "user"
+
+A clip is a list of frames and the rate they were taken at (`Clip.of(frames, fps)`); the model's video processor
+samples, resizes and groups its frames (docs/guides/video.md).
 
 This package never imports jax.
 """
@@ -55,7 +59,10 @@ from typing import Any, ClassVar, TypeVar
 
 from PIL import Image
 
+from rollout.video import Clip
+
 OBSERVATION_ROLES = ("user", "tool")
+OBSERVATION_MODALITIES = ("image", "video")
 
 _O = TypeVar("_O", bound="EnvOptions")
 
@@ -237,10 +244,11 @@ class BaseInteractionEnv(abc.ABC):
             raise TypeError(f"{name}.step: response_text must be str, got {type(response_text).__name__}")
 
     def format_observation(self, observation: dict[str, Any]) -> dict[str, Any]:
-        """One chat message for `observation`: images first, then the text (slime's order).
+        """One chat message for `observation`: images first, then clips, then the text (slime's order).
 
         Returns {"role": "user" | "tool", "content": [{"type": "image", "image": ...}, ...,
-        {"type": "text", "text": obs_str}]}. Raises TypeError/ValueError naming the bad field.
+        {"type": "video", "video": ...}, ..., {"type": "text", "text": obs_str}]}. Raises TypeError/ValueError
+        naming the bad field.
         """
         if not isinstance(observation, dict):
             raise TypeError(f"{type(self).__name__}: observation must be a dict, got {type(observation).__name__}")
@@ -250,9 +258,11 @@ class BaseInteractionEnv(abc.ABC):
         role = observation.get("role", "user")
         if role not in OBSERVATION_ROLES:
             raise ValueError(f"{type(self).__name__}: observation['role']={role!r} is not one of {OBSERVATION_ROLES}")
+        owner = type(self).__name__
         content: list[dict[str, Any]] = [
-            {"type": "image", "image": image} for image in observation_images(observation, type(self).__name__)
+            {"type": "image", "image": image} for image in observation_images(observation, owner)
         ]
+        content += [{"type": "video", "video": clip} for clip in observation_clips(observation, owner)]
         content.append({"type": "text", "text": obs_str})
         return {"role": role, "content": content}
 
@@ -260,20 +270,10 @@ class BaseInteractionEnv(abc.ABC):
 def observation_images(observation: dict[str, Any], owner: str = "observation") -> list[Image.Image | str]:
     """The validated image list of an observation (possibly empty).
 
-    Accepts PIL images and `data:image/...` URLs; any other modality key is an error because the
-    rollout would silently drop it.
+    Accepts PIL images and `data:image/...` URLs; a modality key other than image and video is an error because
+    the rollout would silently drop it.
     """
-    mm = observation.get("multi_modal_data")
-    if mm is None:
-        return []
-    if not isinstance(mm, dict):
-        raise TypeError(f"{owner}: observation['multi_modal_data'] must be a dict, got {type(mm).__name__}")
-    unknown = set(mm) - {"image"}
-    if unknown:
-        raise ValueError(f"{owner}: observation['multi_modal_data'] has unsupported keys {sorted(unknown)} (only 'image')")
-    images = mm.get("image") or []
-    if not isinstance(images, (list, tuple)):
-        raise TypeError(f"{owner}: observation['multi_modal_data']['image'] must be a list, got {type(images).__name__}")
+    images = _modality_items(observation, "image", owner)
     for k, image in enumerate(images):
         if isinstance(image, Image.Image):
             continue
@@ -283,4 +283,30 @@ def observation_images(observation: dict[str, Any], owner: str = "observation") 
             f"{owner}: observation['multi_modal_data']['image'][{k}] must be a PIL.Image or a data:image/ URL, "
             f"got {type(image).__name__}"
         )
-    return list(images)
+    return images
+
+
+def observation_clips(observation: dict[str, Any], owner: str = "observation") -> list[Clip | str]:
+    """The validated clip list of an observation (possibly empty): `Clip`s and `data:video/...` URLs."""
+    clips = _modality_items(observation, "video", owner)
+    for k, clip in enumerate(clips):
+        if not (isinstance(clip, Clip) or (isinstance(clip, str) and clip.startswith("data:video/"))):
+            raise TypeError(f"{owner}: observation['multi_modal_data']['video'][{k}] must be a rollout.video.Clip or a "
+                            f"data:video/ URL, got {type(clip).__name__}")
+    return clips
+
+
+def _modality_items(observation: dict[str, Any], key: str, owner: str) -> list[Any]:
+    mm = observation.get("multi_modal_data")
+    if mm is None:
+        return []
+    if not isinstance(mm, dict):
+        raise TypeError(f"{owner}: observation['multi_modal_data'] must be a dict, got {type(mm).__name__}")
+    unknown = set(mm) - set(OBSERVATION_MODALITIES)
+    if unknown:
+        raise ValueError(f"{owner}: observation['multi_modal_data'] has unsupported keys {sorted(unknown)} "
+                         f"(only {', '.join(map(repr, OBSERVATION_MODALITIES))})")
+    items = mm.get(key) or []
+    if not isinstance(items, (list, tuple)):
+        raise TypeError(f"{owner}: observation['multi_modal_data'][{key!r}] must be a list, got {type(items).__name__}")
+    return list(items)

@@ -472,13 +472,16 @@ def tiny_video_processor_config(
     """A `video_preprocessor_config.json` dict with `arch`'s values (as the released checkpoints ship it beside
     `preprocessor_config.json`): Qwen3VLVideoProcessor for the Qwen3 families (2 frames per second, whole-clip
     sizing), Qwen2VLVideoProcessor for Qwen2.5-VL (every frame). `size` bounds the pixels of a whole clip for the
-    former and of one frame for the latter, as in transformers."""
+    former and of one frame for the latter, as in transformers. The former's cap is two frames' worth of the pictures'
+    cap: a clip keeps at least one temporal patch (2 frames), so no clip frame outgrows a picture, and the trainer's
+    vision attention bound (`job.trainer.frame_patch_cap`) stays the pictures'."""
     image = tiny_image_processor_config(min_pixels, max_pixels, arch)
     qwen3 = image["processor_class"] == "Qwen3VLProcessor"
     out = {key: image[key] for key in ("image_mean", "image_std", "merge_size", "patch_size", "processor_class",
                                        "temporal_patch_size")}
     out.update(video_processor_type="Qwen3VLVideoProcessor" if qwen3 else "Qwen2VLVideoProcessor",
-               size={"longest_edge": int(max_pixels) * (8 if qwen3 else 1), "shortest_edge": int(min_pixels)},
+               size={"longest_edge": int(max_pixels) * (image["temporal_patch_size"] if qwen3 else 1),
+                     "shortest_edge": int(min_pixels)},
                do_sample_frames=qwen3, min_frames=4, max_frames=768)
     if qwen3:
         out["fps"] = 2

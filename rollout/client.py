@@ -733,6 +733,7 @@ class SGLangClient:
         input_ids: Sequence[int],
         *,
         image_data: Sequence[str] | None = None,
+        video_data: Sequence[str] | None = None,
         sampling_params: Mapping[str, Any],
         return_logprob: bool = True,
         rid: str | None = None,
@@ -740,17 +741,18 @@ class SGLangClient:
         timeout_s: float | None = None,
         return_routed_experts: bool = False,
     ) -> GenerateResult:
-        """POST `/generate` with token ids (and every image of the conversation so far).
+        """POST `/generate` with token ids (and every image and clip of the conversation so far).
 
-        `input_ids`: the prompt with one compact `<|image_pad|>` per image. `image_data`: PNG data
-        URLs in placeholder order. `routing_key` sets sgl-router's consistent-hashing header so
+        `input_ids`: the prompt with one compact `<|image_pad|>` per image and `<|video_pad|>` per clip.
+        `image_data`: PNG data URLs, `video_data`: lossless video data URLs, each in placeholder order. `routing_key` sets sgl-router's consistent-hashing header so
         every turn of an episode reaches the same worker (and its KV prefix).
 
         A retried attempt is sent with rid `"<rid>.retry<k>"`: the engine aborts a request whose
         client went away, but may still hold the old rid for a moment.
         """
         base_rid = rid if rid is not None else uuid.uuid4().hex
-        body = self._generate_body(input_ids, image_data, sampling_params, return_logprob, base_rid)
+        body = self._generate_body(input_ids, image_data, sampling_params, return_logprob, base_rid,
+                                   video_data=video_data)
         if return_routed_experts:  # SGLang's field (an MoE engine answers with meta_info.routed_experts)
             body["return_routed_experts"] = True
 
@@ -799,7 +801,8 @@ class SGLangClient:
     generate_path = "/generate"
 
     def _generate_body(self, input_ids: Sequence[int], image_data: Sequence[str] | None,
-                       sampling_params: Mapping[str, Any], return_logprob: bool, rid: str) -> dict[str, Any]:
+                       sampling_params: Mapping[str, Any], return_logprob: bool, rid: str,
+                       video_data: Sequence[str] | None = None) -> dict[str, Any]:
         body: dict[str, Any] = {
             "rid": rid,
             "input_ids": [int(t) for t in input_ids],
@@ -808,6 +811,8 @@ class SGLangClient:
         }
         if image_data:
             body["image_data"] = list(image_data)
+        if video_data:
+            body["video_data"] = list(video_data)
         if self.lora_name is not None:
             body["lora_path"] = self.lora_name  # SGLang selects a loaded adapter by its name in `lora_path`
         return body

@@ -40,12 +40,14 @@ import difflib
 import enum
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 from PIL import Image
 
 from rollout.image_cache import ProcessedImageCache
+from rollout.video import Clip, ClipError, VideoProcessorConfig, process_clips
+from rollout.video_io import clip_to_data_url, load_clip
 from rollout.processing import (
     VisionTokens,
     image_to_data_url,
@@ -119,8 +121,9 @@ def checked_template_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
 class EncodedSegment:
     """Tokens of one non-model segment (the prompt or one observation) in both views.
 
-    `wire_ids` are compact (one pad per image), `train_ids` expanded; `image_data` are the segment's images as
-    PNG data URLs (engine view) and `mm_inputs` their processor tensors (training view), None without images.
+    `wire_ids` are compact (one pad per image or clip), `train_ids` expanded; `image_data` are the segment's
+    images as PNG data URLs and `video_data` its clips as lossless video data URLs (engine view), `mm_inputs`
+    their processor tensors (training view), None without images and clips.
     """
 
     wire_ids: list[int]
@@ -128,6 +131,7 @@ class EncodedSegment:
     image_data: list[str] = field(default_factory=list)
     mm_inputs: dict[str, np.ndarray] | None = None
     text: str = ""
+    video_data: list[str] = field(default_factory=list)
 
 
 def compact_pad_runs(ids: Sequence[int], pad: int) -> list[int]:
@@ -154,6 +158,20 @@ def message_images(messages: Sequence[dict[str, Any]]) -> list[Any]:
     return images
 
 
+def message_clips(messages: Sequence[dict[str, Any]]) -> list[Any]:
+    """Video items of chat messages (`{"type": "video", "video": clip}`), in the order of their placeholders."""
+    clips = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            for item in content:
+                if isinstance(item, dict) and item.get("type") == "video":
+                    if "video" not in item:
+                        raise ValueError(f"video content item without a 'video' value in a {message.get('role')!r} message")
+                    clips.append(item["video"])
+    return clips
+
+
 def prompt_with_opening(prompt: list[dict[str, Any]], opening: dict[str, Any]) -> list[dict[str, Any]]:
     """`prompt` with the content of `opening` (a user message: images, then text) appended to its first user
     message; a prompt without one gets `opening` as a new last message. The input is not modified."""
@@ -172,11 +190,12 @@ def prompt_with_opening(prompt: list[dict[str, Any]], opening: dict[str, Any]) -
 
 
 def _engine_message(message: dict[str, Any]) -> dict[str, Any]:
-    """Copy of a message whose image items carry no payload: the template only needs their type."""
+    """Copy of a message whose image and video items carry no payload: the template only needs their type."""
     content = message.get("content")
     if not isinstance(content, list):
         return dict(message)
-    items = [{"type": "image"} if isinstance(it, dict) and it.get("type") == "image" else it for it in content]
+    items = [{"type": it["type"]} if isinstance(it, dict) and it.get("type") in ("image", "video") else it
+             for it in content]
     return {**message, "content": items}
 
 
@@ -184,8 +203,9 @@ class ChatEncoder:
     """Renders chat messages with the model's template and encodes them into both token views."""
 
     def __init__(self, tokenizer: Any, image_processor: Any, vision: VisionTokens | None = None, *,
-                 template_kwargs: Mapping[str, Any] | None = None):
+                 template_kwargs: Mapping[str, Any] | None = None, video_config: VideoProcessorConfig | None = None):
         self.tokenizer = tokenizer
+        self.video_config = video_config  # the checkpoint's video processor; None: clips are refused
         self.image_processor = image_processor
         self.images = ProcessedImageCache(image_processor)
         self.vision = vision or VisionTokens.from_tokenizer(tokenizer)
@@ -310,17 +330,87 @@ class ChatEncoder:
         size = png_data_url_size(url)
         return size is not None and processor_size(self.image_processor, *size) == size
 
-    def _segment(self, text: str, image_items: list[Any]) -> EncodedSegment:
+    # ---------------------------------------------------------------- clips
+    def clip_tokens(self, grid_thw_row: Sequence[int], timestamps: Sequence[float]) -> list[int]:
+        """The training-view tokens one compact `<|video_pad|>` stands for, laid out as the family's processor lays
+        them out (transformers' `Qwen3VLProcessor.replace_video_token` / `Qwen2_5_VLProcessor`).
+
+        Qwen3-VL, Qwen3.5 (timestamps): per frame group its time as text, `<1.5 seconds>`, then the group's pads
+        between `<|vision_start|>` and `<|vision_end|>`; the template's own vision markers stay around the whole
+        clip (transformers >= 5 expands the pad alone, and vLLM follows the installed transformers). Each timestamp
+        lies between two special tokens, so tokenizing it alone gives the ids it has in the whole rendering.
+        Qwen2.5-VL: t*h*w / merge^2 pads in one run (time reaches the model through `second_per_grid_ts`).
+        """
+        t, h, w = (int(x) for x in grid_thw_row)
+        per_group = num_image_pads((1, h, w), self.merge_size)
+        vt = self.vision
+        if self.video_config is None or not self.video_config.temporal_timestamps:
+            return [vt.video_pad] * (t * per_group)
+        if len(timestamps) != t:
+            raise ValueError(f"a clip of {t} frame groups has {len(timestamps)} timestamps")
+        out: list[int] = []
+        for seconds in timestamps:
+            out += self.tokenize(f"<{seconds:.1f} seconds>")
+            out += [vt.vision_start, *[vt.video_pad] * per_group, vt.vision_end]
+        return out
+
+    def expand_video_pads(self, ids: Sequence[int], clip_tokens: Sequence[Sequence[int]]) -> list[int]:
+        """Compact -> training view for clips: the i-th `<|video_pad|>` becomes `clip_tokens[i]`."""
+        pad = self.vision.video_pad
+        n_pads = sum(1 for t in ids if t == pad)
+        if n_pads != len(clip_tokens):
+            raise ValueError(f"{n_pads} video placeholders but {len(clip_tokens)} clips")
+        out: list[int] = []
+        k = 0
+        for token in ids:
+            if token == pad:
+                out.extend(clip_tokens[k])
+                k += 1
+            else:
+                out.append(int(token))
+        return out
+
+    def encode_clips(self, items: Sequence[Any], read: Callable[[Any], Clip] = load_clip
+                     ) -> tuple[list[str], dict[str, np.ndarray] | None, list[list[int]]]:
+        """(the clips as lossless video data URLs, their training tensors, the tokens each clip's pad expands to).
+
+        Items are `Clip`s or what `read` accepts (`rollout.video_io.load_clip`: video data URLs). The tensors are
+        `pixel_values_videos`, `video_grid_thw` and, for Qwen2.5-VL, `second_per_grid_ts`.
+        """
+        if not items:
+            return [], None, []
+        if self.video_config is None:
+            raise ClipError("this model directory has no video_preprocessor_config.json: clips cannot be encoded")
+        clips: list[Clip] = []
+        urls: list[str] = []
+        for item in items:
+            clip = item if isinstance(item, Clip) else read(item)
+            clips.append(clip)
+            urls.append(item if isinstance(item, str) else clip_to_data_url(clip))
+        done = process_clips(clips, self.video_config)
+        mm = {"pixel_values_videos": done.pixel_values_videos, "video_grid_thw": done.video_grid_thw}
+        if not self.video_config.temporal_timestamps:
+            mm["second_per_grid_ts"] = done.second_per_grid_ts
+        tokens = [self.clip_tokens(grid, stamps) for grid, stamps in zip(done.video_grid_thw, done.timestamps)]
+        return urls, mm, tokens
+
+    def _segment(self, text: str, image_items: list[Any], clip_items: Sequence[Any] = ()) -> EncodedSegment:
         wire = self.tokenize(text)
         urls, mm = self._encode_images(image_items)
         grid = None if mm is None else mm["image_grid_thw"]
-        return EncodedSegment(wire_ids=wire, train_ids=self.expand_image_pads(wire, grid), image_data=urls, mm_inputs=mm, text=text)
+        train = self.expand_image_pads(wire, grid)
+        clip_urls, clip_mm, clip_tokens = self.encode_clips(list(clip_items))
+        train = self.expand_video_pads(train, clip_tokens)
+        if clip_mm is not None:
+            mm = {**(mm or {}), **clip_mm}
+        return EncodedSegment(wire_ids=wire, train_ids=train, image_data=urls, mm_inputs=mm, text=text,
+                              video_data=clip_urls)
 
     # ---------------------------------------------------------------- segments
     def encode_prompt(self, messages: Sequence[dict[str, Any]], *, tools: list[dict] | None = None) -> EncodedSegment:
         """The initial prompt with the generation prompt appended (the model speaks next)."""
         text = self.render(messages, tools=tools, add_generation_prompt=True)
-        return self._segment(text, message_images(messages))
+        return self._segment(text, message_images(messages), message_clips(messages))
 
     def turn_separator(self) -> str:
         """What the template writes after an assistant's `<|im_end|>` before the next message (Qwen: `\\n`)."""
@@ -354,7 +444,7 @@ class ChatEncoder:
             body = self.turn_separator() + full[len(prefix) :]
         end = self.tokenizer.convert_ids_to_tokens(self.vision.im_end)
         opening = "" if model_ended_turn else end
-        return self._segment(opening + body, message_images(messages))
+        return self._segment(opening + body, message_images(messages), message_clips(messages))
 
     def _delta_after_rewritten_turn(self, prefix: str, full: str) -> str:
         """For a history-rewriting template: the text of `full` (base conversation + observation + generation prompt)
@@ -535,6 +625,8 @@ def encode_transcript(
         raise TranscriptError(f"{len(trained)} trained flags for {len(turns)} assistant messages")
     if not any(trained):
         raise TranscriptError("every assistant message is excluded from the loss (step_loss_mask 0): nothing to train")
+    if message_clips(messages):
+        raise TranscriptError("clips in SFT conversations are not supported yet (docs/guides/video.md)")
     for i in turns:
         if message_images([messages[i]]):
             raise TranscriptError(f"message {i}: an assistant turn cannot contain images (the model never generates them)")

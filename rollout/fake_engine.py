@@ -406,6 +406,8 @@ class FakeSGLangServer:
             raise RequestError("input_ids must be a non-empty list of ints (batch requests are not supported by the fake)")
         if body.get("stream"):
             raise RequestError("the fake engine does not stream")
+        if body.get("video_data"):
+            raise RequestError("the fake engine does not serve clips (video_data): use the embedded engine")
         params = SamplingParams.from_json(body.get("sampling_params"), max_n=self.max_n)
         images = body.get("image_data")
         if images is not None and isinstance(images, str):

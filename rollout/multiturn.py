@@ -157,23 +157,39 @@ def episode_sampling_params(sampling_params: dict[str, Any], banned_ids: tuple[i
     return params
 
 
+# The training tensors of each modality travel together: a turn shows pictures, clips, both or neither.
+_IMAGE_KEYS = frozenset({"pixel_values", "image_grid_thw"})
+_VIDEO_KEYS = frozenset({"pixel_values_videos", "video_grid_thw", "second_per_grid_ts"})
+
+
+def _modality_of(key: str) -> str:
+    return "image" if key in _IMAGE_KEYS else "video" if key in _VIDEO_KEYS else "other"
+
+
 def merge_multimodal_chunks(chunks: list[dict[str, np.ndarray]], name: str) -> dict[str, np.ndarray] | None:
     """Concatenate per-turn training tensors once per key (O(total), not O(turns^2)).
 
-    Every chunk must have the same keys and ndarray values: a key missing from some turns, or a value that is
-    not an array, is an error rather than being silently dropped (slime's defect).
+    A turn may show pictures, clips or both, so a chunk holds the keys of the modalities it has; every chunk that
+    has a modality must have the same keys of it (e.g. `second_per_grid_ts` with every clip or none), and every
+    value must be an array: a key missing from some turns, or a value that is not an array, is an error rather
+    than being silently dropped (slime's defect).
     """
     chunks = [c for c in chunks if c]
     if not chunks:
         return None
-    keys = set(chunks[0])
+    first: dict[str, tuple[int, set[str]]] = {}  # modality -> (first chunk with it, its keys)
     for k, chunk in enumerate(chunks):
-        if set(chunk) != keys:
-            raise ValueError(f"{name}: multimodal chunk {k} has keys {sorted(chunk)}, chunk 0 has {sorted(keys)}")
         for key, value in chunk.items():
             if not isinstance(value, np.ndarray):
                 raise TypeError(f"{name}: multimodal chunk {k} key {key!r} is {type(value).__name__}, not ndarray")
-    return {key: np.concatenate([c[key] for c in chunks], axis=0) for key in sorted(keys)}
+        for modality in {_modality_of(key) for key in chunk}:
+            keys = {key for key in chunk if _modality_of(key) == modality}
+            j, expected = first.setdefault(modality, (k, keys))
+            if keys != expected:
+                raise ValueError(f"{name}: multimodal chunk {k} has {modality} keys {sorted(keys)}, chunk {j} has "
+                                 f"{sorted(expected)}")
+    keys = sorted({key for chunk in chunks for key in chunk})
+    return {key: np.concatenate([c[key] for c in chunks if key in c], axis=0) for key in keys}
 
 
 def _settle(future: asyncio.Future, ok: bool, value: Any) -> None:
@@ -377,6 +393,7 @@ async def _init_episode(ctx: RolloutContext, args: Any, sample: Sample, multitur
     seg = ctx.encoder.encode_prompt(sample.prompt, tools=tools)
     sample.set_prompt_tokens(seg.train_ids)
     sample.image_data = list(seg.image_data)
+    sample.video_data = list(seg.video_data)
     env = await call_env_hook(ctx.env_module.build_env, sample, args, timeout_s=multiturn.env_hook_timeout,
                               hook="build_env")
     state = EpisodeState(wire_ids=list(seg.wire_ids), env=env, hook_timeout_s=multiturn.env_hook_timeout)
@@ -463,11 +480,13 @@ class _EpisodeRun:
         seg = ctx.encoder.encode_prompt(prompt, tools=sample.metadata.get("tools"))
         sample.set_prompt_tokens(seg.train_ids)
         sample.image_data = list(seg.image_data)
+        sample.video_data = list(seg.video_data)
         state.wire_ids = list(seg.wire_ids)
         state.mm_chunks = [seg.mm_inputs] if seg.mm_inputs is not None else []
         state.prompt = prompt
+        kinds = [item.get("type") for item in message["content"]]
         sample.metadata["reset_observation"] = {"text": observation.get("obs_str", ""),
-                                                "images": len(message["content"]) - 1}
+                                                "images": kinds.count("image"), "clips": kinds.count("video")}
 
     async def run_turns(self) -> None:
         sample, state = self.sample, self.state
@@ -527,6 +546,7 @@ class _EpisodeRun:
                 result = await ctx.client.generate(
                     state.wire_ids,
                     image_data=sample.image_data,
+                    video_data=sample.video_data,
                     sampling_params=params,
                     rid=f"g{sample.group_index}-s{sample.index}-t{record.turn}-{uuid.uuid4().hex[:8]}",
                     routing_key=state.routing_key if ctx.router_mode else None,
@@ -633,10 +653,12 @@ class _EpisodeRun:
         sample.append_observation_tokens(seg.train_ids)
         state.wire_ids.extend(seg.wire_ids)
         sample.image_data.extend(seg.image_data)
+        sample.video_data.extend(seg.video_data)
         if seg.mm_inputs is not None:
             state.mm_chunks.append(seg.mm_inputs)
         state.observations[-1] = [message]
         record.observation_images = len(seg.image_data)
+        record.observation_clips = len(seg.video_data)
         return None
 
 

@@ -170,6 +170,7 @@ class TurnRecord:
     env_retries: int = 0
     observation_tokens: int = 0
     observation_images: int = 0
+    observation_clips: int = 0
     truncation_cause: TruncationCause | None = None
     error: str | None = None
     weight_version: str | None = None
@@ -209,6 +210,8 @@ class Sample:
     termination: Termination | None = None
     # Every image of the episode, in placeholder order, as PNG data URLs (engine view).
     image_data: list[str] = field(default_factory=list)
+    # Every clip of the episode, in placeholder order, as lossless video data URLs (engine view).
+    video_data: list[str] = field(default_factory=list)
     # e.g. pixel_values [patches, C*T*P*P], image_grid_thw [images, 3]; merged once at finalize.
     multimodal_train_inputs: dict[str, np.ndarray] | None = None
     turns: list[TurnRecord] = field(default_factory=list)

@@ -308,6 +308,8 @@ class RawGenerate:
     # SGLang's `logprob_start_len`: -1, output log-probs only; k >= 0, also `input_token_logprobs` from prompt
     # position k (positions after image expansion). The embedded engine scores prompts with max_new_tokens 0 only.
     logprob_start_len: int = -1
+    # SGLang's `video_data`: one video (a data URL of a video file, base64 or a path) per `<|video_pad|>`.
+    video_data: list[str] = field(default_factory=list)
 
 
 def check_generate_keys(body: Any) -> None:
@@ -336,15 +338,25 @@ def _per_item(value: Any, n: int, name: str) -> list[Any]:
     return [value] * n
 
 
-def _image_list(value: Any, where: str, server: str) -> list[str]:
+def _media_list(value: Any, where: str, server: str, kind: str = "images") -> list[str]:
     if value is None:
         return []
     items = value if isinstance(value, list) else [value]
     for i, item in enumerate(items):
         if not isinstance(item, str):
-            kind = f"an object with format {item.get('format')!r}" if isinstance(item, dict) else type(item).__name__
-            raise RequestError(f"{where}[{i}] is {kind}; {server} takes images as data URLs, base64 strings or local paths")
+            what = f"an object with format {item.get('format')!r}" if isinstance(item, dict) else type(item).__name__
+            raise RequestError(f"{where}[{i}] is {what}; {server} takes {kind} as data URLs, base64 strings or local paths")
     return list(items)
+
+
+def _per_prompt_media(body: Mapping[str, Any], key: str, n_prompts: int, is_batch: bool) -> list[Any]:
+    """`body[key]` (image_data, video_data) as one entry per prompt: a batch lists one per prompt."""
+    if not is_batch:
+        return [body.get(key)]
+    media = [None] * n_prompts if body.get(key) is None else body[key]
+    if not isinstance(media, list) or len(media) != n_prompts:
+        raise RequestError(f"{key} of a batch must be a list with one entry per prompt ({n_prompts})")
+    return media
 
 
 def parse_generate(body: Any, vocab_size: int, unsupported: Unsupported,
@@ -384,11 +396,8 @@ def parse_generate(body: Any, vocab_size: int, unsupported: Unsupported,
     n_prompts = len(prompts)
     params_list = _per_item(body.get("sampling_params"), n_prompts, "sampling_params")
     rids = _per_item(body.get("rid"), n_prompts, "rid") if is_batch else [body.get("rid")]
-    images = [body.get("image_data")]
-    if is_batch:
-        images = [None] * n_prompts if body.get("image_data") is None else body["image_data"]
-        if not isinstance(images, list) or len(images) != n_prompts:
-            raise RequestError(f"image_data of a batch must be a list with one entry per prompt ({n_prompts})")
+    images = _per_prompt_media(body, "image_data", n_prompts, is_batch)
+    videos = _per_prompt_media(body, "video_data", n_prompts, is_batch)
     logprob = _flag(body, "return_logprob", False, "")
     text_in_lp = _flag(body, "return_text_in_logprobs", False, "")
     routed = _flag(body, "return_routed_experts", False, "")
@@ -408,13 +417,16 @@ def parse_generate(body: Any, vocab_size: int, unsupported: Unsupported,
         if rid is not None and not isinstance(rid, str):
             raise RequestError(f"rid must be a string, got {rid!r}")
         base_rid = rid or uuid.uuid4().hex
-        image_items = _image_list(images[i], "image_data" + (f"[{i}]" if is_batch else ""), unsupported.server)
+        where = f"[{i}]" if is_batch else ""
+        image_items = _media_list(images[i], "image_data" + where, unsupported.server)
+        video_items = _media_list(videos[i], "video_data" + where, unsupported.server, "videos")
         for k in range(params.n):
             out.append(RawGenerate(
                 rid=base_rid if params.n == 1 else sub_request_rid(base_rid, k),
                 text=prompt if isinstance(prompt, str) else None,
                 input_ids=None if isinstance(prompt, str) else [int(t) for t in prompt],
                 image_data=image_items,
+                video_data=video_items,
                 params=params,
                 return_logprob=logprob,
                 return_text_in_logprobs=text_in_lp,

@@ -31,7 +31,7 @@ from PIL import Image
 from rollout.processing import CLIP_IMAGE_MEAN, CLIP_IMAGE_STD
 
 __all__ = ["Clip", "ClipError", "ProcessedClips", "VideoProcessorConfig", "frame_group_timestamps",
-           "load_video_processor_config", "process_clips", "resize_bicubic_uint8", "sample_frame_indices"]
+           "load_video_processor_config", "max_clip_frame_patches", "optional_video_config", "process_clips", "resize_bicubic_uint8", "sample_frame_indices"]
 
 
 class ClipError(ValueError):
@@ -124,6 +124,21 @@ def load_video_processor_config(model_dir: str | Path) -> VideoProcessorConfig:
         return VideoProcessorConfig.from_dict(json.loads(path.read_text(encoding="utf-8")))
     except json.JSONDecodeError as e:
         raise ClipError(f"{path}: not valid JSON ({e})") from e
+
+
+def optional_video_config(model_dir: str | Path) -> VideoProcessorConfig | None:
+    """The checkpoint's video processor config, or None when it ships none (clips are then refused by name)."""
+    if not (Path(model_dir) / "video_preprocessor_config.json").is_file():
+        return None
+    return load_video_processor_config(model_dir)
+
+
+def max_clip_frame_patches(cfg: VideoProcessorConfig) -> int:
+    """The most patches one frame of a clip can have after this processor: Qwen3-VL's sizing keeps the whole clip
+    (at least one temporal patch of frames) within `max_pixels`, Qwen2-VL's each frame. The trainer's vision
+    attention bound takes the larger of this and the pictures' (`processing.max_frame_patches`)."""
+    frames = cfg.temporal_patch_size if cfg.temporal_timestamps else 1
+    return cfg.max_pixels // frames // cfg.patch_size**2
 
 
 def sample_frame_indices(total: int, clip_fps: float, cfg: VideoProcessorConfig) -> np.ndarray:

@@ -70,7 +70,12 @@ class VLLMClient(SGLangClient):
     lora_unload_path = vllm_wire.UNLOAD_LORA_PATH
 
     def _generate_body(self, input_ids: Sequence[int], image_data: Sequence[str] | None,
-                       sampling_params: Mapping[str, Any], return_logprob: bool, rid: str) -> dict[str, Any]:
+                       sampling_params: Mapping[str, Any], return_logprob: bool, rid: str,
+                       video_data: Sequence[str] | None = None) -> dict[str, Any]:
+        if video_data:  # not said in vLLM's protocol yet (docs/guides/video.md): refused, never dropped
+            raise EngineRequestError(self.url + self.generate_path, None,
+                                     f"{len(video_data)} clip(s) in the request: this client does not send clips to "
+                                     "vLLM yet (docs/guides/video.md)", 0, reason="request cannot be sent to vLLM")
         try:
             return vllm_wire.generate_body(input_ids, image_data=image_data, params=sampling_params,
                                            return_logprob=return_logprob, rid=rid, lora_name=self.lora_name)

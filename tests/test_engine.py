@@ -35,7 +35,9 @@ from jaxrl_vlm.engine import EmbeddedEngine, EngineOptions
 from jaxrl_vlm.models import build_vision_inputs, from_hf, get_rope_index, to_hf, token_logprobs
 from rollout.client import RetryPolicy, SGLangClient, WeightSyncError
 from rollout.encoding import ChatEncoder
+from rollout.multiturn import merge_multimodal_chunks
 from rollout.processing import image_to_data_url
+from rollout.video import Clip, load_video_processor_config
 
 MAX_SEQ = 256
 REF_T = 256  # teacher-forced reference: one padded shape for every check (a single compile)
@@ -110,27 +112,31 @@ async def wait_running(engine: EmbeddedEngine, n: int, timeout_s: float = 60.0) 
 # ---------------------------------------------------------------------------- references
 
 
+def _hf_mm_kwargs(hf: Any, x: torch.Tensor, mm: dict[str, np.ndarray] | None, image_token: int) -> dict[str, Any]:
+    """transformers' multimodal inputs of token batch `x`: pictures and/or clips, with `mm_token_type_ids`."""
+    if mm is None:
+        return {}
+    kwargs: dict[str, Any] = {"mm_token_type_ids": (x == image_token).long() + 2 * (x == hf.config.video_token_id).long()}
+    for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts"):
+        if key in mm:
+            kwargs[key] = torch.from_numpy(mm[key])
+    return kwargs
+
+
 def hf_generate(hf: Any, ids: list[int], max_new: int, mm: dict[str, np.ndarray] | None = None, image_token: int = -1) -> list[int]:
     """transformers' greedy `generate` (its generation_config stops at <|im_end|> and <|endoftext|>)."""
-    kwargs: dict[str, Any] = {}
     x = torch.tensor([ids])
-    if mm is not None:
-        kwargs = dict(pixel_values=torch.from_numpy(mm["pixel_values"]), image_grid_thw=torch.from_numpy(mm["image_grid_thw"]),
-                      mm_token_type_ids=(x == image_token).long())
     with torch.no_grad():
-        out = hf.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_new, do_sample=False, **kwargs)
+        out = hf.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_new, do_sample=False,
+                          **_hf_mm_kwargs(hf, x, mm, image_token))
     return out[0, len(ids):].tolist()
 
 
 def hf_logprobs(hf: Any, ids: list[int], outputs: list[int], mm: dict[str, np.ndarray] | None, image_token: int) -> np.ndarray:
     """log_softmax of transformers' logits at each output token (teacher-forced)."""
     x = torch.tensor([ids + outputs])
-    kwargs: dict[str, Any] = {}
-    if mm is not None:
-        kwargs = dict(pixel_values=torch.from_numpy(mm["pixel_values"]), image_grid_thw=torch.from_numpy(mm["image_grid_thw"]),
-                      mm_token_type_ids=(x == image_token).long())
     with torch.no_grad():
-        logits = hf(input_ids=x, attention_mask=torch.ones_like(x), **kwargs).logits[0].float()
+        logits = hf(input_ids=x, attention_mask=torch.ones_like(x), **_hf_mm_kwargs(hf, x, mm, image_token)).logits[0].float()
     lp = torch.log_softmax(logits, dim=-1).numpy()
     return np.array([lp[len(ids) - 1 + i, t] for i, t in enumerate(outputs)])
 
@@ -218,6 +224,38 @@ async def test_greedy_image_prompt_equals_transformers_generate(engine, checkpoi
         second = await c.generate(other.wire_ids, image_data=other.image_data, sampling_params=GREEDY)
     assert second.output_ids == hf_generate(hf, other.train_ids, GREEDY["max_new_tokens"], other.mm_inputs, pad)
     assert second.output_ids != result.output_ids
+
+
+async def test_a_two_turn_clip_episode_equals_transformers_generate_and_reuses_the_first_turn(engine, checkpoint):
+    """Clips on the wire (`video_data`, one compact pad each): a clip in the prompt, then an observation with a
+    second clip after the model's turn. Each turn's greedy tokens and log-probs equal transformers' on the training
+    view, and the second turn is served from the first turn's pages (its cached tokens counted)."""
+    _, hf = checkpoint
+    encoder = ChatEncoder(engine.engine.tokenizer, engine.engine.image_processor,
+                          video_config=load_video_processor_config(checkpoint[0]))
+    rng = np.random.default_rng(7)
+    first = Clip.of(rng.integers(0, 256, (9, 40, 56, 3), dtype=np.uint8), 4.0)
+    second = Clip.of(rng.integers(0, 256, (5, 48, 48, 3), dtype=np.uint8), 2.5)
+    prompt = encoder.encode_prompt([{"role": "user", "content": [{"type": "video", "video": first},
+                                                                 {"type": "text", "text": "Which way did it go?"}]}])
+    pad = encoder.vision.image_pad
+    async with client(engine) as c:
+        one = await c.generate(prompt.wire_ids, video_data=prompt.video_data, sampling_params=GREEDY)
+        assert one.output_ids == hf_generate(hf, prompt.train_ids, GREEDY["max_new_tokens"], prompt.mm_inputs, pad)
+        assert one.prompt_tokens == len(prompt.train_ids) and one.cached_tokens == 0
+        obs = encoder.encode_observation(
+            [{"role": "user", "content": [{"type": "video", "video": second}, {"type": "text", "text": "Again:"}]}],
+            model_ended_turn=one.output_ids[-1] == encoder.vision.im_end)
+        two = await c.generate(prompt.wire_ids + one.output_ids + obs.wire_ids,
+                               video_data=prompt.video_data + obs.video_data, sampling_params=GREEDY)
+    train = prompt.train_ids + one.output_ids + obs.train_ids
+    mm = merge_multimodal_chunks([prompt.mm_inputs, obs.mm_inputs], "episode")
+    assert mm["video_grid_thw"].shape == (2, 3)
+    assert two.output_ids == hf_generate(hf, train, GREEDY["max_new_tokens"], mm, pad)
+    assert len(set(one.output_ids + two.output_ids)) > 3, "degenerate reference: the test would not see a wrong token"
+    np.testing.assert_allclose(two.output_log_probs, hf_logprobs(hf, train, two.output_ids, mm, pad), atol=1e-4, rtol=0)
+    assert two.prompt_tokens == len(train)
+    assert two.cached_tokens == one.prompt_tokens + len(one.output_ids) - 1  # all but the last sampled token
 
 
 async def test_prompt_logprobs_of_a_trajectory_with_its_picture_equal_the_trainer_forward(engine, encoder,

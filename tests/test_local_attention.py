@@ -4,6 +4,8 @@ processor, and the trainer refuses frames larger than it."""
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,6 +19,7 @@ from jaxrl_vlm.models.qwen3_vl import Qwen3VL
 from jaxrl_vlm.tiny import tiny_model_config
 from rollout.processing import max_frame_patches
 from rollout.sample import Sample
+from rollout.video import load_video_processor_config, max_clip_frame_patches
 
 
 def _segments(rng: np.random.Generator, total: int, block: int, pad: int) -> np.ndarray:
@@ -112,8 +115,17 @@ def test_model_forward_and_gradient_with_chunked_vision_equal_dense(family):
 def test_the_bound_is_the_image_processors_pixel_cap(tiny_processing_dir, tiny_image_processor, tmp_path):
     # The tiny processor caps images at 16,384 pixels: 64 patches of 16 x 16.
     assert max_frame_patches(tiny_image_processor) == 16384 // 16**2 == 64
-    assert frame_patch_cap(tiny_processing_dir) == 64
+    assert frame_patch_cap(tiny_processing_dir) == 64  # a clip frame stays within it too (2 frames of 16,384 a clip)
+    assert max_clip_frame_patches(load_video_processor_config(tiny_processing_dir)) == 64
     assert frame_patch_cap(tmp_path) is None  # no preprocessor_config.json: a text model
+    # A video processor whose frames may be larger than the pictures raises the bound.
+    (tmp_path / "big").mkdir()
+    for name in ("preprocessor_config.json", "video_preprocessor_config.json"):
+        config = json.loads((tiny_processing_dir / name).read_text())
+        if name.startswith("video"):
+            config["size"]["longest_edge"] *= 4
+        (tmp_path / "big" / name).write_text(json.dumps(config))
+    assert frame_patch_cap(tmp_path / "big") == 4 * 64
 
 
 def test_the_trainer_refuses_frames_over_the_bound():
@@ -123,3 +135,7 @@ def test_the_trainer_refuses_frames_over_the_bound():
     check_frame_patches([ok, big], None)
     with pytest.raises(ValueError, match=r"group 3, index 1\) has an image frame of 128 patches, more than the 64"):
         check_frame_patches([ok, big], 64)
+    clip = Sample(group_index=2, index=0, prompt=[], multimodal_train_inputs={
+        "image_grid_thw": np.array([[1, 8, 8]]), "video_grid_thw": np.array([[2, 4, 4], [3, 8, 12]])})
+    with pytest.raises(ValueError, match=r"group 2, index 0\) has a clip frame of 96 patches, more than the 64"):
+        check_frame_patches([clip], 64)

@@ -340,13 +340,29 @@ async def test_twenty_turn_episode_with_image_every_turn_merges_once(encoder, ma
 
 def test_merge_rejects_inconsistent_keys_and_non_arrays():
     a = {"pixel_values": np.zeros((4, 2)), "image_grid_thw": np.ones((1, 3))}
-    with pytest.raises(ValueError, match="chunk 1 has keys"):
+    with pytest.raises(ValueError, match="chunk 1 has image keys"):
         merge_multimodal_chunks([a, {"pixel_values": np.zeros((4, 2))}], "s")
     with pytest.raises(TypeError, match="not ndarray"):
         merge_multimodal_chunks([a, {"pixel_values": [1], "image_grid_thw": np.ones((1, 3))}], "s")
     assert merge_multimodal_chunks([], "s") is None
-    merged = merge_multimodal_chunks([a, None, a], "s") if False else merge_multimodal_chunks([a, a], "s")
+    merged = merge_multimodal_chunks([a, {}, a], "s")
     assert merged["pixel_values"].shape == (8, 2)
+
+
+def test_merge_takes_pictures_and_clips_from_the_turns_that_show_them():
+    """A prompt with a picture, an observation with a clip, one with both: each key concatenated over the turns
+    that have it, in turn order; a clip without the second_per_grid_ts the others carry is refused."""
+    pic = {"pixel_values": np.zeros((4, 2)), "image_grid_thw": np.ones((1, 3))}
+    clip = {"pixel_values_videos": np.ones((8, 2)), "video_grid_thw": np.full((1, 3), 2),
+            "second_per_grid_ts": np.ones(1, np.float32)}
+    both = {**pic, **{k: v + 1 for k, v in clip.items()}}
+    merged = merge_multimodal_chunks([pic, clip, both], "s")
+    assert merged["pixel_values"].shape == (8, 2) and merged["image_grid_thw"].shape == (2, 3)
+    assert merged["pixel_values_videos"][:, 0].tolist() == [1] * 8 + [2] * 8
+    assert merged["second_per_grid_ts"].tolist() == [1, 2]
+    no_seconds = {k: v for k, v in clip.items() if k != "second_per_grid_ts"}
+    with pytest.raises(ValueError, match="chunk 1 has video keys .* chunk 0 has"):
+        merge_multimodal_chunks([clip, no_seconds], "s")
 
 
 # ----------------------------------------------------------------------------- budget property

@@ -370,7 +370,8 @@ async def test_a_reset_observation_joins_the_prompt_before_the_first_generation(
     s, server = await _episode(encoder, module, _fresh(0))
     first = server.requests_to("/generate")[0].body
     assert len(first["image_data"]) == 2 and "The card alone:" in encoder.tokenizer.decode(first["input_ids"])
-    assert s.metadata["prefix_stable"] and s.metadata["reset_observation"] == {"text": "The card alone:", "images": 1}
+    assert s.metadata["prefix_stable"] and s.metadata["reset_observation"] == {"text": "The card alone:", "images": 1,
+                                                                                "clips": 0}
     assert s.prompt_length > plain.prompt_length and s.response_length == plain.response_length
     assert len(s.image_data) == len(plain.image_data) + 1 and s.prompt == _fresh(0).prompt  # the dataset's prompt kept
     s.validate(image_token_id=encoder.vision.image_pad, vision_start_token_id=encoder.vision.vision_start)

@@ -35,6 +35,7 @@ from jaxrl_vlm.models.hf_io import from_hf, load_hf_config
 from jaxrl_vlm.sharding.layout import shardings_for
 from rollout.client import EngineUnavailable
 from rollout.processing import load_image_processor, load_tokenizer
+from rollout.video import optional_video_config
 from rollout.sglang_wire import IN_MEMORY_LOAD_FORMAT, PauseMode, UpdateWeightsRequest, update_weights_answer
 
 logger = logging.getLogger(__name__)
@@ -119,7 +120,8 @@ class Engine:
         self._schedulers = schedulers
         self.scheduler: Scheduler | ReplicatedScheduler = (
             schedulers[0] if len(schedulers) == 1 else ReplicatedScheduler(schedulers))
-        self.preparer = PromptPreparer(self.tokenizer, self.image_processor, self.cfg, self.config.image_policy)
+        self.preparer = PromptPreparer(self.tokenizer, self.image_processor, self.cfg, self.config.image_policy,
+                                       video_config=optional_video_config(model_dir))
         self.architectures = _architectures(model_dir)
 
     @property

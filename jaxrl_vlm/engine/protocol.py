@@ -8,6 +8,11 @@ Images: each `<|vision_start|><|image_pad|><|vision_end|>` is one image (compact
 order with `image_data`, then expanded with the same HF image processor the trainer uses (`rollout.processing`,
 `ChatEncoder`). Already-expanded pads are refused, as SGLang 0.5.23's Qwen-VL fast path refuses them (its
 `build_input_ids` asserts one pad per image).
+
+Clips: each `<|video_pad|>` is one clip, paired in order with `video_data` (lossless video data URLs, as the rollout
+sends them: `rollout.video_io`), processed by the same numpy video processor the trainer's encoder runs
+(`rollout.video`) and expanded by the same `ChatEncoder.clip_tokens` (timestamps and frame groups for Qwen3-VL and
+Qwen3.5, one run for Qwen2.5-VL).
 """
 
 from __future__ import annotations
@@ -17,12 +22,15 @@ from typing import Any
 
 import numpy as np
 
+from jaxrl_vlm.engine.clips import ClipInputs, clip_spans
 from jaxrl_vlm.engine.prefix_cache import ImageSpan, image_spans
 from jaxrl_vlm.models.families import VisionLanguageConfig
 from jaxrl_vlm.models.rope import get_rope_index
 from rollout.encoding import ChatEncoder, compact_pad_runs
 from rollout.image_cache import ProcessedImageCache, cache_key
 from rollout.processing import ImageDecodeError, ImageReadPolicy, load_image
+from rollout.video import ClipError, VideoProcessorConfig
+from rollout.video_io import ClipReadPolicy, load_clip
 from rollout.sglang_wire import (
     FinishReason,
     FinishType,
@@ -39,7 +47,7 @@ from rollout.sglang_wire import (
 EMBEDDED_UNSUPPORTED = Unsupported(
     server="the embedded engine",
     request={
-        "input_embeds": None, "video_data": None, "audio_data": None, "stream": False, "top_logprobs_num": None,
+        "input_embeds": None, "audio_data": None, "stream": False, "top_logprobs_num": None,
         "token_ids_logprob": None, "return_hidden_states": False,
         "custom_logit_processor": None, "lora_path": None, "lora_id": None,
     },
@@ -56,8 +64,9 @@ class PreparedPrompt:
 
     input_ids int32 [L] (image pads expanded), positions int32 [3, L] (M-RoPE), rope_delta (decode
     positions continue at index + rope_delta), pixel_values float32 [P, C*T*p*p] and image_grid_thw
-    int64 [N, 3] (None without images). images: where each image's pads are and a digest of its
-    pixels, for the prefix cache (None: not computed yet; the scheduler computes it then).
+    int64 [N, 3] (None without images), clips the same for clips. images: where each image's and clip's pads are
+    and a digest of its pixels, in token order, for the prefix cache (None: not computed yet; the scheduler
+    computes it then, `visual_spans`).
     """
 
     input_ids: np.ndarray
@@ -66,6 +75,7 @@ class PreparedPrompt:
     pixel_values: np.ndarray | None = None
     image_grid_thw: np.ndarray | None = None
     images: tuple[ImageSpan, ...] | None = None
+    clips: ClipInputs | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -92,6 +102,13 @@ class GenerateRequest:
         return self.logprob_start_len >= 0
 
 
+def visual_spans(prompt: PreparedPrompt, cfg: VisionLanguageConfig) -> tuple[ImageSpan, ...]:
+    """Every picture's and clip's span and identity in `prompt` (pads expanded), in token order."""
+    images = image_spans(prompt.input_ids, prompt.pixel_values, prompt.image_grid_thw, cfg.image_token_id,
+                         cfg.vision.spatial_merge_size)
+    return tuple(sorted(images + clip_spans(prompt.input_ids, prompt.clips, cfg), key=lambda span: span.start))
+
+
 class PromptPreparer:
     """Turns `RawGenerate` into `GenerateRequest`: tokenize, decode images, expand pads, positions.
 
@@ -101,12 +118,15 @@ class PromptPreparer:
     """
 
     def __init__(self, tokenizer: Any, image_processor: Any | None, cfg: VisionLanguageConfig,
-                 image_policy: ImageReadPolicy):
+                 image_policy: ImageReadPolicy, video_config: VideoProcessorConfig | None = None):
         self.tokenizer = tokenizer
         self.image_processor = image_processor
         self.cfg = cfg
         self.image_policy = image_policy
-        self.encoder = ChatEncoder(tokenizer, image_processor) if image_processor is not None else None
+        # Clips are read as the images are: data URLs and base64, local files only under the same directory.
+        self.clip_policy = ClipReadPolicy.for_server(image_policy.local_root if image_policy.read_local_files else None)
+        self.encoder = (ChatEncoder(tokenizer, image_processor, video_config=video_config)
+                        if image_processor is not None else None)
         # The encoder's own cache (one per engine); without an image processor no image is ever processed.
         self.images = self.encoder.images if self.encoder is not None else ProcessedImageCache(None)
 
@@ -114,8 +134,6 @@ class PromptPreparer:
         ids = list(self.tokenizer.encode(raw.text)) if raw.text is not None else list(raw.input_ids or [])
         if not ids:
             raise RequestError("the prompt is empty after tokenization")
-        if self.cfg.video_token_id in ids:
-            raise RequestError(f"input contains video pad tokens (id {self.cfg.video_token_id}); video input is not supported")
         compact = compact_pad_runs(ids, self.cfg.image_token_id)
         if len(compact) != len(ids):
             raise RequestError(
@@ -148,17 +166,52 @@ class PromptPreparer:
             expanded = self.encoder.expand_image_pads(compact, grid)
         else:
             expanded = compact
+        expanded, clips = self._expand_clips(expanded, raw.video_data)
         input_ids = np.asarray(expanded, np.int32)
         try:
-            positions, deltas = get_rope_index(input_ids[None], grid, None, self.cfg)
+            positions, deltas = get_rope_index(
+                input_ids[None], grid, None, self.cfg, video_grid_thw=None if clips is None else clips.video_grid_thw,
+                second_per_grid_ts=None if clips is None else clips.second_per_grid_ts)
         except ValueError as e:
-            raise RequestError(f"cannot place the images in the prompt: {e}") from e
-        # Hashing the pixels here keeps it off the scheduler thread.
-        images = image_spans(input_ids, pixel_values, grid, self.cfg.image_token_id, self.cfg.vision.spatial_merge_size)
-        prompt = PreparedPrompt(input_ids, positions[:, 0], int(deltas[0]), pixel_values, grid, images)
+            raise RequestError(f"cannot place the images and clips in the prompt: {e}") from e
+        prompt = PreparedPrompt(input_ids, positions[:, 0], int(deltas[0]), pixel_values, grid, clips=clips)
+        prompt.images = visual_spans(prompt, self.cfg)  # hashing the pixels here keeps it off the scheduler thread
         return GenerateRequest(raw.rid, prompt, raw.params, raw.return_logprob, raw.return_text_in_logprobs,
                                return_routed_experts=raw.return_routed_experts,
                                logprob_start_len=raw.logprob_start_len)
+
+
+    def _expand_clips(self, ids: list[int], video_data: list[str]) -> tuple[list[int], ClipInputs | None]:
+        """`ids` with each compact `<|video_pad|>` expanded as the trainer's encoder expands it, and the clips'
+        processor outputs (None without clips)."""
+        pad = self.cfg.video_token_id
+        if len(compact_pad_runs(ids, pad)) != len(ids):
+            raise RequestError("input_ids hold already-expanded video pads: send one <|video_pad|> per clip, as the "
+                               "chat template renders it")
+        n_pads = sum(1 for t in ids if t == pad)
+        if n_pads != len(video_data):
+            raise RequestError(f"clip count mismatch: {n_pads} video placeholder(s) (<|video_pad|>) in the prompt but "
+                               f"{len(video_data)} clip(s) in video_data")
+        if not video_data:
+            return ids, None
+        if self.encoder is None or self.encoder.video_config is None:
+            raise RequestError("this model directory has no preprocessor_config.json and video_preprocessor_config.json:"
+                               " video input is not available")
+
+        def read(item: str) -> Any:
+            try:
+                return load_clip(item, self.clip_policy)
+            except ClipError as e:
+                raise RequestError(f"video_data[{video_data.index(item)}]: {e}") from e
+
+        try:
+            _, mm, tokens = self.encoder.encode_clips(video_data, read)
+        except RequestError:
+            raise
+        except ValueError as e:  # ClipError: e.g. a clip too small for the processor's smart resize
+            raise RequestError(f"video_data: the video processor refused the clips ({e})") from e
+        return (self.encoder.expand_video_pads(ids, tokens),
+                ClipInputs(mm["pixel_values_videos"], mm["video_grid_thw"], mm.get("second_per_grid_ts")))
 
 
 @dataclass

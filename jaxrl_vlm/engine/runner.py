@@ -32,6 +32,7 @@ from flax import nnx
 
 from jaxrl_vlm.device_lock import exclusive
 from jaxrl_vlm.engine import forward
+from jaxrl_vlm.engine.clips import ClipInputs, clips_after
 from jaxrl_vlm.engine.options import EngineOptions, bucket_for
 from jaxrl_vlm.engine.placement import ReplicaPlacement
 from jaxrl_vlm.engine.sampling import SamplingRows, sample_tokens
@@ -104,6 +105,7 @@ class PrefillRow:
     hold a reused prefix (whose images lie wholly inside it) and only [start, L) is computed. `copy` (src, dst):
     page src is copied into page dst first (the partly shared last page of that prefix). `logit_bias`: (token id,
     value) pairs, added up per id. ints int32 [6] / floats float32 [3]: the slot's column of `IntRow` / `FloatRow`.
+    `clips`: the prompt's clips (None without), whose pads, like the images', lie wholly inside or after the prefix.
     """
 
     slot: int
@@ -117,6 +119,7 @@ class PrefillRow:
     start: int = 0
     copy: tuple[int, int] | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
+    clips: ClipInputs | None = None
 
 
 # Most prompt tokens (padded) of one multi-row prefill call: its rows are a function of the prompt bucket alone, so
@@ -139,7 +142,7 @@ class _PreparedPrefill:
     positions: np.ndarray
     table: np.ndarray
     vision: VisionInputs | None
-    images: int  # images the vision tower encodes for it
+    images: int  # images and clips the vision tower encodes for it
 
 
 SCORE_CHUNK = 512  # sequence chunk of the scoring forward's fp32 logits (the trainer's default --logprob-chunk-size)
@@ -354,6 +357,7 @@ class ModelRunner:
         *,
         start: int = 0,
         copy: tuple[int, int] | None = None,
+        clips: ClipInputs | None = None,
     ) -> tuple[int, float]:
         """Prefill `input_ids` [L] (positions [3, L]) into the request's `pages` and sample its next token; one
         `PrefillRow` (see there and `prefill_rows`). bias_row float32 [V] or None (no bias).
@@ -363,7 +367,7 @@ class ModelRunner:
             nonzero = np.flatnonzero(bias_row)
             bias = tuple(zip(nonzero.tolist(), np.asarray(bias_row, np.float32)[nonzero].tolist()))
         row = PrefillRow(slot, pages, input_ids, positions, pixel_values, image_grid_thw, ints, floats, start=start,
-                         copy=copy, logit_bias=bias)
+                         copy=copy, logit_bias=bias, clips=clips)
         return self.prefill_rows([self.prepare_prefill(row)])[0]
 
     def prepare_prefill(self, row: PrefillRow) -> _PreparedPrefill:
@@ -385,20 +389,32 @@ class ModelRunner:
         pos = np.zeros((3, t), np.int32)
         pos[:, :length] = row.positions[:, start:]
         pixel_values, image_grid_thw = images_after(row.input_ids, start, row.pixel_values, row.image_grid_thw, self.cfg)
-        vision: VisionInputs | None = None
-        patch_bucket = None
-        if pixel_values is not None:
-            patch_bucket = self.config.patch_bucket(int(pixel_values.shape[0]))
-            valid = np.zeros((1, t), bool)
-            valid[0, :length] = True
-            vision = build_vision_inputs(pixel_values, image_grid_thw, tokens[None], self.cfg, patch_bucket=patch_bucket,
-                                         token_valid=valid)
-            vision = type(vision)(*(None if a is None else np.asarray(a) for a in vision))
+        clips = clips_after(row.input_ids, start, row.clips, self.cfg)
+        valid = np.zeros((1, t), bool)
+        valid[0, :length] = True
+        vision, patch_bucket = self._vision(pixel_values, image_grid_thw, clips, tokens[None], valid)
         for token, _ in row.logit_bias:
             if not 0 <= int(token) < self.vocab_size:
                 raise ValueError(f"logit_bias token id {token} is outside the vocabulary [0, {self.vocab_size})")
-        images = 0 if image_grid_thw is None else len(image_grid_thw)
+        images = (0 if image_grid_thw is None else len(image_grid_thw)) + (0 if clips is None else len(clips))
         return _PreparedPrefill(row, (t, kv_len, patch_bucket), length, tokens, pos, table, vision, images)
+
+    def _vision(self, pixel_values: np.ndarray | None, image_grid_thw: np.ndarray | None, clips: ClipInputs | None,
+                tokens: np.ndarray, valid: np.ndarray) -> tuple[VisionInputs | None, int | None]:
+        """The vision inputs of [1, T] `tokens` and their patch bucket (pictures' and clips' patches together), or
+        (None, None) for text."""
+        if pixel_values is None and clips is None:
+            return None, None
+        if pixel_values is None:
+            pixel_values = np.zeros((0, self.cfg.vision.patch_dim), np.float32)
+            image_grid_thw = np.zeros((0, 3), np.int64)
+        patches = int(pixel_values.shape[0]) + (0 if clips is None else clips.patches)
+        patch_bucket = self.config.patch_bucket(patches)
+        vision = build_vision_inputs(
+            pixel_values, image_grid_thw, tokens, self.cfg, patch_bucket=patch_bucket, token_valid=valid,
+            pixel_values_videos=None if clips is None else clips.pixel_values_videos,
+            video_grid_thw=None if clips is None else clips.video_grid_thw)
+        return type(vision)(*(None if a is None else np.asarray(a) for a in vision)), patch_bucket
 
     def prefill_rows(self, prepared: Sequence[_PreparedPrefill]) -> list[tuple[int, float]]:
         """Run prepared prompts (`prepare_prefill`) in order and sample each one's next token; returns (token id,
@@ -464,7 +480,7 @@ class ModelRunner:
         return [(int(ids[r]), float(lps[r])) for r in range(n)]
 
     def score(self, input_ids: np.ndarray, positions: np.ndarray, pixel_values: np.ndarray | None,
-              image_grid_thw: np.ndarray | None, temperature: float) -> np.ndarray:
+              image_grid_thw: np.ndarray | None, temperature: float, *, clips: ClipInputs | None = None) -> np.ndarray:
         """float32 [L - 1]: log p(input_ids[i] | input_ids[:i]) of `softmax(logits / temperature)` for i in [1, L),
         from one full forward of the prompt (positions [3, L]; image pads expanded) padded to a prefill bucket,
         without the KV cache: SGLang's input-token log-probs (`logprob_start_len`), for a teacher that scores
@@ -479,14 +495,8 @@ class ModelRunner:
         segment_ids[0, :total] = 1
         targets = np.zeros((1, t), np.int32)
         targets[0, : total - 1] = input_ids[1:]
-        vision = None
-        patch_bucket = None
-        if pixel_values is not None:
-            patch_bucket = self.config.patch_bucket(int(pixel_values.shape[0]))
-            vision = build_vision_inputs(pixel_values, image_grid_thw, tokens, self.cfg, patch_bucket=patch_bucket,
-                                         token_valid=segment_ids > 0)
-            vision = type(vision)(*(None if a is None else np.asarray(a) for a in vision))
-            self.encoded_images += len(image_grid_thw)
+        vision, patch_bucket = self._vision(pixel_values, image_grid_thw, clips, tokens, segment_ids > 0)
+        self.encoded_images += (0 if image_grid_thw is None else len(image_grid_thw)) + (0 if clips is None else len(clips))
         self._call(("score", t, patch_bucket), ("score", t, patch_bucket, float(temperature)))
         with exclusive(self.placement.devices):  # device_lock
             lp = self._score(self._param_leaves, tokens, pos, segment_ids, vision, targets, temperature=float(temperature))

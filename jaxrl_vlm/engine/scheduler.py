@@ -63,12 +63,11 @@ from jaxrl_vlm.engine.prefix_cache import (
     PageCache,
     StateSnapshots,
     cut_before_images,
-    image_spans,
     page_keys,
     reusable_tokens,
     tail_key,
 )
-from jaxrl_vlm.engine.protocol import GenerateOutput, GenerateRequest
+from jaxrl_vlm.engine.protocol import GenerateOutput, GenerateRequest, visual_spans
 from jaxrl_vlm.engine.runner import FloatRow, IntRow, ModelRunner, PrefillRow
 from rollout.sglang_wire import (
     FinishReason,
@@ -441,7 +440,7 @@ class Scheduler:
         temperature = logprob_temperature(params.temperature)  # SGLang's: greedy (0) reports untempered log-probs
         try:
             lps = self.runner.score(prompt.input_ids, prompt.positions, prompt.pixel_values, prompt.image_grid_thw,
-                                    temperature)
+                                    temperature, clips=prompt.clips)
         except Exception as exc:  # a failed forward fails that request, not the server
             logger.exception("prompt scoring of %s failed", seq.rid)
             self._finish(seq, None, error=f"prompt scoring failed: {type(exc).__name__}: {exc}")
@@ -521,9 +520,7 @@ class Scheduler:
     def _images(self, seq: ActiveRequest) -> tuple[ImageSpan, ...]:
         prompt = seq.request.prompt
         if prompt.images is None:  # prepared without identities (PromptPreparer computes them off-thread)
-            cfg = self.runner.cfg
-            prompt.images = image_spans(prompt.input_ids, prompt.pixel_values, prompt.image_grid_thw,
-                                        cfg.image_token_id, cfg.vision.spatial_merge_size)
+            prompt.images = visual_spans(prompt, self.runner.cfg)
         return prompt.images
 
     def _start_prefill(self, seq: ActiveRequest, slot: int, start: int, copy: tuple[int, int] | None) -> _Admission:
@@ -554,7 +551,7 @@ class Scheduler:
             start, copy = self._prefill_to_snapshot(seq, slot, ids, positions, bias, start, copy)
         prepared = self.runner.prepare_prefill(PrefillRow(
             slot, seq.pages, ids, positions, prompt.pixel_values, prompt.image_grid_thw, self._ints[:, slot].copy(),
-            self._floats[:, slot].copy(), start=start, copy=copy, logit_bias=bias))
+            self._floats[:, slot].copy(), start=start, copy=copy, logit_bias=bias, clips=prompt.clips))
         seq.cached_tokens += reused
         seq.cache_epoch = self._cache_epoch
         seq.slot = slot
@@ -669,7 +666,8 @@ class Scheduler:
         # The token this part samples is not used: the last prompt token's logits come from the second part.
         self.runner.prefill_rows([self.runner.prepare_prefill(PrefillRow(
             slot, seq.pages, ids[:cut], positions[:, :cut], prompt.pixel_values, prompt.image_grid_thw,
-            self._ints[:, slot].copy(), self._floats[:, slot].copy(), start=start, copy=copy, logit_bias=bias))])
+            self._ints[:, slot].copy(), self._floats[:, slot].copy(), start=start, copy=copy, logit_bias=bias,
+            clips=prompt.clips))])
         self.runner.copy_state(slot, row)
         return cut, None
 

@@ -32,6 +32,7 @@ from rollout.run import RolloutContext, RolloutRun
 from rollout.privileged import PrivilegedView
 from rollout.teacher import TeacherScorer, connect_teacher
 from rollout.vllm_client import VLLMClient, client_class, detect_engine_api
+from rollout.video import optional_video_config
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +128,8 @@ async def rollout_session(
             await client.wait_healthy(timeout_s=cfg.engine.engine_start_timeout)
         if isinstance(client, VLLMClient):  # launched or external: its log-probs must be the sampling policy's
             await client.check_logprobs_mode()
-        encoder = ChatEncoder(load_tokenizer(model_dir), load_image_processor(model_dir))
+        encoder = ChatEncoder(load_tokenizer(model_dir), load_image_processor(model_dir),
+                              video_config=optional_video_config(model_dir))
         client.vocab_size = len(encoder.tokenizer)  # an engine returning an id outside it fails the sample by name
         if cfg.rollout.use_opd and cfg.rollout.opd_type == "engine":  # trainer: the train step scores (job/trainer.py)
             teacher_engine, teacher = await _start_teacher(cfg, encoder, client_options)

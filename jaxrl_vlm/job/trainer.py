@@ -64,6 +64,7 @@ from jaxrl_vlm.sharding.layout import (
 from jaxrl_vlm.sharding.rules import resolve_rules
 from rollout.hooks import Hook, load_hook
 from rollout.processing import frame_patches, load_image_processor, max_frame_patches
+from rollout.video import max_clip_frame_patches, optional_video_config
 from rollout.sample import Sample
 from rollout.sglang_wire import logprob_temperature
 
@@ -177,16 +178,18 @@ def check_context_parallel(cfg: Config, cp: int) -> None:
 
 
 def frame_patch_cap(model_dir: Path | str) -> int | None:
-    """The most patches of one image frame the model directory's image processor can produce (None: no image
-    processor, or no cap). The vision tower's XLA attention is then computed chunk by chunk instead of over every
-    pair of patches of a micro-batch (`models.qwen3_vl.local_segment_attention`): the same numbers, and on a
-    packed batch of small images a fraction of the work."""
+    """The most patches of one frame (a picture's, or a clip's) the model directory's image and video processors
+    can produce (None: no image processor, or no cap). The vision tower's XLA attention is then computed chunk by
+    chunk instead of over every pair of patches of a micro-batch (`models.qwen3_vl.local_segment_attention`): the
+    same numbers, and on a packed batch of small images a fraction of the work."""
     if not (Path(model_dir) / "preprocessor_config.json").is_file():
         return None
     try:
-        return max_frame_patches(load_image_processor(model_dir))
+        cap = max_frame_patches(load_image_processor(model_dir))
     except ValueError:
         return None
+    video = optional_video_config(model_dir)
+    return cap if video is None else max(cap, max_clip_frame_patches(video))
 
 
 def check_frame_patches(samples: list[Sample], cap: int | None) -> None:
@@ -195,15 +198,16 @@ def check_frame_patches(samples: list[Sample], cap: int | None) -> None:
     if cap is None:
         return
     for s in samples:
-        grid = s.multimodal_train_inputs.get("image_grid_thw") if s.multimodal_train_inputs else None
-        if grid is None or len(grid) == 0:
-            continue
-        frame = frame_patches(grid)
-        if int(frame.max()) > cap:
-            raise ValueError(
-                f"sample (group {s.group_index}, index {s.index}) has an image frame of {int(frame.max())} patches, "
-                f"more than the {cap} that the model's image processor allows (its pixel cap): its images were not "
-                "preprocessed with the model directory's preprocessor_config.json")
+        for key, kind in (("image_grid_thw", "image"), ("video_grid_thw", "clip")):
+            grid = s.multimodal_train_inputs.get(key) if s.multimodal_train_inputs else None
+            if grid is None or len(grid) == 0:
+                continue
+            frame = frame_patches(grid)
+            if int(frame.max()) > cap:
+                raise ValueError(
+                    f"sample (group {s.group_index}, index {s.index}) has a{'n' if kind == 'image' else ''} {kind} "
+                    f"frame of {int(frame.max())} patches, more than the {cap} that the model's processors allow "
+                    "(their pixel caps): it was not preprocessed with the model directory's processor configs")
 
 
 def check_lora_outside_frozen(setup: Any, frozen: FrozenParts) -> None:
