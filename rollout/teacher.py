@@ -68,6 +68,8 @@ class TeacherScorer:
 
     async def score(self, sample: Sample) -> None:
         """Set `sample.teacher_log_probs`; TeacherError (or the client's EngineError) when it cannot."""
+        if sample.video_data:  # the wire view of a clip's timestamps and frame groups is not rebuilt from tokens yet
+            raise TeacherError(f"{sample.name}: a teacher cannot score an episode with clips yet (docs/guides/video.md)")
         wire_ids = self.encoder.compact_image_pads(sample.tokens)
         async with self._slots:
             position_lps = await self.client.prompt_logprobs(wire_ids, image_data=sample.image_data or None,

@@ -72,13 +72,10 @@ class VLLMClient(SGLangClient):
     def _generate_body(self, input_ids: Sequence[int], image_data: Sequence[str] | None,
                        sampling_params: Mapping[str, Any], return_logprob: bool, rid: str,
                        video_data: Sequence[str] | None = None) -> dict[str, Any]:
-        if video_data:  # not said in vLLM's protocol yet (docs/guides/video.md): refused, never dropped
-            raise EngineRequestError(self.url + self.generate_path, None,
-                                     f"{len(video_data)} clip(s) in the request: this client does not send clips to "
-                                     "vLLM yet (docs/guides/video.md)", 0, reason="request cannot be sent to vLLM")
         try:
             return vllm_wire.generate_body(input_ids, image_data=image_data, params=sampling_params,
-                                           return_logprob=return_logprob, rid=rid, lora_name=self.lora_name)
+                                           return_logprob=return_logprob, rid=rid, lora_name=self.lora_name,
+                                           video_data=video_data)
         except vllm_wire.VLLMRequestError as exc:
             raise EngineRequestError(self.url + self.generate_path, None, str(exc), 0,
                                      reason="request cannot be sent to vLLM") from None

@@ -114,22 +114,31 @@ def sampling_params(params: Mapping[str, Any], *, return_logprob: bool) -> dict[
     return out
 
 
+def content_parts(image_data: Sequence[str] | None, video_data: Sequence[str] | None) -> list[dict[str, str]]:
+    """The pictures (`image_url`) and clips (`video_url`, lossless video data URLs: `rollout.video_io`) of a token
+    request, each modality in placeholder order: vLLM pairs the i-th item of a modality with its i-th placeholder."""
+    return ([{"type": "image_url", "url": url} for url in image_data or ()]
+            + [{"type": "video_url", "url": url} for url in video_data or ()])
+
+
 def generate_body(
     input_ids: Sequence[int], *, image_data: Sequence[str] | None, params: Mapping[str, Any], return_logprob: bool,
     rid: str,
     lora_name: str | None = None,
+    video_data: Sequence[str] | None = None,
 ) -> dict[str, Any]:
-    """The `/inference/v1/generate` body: prompt ids with one compact `<|image_pad|>` per image (vLLM expands each
-    once; already-expanded pads would be expanded again, silently), and the images as data URLs in order. A loaded
-    LoRA adapter is selected by its name as the request's `model`, vLLM's convention for adapters."""
+    """The `/inference/v1/generate` body: prompt ids with one compact `<|image_pad|>` per image and `<|video_pad|>`
+    per clip (vLLM expands each once; already-expanded pads would be expanded again, silently), and the images and
+    clips as data URLs in order. A loaded LoRA adapter is selected by its name as the request's `model`, vLLM's
+    convention for adapters."""
     body: dict[str, Any] = {
         "request_id": rid,
         "token_ids": [int(t) for t in input_ids],
         "sampling_params": sampling_params(params, return_logprob=return_logprob),
         "output_mode": "text",
     }
-    if image_data:
-        body["content_parts"] = [{"type": "image_url", "url": url} for url in image_data]
+    if image_data or video_data:
+        body["content_parts"] = content_parts(image_data, video_data)
     if lora_name is not None:
         body["model"] = lora_name
     return body
@@ -152,7 +161,7 @@ PROMPT_LOGPROBS_TEMPERATURE = 1.0
 
 
 def prompt_logprobs_body(input_ids: Sequence[int], *, image_data: Sequence[str] | None, rid: str,
-                         lora_name: str | None = None) -> dict[str, Any]:
+                         lora_name: str | None = None, video_data: Sequence[str] | None = None) -> dict[str, Any]:
     """The `/inference/v1/generate` body that scores `input_ids` (one compact `<|image_pad|>` per image, the pictures
     as `content_parts` in order, as `generate_body`): prompt log-probs of the prompt's own tokens, one greedy token
     generated, and the expanded prompt ids returned (`return_token_ids`) so the answer can be checked by id."""
@@ -163,8 +172,8 @@ def prompt_logprobs_body(input_ids: Sequence[int], *, image_data: Sequence[str] 
         "output_mode": "tokens",
         "return_token_ids": True,
     }
-    if image_data:
-        body["content_parts"] = [{"type": "image_url", "url": url} for url in image_data]
+    if image_data or video_data:
+        body["content_parts"] = content_parts(image_data, video_data)
     if lora_name is not None:
         body["model"] = lora_name
     return body

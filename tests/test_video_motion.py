@@ -1,10 +1,11 @@
 """The video-motion task (envs/video_motion): reply reading, clips, episodes, the shuffled ablation, dataset, config.
 
-What the task promises and these tests check directly: the frames are uint8 [T, H, W, 3] and the square moves by the
-clip's step in the label's direction; no single frame (at any position in a clip) tells the direction, since every
-frame is exactly as likely under both; from the same start both directions share their first and last frames; the
-shuffled ablation shows the same frames in a seeded order that carries no direction; the slow look is the same path at
-half speed; the reward schedule; the option and label checks; the dataset is balanced, deterministic and loads
+What the task promises and these tests check directly: the frames are uint8 [T, H, W, 3]; the square sweeps from one
+edge to the other by the clip's step in the label's direction, at a row drawn from the seed (uniform over the rows it
+fits in); the left clip of a seed is its right clip reversed in time, so every frame appears in both directions and
+only the order tells the direction; the shuffled ablation shows the same frames in a seeded order (the same multiset
+for both directions of a seed), so it carries no direction; the slow look is the same path at half speed; the
+geometry checks; the reward schedule; the option and label checks; the dataset is balanced, deterministic and loads
 without pictures; and the closed-form chance level equals a Monte Carlo run of random replies through the env. No
 jax, no engine.
 """
@@ -45,17 +46,21 @@ def _label(direction: str = "right", seed: int = 3) -> str:
     return json.dumps({"direction": direction, "seed": seed})
 
 
-def _frames_from(direction: str, start: int, kind: str) -> np.ndarray:
-    return clips.frames_at(clips.positions(direction, start, kind, W, T), W)
+SIDE = clips.square_side(W)
 
 
-def _square_column(frame: np.ndarray) -> int:
-    """The square's left column, read back from the pixels (wrapping around the ring)."""
-    size = frame.shape[1]
-    lit = frame[size // 2, :, 0] > 128
-    starts = [c for c in range(size) if lit[c] and not lit[c - 1]]
-    assert len(starts) == 1, f"one square per frame, found {starts}"
-    return starts[0]
+def _bytes(frames: np.ndarray) -> list[bytes]:
+    return sorted(f.tobytes() for f in frames)
+
+
+def _square(frame: np.ndarray) -> tuple[int, int]:
+    """The square's (top row, left column), read back from the pixels; it must be one side x side block."""
+    side = clips.square_side(frame.shape[1])
+    lit = frame[..., 0] > 128
+    rows, cols = np.flatnonzero(lit.any(axis=1)), np.flatnonzero(lit.any(axis=0))
+    assert len(rows) == len(cols) == side and lit.sum() == side * side, "one square per frame"
+    assert rows[-1] - rows[0] == cols[-1] - cols[0] == side - 1, "a contiguous block"
+    return int(rows[0]), int(cols[0])
 
 
 # -------------------------------------------------------------------------------------------------- replies
@@ -81,40 +86,59 @@ def test_every_letter_acts_and_each_word_starts_in_its_range():
 
 
 # ---------------------------------------------------------------------------------------------------- clips
-@pytest.mark.parametrize("kind, length, step", [(clips.FIRST_CLIP, T, 4), (clips.SLOW_CLIP, 2 * T - 1, 2)])
+@pytest.mark.parametrize("kind, length, step", [(clips.FIRST_CLIP, T, 6), (clips.SLOW_CLIP, 2 * T - 1, 3)])
 @pytest.mark.parametrize("direction", DIRECTIONS)
-def test_frames_are_uint8_and_the_square_moves_by_the_step_in_the_direction(kind, length, step, direction):
+def test_frames_are_uint8_and_the_square_sweeps_edge_to_edge_by_the_step(kind, length, step, direction):
+    assert SIDE == 8 and clips.step_of(kind, W, T) == step
+    sweep = list(range(0, W - SIDE + 1, step))  # 0, 6, ..., 24 (first) or 0, 3, ..., 24 (slow)
+    assert len(sweep) == length and sweep[-1] == W - SIDE
     for seed in range(20):
         frames = clips.clip_frames(direction, seed, kind)
         assert frames.dtype == np.uint8 and frames.shape == (length, W, W, 3)
-        cols = [_square_column(f) for f in frames]
-        assert cols[0] == clips.start_column(seed, W)
-        moves = {(b - a) % W for a, b in zip(cols, cols[1:])}
-        assert moves == {step if direction == "right" else W - step}
-        assert (cols[-1] - cols[0]) % W == W // 2  # the whole clip spans half the ring
-    assert clips.step_of(kind, W, T) == step
+        tops, cols = zip(*(_square(f) for f in frames))
+        assert set(tops) == {clips.top_row(seed, W)}  # one row per episode
+        assert list(cols) == (sweep if direction == "right" else sweep[::-1])  # monotone, no wrapping
+        assert set(np.unique(frames)) == set(clips.SQUARE_RGB) | set(clips.BACKGROUND_RGB)
+    assert clips.positions(direction, kind, W, T) == (sweep if direction == "right" else sweep[::-1])
 
 
-def test_no_single_frame_tells_the_direction():
+def test_the_row_comes_from_the_seed_and_is_uniform_over_the_rows_the_square_fits_in():
+    n = 2500
+    tops = [clips.top_row(s, W) for s in range(n)]
+    assert tops == [clips.top_row(s, W) for s in range(n)]  # a function of the seed
+    counts = Counter(tops)
+    assert set(counts) == set(range(W - SIDE + 1))  # 0..24, every one reached, none outside
+    assert 60 < min(counts.values()) and max(counts.values()) < 140  # 100 expected per row, sd ~10
+    for seed in (0, 7, 123):  # the same row in both clips and both directions
+        assert {_square(f)[0] for d in DIRECTIONS for k in clips.CLIP_KINDS
+                for f in clips.clip_frames(d, seed, k)} == {clips.top_row(seed, W)}
+    assert len({clips.clip_frames("right", s, clips.FIRST_CLIP).tobytes() for s in range(200)}) == W - SIDE + 1
+
+
+def test_the_left_clip_is_the_right_clip_reversed_so_every_frame_appears_in_both_directions():
     for kind in clips.CLIP_KINDS:
-        step = clips.step_of(kind, W, T)
-        by_dir = {d: np.stack([_frames_from(d, x, kind) for x in range(W)]) for d in DIRECTIONS}  # [start, t, H, W, 3]
-        for t in range(by_dir["right"].shape[1]):
-            # Each frame at position t comes from exactly one start in either direction: the same multiset.
-            seen = {d: Counter(f.tobytes() for f in by_dir[d][:, t]) for d in DIRECTIONS}
-            assert seen["left"] == seen["right"]
-            for x in range(W):  # the witness: frame t of a right clip from x is frame t of the left clip from x + 2ts
-                assert np.array_equal(by_dir["right"][x, t], by_dir["left"][(x + 2 * t * step) % W, t])
-        # From the same start, both directions share the first and the last frame: only the frames between differ.
-        assert np.array_equal(by_dir["left"][:, [0, -1]], by_dir["right"][:, [0, -1]])
-        assert not np.array_equal(by_dir["left"][:, 1], by_dir["right"][:, 1])
+        for seed in range(50):
+            right = clips.clip_frames("right", seed, kind)
+            left = clips.clip_frames("left", seed, kind)
+            assert np.array_equal(left, right[::-1])
+            assert not np.array_equal(left, right)  # the order differs: that is all the direction is
+            assert _bytes(left) == _bytes(right)  # the same multiset of frames
+            left_frames = {f.tobytes() for f in left}
+            assert all(f.tobytes() in left_frames for f in right)
+            # With its place in time, one frame says it all: the square starts on the side it leaves.
+            assert _square(right[0])[1] == 0 and _square(left[0])[1] == W - SIDE
 
 
-def test_start_columns_cover_the_ring_and_depend_only_on_the_seed():
-    starts = [clips.start_column(s, W) for s in range(640)]
-    assert set(starts) == set(range(W))
-    assert max(Counter(starts).values()) < 40  # ~uniform (20 expected per column)
-    assert starts == [clips.start_column(s, W) for s in range(640)]
+def test_the_slow_clip_is_the_same_sweep_at_half_speed():
+    for direction in DIRECTIONS:
+        for seed in range(10):
+            first = clips.clip_frames(direction, seed, clips.FIRST_CLIP)
+            slow = clips.clip_frames(direction, seed, clips.SLOW_CLIP)
+            assert slow.shape[0] == 2 * T - 1
+            assert np.array_equal(slow[::2], first)
+            odd = [_square(f)[1] for f in slow[1::2]]  # half-way between the first clip's positions
+            assert odd == [(a + b) // 2 for a, b in zip(clips.positions(direction, clips.FIRST_CLIP, W, T),
+                                                         clips.positions(direction, clips.FIRST_CLIP, W, T)[1:])]
 
 
 def test_the_shuffled_clip_has_the_same_frames_in_a_seeded_order_that_carries_no_direction():
@@ -124,17 +148,39 @@ def test_the_shuffled_clip_has_the_same_frames_in_a_seeded_order_that_carries_no
             plain = clips.clip_frames("right", seed, kind)
             shuffled = clips.clip_frames("right", seed, kind, shuffled=True)
             assert np.array_equal(shuffled, clips.clip_frames("right", seed, kind, shuffled=True))  # deterministic
-            assert sorted(f.tobytes() for f in shuffled) == sorted(f.tobytes() for f in plain)
+            assert _bytes(shuffled) == _bytes(plain)
             reordered += not np.array_equal(shuffled, plain)
-            # The same multiset as the left clip from half a ring further: the set of frames says nothing.
-            other = _frames_from("left", (clips.start_column(seed, W) + W // 2) % W, kind)
-            assert sorted(f.tobytes() for f in shuffled) == sorted(f.tobytes() for f in other)
+            # The same multiset as the shuffled left clip of the same seed: the set of frames says nothing.
+            assert _bytes(shuffled) == _bytes(clips.clip_frames("left", seed, kind, shuffled=True))
         assert reordered >= 95  # 1 order in 120 (first) or 362880 (slow) is the identity
     # The order is drawn from the seed and the clip kind, never from the direction.
+    orders = {tuple(clips.shuffle_order(s, clips.FIRST_CLIP, T)) for s in range(50)}
+    assert len(orders) > 30  # different seeds, different orders
+    assert not np.array_equal(clips.shuffle_order(5, clips.FIRST_CLIP, T), clips.shuffle_order(5, clips.SLOW_CLIP, T)[:T])
     for direction in DIRECTIONS:
         order = clips.shuffle_order(5, clips.FIRST_CLIP, T)
         assert np.array_equal(clips.clip_frames(direction, 5, clips.FIRST_CLIP, shuffled=True),
                               clips.clip_frames(direction, 5, clips.FIRST_CLIP)[order])
+
+
+def test_the_geometry_is_checked():
+    fits = [3, 4, 5, 7, 13]  # 2 (t - 1) divides W - SIDE = 24
+    for t in range(3, 20):
+        if t in fits:
+            clips.check_geometry(W, t)
+            assert clips.positions("right", clips.SLOW_CLIP, W, t)[-1] == W - SIDE
+        else:
+            with pytest.raises(ValueError, match=f"num_frames that fit: \\{fits}"):
+                clips.check_geometry(W, t)
+    with pytest.raises(ValueError, match="travel frame_size - side = 30 - 7 = 23 is not a multiple of 2 "
+                                         "\\* \\(num_frames - 1\\) = 8"):
+        clips.check_geometry(30, 5)
+    with pytest.raises(ValueError, match="columns must be in 0..24"):
+        clips.frames_at([25], 0, W)
+    with pytest.raises(ValueError, match="top must be in 0..24"):
+        clips.frames_at([0], 25, W)
+    with pytest.raises(ValueError, match="direction must be"):
+        clips.positions("up", clips.FIRST_CLIP, W, T)
 
 
 def test_every_frame_of_both_clips_survives_qwen3_vl_frame_sampling():
@@ -221,9 +267,9 @@ def test_config_keys_come_from_the_options():
 @pytest.mark.parametrize("options, error, match", [
     ({"turn_discount": 0}, ValueError, "turn_discount must be > 0"),
     ({"turn_discount": 1.5}, ValueError, "turn_discount must be <= 1"),
-    ({"frame_size": 30}, ValueError, "not a multiple of 4 \\* \\(num_frames - 1\\) = 16"),
+    ({"frame_size": 30}, ValueError, "23 is not a multiple of 2 \\* \\(num_frames - 1\\) = 8"),
     ({"num_frames": 2}, ValueError, "num_frames must be >= 3"),
-    ({"frame_size": 32, "num_frames": 4}, ValueError, "num_frames that fit: \\[3, 5, 9\\]"),
+    ({"frame_size": 32, "num_frames": 6}, ValueError, "num_frames that fit: \\[3, 4, 5, 7, 13\\]"),
     ({"fps": 0}, ValueError, "fps must be > 0"),
     ({"shuffle_frames": "yes"}, TypeError, "shuffle_frames must be bool"),
     ({"frame_size": 32.0}, TypeError, "frame_size must be int"),
@@ -237,8 +283,9 @@ def test_another_geometry_keeps_the_promises():
     env = build_env(SimpleNamespace(label=_label("left", 5)), SimpleNamespace(max_turns=2, frame_size=64, num_frames=9))
     first = env.reset()["multi_modal_data"]["video"][0].frames
     assert first.shape == (9, 64, 64, 3)
-    cols = [_square_column(f) for f in first]
-    assert {(a - b) % 64 for a, b in zip(cols, cols[1:])} == {4} and (cols[0] - cols[-1]) % 64 == 32
+    cols = [_square(f)[1] for f in first]  # side 16, travel 48, step 6, moving left
+    assert cols == list(range(48, -1, -6))
+    assert {_square(f)[0] for f in first} == {clips.top_row(5, 64)}
     assert env.step("slow")[0]["multi_modal_data"]["video"][0].frames.shape == (17, 64, 64, 3)
 
 

@@ -115,6 +115,10 @@ def test_generate_body_sends_compact_pads_and_the_images_in_order():
                                      {"type": "image_url", "url": "data:image/png;base64,BBB"}]
     assert body["output_mode"] == "text" and body["sampling_params"]["max_tokens"] == 4
     assert "content_parts" not in vllm_wire.generate_body([1], image_data=None, params={}, return_logprob=False, rid="x")
+    clips = vllm_wire.generate_body([1, 1017, 1016], image_data=["data:image/png;base64,AAA"], params={},
+                                    return_logprob=True, rid="c", video_data=["data:video/mp4;base64,CCC"])
+    assert clips["content_parts"] == [{"type": "image_url", "url": "data:image/png;base64,AAA"},
+                                      {"type": "video_url", "url": "data:video/mp4;base64,CCC"}]
 
 
 def test_server_args_get_the_token_route_and_tempered_logprobs_unless_given():

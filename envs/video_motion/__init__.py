@@ -1,13 +1,14 @@
 """The video-motion task in one place (`--rollout-interaction-env-path envs.video_motion`): a learnable multi-turn
 VIDEO task for the CPU demo, in which the order of the frames, not any one frame, carries the answer.
 
-A bright square slides left or right across a dark 32x32 frame that wraps around (a ring). The episode opens with a
-short clip (reset's observation: 5 frames at 2 fps, half a frame's width in all) and the question; a reply answers
-left or right by its first letter, or asks to watch the motion again at half speed (a 9-frame clip over the same
-path). The start column is uniform, so every single frame is equally likely under both directions, and from the same
-start the left and the right clips share their first and last frames: only the order of the frames between them
-tells the direction. `shuffle_frames: true` shows every clip's frames in a seeded random order: the ablation, which
-no policy can beat the blind 0.5 on.
+A bright square sweeps left or right across a dark 32x32 frame, from one edge to the other (no wrapping), at a row
+drawn from the episode's seed. The episode opens with a short clip (reset's observation: 5 frames at 2 fps) and the
+question; a reply answers left or right by its first letter, or asks to watch the motion again at half speed (a
+9-frame clip over the same path). The left clip of a seed is the right clip of that seed reversed in time, so both
+directions show exactly the same frames: a single frame without its place in time says nothing, and only the
+frames' ORDER tells the direction (where the square is early and where late; no motion estimate between two frames
+is needed). `shuffle_frames: true` shows every clip's frames in a seeded random order, which removes the order and
+so the direction: the ablation, which no policy can beat the blind 0.5 on, is the proof that the task needs it.
 
 Reward: `turn_discount ** (k - 1)` (default 0.9) for a right answer at turn k, 0 for a wrong one (or a reply with no
 letter). With 2 turns (configs/video_motion_tiny.yaml): reading the first clip earns 1, reading only the slow one

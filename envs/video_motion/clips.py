@@ -1,28 +1,33 @@
-"""The clips of the video-motion task (numpy): a bright square sliding horizontally across a dark frame.
+"""The clips of the video-motion task (numpy): a bright square sweeping horizontally across a dark frame.
 
-The frame is a ring: the square leaves one side and comes back on the other (columns are taken modulo the frame
-width W). A clip of T frames moves it by `step = W / (2 (T - 1))` pixels per frame, so its first and last frames are
-half a width apart: from the same start, the left and the right clip have the SAME first and last frames, and only
-the frames between them (in their order) tell the direction. The start column is uniform over the W columns (drawn
-from the episode's seed), so every single frame, at every position in the clip, is exactly as likely under either
-direction: no frame alone says anything (frame t of a right clip from x is frame t of the left clip from
-x + 2 t step).
+The square (side W/4 for a frame of side W) slides from one edge of the frame to the other, once, without wrapping.
+Moving right, its left column is 0, s, 2s, ..., W - side over the first clip's T frames (s = (W - side) / (T - 1):
+6 px for W = 32, T = 5); moving left, the same columns in the reverse order. Its row is the same in every frame of
+an episode: the top row is drawn from the episode's seed, uniform over 0..W - side, so the frames differ between
+episodes. The left clip of a seed is exactly the right clip of that seed reversed in time.
 
-The slow clip is the same motion at half speed: 2T - 1 frames at the same rate, half a step apart, from the same
-start to the same end (its even frames are the first clip's frames), lasting twice as long. Same rate, not twice the
-rate over the same seconds: Qwen3-VL's video processor samples clips at 2 frames per second, so a clip taken at the
-sampling rate keeps every frame (9 frames at 4 fps would be cut to 4 of them, unevenly spaced).
+So what tells the direction is the frames' ORDER, not what is in them:
 
-With `shuffled`, a clip has the same frames in an order drawn from the episode's seed (one order per clip kind): the
-multiset of frames of a right clip from x is that of the left clip from x + W/2, so a shuffled clip carries no
-direction at all.
+- the two directions of a seed show the same frames (the same multiset), and every frame of a sweep appears in both
+  directions: a single frame, without its place in time, says nothing about the direction;
+- a frame WITH its place in time says everything: moving right the square is on the left early and on the right
+  late, moving left the other way round. Reading it needs no motion estimate between two frames, only where the
+  square is in (say) the first frame;
+- with `shuffled`, a clip shows its frames in an order drawn from the episode's seed (one order per clip kind, never
+  from the direction). A shuffled right clip is the right sweep's frames in a random order, a shuffled left clip the
+  same frames in a random order: the two have one distribution, and the shuffled clip carries no direction at all.
+  That ablation is the proof that the task needs the order of the frames.
+
+The slow clip is the same sweep at half speed: 2T - 1 frames at the same rate, half a step (s/2) apart, from the
+same start to the same end (its even frames are the first clip's frames), lasting twice as long. Same rate, not twice
+the rate over the same seconds: Qwen3-VL's video processor samples clips at 2 frames per second, so a clip taken at
+the sampling rate keeps every frame (9 frames at 4 fps would be cut to 4 of them, unevenly spaced). Both clips move
+by whole pixels: `check_geometry` wants W - side to be a multiple of 2 (T - 1).
 
 No jax; numpy and `rollout.video.Clip`.
 """
 
 from __future__ import annotations
-
-import functools
 
 import numpy as np
 
@@ -43,24 +48,31 @@ CLIP_KINDS: tuple[str, ...] = (FIRST_CLIP, SLOW_CLIP)
 
 __all__ = ["BACKGROUND_RGB", "CLIP_KINDS", "DEFAULT_FPS", "DEFAULT_FRAME_SIZE", "DEFAULT_NUM_FRAMES", "FIRST_CLIP",
            "SLOW_CLIP", "SQUARE_RGB", "check_geometry", "clip_frames", "frame_at", "frames_at", "make_clip",
-           "num_frames_of", "positions", "shuffle_order", "square_side", "start_column", "step_of"]
-
-
-def check_geometry(frame_size: int, num_frames: int) -> None:
-    """ValueError unless both clips move by whole pixels (4 (num_frames - 1) must divide frame_size), num_frames >= 3
-    (two frames half a width apart would say nothing) and frame_size >= 8."""
-    for name, value, least in (("frame_size", frame_size, 8), ("num_frames", num_frames, 3)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < least:
-            raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
-    if frame_size % (4 * (num_frames - 1)):
-        fits = [t for t in range(3, frame_size // 4 + 2) if frame_size % (4 * (t - 1)) == 0]
-        raise ValueError(f"frame_size {frame_size} is not a multiple of 4 * (num_frames - 1) = {4 * (num_frames - 1)}: "
-                         f"the clips would move by fractions of a pixel (num_frames that fit: {fits})")
+           "num_frames_of", "positions", "shuffle_order", "square_side", "step_of", "top_row", "travel"]
 
 
 def square_side(frame_size: int) -> int:
     """Side of the square: a quarter of the frame."""
     return max(1, frame_size // 4)
+
+
+def travel(frame_size: int) -> int:
+    """How far the square's left column goes over a sweep: frame_size - square_side (edge to edge)."""
+    return frame_size - square_side(frame_size)
+
+
+def check_geometry(frame_size: int, num_frames: int) -> None:
+    """ValueError unless frame_size >= 8, num_frames >= 3 and both clips move by whole pixels: the square's travel
+    (frame_size - frame_size // 4) must be a multiple of 2 (num_frames - 1), the slow clip's half steps included."""
+    for name, value, least in (("frame_size", frame_size, 8), ("num_frames", num_frames, 3)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+    span = travel(frame_size)
+    if span % (2 * (num_frames - 1)):
+        fits = [t for t in range(3, span // 2 + 2) if span % (2 * (t - 1)) == 0]
+        raise ValueError(f"the square's travel frame_size - side = {frame_size} - {square_side(frame_size)} = {span} "
+                         f"is not a multiple of 2 * (num_frames - 1) = {2 * (num_frames - 1)}: the clips would move by "
+                         f"fractions of a pixel (num_frames that fit: {fits})")
 
 
 def num_frames_of(kind: str, num_frames: int) -> int:
@@ -75,47 +87,46 @@ def num_frames_of(kind: str, num_frames: int) -> int:
 def step_of(kind: str, frame_size: int, num_frames: int) -> int:
     """Pixels the square moves between consecutive frames of a clip of `kind` (the slow clip: half the first's)."""
     check_geometry(frame_size, num_frames)
-    return frame_size // (2 * (num_frames_of(kind, num_frames) - 1))
+    return travel(frame_size) // (num_frames_of(kind, num_frames) - 1)
 
 
-def start_column(seed: int, frame_size: int) -> int:
-    """The square's first column in the episode drawn by `seed`: uniform over the frame's columns."""
-    return int(np.random.default_rng([seed, 0]).integers(frame_size))
+def top_row(seed: int, frame_size: int) -> int:
+    """The square's top row in the episode drawn by `seed`: uniform over 0..frame_size - side (the same in every
+    frame of the episode, both clips and both directions)."""
+    return int(np.random.default_rng([seed, 0]).integers(travel(frame_size) + 1))
 
 
-def positions(direction: str, start: int, kind: str, frame_size: int, num_frames: int) -> list[int]:
-    """The square's left column in each frame of the clip, in time order (modulo `frame_size`)."""
-    sign = {"left": -1, "right": 1}.get(direction)
-    if sign is None:
+def positions(direction: str, kind: str, frame_size: int, num_frames: int) -> list[int]:
+    """The square's left column in each frame of the clip, in time order: 0 up to frame_size - side by the clip's
+    step moving right, the same columns reversed moving left."""
+    if direction not in ("left", "right"):
         raise ValueError(f"direction must be 'left' or 'right', got {direction!r}")
     step = step_of(kind, frame_size, num_frames)
-    return [(start + sign * t * step) % frame_size for t in range(num_frames_of(kind, num_frames))]
+    columns = [t * step for t in range(num_frames_of(kind, num_frames))]
+    return columns if direction == "right" else columns[::-1]
 
 
-@functools.lru_cache(maxsize=8)
-def _ring(frame_size: int) -> np.ndarray:
-    """Every frame of the ring [W, H, W, 3] uint8 (read-only), the c-th with the square's left side at column c."""
+def frames_at(columns: list[int] | np.ndarray, top: int, frame_size: int) -> np.ndarray:
+    """Frames [T, H, W, 3] uint8 (a new array), the t-th with the square's left side at `columns[t]` and its top at
+    row `top` (the square must lie inside the frame)."""
     side = square_side(frame_size)
-    top = (frame_size - side) // 2
+    columns = np.asarray(columns, np.int64)
+    if columns.size and (columns.min() < 0 or columns.max() > frame_size - side):
+        raise ValueError(f"columns must be in 0..{frame_size - side}, got {columns.tolist()}")
+    if not 0 <= top <= frame_size - side:
+        raise ValueError(f"top must be in 0..{frame_size - side}, got {top!r}")
     span = np.arange(frame_size)
-    on = (span[None, :] - span[:, None]) % frame_size < side  # [column, W]
-    band = np.where(on[..., None], np.array(SQUARE_RGB, np.uint8), np.array(BACKGROUND_RGB, np.uint8))  # [c, W, 3]
-    frames = np.empty((frame_size, frame_size, frame_size, 3), np.uint8)
+    on = (span[None, :] >= columns[:, None]) & (span[None, :] < columns[:, None] + side)  # [T, W]
+    band = np.where(on[..., None], np.array(SQUARE_RGB, np.uint8), np.array(BACKGROUND_RGB, np.uint8))  # [T, W, 3]
+    frames = np.empty((len(columns), frame_size, frame_size, 3), np.uint8)
     frames[:] = BACKGROUND_RGB
     frames[:, top : top + side] = band[:, None]
-    frames.flags.writeable = False
     return frames
 
 
-def frames_at(columns: list[int] | np.ndarray, frame_size: int) -> np.ndarray:
-    """Frames [T, H, W, 3] uint8 (a new array), the t-th with the square's left side at `columns[t]` (wrapping around
-    the right edge), the square vertically centred."""
-    return _ring(frame_size)[np.asarray(columns, np.int64) % frame_size]
-
-
-def frame_at(column: int, frame_size: int) -> np.ndarray:
+def frame_at(column: int, top: int, frame_size: int) -> np.ndarray:
     """One frame [H, W, 3] uint8 (`frames_at`)."""
-    return frames_at([column], frame_size)[0]
+    return frames_at([column], top, frame_size)[0]
 
 
 def shuffle_order(seed: int, kind: str, length: int) -> np.ndarray:
@@ -126,8 +137,8 @@ def shuffle_order(seed: int, kind: str, length: int) -> np.ndarray:
 def clip_frames(direction: str, seed: int, kind: str, frame_size: int = DEFAULT_FRAME_SIZE,
                 num_frames: int = DEFAULT_NUM_FRAMES, shuffled: bool = False) -> np.ndarray:
     """The frames [T, H, W, 3] uint8 of the episode's clip of `kind`: in time order, or in the seed's shuffled order."""
-    start = start_column(seed, frame_size)
-    frames = frames_at(positions(direction, start, kind, frame_size, num_frames), frame_size)
+    columns = positions(direction, kind, frame_size, num_frames)
+    frames = frames_at(columns, top_row(seed, frame_size), frame_size)
     if shuffled:
         frames = frames[shuffle_order(seed, kind, len(frames))]
     return frames

@@ -4,8 +4,9 @@ Episode (`VideoMotionEnv`, options `VideoMotionOptions` read once per env from `
 
 - The episode has a hidden direction (left or right) and a seed, both from the dataset row's label
   (`envs.video_motion.synthetic`). The prompt row has no picture: `reset()` opens the episode with the first clip
-  (`clips`: by default 5 frames of 32x32 at 2 fps, the square moving half the frame's width on a ring) and
-  `prompts.QUESTION`. No single frame tells the direction; only the order of the frames does.
+  (`clips`: by default 5 frames of 32x32 at 2 fps, the square sweeping from one edge of the frame to the other at
+  a row drawn from the seed) and `prompts.QUESTION`. Both directions of a seed show the same frames (left is right
+  reversed in time), so no frame without its place in time tells the direction; only the order of the frames does.
 - Each model turn acts by its reply's first ASCII letter (`answers.parse_reply`): a-l answers left, m-r right,
   s-z asks for the slow clip (the same motion at half speed: 2T - 1 frames at the same rate, twice as long),
   which comes back with `prompts.SLOW_QUESTION` if turns are left. Every later "slow" shows the same slow clip.
@@ -18,8 +19,8 @@ Episode (`VideoMotionEnv`, options `VideoMotionOptions` read once per env from `
 The feedback never names the direction (a reward computed on a transcript could not find the answer in it).
 
 `shuffle_frames: true` is the ablation that shows the order of the frames carries the signal: every clip the env
-shows has the same frames in an order drawn from the episode's seed, so the direction cannot be recovered (a
-trained policy must stay at the blind 0.5). The clips are made here at reset, so the same data serve both arms.
+shows has the same frames in an order drawn from the episode's seed, never from the direction; since the two
+directions have the same frames, the direction cannot be recovered (a trained policy must stay at the blind 0.5). The clips are made here at reset, so the same data serve both arms.
 """
 
 from __future__ import annotations
@@ -52,8 +53,9 @@ class VideoMotionOptions(EnvOptions):
         False, "video_motion: frame-shuffled ablation; every clip shows its frames in an order drawn from the "
         "episode's seed, so the direction cannot be recovered.")
     frame_size: int = option(
-        clips.DEFAULT_FRAME_SIZE, "video_motion: side of the square frames in pixels (a multiple of "
-        "4*(num_frames-1); 32 is 2x2 patches for Qwen3-VL).", ge=8)
+        clips.DEFAULT_FRAME_SIZE, "video_motion: side of the square frames in pixels; the square (side "
+        "frame_size//4) travels frame_size - frame_size//4, a multiple of 2*(num_frames-1) (32 is 2x2 patches for "
+        "Qwen3-VL).", ge=8)
     num_frames: int = option(
         clips.DEFAULT_NUM_FRAMES, "video_motion: frames of the first clip; the slow clip has 2*num_frames-1.", ge=3)
     fps: float = option(

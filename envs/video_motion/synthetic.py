@@ -4,15 +4,15 @@ episode's hidden direction and seed.
 Rows have the Geometry3K layout the prompt loader reads (`problem`, `answer`, `images`, plus a `params` column it
 ignores), written by `envs.rows.write_rows`: `problem` is empty and `images` is an empty list, since the env makes
 the clips at reset (`envs.video_motion.clips`), and `answer` is the JSON label `{"direction": "left" | "right",
-"seed": S}` that `build_env` reads; the seed draws the square's start column and, for the `shuffle_frames` ablation,
-the frame orders. `params` repeats the label with the row index. The frames' size, count and rate are env options,
+"seed": S}` that `build_env` reads; the seed draws the square's row (top row uniform over 0..frame_size - side) and,
+for the `shuffle_frames` ablation, the frame orders. `params` repeats the label with the row index. The frames' size, count and rate are env options,
 not data, so the same file serves every clip setting and both arms of the ablation.
 
 Row i depends only on (seed, i): `generate_rows(n, s)[:k] == generate_rows(k, s)`. Each block of 2 consecutive rows
 has each direction once (in a random order), so an unshuffled batch of an even number of prompts is balanced. The
 training and held-out files are two calls with different seeds (`--make-data` uses --seed and --seed + 1); they
-share the distribution, not the rows (there are only 2 x frame_size distinct first clips, so a held-out set measures
-the policy off the training rows' batches, not generalization to unseen motions).
+share the distribution, not the rows (there are only 2 x (frame_size - side + 1) distinct first clips, 50 at 32x32,
+so a held-out set measures the policy off the training rows' batches, not generalization to unseen motions).
 
 Run `python -m envs.video_motion.synthetic OUT --rows N --seed S`. No jax; numpy and pyarrow.
 """

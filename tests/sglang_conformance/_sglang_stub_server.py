@@ -343,7 +343,8 @@ class StubTokenizerManager(TokenizerManager):
                 params.verify(VOCAB_SIZE)
                 adapter = self.scheduler.lora_refs.get(obj.lora_id) if obj.lora_id else None
                 self.scheduler.seen[obj.rid] = {"lora_path": obj.lora_path, "lora_id": obj.lora_id,
-                                                "adapter_dir": adapter.lora_path if adapter else None}
+                                                "adapter_dir": adapter.lora_path if adapter else None,
+                                                "image_data": obj.image_data, "video_data": obj.video_data}
                 self.scheduler.add(_Running(obj.rid, state, list(obj.input_ids), params,
                                             return_routed_experts=obj.return_routed_experts))
                 await state.event.wait()
@@ -409,7 +410,8 @@ def _hold_route(tm: StubTokenizerManager) -> Any:
 
 
 def _seen_route(tm: StubTokenizerManager) -> Any:
-    """GET /stub/seen/RID: the adapter the request resolved to and the routed experts produced for it."""
+    """GET /stub/seen/RID: the adapter the request resolved to, its pictures and clips as SGLang normalized them, and
+    the routed experts produced for it."""
     async def seen(rid: str) -> dict[str, Any]:
         return tm.scheduler.seen.get(rid, {})
 

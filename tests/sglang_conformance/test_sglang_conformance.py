@@ -15,15 +15,20 @@ from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import aiohttp
+import numpy as np
 import pytest
+from PIL import Image
 
 from conftest import SGLANG_VERSION, run_in_sglang
 from envs.base import BaseInteractionEnv
 from rollout.client import SGLangClient
 from rollout.encoding import ChatEncoder
 from rollout.multiturn import RolloutContext, generate
+from rollout.processing import image_to_data_url
 from rollout.sample import Sample, Status
 from rollout.sglang_wire import FinishType, WeightVersionSpan
+from rollout.video import Clip
+from rollout.video_io import clip_to_data_url, load_clip
 
 pytestmark = pytest.mark.sglang_conformance
 
@@ -67,6 +72,23 @@ async def test_generate_with_every_sampling_param_the_client_sends(sglang_server
     assert result.weight_version == "default"
     assert result.weight_version_spans == (WeightVersionSpan("default", 0, 4),)
     assert greedy.finish_reason is FinishType.LENGTH and len(greedy.output_ids) == 2
+
+
+async def test_a_clip_request_passes_sglangs_request_model_with_its_video_data(sglang_server):
+    """A turn with a picture and two clips (one compact pad each): SGLang's GenerateReqInput takes the body and keeps
+    the clips' data URLs as they were sent, in order, beside the picture."""
+    rng = np.random.default_rng(0)
+    clips = [clip_to_data_url(Clip.of(rng.integers(0, 256, (n, 24, 32, 3), dtype=np.uint8), 2.0)) for n in (3, 5)]
+    picture = image_to_data_url(Image.new("RGB", (32, 32), (200, 10, 10)))
+    async with client_for(sglang_server.url) as client:
+        result = await client.generate([151644, 151652, 151656, 151653, 151652, 151655, 151653, 151652, 151656, 151653],
+                                       image_data=[picture], video_data=clips, sampling_params=PARAMS, rid="clips")
+        async with aiohttp.ClientSession() as http:
+            async with http.get(sglang_server.url + "/stub/seen/clips") as reply:
+                seen = await reply.json()
+    assert result.finish_reason is FinishType.LENGTH
+    assert seen["video_data"] == clips and seen["image_data"] == [picture]
+    assert load_clip(seen["video_data"][1]).frames.shape == (5, 24, 32, 3)
 
 
 async def test_info_loads_flush_and_colocate_calls(sglang_server):

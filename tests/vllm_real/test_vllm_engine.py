@@ -24,8 +24,11 @@ from PIL import Image
 
 from jaxrl_vlm.job.run_log import read_metrics
 from rollout.client import EngineRefused
+from rollout.encoding import ChatEncoder
+from rollout.multiturn import merge_multimodal_chunks
 from rollout.processing import load_image_processor, load_tokenizer, process_images
 from rollout.sglang_wire import FinishType
+from rollout.video import Clip, load_video_processor_config
 from rollout.vllm_client import DeltaUnsupported, VLLMClient, detect_engine_api
 
 
@@ -87,6 +90,61 @@ def test_generation_with_images_matches_transformers_at_the_rollout_temperature(
     np.testing.assert_allclose(result.output_log_probs, ref, atol=1e-4)
     untempered = _reference_logprobs(tiny32_untied, train, result.output_ids, pixels, grid, temperature=1.0)
     assert np.abs(untempered - ref).max() > 1e-2, "the test cannot tell tempered from raw log-probs"
+
+
+def _trainer_logprobs(model_dir: Path, train_ids: list[int], output_ids: list[int], mm: dict, temperature: float
+                      ) -> np.ndarray:
+    """The trainer's model (ours, JAX, fp32) on the training view: log_softmax(logits / T) of `output_ids`."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxrl_vlm.models import build_vision_inputs, from_hf, get_rope_index
+
+    model = from_hf(model_dir)
+    cfg = model.cfg
+    tokens = np.asarray([train_ids + output_ids], np.int64)
+    positions, _ = get_rope_index(tokens, mm.get("image_grid_thw"), None, cfg, video_grid_thw=mm["video_grid_thw"])
+    vision = build_vision_inputs(mm.get("pixel_values", np.zeros((0, cfg.vision.patch_dim), np.float32)),
+                                 mm.get("image_grid_thw", np.zeros((0, 3), np.int64)), tokens, cfg,
+                                 pixel_values_videos=mm["pixel_values_videos"], video_grid_thw=mm["video_grid_thw"])
+    hidden = model(jnp.asarray(tokens, jnp.int32), jnp.asarray(positions), jnp.ones(tokens.shape, jnp.int32), vision)
+    lp = np.asarray(jax.nn.log_softmax(model.logits(hidden)[0] / temperature, axis=-1))
+    n = len(train_ids)
+    return np.array([lp[n - 1 + i, t] for i, t in enumerate(output_ids)])
+
+
+def test_a_two_turn_clip_episode_matches_the_trainers_logprobs(untied_server, tiny32_untied):
+    """Clips as `video_url` content parts of the token route: a clip in the prompt, a second clip in an observation.
+    vLLM expands each compact `<|video_pad|>` exactly as our encoder does (its prompt token counts), samples the
+    same frames from the lossless MP4, and its log-probs at the rollout temperature are the trainer's within 1e-3."""
+    encoder = ChatEncoder(load_tokenizer(tiny32_untied), load_image_processor(tiny32_untied),
+                          video_config=load_video_processor_config(tiny32_untied))
+    rng = np.random.default_rng(3)
+    first = Clip.of(rng.integers(0, 256, (7, 48, 64, 3), dtype=np.uint8), 2.0)
+    second = Clip.of(rng.integers(0, 256, (4, 64, 48, 3), dtype=np.uint8), 2.0)
+    prompt = encoder.encode_prompt([{"role": "user", "content": [{"type": "video", "video": first},
+                                                                 {"type": "text", "text": "Which way?"}]}])
+    params = {"max_new_tokens": 8, "temperature": 0.7, "sampling_seed": 5, "ignore_eos": True}
+
+    async def run():
+        async with VLLMClient(untied_server, vocab_size=1024) as client:
+            one = await client.generate(prompt.wire_ids, video_data=prompt.video_data, sampling_params=params)
+            obs = encoder.encode_observation(
+                [{"role": "user", "content": [{"type": "video", "video": second}, {"type": "text", "text": "Again"}]}],
+                model_ended_turn=False)
+            two = await client.generate(prompt.wire_ids + one.output_ids + obs.wire_ids,
+                                        video_data=prompt.video_data + obs.video_data, sampling_params=params)
+        return one, obs, two
+
+    one, obs, two = asyncio.run(run())
+    assert one.prompt_tokens == len(prompt.train_ids)
+    ours = _trainer_logprobs(tiny32_untied, prompt.train_ids, one.output_ids, prompt.mm_inputs, 0.7)
+    np.testing.assert_allclose(one.output_log_probs, ours, atol=1e-3)
+    train = prompt.train_ids + one.output_ids + obs.train_ids
+    assert two.prompt_tokens == len(train)
+    mm = merge_multimodal_chunks([prompt.mm_inputs, obs.mm_inputs], "episode")
+    np.testing.assert_allclose(two.output_log_probs, _trainer_logprobs(tiny32_untied, train, two.output_ids, mm, 0.7),
+                               atol=1e-3)
 
 
 async def _until_one_request_runs(url: str, timeout_s: float = 60.0) -> None:
