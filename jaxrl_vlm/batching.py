@@ -131,6 +131,8 @@ class BatchLayout:
     packing: bool
     images: int = 0  # image occurrences of the samples placed
     distinct_images: int = 0  # images the tower encodes: distinct per micro-batch with vision reuse, else = images
+    clips: int = 0  # clip occurrences of the samples placed
+    distinct_clips: int = 0  # clips the tower encodes (as distinct_images)
 
     @property
     def padding_efficiency(self) -> float:
@@ -888,6 +890,7 @@ def _materialize(
     ])
 
     n_images = sum(len(s.grid) for s in seqs)
+    n_clips = sum(len(s.clips.grid) for s in seqs)
     if vision_reuse:
         # Each micro-batch's distinct images (and clips), in first-seen (row-major token) order: (sample, its image
         # j) of the first copy, and the distinct index of every occurrence.
@@ -913,9 +916,10 @@ def _materialize(
                       + sum(int(np.prod(seqs[i].clips.grid[j])) for i, j in clips)
                       for firsts, clips in zip(mb_distinct, mb_clips)]
         n_distinct = sum(len(firsts) for firsts in mb_distinct)
+        n_distinct_clips = sum(len(firsts) for firsts in mb_clips)
     else:
         mb_patches = [sum(seqs[i].num_patches for i in items) for items in mb_items]
-        n_distinct = n_images
+        n_distinct, n_distinct_clips = n_images, n_clips
     vision = None
     p_n = 0
     if has_vision:
@@ -972,6 +976,8 @@ def _materialize(
         packing=packing,
         images=n_images,
         distinct_images=n_distinct,
+        clips=n_clips,
+        distinct_clips=n_distinct_clips,
     )
     return TrainBatch(arrays, layout)
 

@@ -60,6 +60,9 @@ _BATCH = (
     MetricDoc("train/vision_images", "sum over the step's batches", "Image occurrences in the trained samples."),
     MetricDoc("train/vision_images_distinct", "sum over the step's batches", "Images the vision tower encodes: "
               "distinct per micro-batch with --vision-reuse (on by default), else every copy."),
+    MetricDoc("train/vision_clips", "sum over the step's batches", "Clip (video) occurrences in the trained samples."),
+    MetricDoc("train/vision_clips_distinct", "sum over the step's batches", "Clips the vision tower encodes: "
+              "distinct per micro-batch with --vision-reuse, else every copy."),
     MetricDoc("batch/compiled_programs", "running total", "Train-step programs compiled so far (one per shape)."),
 )
 

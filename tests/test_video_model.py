@@ -304,6 +304,7 @@ def test_the_train_batch_packs_clip_episodes_that_match_transformers(pair, reuse
     a = batch.arrays  # [1, 2, T_FIX] and PATCH_BUCKET: without reuse, the program of the tests above serves it
     assert batch.layout.shape_key[0] == 1 and a.tokens.shape[1] <= 2
     assert batch.layout.real_patches == (32 + 16 if reuse else 2 * 32 + 16)
+    assert (batch.layout.clips, batch.layout.distinct_clips, batch.layout.images) == (3, 2 if reuse else 3, 0)
     dtype = next(ref.parameters()).dtype
     with torch.no_grad():
         want = ref(**ep.torch_kwargs(dtype)).logits.numpy()

@@ -529,6 +529,8 @@ class Trainer:
         metrics["batch/real_tokens"] = float(sum(b.layout.real_tokens for b, _ in batches))
         metrics["train/vision_images"] = float(sum(b.layout.images for b, _ in batches))
         metrics["train/vision_images_distinct"] = float(sum(b.layout.distinct_images for b, _ in batches))
+        metrics["train/vision_clips"] = float(sum(b.layout.clips for b, _ in batches))
+        metrics["train/vision_clips_distinct"] = float(sum(b.layout.distinct_clips for b, _ in batches))
         metrics["batch/compiled_programs"] = float(self.compiled_programs())
         if sft:
             return metrics
