@@ -45,8 +45,10 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 from PIL import Image
 
+from rollout.clip_cache import ProcessedClipCache
+from rollout.clip_cache import cache_key as clip_cache_key
 from rollout.image_cache import ProcessedImageCache
-from rollout.video import Clip, ClipError, VideoProcessorConfig, process_clips
+from rollout.video import Clip, ClipError, VideoProcessorConfig
 from rollout.video_io import clip_to_data_url, load_clip
 from rollout.processing import (
     VisionTokens,
@@ -206,6 +208,7 @@ class ChatEncoder:
                  template_kwargs: Mapping[str, Any] | None = None, video_config: VideoProcessorConfig | None = None):
         self.tokenizer = tokenizer
         self.video_config = video_config  # the checkpoint's video processor; None: clips are refused
+        self.clips = None if video_config is None else ProcessedClipCache(video_config)
         self.image_processor = image_processor
         self.images = ProcessedImageCache(image_processor)
         self.vision = vision or VisionTokens.from_tokenizer(tokenizer)
@@ -379,15 +382,16 @@ class ChatEncoder:
         """
         if not items:
             return [], None, []
-        if self.video_config is None:
+        if self.clips is None:
             raise ClipError("this model directory has no video_preprocessor_config.json: clips cannot be encoded")
-        clips: list[Clip] = []
-        urls: list[str] = []
-        for item in items:
-            clip = item if isinstance(item, Clip) else read(item)
-            clips.append(clip)
-            urls.append(item if isinstance(item, str) else clip_to_data_url(clip))
-        done = process_clips(clips, self.video_config)
+        # A Clip from an environment is written to its data URL here (the engine's view); a URL seen before (every
+        # turn re-sends the episode's clips, a group shares its prompt's) is neither decoded nor processed again.
+        urls = [item if isinstance(item, str) else clip_to_data_url(item) for item in items]
+
+        def load(i: int) -> Clip:
+            return items[i] if isinstance(items[i], Clip) else read(items[i])
+
+        done = self.clips.process([clip_cache_key(url) for url in urls], load)
         mm = {"pixel_values_videos": done.pixel_values_videos, "video_grid_thw": done.video_grid_thw}
         if not self.video_config.temporal_timestamps:
             mm["second_per_grid_ts"] = done.second_per_grid_ts

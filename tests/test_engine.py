@@ -246,6 +246,8 @@ async def test_a_two_turn_clip_episode_equals_transformers_generate_and_reuses_t
         obs = encoder.encode_observation(
             [{"role": "user", "content": [{"type": "video", "video": second}, {"type": "text", "text": "Again:"}]}],
             model_ended_turn=one.output_ids[-1] == encoder.vision.im_end)
+        engine_clips = engine.engine.preparer.encoder.clips
+        hits = engine_clips.hits
         two = await c.generate(prompt.wire_ids + one.output_ids + obs.wire_ids,
                                video_data=prompt.video_data + obs.video_data, sampling_params=GREEDY)
     train = prompt.train_ids + one.output_ids + obs.train_ids
@@ -256,6 +258,7 @@ async def test_a_two_turn_clip_episode_equals_transformers_generate_and_reuses_t
     np.testing.assert_allclose(two.output_log_probs, hf_logprobs(hf, train, two.output_ids, mm, pad), atol=1e-4, rtol=0)
     assert two.prompt_tokens == len(train)
     assert two.cached_tokens == one.prompt_tokens + len(one.output_ids) - 1  # all but the last sampled token
+    assert engine_clips.hits == hits + 1  # the re-sent first clip was neither decoded nor processed again
 
 
 async def test_prompt_logprobs_of_a_trajectory_with_its_picture_equal_the_trainer_forward(engine, encoder,

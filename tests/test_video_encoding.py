@@ -21,7 +21,7 @@ from jaxrl_vlm.tiny_assets import save_tiny_processing
 from rollout.encoding import ChatEncoder, TranscriptError, check_prefix_stability, encode_transcript
 from rollout.processing import load_image_processor, load_tokenizer
 from rollout.video import Clip, ClipError, load_video_processor_config, process_clips
-from rollout.video_io import load_clip
+from rollout.video_io import clip_to_data_url, load_clip
 
 
 def _clip(seed: int, frames: int, size: tuple[int, int] = (40, 56), fps: float = 4.0) -> Clip:
@@ -94,6 +94,27 @@ def test_an_observation_with_a_picture_and_a_clip_after_a_clip_prompt(family, ma
     reference = encoder.expand_image_pads(_reference_ids(name, encoder, whole, [first, second]),
                                           obs.mm_inputs["image_grid_thw"])
     assert train == reference
+
+
+def test_a_clip_seen_before_is_neither_decoded_nor_processed_again(family):
+    """Every turn re-sends the episode's clips as data URLs: the second encoding of the same URL is a cache hit with
+    the same tensors and tokens; a different clip misses."""
+    _, _, encoder = family
+    clip = _clip(8, 6)
+    reads = []
+
+    def read(url):
+        reads.append(url)
+        return load_clip(url)
+
+    (url,), first, tokens = encoder.encode_clips([clip])
+    hits = encoder.clips.hits
+    (same,), again, tokens_again = encoder.encode_clips([url], read)
+    assert same == url and reads == [] and encoder.clips.hits == hits + 1 and tokens_again == tokens
+    for key in first:
+        np.testing.assert_array_equal(again[key], first[key])
+    encoder.encode_clips([clip_to_data_url(_clip(9, 6))], read)
+    assert len(reads) == 1  # a new clip is read
 
 
 def test_observations_carry_clips_through_the_env_contract():
