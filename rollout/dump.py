@@ -11,18 +11,34 @@ in `metadata["offpolicy_masked_runs"]`), and the observation of that turn is the
 When the episode loop's `TurnRecord`s line up with that split (they do for every non-FAILED episode of the
 default loop), each turn also carries its record's finish reason, latencies, retries and weight version.
 
-Image pads are shown compacted (one `<|image_pad|>` per image) in decoded text; token counts are always in the
-training view (pads expanded).
+Image pads are shown compacted (one `<|image_pad|>` per image) in decoded text, and so are clips: each clip as the
+chat template wrote it, one `<|video_pad|>` between the template's vision markers; the timestamps (`<0.5 seconds>`)
+and inner vision markers of its frame groups are dropped from the text (the clip's frame count and fps are in its
+reference, and the `tokens` rows keep every token). Token counts are always in the training view (pads expanded).
 
 For the trajectory viewer (`jaxrl-vlm view`, `jaxrl_vlm/viewer/`), `dump_samples` (unless `images=False`) also writes
 every picture the engine received (`Sample.image_data`: already at the image processor's size) as a PNG next to
 the dump, in `<dump stem>_images/`, shrunk to at most `thumbnail_px` on its longer side, and references them from
 the record (`prompt_images`, per turn `images`, each `{"file", "width", "height", "sent_width", "sent_height"}`,
 the file relative to the dump's directory); and, per turn, `tokens`: `[text, loss_mask, log_prob, count]` per
-response token (a run of image pads is one entry with its count), so the viewer colours tokens by mask and shows
-log-probs; with on-policy distillation (a sample with `teacher_log_probs`) also `teacher_logprobs`, the teacher's
-log-prob of each `tokens` row (null on observation rows and image pads), shown beside the student's.
-`validate_dump` checks both when present: files exist, counts add up to the turn's tokens.
+response token (a run of image pads, or of video pads, is one entry with its count), so the viewer colours tokens
+by mask and shows log-probs; with on-policy distillation (a sample with `teacher_log_probs`) also
+`teacher_logprobs`, the teacher's log-prob of each `tokens` row (null on observation rows and image pads), shown
+beside the student's.
+
+Clips (`Sample.video_data`, every frame the engine received, in order) are written the same way, one PNG per frame
+(`g<group>_i<index>_clip<k>_f<j>.png`, shrunk like pictures), and referenced as `prompt_clips` and per turn `clips`,
+each `{"frames": [file, ...], "fps", "width", "height", "sent_width", "sent_height"}` (a turn's also `"row"`: the
+index in its `tokens` of the clip's first video-pad row, where the viewer puts the player). A clip belongs to the
+prompt or to the turn whose tokens hold its first pad. Which pads are one clip's: with the sample's
+`video_grid_thw` (one row per clip), `t*h*w / VIDEO_MERGE_SIZE**2` pads each, taken in order over the runs of
+video pads (a clip is several runs for Qwen3-VL-style models: one per frame group, each after its timestamp text
+and between vision markers); without grids, or when they do not fit the runs, from the token structure: a run
+continues the clip before it exactly when it follows that clip's last `<|vision_end|>` with only a timestamp and a
+`<|vision_start|>` between (Qwen2.5-VL's clips are one run each). The record's `num_clips` counts the sample's clips.
+
+`validate_dump` checks both when present: files exist (every frame of every clip), counts add up to the turn's
+tokens, a clip has at least one frame and a positive fps, a turn's clip `row` points at a video-pad row.
 
 This module never imports jax.
 """
@@ -36,6 +52,8 @@ import enum
 import io
 import json
 import math
+import re
+from bisect import bisect_right
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -44,10 +62,20 @@ from typing import Any
 from PIL import Image
 
 from rollout.sample import Sample, Status, Termination, TerminationKind, TurnRecord
+from rollout.video import ClipError
+from rollout.video_io import load_clip
 
 DUMP_FORMAT = "jaxrl-vlm-rollout-dump/1"
 IMAGE_PAD_TOKEN = "<|image_pad|>"
+VIDEO_PAD_TOKEN = "<|video_pad|>"
 VISION_START_TOKEN = "<|vision_start|>"
+VISION_END_TOKEN = "<|vision_end|>"
+#: A clip's pads are t*h*w / VIDEO_MERGE_SIZE**2 of its `video_grid_thw` row (2: every shipped family's merge size).
+VIDEO_MERGE_SIZE = 2
+#: A frame group's timestamp text in a Qwen3-VL-style clip.
+_TIMESTAMP = re.compile(r"\s*<\d+(?:\.\d+)? seconds>\s*")
+#: Longest run of tokens searched for a timestamp before a frame group's `<|vision_start|>`.
+_TIMESTAMP_MAX_TOKENS = 24
 #: Longest side, in pixels, of a picture written next to a dump for the viewer (a larger one is shrunk).
 THUMBNAIL_PX = 256
 
@@ -163,13 +191,50 @@ def _json_value(value: Any) -> Any:
     return repr(value)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Group:
+    """One run of video pads [start, end) and its frame group's span [span_start, span_end): with a timestamp, from
+    the timestamp through the group's `<|vision_end|>`; without, the pads alone."""
+
+    start: int
+    end: int
+    span_start: int
+    span_end: int
+    timestamped: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class _ClipLayout:
+    """Where a sample's clips lie in its tokens: per clip (in order) the position of its first pad, and per token
+    whether decoded text keeps it (a clip's span collapses to its first pad)."""
+
+    first_pads: list[int]
+    keep: list[bool]
+
+
+def _runs(ids: Sequence[int], token: int | None) -> list[tuple[int, int]]:
+    """Maximal runs [start, end) of `token` in `ids`."""
+    if token is None:
+        return []
+    out: list[tuple[int, int]] = []
+    for k, t in enumerate(ids):
+        if t == token:
+            if out and out[-1][1] == k:
+                out[-1] = (out[-1][0], k + 1)
+            else:
+                out.append((k, k + 1))
+    return out
+
+
 class _Decoder:
-    """Decodes token ids for display, collapsing each run of image pads to one pad."""
+    """Decodes token ids for display, collapsing each run of image pads to one pad and each clip to one video pad."""
 
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
         self.image_pad = self._token_id(IMAGE_PAD_TOKEN)
+        self.video_pad = self._token_id(VIDEO_PAD_TOKEN)
         self.vision_start = self._token_id(VISION_START_TOKEN)
+        self.vision_end = self._token_id(VISION_END_TOKEN)
 
     def _token_id(self, token: str) -> int | None:
         tokenizer = self.tokenizer
@@ -178,27 +243,111 @@ class _Decoder:
         return found if isinstance(found, int) and found != unk else None
 
     def count_images(self, ids: Sequence[int]) -> int:
-        """Pictures in a token run: its `<|vision_start|>` tokens (else its runs of image pads)."""
-        if self.vision_start is not None:
-            return sum(1 for t in ids if t == self.vision_start)
-        if self.image_pad is None:
-            return 0
-        return sum(1 for k, t in enumerate(ids) if t == self.image_pad and (k == 0 or ids[k - 1] != self.image_pad))
+        """Pictures in a token run: its runs of image pads (a picture is one run; a clip's vision markers are not
+        pictures)."""
+        return len(_runs(ids, self.image_pad))
+
+    # ------------------------------------------------------------------ clips
+    def _timestamp_start(self, ids: Sequence[int], vision_start: int) -> int | None:
+        """Where the timestamp text before the `<|vision_start|>` at `vision_start` begins, when that text is a
+        timestamp (`<0.5 seconds>`) right after another vision marker; else None."""
+        if self.vision_start is None or self.vision_end is None:
+            return None
+        markers = (self.vision_start, self.vision_end)
+        k = vision_start - 1
+        while k >= 0 and ids[k] not in markers and vision_start - k <= _TIMESTAMP_MAX_TOKENS:
+            k -= 1
+        if k < 0 or ids[k] not in markers or k + 1 == vision_start:
+            return None
+        text = self.tokenizer.decode([int(t) for t in ids[k + 1 : vision_start]], skip_special_tokens=False)
+        return k + 1 if _TIMESTAMP.fullmatch(text) else None
+
+    def _groups(self, ids: Sequence[int]) -> list[_Group]:
+        groups = []
+        for start, end in _runs(ids, self.video_pad):
+            ts = (self._timestamp_start(ids, start - 1)
+                  if start > 0 and self.vision_start is not None and ids[start - 1] == self.vision_start else None)
+            if ts is None:
+                groups.append(_Group(start, end, start, end, False))
+            else:
+                close = end + 1 if end < len(ids) and ids[end] == self.vision_end else end
+                groups.append(_Group(start, end, ts, close, True))
+        return groups
+
+    def clip_layout(self, ids: Sequence[int], grid_thw: Any = None, n_clips: int | None = None) -> _ClipLayout:
+        """The clips in `ids` (a sample's whole token list): by `grid_thw` (one row per clip) when it has `n_clips`
+        rows and fits the runs of video pads, else by the token structure (module docstring)."""
+        ids = [int(t) for t in ids]
+        groups = self._groups(ids)
+        clips = self._clips_by_grid(groups, grid_thw, n_clips) if grid_thw is not None else None
+        if clips is None:
+            clips = []
+            for g in groups:
+                if clips and g.timestamped and g.span_start == clips[-1][-1].span_end:
+                    clips[-1].append(g)
+                else:
+                    clips.append([g])
+        keep = [True] * len(ids)
+        for clip in clips:
+            for k in range(clip[0].span_start, clip[-1].span_end):
+                keep[k] = k == clip[0].start
+        return _ClipLayout([clip[0].start for clip in clips], keep)
+
+    @staticmethod
+    def _clips_by_grid(groups: list[_Group], grid_thw: Any, n_clips: int | None) -> list[list[_Group]] | None:
+        try:
+            rows = [tuple(int(x) for x in row) for row in grid_thw]
+        except (TypeError, ValueError):
+            return None
+        if (n_clips is not None and len(rows) != n_clips) or any(len(r) != 3 for r in rows):
+            return None
+        merge2 = VIDEO_MERGE_SIZE**2
+        clips: list[list[_Group]] = []
+        at = 0
+        for t, h, w in rows:
+            if at == len(groups):  # clips whose pads are not in the tokens (an episode cut short)
+                break
+            need, clip = t * h * w, []
+            if need <= 0 or need % merge2:
+                return None
+            need //= merge2
+            while need > 0 and at < len(groups):
+                clip.append(groups[at])
+                need -= groups[at].end - groups[at].start
+                at += 1
+            if need != 0:  # a clip's pads end inside a run, or the tokens end inside a clip
+                return None
+            clips.append(clip)
+        return clips if at == len(groups) else None
 
     def token_rows(self, ids: Sequence[int], mask: Sequence[int], logprobs: Sequence[float]) -> list[list[Any]]:
-        """`[text, loss_mask, log_prob, count]` per token, a run of image pads as one entry with its count."""
+        """`[text, loss_mask, log_prob, count]` per token, a run of image (or video) pads as one entry with its
+        count."""
+        return self.token_rows_at(ids, mask, logprobs)[0]
+
+    def token_rows_at(self, ids: Sequence[int], mask: Sequence[int], logprobs: Sequence[float]
+                      ) -> tuple[list[list[Any]], list[int]]:
+        """The rows and, per row, the offset of its first token."""
         rows: list[list[Any]] = []
+        starts: list[int] = []
         ids = [int(t) for t in ids]
         texts = self.tokenizer.batch_decode([[t] for t in ids], skip_special_tokens=False) if ids else []
-        for t, m, lp, text in zip(ids, mask, logprobs, texts):
-            if t == self.image_pad and rows and rows[-1][0] == IMAGE_PAD_TOKEN and rows[-1][1] == int(m):
+        pads = {self.image_pad: IMAGE_PAD_TOKEN, self.video_pad: VIDEO_PAD_TOKEN}
+        pads.pop(None, None)
+        for k, (t, m, lp, text) in enumerate(zip(ids, mask, logprobs, texts)):
+            pad = pads.get(t)
+            if pad is not None and rows and rows[-1][0] == pad and rows[-1][1] == int(m) and ids[k - 1] == t:
                 rows[-1][3] += 1
                 continue
-            text = IMAGE_PAD_TOKEN if t == self.image_pad else text
+            text = pad if pad is not None else text
             rows.append([text, int(m), round(float(lp), 4) if math.isfinite(float(lp)) else None, 1])
-        return rows
+            starts.append(k)
+        return rows, starts
 
-    def __call__(self, ids: Sequence[int]) -> str:
+    def __call__(self, ids: Sequence[int], keep: Sequence[bool] | None = None) -> str:
+        """The text of `ids`, image pad runs compacted; `keep` (from `clip_layout`) drops the rest of each clip."""
+        if keep is not None:
+            ids = [t for t, k in zip(ids, keep) if k]
         if self.image_pad is not None:
             compact: list[int] = []
             for t in ids:
@@ -210,7 +359,8 @@ class _Decoder:
 
 # ----------------------------------------------------------------------------- writing
 class _ImageWriter:
-    """Writes a sample's pictures (PNG data URLs, as sent to the engine) into `<dump stem>_images/`."""
+    """Writes a sample's pictures (PNG data URLs, as sent to the engine) and its clips' frames into
+    `<dump stem>_images/`."""
 
     def __init__(self, dump_path: Path, thumbnail_px: int):
         self.root = dump_path.parent
@@ -227,14 +377,42 @@ class _ImageWriter:
         except (binascii.Error, OSError, ValueError) as e:
             raise DumpError(f"{sample.name}: image_data[{k}] does not decode ({e})") from None
         sent = image.size
-        if max(sent) > self.thumbnail_px:
-            image = image.copy()
-            image.thumbnail((self.thumbnail_px, self.thumbnail_px))
+        image = self._shrink(image)
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self.folder / f"g{int(sample.group_index)}_i{int(sample.index)}_{k}.png"
         image.convert("RGB").save(path, format="PNG")
         return {"file": path.relative_to(self.root).as_posix(), "width": image.width, "height": image.height,
                 "sent_width": sent[0], "sent_height": sent[1]}
+
+    def _shrink(self, image: Image.Image) -> Image.Image:
+        """At most `thumbnail_px` on the longer side (PIL's `thumbnail`); a smaller picture as it is."""
+        if max(image.size) > self.thumbnail_px:
+            image = image.copy()
+            image.thumbnail((self.thumbnail_px, self.thumbnail_px))
+        return image
+
+    def write_clip(self, sample: Sample, k: int) -> dict[str, Any]:
+        """Clip `k` of `sample.video_data` as one PNG per frame, in order; its reference (module docstring)."""
+        try:
+            clip = load_clip(sample.video_data[k])
+        except (ClipError, OSError, ValueError, TypeError) as e:
+            raise DumpError(f"{sample.name}: video_data[{k}] does not decode ({e})") from None
+        self.folder.mkdir(parents=True, exist_ok=True)
+        files = []
+        size = (0, 0)
+        for j, frame in enumerate(clip.frames):
+            image = self._shrink(Image.fromarray(frame))
+            size = image.size
+            path = self.folder / f"g{int(sample.group_index)}_i{int(sample.index)}_clip{k}_f{j}.png"
+            image.save(path, format="PNG")
+            files.append(path.relative_to(self.root).as_posix())
+        sent_h, sent_w = clip.frames.shape[1:3]
+        return {"frames": files, "fps": float(clip.fps), "width": size[0], "height": size[1],
+                "sent_width": int(sent_w), "sent_height": int(sent_h)}
+
+
+def _video_grid(sample: Sample) -> Any:
+    return (sample.multimodal_train_inputs or {}).get("video_grid_thw")
 
 
 def _dump_record(sample: Sample, decode: _Decoder, images: _ImageWriter | None = None) -> dict[str, Any]:
@@ -248,14 +426,16 @@ def _dump_record(sample: Sample, decode: _Decoder, images: _ImageWriter | None =
         r["generated_tokens"] == s.obs_start - s.model_start for r, s in zip(records, model_spans)
     )
     record_of = dict(zip(model_spans, records)) if aligned else {}
+    layout = decode.clip_layout(sample.tokens, _video_grid(sample), len(sample.video_data))
+    keep = layout.keep[prompt_len:]
     turns = []
     for k, span in enumerate(spans):
         turn: dict[str, Any] = {
             "turn": k,
-            "model_text": decode(response[span.model_start : span.obs_start]),
+            "model_text": decode(response[span.model_start : span.obs_start], keep[span.model_start : span.obs_start]),
             "model_tokens": span.obs_start - span.model_start,
             "offpolicy_masked_tokens": span.masked,
-            "observation_text": decode(response[span.obs_start : span.end]),
+            "observation_text": decode(response[span.obs_start : span.end], keep[span.obs_start : span.end]),
             "observation_tokens": span.end - span.obs_start,
         }
         rec = record_of.get(span)
@@ -263,9 +443,9 @@ def _dump_record(sample: Sample, decode: _Decoder, images: _ImageWriter | None =
             turn[key] = _json_value(rec.get(key)) if rec is not None else None
         if images is not None:
             turn["num_images"] = decode.count_images(response[span.obs_start : span.end])
-            turn["tokens"] = decode.token_rows(response[span.model_start : span.end],
-                                               sample.loss_mask[span.model_start : span.end],
-                                               sample.rollout_log_probs[span.model_start : span.end])
+            turn["tokens"], turn["row_starts"] = decode.token_rows_at(
+                response[span.model_start : span.end], sample.loss_mask[span.model_start : span.end],
+                sample.rollout_log_probs[span.model_start : span.end])
             if sample.teacher_log_probs is not None:  # on-policy distillation: the teacher's, row by row
                 teacher = decode.token_rows(response[span.model_start : span.end],
                                             sample.loss_mask[span.model_start : span.end],
@@ -282,6 +462,24 @@ def _dump_record(sample: Sample, decode: _Decoder, images: _ImageWriter | None =
             n = turn.pop("num_images")
             turn["images"] = files[at : at + n]
             at += n
+        # Clips: each to the prompt or to the turn whose tokens hold its first pad (clips past the last one in the
+        # tokens, of an episode cut short, are written but not referenced, like pictures).
+        clips = [images.write_clip(sample, k) for k in range(len(sample.video_data))]
+        extra["prompt_clips"] = []
+        for turn in turns:
+            turn["clips"] = []
+        for clip, pad in zip(clips, layout.first_pads):
+            if pad < prompt_len:
+                extra["prompt_clips"].append(clip)
+                continue
+            offset = pad - prompt_len
+            for turn, span in zip(turns, spans):
+                if span.model_start <= offset < span.end:
+                    row = bisect_right(turn["row_starts"], offset - span.model_start) - 1
+                    turn["clips"].append({**clip, "row": row})
+                    break
+        for turn in turns:
+            del turn["row_starts"]
     meta = sample.metadata
     errors = [str(e) for e in meta.get("errors", ())] + [f"env: {e}" for e in meta.get("env_errors", ())]
     return {
@@ -300,7 +498,8 @@ def _dump_record(sample: Sample, decode: _Decoder, images: _ImageWriter | None =
         "observation_tokens": sum(t["observation_tokens"] for t in turns),
         "offpolicy_masked_tokens": sum(t["offpolicy_masked_tokens"] for t in turns),
         "num_images": len(sample.image_data),
-        "prompt_text": decode(sample.tokens[:prompt_len]),
+        "num_clips": len(sample.video_data),
+        "prompt_text": decode(sample.tokens[:prompt_len], layout.keep[:prompt_len]),
         "mask_runs": mask_runs(sample.loss_mask),
         "turns": turns,
         "turn_records": [_json_value(r.to_dict()) for r in sample.turns],
@@ -387,12 +586,55 @@ def _check_image_refs(refs: Any, where: str, root: Path | None) -> None:
             raise DumpError(f"{where}[{k}]: image file {ref['file']!r} is missing (next to the dump, in {root})")
 
 
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _check_clip_refs(refs: Any, where: str, root: Path | None, tokens: list[Any] | None = None) -> None:
+    """Clip references: frames (at least one, each file next to the dump), a positive finite fps, sizes; a turn's
+    (`tokens` given) also its `row`, a video-pad row of `tokens`, in order."""
+    if not isinstance(refs, list):
+        raise DumpError(f"{where} must be a list of clip references")
+    last_row = -1
+    for k, ref in enumerate(refs):
+        cwhere = f"{where}[{k}]"
+        if not isinstance(ref, dict):
+            raise DumpError(f"{cwhere} must be an object with 'frames' and 'fps'")
+        frames = ref.get("frames")
+        if not (isinstance(frames, list) and frames and all(isinstance(f, str) for f in frames)):
+            raise DumpError(f"{cwhere}: key 'frames' must be a non-empty list of files, got {frames!r}")
+        if len(set(frames)) != len(frames):
+            raise DumpError(f"{cwhere}: key 'frames' names a file twice")
+        fps = ref.get("fps")
+        if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not (math.isfinite(fps) and fps > 0):
+            raise DumpError(f"{cwhere}: key 'fps' is {fps!r}, expected a positive number")
+        for key in ("width", "height"):
+            if not _positive_int(ref.get(key)):
+                raise DumpError(f"{cwhere}: key {key!r} is {ref.get(key)!r}, expected a positive integer")
+        if root is not None:
+            for j, frame in enumerate(frames):
+                if not (root / frame).is_file():
+                    raise DumpError(f"{cwhere}: frame {j} of {len(frames)}, file {frame!r}, is missing (next to "
+                                    f"the dump, in {root})")
+        if tokens is not None:
+            row = ref.get("row")
+            if not (isinstance(row, int) and not isinstance(row, bool) and last_row < row < len(tokens)
+                    and tokens[row][0] == VIDEO_PAD_TOKEN):
+                raise DumpError(f"{cwhere}: key 'row' is {row!r}, expected the index of a {VIDEO_PAD_TOKEN} row of "
+                                "'tokens' (after the previous clip's)")
+            last_row = row
+
+
 def _validate_viewer_keys(rec: dict[str, Any], where: str, root: Path | None) -> None:
     """The optional keys of a dump written with `images=True`."""
     if "prompt_images" not in rec:
         return
     _check_image_refs(rec["prompt_images"], f"{where}: key 'prompt_images'", root)
     total = len(rec["prompt_images"])
+    has_clips = "prompt_clips" in rec  # dumps written before clips have none of their keys
+    if has_clips:
+        _check_clip_refs(rec["prompt_clips"], f"{where}: key 'prompt_clips'", root)
+    clips = len(rec.get("prompt_clips") or ())
     for k, turn in enumerate(rec["turns"]):
         twhere = f"{where}: turns[{k}]"
         _check_image_refs(turn.get("images"), f"{twhere} key 'images'", root)
@@ -404,6 +646,9 @@ def _validate_viewer_keys(rec: dict[str, Any], where: str, root: Path | None) ->
             if not (isinstance(row, list) and len(row) == 4 and isinstance(row[0], str) and row[1] in (0, 1)
                     and (row[2] is None or isinstance(row[2], (int, float))) and isinstance(row[3], int) and row[3] > 0):
                 raise DumpError(f"{twhere}: tokens[{j}] is {row!r}, expected [text, 0 or 1, log-prob or null, count]")
+        if has_clips:
+            _check_clip_refs(turn.get("clips"), f"{twhere} key 'clips'", root, tokens)
+            clips += len(turn["clips"])
         teacher = turn.get("teacher_logprobs")
         if teacher is not None and (not isinstance(teacher, list) or len(teacher) != len(tokens) or not all(
                 v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)) for v in teacher)):
@@ -420,6 +665,11 @@ def _validate_viewer_keys(rec: dict[str, Any], where: str, root: Path | None) ->
     # Fewer references than pictures is possible for a FAILED episode cut between its pictures and their tokens.
     if "num_images" in rec and total > rec["num_images"]:
         raise DumpError(f"{where}: {total} image references, key 'num_images' is only {rec['num_images']}")
+    n_clips = rec.get("num_clips")
+    if has_clips and not (isinstance(n_clips, int) and not isinstance(n_clips, bool) and n_clips >= 0):
+        raise DumpError(f"{where}: key 'num_clips' is {n_clips!r}, expected a count")
+    if has_clips and clips > rec["num_clips"]:
+        raise DumpError(f"{where}: {clips} clip references, key 'num_clips' is only {rec['num_clips']}")
 
 
 def _validate_record(rec: Any, where: str, path_root: Path | None = None) -> None:

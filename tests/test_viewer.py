@@ -3,28 +3,33 @@ serves (aiohttp, on loopback) and the self-contained page `--export` writes; plu
 writes what it reads (`--dump-rollout-interval`). The page in a real browser: tests/test_viewer_browser.py.
 
 The run directory is built, not downloaded: sokoban episodes through the real episode loop and chat template,
-a scripted engine playing solutions, failures and wrong moves, dumped as training steps and eval rounds.
+a scripted engine playing solutions, failures and wrong moves, dumped as training steps and eval rounds. Clips:
+one episode encoded by the real encoder (Qwen3-VL and Qwen2.5-VL layouts), its frames dumped and played.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import dataclasses
 import html
+import json
 import re
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
+from PIL import Image
 
 from jaxrl_vlm.config import load_config
 from jaxrl_vlm.data.geo3k import load_styled_dataset
 from jaxrl_vlm.job.assets import make_synthetic_data
 from jaxrl_vlm.viewer import render
 from jaxrl_vlm.viewer.records import RunIndex, Source, SourceKind, index_run, load_episodes
-from jaxrl_vlm.viewer.server import export_html, make_app, page_for
-from rollout.dump import DumpError, dump_samples
+from jaxrl_vlm.viewer.server import _data_url, export_html, make_app, page_for
+from rollout.dump import DumpError, dump_samples, validate_dump
 from rollout.encoding import ChatEncoder
 from test_agent_envs import _rollout, _scripted_replies
 
@@ -215,3 +220,151 @@ def test_the_viewer_and_the_agent_tasks_never_import_jax():
             "print(sorted(m for m in ('jax', 'flax', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+# ----------------------------------------------------------------------------- clips
+def _random_clip(seed: int, frames: int, size: tuple[int, int], fps: float):
+    from rollout.video import Clip
+
+    rng = np.random.default_rng(seed)
+    return Clip.of(rng.integers(0, 256, (frames, size[1], size[0], 3), dtype=np.uint8), fps)
+
+
+def build_clip_sample(processing_dir: Path):
+    """(tokenizer, sample, clips in video_data order) of one episode: a prompt with clip A, a first turn whose
+    observation holds a picture, clip B and clip A again, a last turn; encoded by the real encoder (timestamps and
+    vision markers around every frame group for Qwen3-VL, one run of pads per clip for Qwen2.5-VL)."""
+    from rollout.processing import load_image_processor, load_tokenizer
+    from rollout.sample import Sample, Status, TurnRecord
+    from rollout.video import load_video_processor_config
+
+    encoder = ChatEncoder(load_tokenizer(processing_dir), load_image_processor(processing_dir),
+                          video_config=load_video_processor_config(processing_dir))
+    a, b = _random_clip(1, 5, (64, 48), 2.0), _random_clip(2, 3, (40, 40), 4.0)
+    picture = Image.fromarray(np.random.default_rng(3).integers(0, 256, (64, 64, 3), dtype=np.uint8))
+    prompt = encoder.encode_prompt([{"role": "user", "content": [
+        {"type": "video", "video": a}, {"type": "text", "text": "Where does it go?"}]}])
+    first = encoder.tokenize("left") + [encoder.vision.im_end]
+    obs = encoder.encode_observation([{"role": "user", "content": [
+        {"type": "image", "image": picture}, {"type": "video", "video": b}, {"type": "video", "video": a},
+        {"type": "text", "text": "Again."}]}])
+    last = encoder.tokenize("up") + [encoder.vision.im_end]
+    s = Sample(group_index=0, index=0, status=Status.COMPLETED, reward=1.0)
+    s.tokens = prompt.train_ids + first + obs.train_ids + last
+    s.response_length = len(first) + len(obs.train_ids) + len(last)
+    s.loss_mask = [1] * len(first) + [0] * len(obs.train_ids) + [1] * len(last)
+    s.rollout_log_probs = [-0.5] * len(first) + [0.0] * len(obs.train_ids) + [-0.25] * len(last)
+    s.image_data = prompt.image_data + obs.image_data
+    s.video_data = prompt.video_data + obs.video_data
+    s.multimodal_train_inputs = {"video_grid_thw": np.concatenate([prompt.mm_inputs["video_grid_thw"],
+                                                                   obs.mm_inputs["video_grid_thw"]])}
+    s.turns = [TurnRecord(0, generated_tokens=len(first), observation_images=1, observation_clips=2),
+               TurnRecord(1, generated_tokens=len(last))]
+    return encoder.tokenizer, s, [a, b, a]
+
+
+def build_clip_dump(root: Path, processing_dir: Path) -> Path:
+    """The episode of `build_clip_sample` dumped with 32 px thumbnails (so every clip's frames are shrunk)."""
+    tokenizer, sample, _ = build_clip_sample(processing_dir)
+    dump_samples([sample], root / "clips.jsonl", tokenizer, thumbnail_px=32)
+    return root / "clips.jsonl"
+
+
+@pytest.fixture(params=["qwen3_vl", "qwen2_5_vl"])
+def clip_family(request) -> Path:
+    name = "tiny_processing_dir" if request.param == "qwen3_vl" else "tiny_qwen25_processing_dir"
+    return request.getfixturevalue(name)
+
+
+def _thumbnail(frame: np.ndarray, px: int) -> np.ndarray:
+    image = Image.fromarray(frame)
+    image.thumbnail((px, px))
+    return np.asarray(image)
+
+
+def test_a_dump_writes_every_clips_frames_in_order_and_gives_each_clip_to_its_turn(clip_family, tmp_path):
+    tokenizer, sample, clips = build_clip_sample(clip_family)
+    dump_samples([sample], tmp_path / "d.jsonl", tokenizer, thumbnail_px=32)
+    (rec,) = validate_dump(tmp_path / "d.jsonl")
+    refs = [*rec["prompt_clips"], *rec["turns"][0]["clips"]]
+    assert (len(rec["prompt_clips"]), [len(t["clips"]) for t in rec["turns"]], rec["num_clips"]) == (1, [2, 0], 3)
+    assert len(rec["turns"][0]["images"]) == 1 and rec["prompt_images"] == []  # a clip's markers are no picture
+    for ref, clip in zip(refs, clips):
+        assert ref["fps"] == clip.fps and len(ref["frames"]) == len(clip.frames)
+        assert (ref["sent_width"], ref["sent_height"]) == (clip.frames.shape[2], clip.frames.shape[1])
+        for file, frame in zip(ref["frames"], clip.frames):  # the frames in order, thumbnailed like pictures
+            written = np.asarray(Image.open(tmp_path / file))
+            assert written.shape == (ref["height"], ref["width"], 3) and max(written.shape) == 32
+            assert np.array_equal(written, _thumbnail(frame, 32)), file
+    assert refs[0]["frames"][0].endswith("g0_i0_clip0_f0.png") and refs[1]["frames"][2].endswith("_clip1_f2.png")
+    # the turn's clips point at their first video-pad row, in order; a run of pads is one row
+    rows = rec["turns"][0]["tokens"]
+    assert [rows[c["row"]][0] for c in rec["turns"][0]["clips"]] == ["<|video_pad|>"] * 2
+    n_pads = sample.tokens[sample.prompt_length:].count(tokenizer.convert_tokens_to_ids("<|video_pad|>"))
+    assert sum(r[3] for r in rows if r[0] == "<|video_pad|>") == n_pads
+    # decoded text: one pad per clip between the template's markers, no timestamps
+    assert rec["prompt_text"].count("<|vision_start|><|video_pad|><|vision_end|>") == 1
+    assert rec["turns"][0]["observation_text"].count("<|video_pad|>") == 2
+    assert "seconds>" not in rec["prompt_text"] + rec["turns"][0]["observation_text"]
+    # without the grids, or with grids that do not fit the pads, the token structure gives the same clips
+    for grid in (None, {"video_grid_thw": np.array([[1, 2, 2]] * 3)}):
+        sample.multimodal_train_inputs = grid
+        dump_samples([sample], tmp_path / "e.jsonl", tokenizer, thumbnail_px=32)
+        (again,) = validate_dump(tmp_path / "e.jsonl")
+        assert json.dumps(again).replace("e_images/", "d_images/") == json.dumps(rec)
+
+
+def test_validate_dump_refuses_a_missing_frame_and_a_bad_clip(tiny_processing_dir, tmp_path):
+    dump = build_clip_dump(tmp_path, tiny_processing_dir)
+    (rec,) = validate_dump(dump)
+    frame = rec["turns"][0]["clips"][1]["frames"][2]
+    (tmp_path / frame).unlink()
+    with pytest.raises(DumpError, match=r"turns\[0\] key 'clips'\[1\]: frame 2 of 5, file .* is missing"):
+        validate_dump(dump)
+    dump = build_clip_dump(tmp_path, tiny_processing_dir)  # written again: every frame back
+    for edit, message in ((lambda r: r["prompt_clips"][0].update(fps=0), "key 'fps' is 0"),
+                          (lambda r: r["prompt_clips"][0].update(frames=[]), "non-empty list"),
+                          (lambda r: r["turns"][0]["clips"][0].update(row=0), "key 'row' is 0"),
+                          (lambda r: r.update(num_clips=2), "3 clip references, key 'num_clips' is only 2")):
+        bad = json.loads(dump.read_text())
+        edit(bad)
+        (tmp_path / "bad.jsonl").write_text(json.dumps(bad) + "\n")
+        with pytest.raises(DumpError, match=message):
+            validate_dump(tmp_path / "bad.jsonl")
+    tokenizer, sample, _ = build_clip_sample(tiny_processing_dir)
+    sample.video_data[1] = "data:video/mp4;base64," + base64.b64encode(b"not a video").decode()
+    with pytest.raises(DumpError, match=r"sample\(group=0, index=0\): video_data\[1\] does not decode"):
+        dump_samples([sample], tmp_path / "corrupt.jsonl", tokenizer)
+
+
+def _players(fragment: str) -> list[str]:
+    return re.findall(r'<figure class="clip[^"]*".*?</figure>', fragment)
+
+
+def test_the_viewer_shows_each_clip_as_a_player_with_its_frames_in_order(tiny_processing_dir, tmp_path):
+    dump = build_clip_dump(tmp_path, tiny_processing_dir)
+    index = index_run(dump)
+    (ep,) = load_episodes(index.root, index.sources[0])
+    assert [len(c.frames) for c in (*ep.prompt_clips, *ep.turns[0].clips)] == [5, 3, 5] and not ep.turns[1].clips
+    section = render.render_source(index.sources[0], [ep], lambda path: "/file/" + path)
+    players = _players(section)
+    assert len(players) == 3
+    for k, (player, ref) in enumerate(zip(players, (*ep.prompt_clips, *ep.turns[0].clips))):
+        srcs = re.findall(r'<img class="frame" src="([^"]+)"', player)
+        assert srcs == ["/file/" + f for f in ref.frames] and all(f"clip{[0, 1, 2][k]}_f" in s for s in srcs)
+        assert re.findall(r'data-index="(\d+)"', player) == [str(j) for j in range(len(ref.frames))]
+        assert player.count(" hidden>") == len(ref.frames) - 1  # the first frame shows before the script runs
+        assert f'data-fps="{ref.fps!r}"' in player and f"{len(ref.frames)} frames at {ref.fps:g} fps" in player
+        assert all(f'data-clip="{a}"' in player for a in ("play", "prev", "next"))
+        assert f'class="clipseek" min="0" max="{len(ref.frames) - 1}"' in player
+    prompt = section[section.index('<div class="prompt">'):section.index('<div class="turn"')]
+    assert len(_players(prompt)) == 1 and "video_pad" not in prompt  # the player in place of the clip's pad
+    turn = section[section.index('<div class="turn"'):]
+    assert turn.index("[video x") < turn.index('<figure class="clip"')  # after the clip's first pads
+    assert "function clipShow" in render.render_page(index, [section], nav_href=lambda s: "#" + s.key)
+    compare = render.render_compare(index.sources[0], [ep], index.sources[0], [ep], lambda path: path)
+    assert len(_players(compare)) == 1 + 2 * 2 and 'class="clip small"' in compare
+    page = export_html(dump, tmp_path / "clips.html").read_text()  # exported: every frame embedded, in order
+    frames = [ref.frames for ref in (*ep.prompt_clips, *ep.turns[0].clips)]
+    embedded = [re.findall(r'<img class="frame" src="([^"]+)"', p) for p in _players(page)]
+    assert embedded == [[_data_url(index.root)(f) for f in files] for files in frames]

@@ -1,6 +1,7 @@
 """The viewer in a real browser: headless Chromium (Debian's `chromium`, installed by `.ci/run`) loads the exported
 page and the served one; the DOM after load says how many pictures decoded, and how many episodes and turns the
-page shows. Also takes a screenshot of each.
+page shows. Also takes a screenshot of each. A clip's player, driven over the DevTools protocol, steps and plays
+through its frames in order at the clip's fps.
 
 Marked `browser`: the default run leaves it out (pyproject addopts); `python -m pytest -m browser -n 0` runs it, and
 then a missing Chromium FAILS the test, it is never skipped.
@@ -268,5 +269,60 @@ def test_a_long_runs_exported_page_pages_and_opens_on_pictures(run_dir, tmp_path
         assert browser.eval(f"!document.getElementById({json.dumps(last)}).hidden"), last
         assert browser.eval("[...document.querySelectorAll('.paged')].some(b => b.dataset.page === '2')")
         assert browser.screenshot(tmp_path / "long_hash.png").stat().st_size > 10_000
+    finally:
+        browser.close()
+
+
+#: The first clip player's state: its current frame, the frames shown (decoded and visible), the indicator and slider.
+_CLIP_STATE = """(() => {
+  const f = document.querySelector('figure.clip');
+  const shown = [...f.querySelectorAll('img.frame')].filter(
+      i => !i.hidden && i.getBoundingClientRect().width > 0 && i.complete && i.naturalWidth > 0);
+  return {frame: +f.dataset.frame, shown: shown.map(i => +i.dataset.index), playing: f.dataset.playing || '0',
+          info: f.querySelector('.clipinfo').textContent, seek: +f.querySelector('.clipseek').value,
+          button: f.querySelector('[data-clip=play]').textContent};
+})()"""
+
+
+def test_a_clip_player_steps_and_plays_through_its_frames_in_order(tmp_path, tiny_processing_dir):
+    from jaxrl_vlm.viewer.server import export_html
+    from test_viewer import build_clip_dump
+
+    (tmp_path / "clips").mkdir()
+    page = export_html(build_clip_dump(tmp_path / "clips", tiny_processing_dir), tmp_path / "clips.html")
+    browser = DevTools(tmp_path)
+    click = "document.querySelector('figure.clip [data-clip={}]').click()"
+    try:
+        browser.open(page.as_uri())
+        assert browser.eval("document.querySelectorAll('figure.clip').length") == 3
+        assert browser.eval(_CLIP_STATE) == {"frame": 0, "shown": [0], "playing": "0", "info": "frame 1 / 5",
+                                            "seek": 0, "button": "play"}
+        for action, frame in (("next", 1), ("next", 2), ("prev", 1), ("prev", 0), ("prev", 4), ("next", 0)):
+            browser.eval(click.format(action))
+            state = browser.eval(_CLIP_STATE)
+            assert (state["frame"], state["shown"], state["seek"], state["info"]) == (
+                frame, [frame], frame, f"frame {frame + 1} / 5"), (action, state)
+        browser.eval("(() => { const s = document.querySelector('figure.clip .clipseek'); s.value = 3;"
+                     " s.dispatchEvent(new Event('input')); })()")
+        assert browser.eval(_CLIP_STATE)["shown"] == [3]
+        browser.eval(click.format("next"))  # back to frame 4, then play from there: 4, 0, 1, ... at 2 fps
+        # record every frame change with its time while the clip plays for 1.3 s
+        browser.eval("(() => { const f = document.querySelector('figure.clip'); window.seen = [];"
+                     " new MutationObserver(() => seen.push([+f.dataset.frame, performance.now()]))"
+                     ".observe(f, {attributes: true, attributeFilter: ['data-frame']}); })()")
+        browser.call("Page.bringToFront")  # a visible page: its timers are not throttled
+        browser.eval(click.format("play"))
+        assert browser.eval(_CLIP_STATE)["playing"] == "1" and browser.eval(_CLIP_STATE)["button"] == "pause"
+        time.sleep(1.3)
+        browser.eval(click.format("play"))  # pause
+        state = browser.eval(_CLIP_STATE)
+        seen = browser.eval("seen")
+        assert state["playing"] == "0" and state["button"] == "play" and state["shown"] == [state["frame"]]
+        assert [f for f, _ in seen][:2] == [0, 1], seen  # in order, wrapping after the last frame
+        gaps = [b - a for (_, a), (_, b) in zip(seen, seen[1:])]
+        assert gaps and all(300 < g < 1000 for g in gaps), (seen, browser.eval("document.visibilityState"))  # 500 ms
+        time.sleep(0.7)
+        assert browser.eval(_CLIP_STATE)["frame"] == state["frame"]  # paused: no more steps
+        browser.screenshot(tmp_path / "clips.png")
     finally:
         browser.close()

@@ -3,7 +3,8 @@
 A run directory (`--output-dir` of `jaxrl-vlm train`) holds training-step dumps `rollout/step_<k>.jsonl`
 (`--dump-rollout-interval`) and eval dumps `eval/<set>/step_<k>.jsonl`; a single dump file (`jaxrl-vlm rollout
 --dump FILE.jsonl`) is a run of one source. Every dump is checked by `rollout.dump.validate_dump` as it is read, so
-the viewer never shows a record that breaks the dump's invariants. Pictures are files next to each dump.
+the viewer never shows a record that breaks the dump's invariants. Pictures, and every frame of each clip, are files
+next to each dump.
 
 No jax.
 """
@@ -59,6 +60,19 @@ class ImageRef:
 
 
 @dataclasses.dataclass(frozen=True)
+class ClipRef:
+    """A clip as the engine received it: its frames in order (files, thumbnails like pictures) and frame rate."""
+
+    frames: tuple[str, ...]  # each relative to the run's root
+    fps: float
+    width: int  # of the frame files
+    height: int
+    sent_width: int  # of the frames the engine received
+    sent_height: int
+    row: int | None = None  # a turn's clip: the index in `Turn.tokens` of its first video-pad row
+
+
+@dataclasses.dataclass(frozen=True)
 class Turn:
     index: int
     model_text: str
@@ -76,6 +90,7 @@ class Turn:
     error: str | None
     # On-policy distillation: the teacher's log-prob of each `tokens` row (None: observation, image pads), or ().
     teacher_logprobs: tuple[float | None, ...] = ()
+    clips: tuple[ClipRef, ...] = ()  # the observation's clips, in order
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +106,7 @@ class Episode:
     turns: tuple[Turn, ...]
     weight_versions: tuple[str, ...]
     errors: tuple[str, ...]
+    prompt_clips: tuple[ClipRef, ...] = ()
 
     @property
     def failed(self) -> bool:
@@ -122,12 +138,19 @@ def _images(refs: list[dict[str, Any]] | None, prefix: Path) -> tuple[ImageRef, 
                  for r in refs or ())
 
 
+def _clips(refs: list[dict[str, Any]] | None, prefix: Path) -> tuple[ClipRef, ...]:
+    return tuple(ClipRef(tuple((prefix / f).as_posix() for f in r["frames"]), float(r["fps"]), int(r["width"]),
+                         int(r["height"]), int(r.get("sent_width", r["width"])), int(r.get("sent_height", r["height"])),
+                         r.get("row"))
+                 for r in refs or ())
+
+
 def _turn(t: dict[str, Any], prefix: Path) -> Turn:
     return Turn(t["turn"], t["model_text"], t["observation_text"], t["model_tokens"], t["observation_tokens"],
                 _images(t.get("images"), prefix), tuple(tuple(row) for row in t.get("tokens") or ()),
                 t.get("finish_reason"), t.get("engine_latency_s"), t.get("env_latency_s"), t.get("env_retries"),
                 t.get("weight_version"), t.get("truncation_cause"), t.get("error"),
-                tuple(t.get("teacher_logprobs") or ()))
+                tuple(t.get("teacher_logprobs") or ()), _clips(t.get("clips"), prefix))
 
 
 def load_episodes(root: Path, source: Source) -> list[Episode]:
@@ -138,7 +161,8 @@ def load_episodes(root: Path, source: Source) -> list[Episode]:
         errors = [e for e in [rec.get("error"), *rec["errors"]] if e]
         out.append(Episode(rec["group_index"], rec["index"], rec["status"], rec.get("termination"), rec.get("reward"),
                            rec.get("label"), rec.get("prompt_text", ""), _images(rec.get("prompt_images"), prefix),
-                           tuple(_turn(t, prefix) for t in rec["turns"]), tuple(rec["weight_versions"]), tuple(errors)))
+                           tuple(_turn(t, prefix) for t in rec["turns"]), tuple(rec["weight_versions"]), tuple(errors),
+                           _clips(rec.get("prompt_clips"), prefix)))
     return out
 
 

@@ -8,6 +8,12 @@ with the size sent), finish reason, latencies, retries and weight version; per e
 cause, weight versions and errors. `render_compare` puts two eval rounds' episodes on the same prompts side by side:
 the prompt with its pictures, and per side each turn's action text and observation pictures.
 
+A clip is shown where its pads stand, as a player (`figure.clip`): its frames (`img.frame`, in order, all but the
+current one hidden), play/pause, previous/next frame buttons and a frame slider, the frame number, and the clip's
+frame count and fps; playing steps through the frames at the clip's fps, in a loop. In the token view the player
+follows the clip's first `<|video_pad|>` row (the dump's `row`); in text, the clip's compacted
+`<|vision_start|><|video_pad|><|vision_end|>`.
+
 Every long list pages in the page's own script (no server needed, so an exported page pages too): the navigation's
 sources, the sections of an exported page, a section's episodes, an episode's turns and the comparison's rows, each
 with first/prev/next/last buttons and a page indicator. The first page of each list is already the one shown
@@ -15,7 +21,8 @@ before the script runs. Filters (FAILED, TRUNCATED, zero reward) also run in the
 the episodes they leave. A link to `#ID` (a source's key, or `KEY:gGROUP-iINDEX` for one episode) opens the pages
 that hold it.
 
-How pictures are addressed is the caller's: `image_src(relative_path)` gives a URL (server) or a data URL (export).
+How pictures (and frames) are addressed is the caller's: `image_src(relative_path)` gives a URL (server) or a data
+URL (export).
 
 No jax.
 """
@@ -26,7 +33,7 @@ import html
 import re
 from collections.abc import Callable, Sequence
 
-from jaxrl_vlm.viewer.records import Episode, ImageRef, RunIndex, Source, Turn
+from jaxrl_vlm.viewer.records import ClipRef, Episode, ImageRef, RunIndex, Source, Turn
 
 ImageSrc = Callable[[str], str]
 
@@ -38,9 +45,11 @@ SOURCES_PER_PAGE = 10  # the sections (sources, comparisons) of an exported page
 NAV_PER_PAGE = 50  # the navigation's links
 
 IMAGE_PAD = "<|image_pad|>"
-#: One picture in decoded text: the dump compacts its pads to one `<|image_pad|>` (a run of them is one picture too),
-#: with the vision markers around it when the template writes them.
-_PICTURE = re.compile(r"(?:<\|vision_start\|>)?(?:<\|image_pad\|>)+(?:<\|vision_end\|>)?")
+VIDEO_PAD = "<|video_pad|>"
+#: One picture (group `image`) or clip in decoded text: the dump compacts its pads to one `<|image_pad|>` or
+#: `<|video_pad|>` (a run of them is one too), with the vision markers around it when the template writes them.
+_MEDIA = re.compile(r"(?:<\|vision_start\|>)?(?:(?P<image>(?:<\|image_pad\|>)+)|(?:<\|video_pad\|>)+)"
+                    r"(?:<\|vision_end\|>)?")
 #: Chat-template markers dropped from the comparison's readable text.
 _SPECIAL = re.compile(r"<\|im_start\|>(?:system|user|assistant|tool)?\n?|<\|im_end\|>\n?|<\|[a-z_]+\|>")
 
@@ -61,7 +70,11 @@ section.source{padding:0 16px 16px}h2{font-size:18px;margin:14px 0 4px}
 .turn{border-top:1px dashed #ccc;padding:6px 0}.turn h4{font-size:13px;margin:2px 0}
 .tokens{font-family:monospace;font-size:12px;white-space:pre-wrap;line-height:1.7}
 .tok{border-radius:2px}.m1{background:#c8e6c9}.m0{background:#eceff1;color:#555}
-.imgpad{background:#bbdefb;color:#0d47a1}
+.imgpad{background:#bbdefb;color:#0d47a1}.vidpad{background:#e1bee7;color:#4a148c}
+figure.clip .frames{display:inline-block;border:1px solid #7b1fa2}figure.clip .frames img{border:0}
+.clipctl{display:flex;gap:3px;align-items:center;margin:2px 0}.clipctl button{font-size:11px;padding:0 5px}
+.clipctl input{width:110px}.clipinfo{font-family:monospace;white-space:nowrap}
+figure.clip.small{margin:2px 4px 2px 0}figure.clip.small img{max-width:128px;max-height:128px;width:auto;height:auto}
 figure{display:inline-block;margin:4px 8px 4px 0;font-size:11px;color:#555;vertical-align:top;white-space:normal}
 figure img{border:1px solid #999;image-rendering:pixelated;max-width:256px;display:block}
 figcaption{width:0;min-width:100%}
@@ -140,6 +153,29 @@ function applyFilters(){
   const c=document.getElementById('shown'); if(c) c.textContent=shown;
 }
 document.querySelectorAll('.filters input').forEach(e=>e.addEventListener('change',applyFilters));
+function clipShow(fig,k){  // a clip player shows frame k (wrapping around)
+  const n=fig._frames.length; k=((k%n)+n)%n; fig._k=k;
+  fig._frames.forEach((f,j)=>{f.hidden=j!==k;});
+  fig.querySelector('.clipseek').value=k;
+  fig.querySelector('.clipinfo').textContent=`frame ${k+1} / ${n}`;
+  fig.dataset.frame=k;
+}
+function clipPlay(fig,on){  // play at the clip's fps, in a loop, or pause
+  if(fig._timer){clearInterval(fig._timer); fig._timer=null;}
+  const fps=+fig.dataset.fps;
+  if(on&&fig._frames.length>1&&fps>0) fig._timer=setInterval(()=>clipShow(fig,fig._k+1),1000/fps);
+  fig.dataset.playing=fig._timer?'1':'0';
+  fig.querySelector('[data-clip=play]').textContent=fig._timer?'pause':'play';
+}
+document.querySelectorAll('figure.clip').forEach(fig=>{
+  fig._frames=[...fig.querySelectorAll('img.frame')]; fig._k=0;
+  fig.querySelectorAll('[data-clip]').forEach(b=>b.addEventListener('click',()=>{
+    const a=b.dataset.clip;
+    if(a==='play'){clipPlay(fig,!fig._timer); return;}
+    clipPlay(fig,false); clipShow(fig,fig._k+(a==='next'?1:-1));
+  }));
+  fig.querySelector('.clipseek').addEventListener('input',e=>{clipPlay(fig,false); clipShow(fig,+e.target.value);});
+});
 window.addEventListener('load',()=>{  // for headless checks: how many pictures decoded, how many in the first screen
   const imgs=[...document.querySelectorAll('img')];
   const ok=i=>i.complete&&i.naturalWidth>0;
@@ -197,12 +233,40 @@ def _thumb(ref: ImageRef, image_src: ImageSrc, caption: str) -> str:
             f'alt="{_e(caption)}" title="{_e(caption)} ({ref.sent_width}x{ref.sent_height} sent)">')
 
 
-def _with_pictures(text: str, pictures: Sequence[str], *, readable: bool = False, limit: int | None = None) -> str:
+def _player(ref: ClipRef, image_src: ImageSrc, caption: str, *, small: bool = False) -> str:
+    """A clip as a player: its frames in order (the first shown), play/pause, step buttons, a frame slider, and its
+    frame count and fps (the page's script plays it at that fps)."""
+    n = len(ref.frames)
+    shrunk = (ref.width, ref.height) != (ref.sent_width, ref.sent_height)
+    about = (f"{n} frame{'' if n == 1 else 's'} at {ref.fps:g} fps, {ref.sent_width}x{ref.sent_height} sent"
+             + (f", shown {ref.width}x{ref.height}" if shrunk else ""))
+    frames = "".join(f'<img class="frame" src="{_e(image_src(f))}" width="{ref.width}" height="{ref.height}" '
+                     f'alt="{_e(caption)} frame {j + 1}" data-index="{j}"{" hidden" if j else ""}>'
+                     for j, f in enumerate(ref.frames))
+    controls = ('<div class="clipctl"><button type="button" data-clip="play">play</button>'
+                '<button type="button" data-clip="prev" title="previous frame">&lsaquo;</button>'
+                f'<input type="range" class="clipseek" min="0" max="{n - 1}" value="0" step="1" '
+                f'aria-label="{_e(caption)} frame">'
+                '<button type="button" data-clip="next" title="next frame">&rsaquo;</button>'
+                f'<span class="clipinfo">frame 1 / {n}</span></div>')
+    cls = "clip small" if small else "clip"
+    return (f'<figure class="{cls}" data-fps="{ref.fps!r}" data-frames="{n}" data-frame="0" '
+            f'title="{_e(caption)} ({about})"><div class="frames">{frames}</div>{controls}'
+            f"<figcaption>{_e(about)}</figcaption></figure>")
+
+
+def _with_pictures(text: str, pictures: Sequence[str], *, clips: Sequence[str] = (), readable: bool = False,
+                   limit: int | None = None) -> str:
     """`text` escaped, each picture's image pads (with their vision markers) replaced by the next of `pictures`
-    (HTML); pads past the last picture (a dump written without pictures) become an `[image]` chip, pictures past
-    the last pad go at the end. `readable` drops chat-template markers; `limit` keeps the last `limit` characters
-    of text (never a picture)."""
-    parts = _PICTURE.split(text)
+    (HTML), each clip's video pad by the next of `clips` (players); pads past the last picture or clip (a dump
+    written without them) become an `[image]` or `[clip]` chip, pictures and clips past the last pad go at the end.
+    `readable` drops chat-template markers; `limit` keeps the last `limit` characters of text (never a picture)."""
+    kinds, parts, at = [], [], 0
+    for m in _MEDIA.finditer(text):
+        kinds.append("image" if m.group("image") else "clip")
+        parts.append(text[at : m.start()])
+        at = m.end()
+    parts.append(text[at:])
     if readable:
         parts = [_SPECIAL.sub("", p) for p in parts]
         parts[-1] = parts[-1].rstrip()
@@ -217,23 +281,35 @@ def _with_pictures(text: str, pictures: Sequence[str], *, readable: bool = False
             trimmed[first] = "\u2026" + trimmed[first]
         parts = trimmed
     html_parts = []
+    placed = {"image": 0, "clip": 0}
+    media = {"image": pictures, "clip": clips}
+    chips = {"image": '<span class="tok imgpad">[image]</span>', "clip": '<span class="tok vidpad">[clip]</span>'}
     for k, part in enumerate(parts):
         if k:
-            html_parts.append(pictures[k - 1] if k - 1 < len(pictures) else '<span class="tok imgpad">[image]</span>')
+            kind = kinds[k - 1]
+            items, at = media[kind], placed[kind]
+            html_parts.append(items[at] if at < len(items) else chips[kind])
+            placed[kind] += 1
         html_parts.append(_e(part))
-    html_parts.extend(pictures[len(parts) - 1:])
+    html_parts.extend(pictures[placed["image"]:])
+    html_parts.extend(clips[placed["clip"]:])
     return "".join(html_parts)
 
 
-def _tokens(turn: Turn, figures: Sequence[str] = ()) -> str:
-    """The turn's tokens coloured by loss mask; the observation's pictures (`figures`, HTML) in place of their pads."""
+def _tokens(turn: Turn, figures: Sequence[str] = (), players: Sequence[str] = ()) -> str:
+    """The turn's tokens coloured by loss mask; the observation's pictures (`figures`, HTML) in place of their pads,
+    its clips (`players`, HTML, one per `turn.clips`) after the clip's first video-pad row."""
     if not turn.tokens:
         return (f'<div class="tokens"><span class="tok m1">{_e(turn.model_text)}</span>'
-                f'<span class="tok m0">{_with_pictures(turn.observation_text, figures)}</span></div>')
+                f'<span class="tok m0">{_with_pictures(turn.observation_text, figures, clips=players)}</span></div>')
     parts = []
     teacher = turn.teacher_logprobs or (None,) * len(turn.tokens)
+    at_row: dict[int, list[str]] = {}
+    unplaced = []
+    for ref, player in zip(turn.clips, players):
+        (at_row.setdefault(ref.row, []) if ref.row is not None else unplaced).append(player)
     placed = 0
-    for (text, mask, logprob, count), teacher_lp in zip(turn.tokens, teacher):
+    for k, ((text, mask, logprob, count), teacher_lp) in enumerate(zip(turn.tokens, teacher)):
         title = f"loss mask {mask}" + ("" if logprob is None else f", log p = {logprob:.4f}")
         if teacher_lp is not None:  # on-policy distillation: the teacher's beside the student's
             title += f", teacher log p = {teacher_lp:.4f}"
@@ -242,9 +318,14 @@ def _tokens(turn: Turn, figures: Sequence[str] = ()) -> str:
             if placed < len(figures):
                 parts.append(figures[placed])
                 placed += 1
+        elif text == VIDEO_PAD:
+            parts.append(f'<span class="tok vidpad m{mask}" title="{title}">[video x{count}]</span>')
+            parts.extend(at_row.pop(k, ()))
         else:
             parts.append(f'<span class="tok m{mask}" title="{_e(title)}">{_e(text)}</span>')
     parts.extend(figures[placed:])
+    parts.extend(p for row in sorted(at_row) for p in at_row[row])  # rows past the tokens (never, in a valid dump)
+    parts.extend([*players[len(turn.clips):], *unplaced])
     return f'<div class="tokens">{"".join(parts)}</div>'
 
 
@@ -257,9 +338,10 @@ def _turn(turn: Turn, image_src: ImageSrc, number: int) -> str:
         if value is not None:
             meta.append(f"{label} {value}")
     figures = [_figure(ref, image_src, f"turn {number} observation picture {k}") for k, ref in enumerate(turn.images)]
+    players = [_player(ref, image_src, f"turn {number} observation clip {k}") for k, ref in enumerate(turn.clips)]
     error = f'<div class="err">{_e(turn.error)}</div>' if turn.error else ""
     return (f'<div class="turn" data-turn="{number}"><h4>Turn {number}</h4><div class="meta">{_e(", ".join(meta))}</div>'
-            f"{_tokens(turn, figures)}{error}</div>")
+            f"{_tokens(turn, figures, players)}{error}</div>")
 
 
 def episode_id(source: Source, ep: Episode) -> str:
@@ -275,13 +357,14 @@ def _episode(ep: Episode, image_src: ImageSrc, element_id: str = "") -> str:
             f"{len(ep.turns)} | weight versions {', '.join(ep.weight_versions) or '-'} | env retries {ep.retries} | "
             f"label {str(ep.label)[:80]}")
     prompt_figs = [_figure(ref, image_src, f"prompt picture {k}") for k, ref in enumerate(ep.prompt_images)]
+    prompt_clips = [_player(ref, image_src, f"prompt clip {k}") for k, ref in enumerate(ep.prompt_clips)]
     errors = "".join(f'<div class="err">{_e(e)}</div>' for e in ep.errors)
     turns = [_turn(t, image_src, k + 1) for k, t in enumerate(ep.turns)]
     turns_html = paged(turns, TURNS_PER_PAGE, "turns") if len(turns) > TURNS_PER_PAGE else "".join(turns)
     ident = f' id="{_e(element_id)}"' if element_id else ""
     return (f'<article class="episode {ep.status}"{ident} {flags}><h3>group {ep.group_index}, sample {ep.index}</h3>'
             f'<div class="meta">{_e(meta)}</div>{errors}<div class="prompt"><pre>'
-            f"{_with_pictures(ep.prompt_text, prompt_figs)}</pre></div>{turns_html}</article>")
+            f"{_with_pictures(ep.prompt_text, prompt_figs, clips=prompt_clips)}</pre></div>{turns_html}</article>")
 
 
 def render_source(source: Source, episodes: Sequence[Episode], image_src: ImageSrc) -> str:
@@ -296,14 +379,16 @@ def render_source(source: Source, episodes: Sequence[Episode], image_src: ImageS
 
 def _compare_cell(ep: Episode | None, image_src: ImageSrc, side: str) -> str:
     """One side of a comparison row: reward and status, then per turn the action text and the observation's
-    pictures (thumbnails, in place of their pads) and text."""
+    pictures (thumbnails, in place of their pads), clips (small players) and text."""
     if ep is None:
         return "<td>-</td>"
     reward = "none" if ep.reward is None else f"{ep.reward:.3f}"
     turns = []
     for k, t in enumerate(ep.turns, 1):
         thumbs = [_thumb(ref, image_src, f"{side}: turn {k} observation picture {j}") for j, ref in enumerate(t.images)]
-        obs = _with_pictures(t.observation_text, thumbs, readable=True, limit=200)
+        players = [_player(ref, image_src, f"{side}: turn {k} observation clip {j}", small=True)
+                   for j, ref in enumerate(t.clips)]
+        obs = _with_pictures(t.observation_text, thumbs, clips=players, readable=True, limit=200)
         action = _SPECIAL.sub("", t.model_text).strip() or "(no text)"
         turns.append(f'<div class="cturn"><b>turn {k}</b> <span class="act">{_e(action)}</span>'
                      + (f'<div class="obs">{obs}</div>' if obs else "") + "</div>")
@@ -322,7 +407,8 @@ def render_compare(a: Source, a_eps: Sequence[Episode], b: Source, b_eps: Sequen
     for ep in a_eps:
         other = by_key.get((ep.group_index, ep.index))
         thumbs = [_thumb(ref, image_src, f"prompt picture {k}") for k, ref in enumerate(ep.prompt_images)]
-        prompt = _with_pictures(ep.prompt_text, thumbs, readable=True, limit=300)
+        players = [_player(ref, image_src, f"prompt clip {k}", small=True) for k, ref in enumerate(ep.prompt_clips)]
+        prompt = _with_pictures(ep.prompt_text, thumbs, clips=players, readable=True, limit=300)
         rows.append(f'<tr class="crow"><td><div class="meta">group {ep.group_index}, sample {ep.index}</div>'
                     f'<div class="ctext">{prompt}</div></td>{_compare_cell(ep, image_src, a.title)}'
                     f"{_compare_cell(other, image_src, b.title)}</tr>")

@@ -2,13 +2,13 @@
 
 Routes: `/` shows the first training step (or dump); `/?source=KEY` one source (KEY is its path under the run,
 e.g. `rollout/step_4.jsonl`, `eval/heldout/step_25.jsonl`); `/?source=A&compare=B` two eval rounds' answers side
-by side above A's episodes; `/file/PATH` a picture under the run directory (nothing outside it). The run directory
-is re-indexed on every page load, so the steps of a run in progress appear as they are written.
+by side above A's episodes; `/file/PATH` a picture or a clip's frame under the run directory (nothing outside it).
+The run directory is re-indexed on every page load, so the steps of a run in progress appear as they are written.
 
 `export_html(run, out)` writes one self-contained page: the first and last eval rounds of each set side by side,
-then every source of the run, with every picture embedded as a data URL (a picture shown twice is embedded twice).
-Its long lists page in the page's own script (`render`), so it needs no server; a navigation link `#KEY` opens the
-page of sections that holds source KEY.
+then every source of the run, with every picture and every frame of each clip embedded as a data URL (a picture
+shown twice is embedded twice). Its long lists page in the page's own script (`render`), so it needs no server; a
+navigation link `#KEY` opens the page of sections that holds source KEY.
 
 No jax.
 """
