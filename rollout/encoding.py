@@ -48,8 +48,6 @@ from PIL import Image
 from rollout.clip_cache import ProcessedClipCache
 from rollout.clip_cache import cache_key as clip_cache_key
 from rollout.image_cache import ProcessedImageCache
-from rollout.video import Clip, ClipError, VideoProcessorConfig
-from rollout.video_io import clip_to_data_url, load_clip
 from rollout.processing import (
     VisionTokens,
     image_to_data_url,
@@ -59,6 +57,8 @@ from rollout.processing import (
     processor_size,
     resize_as_processor,
 )
+from rollout.video import Clip, ClipError, VideoProcessorConfig
+from rollout.video_io import clip_to_data_url, load_clip
 
 logger = logging.getLogger(__name__)
 

@@ -44,6 +44,7 @@ REF_T = 256  # teacher-forced reference: one padded shape for every check (a sin
 REF_PATCHES = 64
 FAST = RetryPolicy(max_retries=1, backoff_base_s=0.001, backoff_max_s=0.01)
 GREEDY = {"temperature": 0.0, "max_new_tokens": 24}
+VIDEO_PAD = "<|video_pad|>"  # in a malformed body's input_ids: the tiny tokenizer's id, substituted in the test
 
 
 def _spread_weights(model: torch.nn.Module, seed: int) -> None:
@@ -411,10 +412,18 @@ async def test_text_input_batches_and_native_response_shape(engine, encoder):
         ({"input_ids": [1], "bogus_field": 1}, "bogus_field"),
         ({"input_ids": [1], "image_data": ["data:image/png;base64,AAAA"]}, "image count mismatch"),
         ({"input_ids": [1], "image_data": [{"format": "processor_output"}]}, "processor_output"),
+        ({"input_ids": [1, VIDEO_PAD]}, "clip count mismatch: 1 video placeholder"),
+        ({"input_ids": [1, VIDEO_PAD, VIDEO_PAD], "video_data": ["x.mp4"]}, "already-expanded video pads"),
+        ({"input_ids": [1, VIDEO_PAD], "video_data": ["data:video/mp4;base64,AAAA"]},
+         "video_data[0]: data URL 'data:video/mp4;base64,AAAA' (26 chars): cannot decode video"),
+        ({"input_ids": [1, VIDEO_PAD], "video_data": ["/tmp/clip.mp4"]}, "does not read"),
+        ({"input_ids": [1], "video_data": [{"format": "processor_output"}]}, "takes videos as data URLs"),
         ({"input_ids": [5] * MAX_SEQ}, "context length"),
     ],
 )
-async def test_malformed_generate_is_400_with_an_error_object(engine, body, needle):
+async def test_malformed_generate_is_400_with_an_error_object(engine, encoder, body, needle):
+    if isinstance(body, dict) and VIDEO_PAD in body.get("input_ids", ()):
+        body = {**body, "input_ids": [encoder.vision.video_pad if t == VIDEO_PAD else t for t in body["input_ids"]]}
     async with aiohttp.ClientSession() as s:
         data = body if isinstance(body, str) else None
         async with s.post(engine.url + "/generate", data=data, json=None if data else body) as r:

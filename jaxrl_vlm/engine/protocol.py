@@ -29,8 +29,6 @@ from jaxrl_vlm.models.rope import get_rope_index
 from rollout.encoding import ChatEncoder, compact_pad_runs
 from rollout.image_cache import ProcessedImageCache, cache_key
 from rollout.processing import ImageDecodeError, ImageReadPolicy, load_image
-from rollout.video import ClipError, VideoProcessorConfig
-from rollout.video_io import ClipReadPolicy, load_clip
 from rollout.sglang_wire import (
     FinishReason,
     FinishType,
@@ -42,6 +40,8 @@ from rollout.sglang_wire import (
     generate_response,
     queued_abort_response,
 )
+from rollout.video import ClipError, VideoProcessorConfig
+from rollout.video_io import ClipReadPolicy, load_clip
 
 # What the embedded engine does not implement: such a request is refused naming the field (HTTP 400).
 EMBEDDED_UNSUPPORTED = Unsupported(
@@ -180,7 +180,6 @@ class PromptPreparer:
                                return_routed_experts=raw.return_routed_experts,
                                logprob_start_len=raw.logprob_start_len)
 
-
     def _expand_clips(self, ids: list[int], video_data: list[str]) -> tuple[list[int], ClipInputs | None]:
         """`ids` with each compact `<|video_pad|>` expanded as the trainer's encoder expands it, and the clips'
         processor outputs (None without clips)."""
@@ -195,8 +194,8 @@ class PromptPreparer:
         if not video_data:
             return ids, None
         if self.encoder is None or self.encoder.video_config is None:
-            raise RequestError("this model directory has no preprocessor_config.json and video_preprocessor_config.json:"
-                               " video input is not available")
+            raise RequestError("video input needs preprocessor_config.json and video_preprocessor_config.json in the "
+                               "model directory; this one lacks one of them")
 
         def read(item: str) -> Any:
             try:
