@@ -20,7 +20,8 @@ The feedback never names the direction (a reward computed on a transcript could 
 
 `shuffle_frames: true` is the ablation that shows the order of the frames carries the signal: every clip the env
 shows has the same frames in an order drawn from the episode's seed, never from the direction; since the two
-directions have the same frames, the direction cannot be recovered (a trained policy must stay at the blind 0.5). The clips are made here at reset, so the same data serve both arms.
+directions have the same frames, the direction cannot be recovered (a trained policy must stay at the blind 0.5).
+The clips are made here at reset, so the same data serve both arms.
 """
 
 from __future__ import annotations

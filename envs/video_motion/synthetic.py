@@ -5,8 +5,9 @@ Rows have the Geometry3K layout the prompt loader reads (`problem`, `answer`, `i
 ignores), written by `envs.rows.write_rows`: `problem` is empty and `images` is an empty list, since the env makes
 the clips at reset (`envs.video_motion.clips`), and `answer` is the JSON label `{"direction": "left" | "right",
 "seed": S}` that `build_env` reads; the seed draws the square's row (top row uniform over 0..frame_size - side) and,
-for the `shuffle_frames` ablation, the frame orders. `params` repeats the label with the row index. The frames' size, count and rate are env options,
-not data, so the same file serves every clip setting and both arms of the ablation.
+for the `shuffle_frames` ablation, the frame orders. `params` repeats the label with the row index. The frames'
+size, count and rate are env options, not data, so the same file serves every clip setting and both arms of the
+ablation.
 
 Row i depends only on (seed, i): `generate_rows(n, s)[:k] == generate_rows(k, s)`. Each block of 2 consecutive rows
 has each direction once (in a random order), so an unshuffled batch of an even number of prompts is balanced. The
