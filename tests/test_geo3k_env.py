@@ -237,8 +237,10 @@ def test_format_observation_roles_and_image_order():
     }
     with pytest.raises(TypeError, match=r"\['image'\]\[0\]"):
         env.format_observation({"obs_str": "x", "multi_modal_data": {"image": ["/tmp/not-a-data-url.png"]}})
-    with pytest.raises(ValueError, match="video"):
-        env.format_observation({"obs_str": "x", "multi_modal_data": {"video": []}})
+    with pytest.raises(ValueError, match=r"unsupported keys \['audio'\]"):  # clips are a modality; audio is not
+        env.format_observation({"obs_str": "x", "multi_modal_data": {"audio": []}})
+    assert env.format_observation({"obs_str": "x", "multi_modal_data": {"video": []}})["content"] == [
+        {"type": "text", "text": "x"}]
     with pytest.raises(ValueError, match="role"):
         env.format_observation({"obs_str": "x", "role": "system"})
 
