@@ -35,7 +35,7 @@ from typing import Any
 
 from aiohttp import WSMsgType, web
 
-from envs.base import observation_images
+from envs.base import observation_clips, observation_images
 from envs.openenv_wire import (
     ACTION_SCHEMA,
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -106,6 +106,9 @@ def observation_fields(observation: dict[str, Any] | None, owner: str) -> dict[s
         return {"text": "", "images": [], "role": "user"}
     if not isinstance(observation, dict) or not isinstance(observation.get("obs_str"), str):
         raise TypeError(f"{owner}: an observation is a dict with a str 'obs_str', got {observation!r:.200}")
+    if observation_clips(observation, owner):  # refused, never dropped: the wire schema has no clips yet
+        raise ValueError(f"{owner}: an observation with clips cannot be served over the env wire yet (its schema "
+                         "carries text and pictures; docs/guides/video.md); run this env in-process")
     images = [im if isinstance(im, str) else image_to_data_url(im) for im in observation_images(observation, owner)]
     return {"text": observation["obs_str"], "images": images, "role": observation.get("role", "user")}
 

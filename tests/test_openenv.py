@@ -18,13 +18,14 @@ import types
 from typing import Any
 
 import aiohttp
+import numpy as np
 import pytest
 from _launch import ROOT, free_port
 
 import envs.color_reveal as color_reveal
 import envs.remote as remote
 from envs.color_reveal.synthetic import generate_row
-from envs.env_server import EnvServer, row_opening
+from envs.env_server import EnvServer, observation_fields, row_opening
 from envs.env_server import running as env_running
 from envs.openenv_wire import (
     Close,
@@ -42,6 +43,7 @@ from envs.openenv_wire import (
 )
 from jaxrl_vlm.config import ConfigError, load_config
 from rollout.processing import image_to_data_url
+from rollout.video import Clip
 
 
 # ----------------------------------------------------------------------------- wire
@@ -71,6 +73,13 @@ def test_bad_client_frames_name_their_error_code(frame, code):
     with pytest.raises(WireError) as e:
         parse_client(frame, max_bytes=128)
     assert e.value.code is code
+
+
+def test_an_observation_with_clips_is_refused_by_the_env_server_not_dropped():
+    clip = Clip.of(np.zeros((2, 8, 8, 3), np.uint8), 2.0)
+    with pytest.raises(ValueError, match="with clips cannot be served over the env wire"):
+        observation_fields({"obs_str": "watch", "multi_modal_data": {"video": [clip]}}, "VideoEnv")
+    assert observation_fields({"obs_str": "x", "multi_modal_data": {"video": []}}, "VideoEnv")["text"] == "x"
 
 
 def test_pictures_come_as_data_urls_base64_or_nested_integer_arrays(make_test_image):
