@@ -29,8 +29,6 @@ import binascii
 import io
 import json
 import os
-import re
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
@@ -38,6 +36,8 @@ from urllib.parse import unquote
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
+
+from rollout.media_read import DATA_URL, MediaKind, decode_base64, describe, read_local_file, too_many_bytes
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -459,12 +459,12 @@ def image_to_data_url(image: Image.Image) -> str:
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
-def _describe(text: str) -> str:
-    return repr(text if len(text) <= 60 else text[:60] + "...") + f" ({len(text)} chars)"
+_IMAGE = MediaKind("image", IMAGE_SUFFIXES, "images as data URLs or base64", "max_image_bytes", ImageDecodeError,
+                   ImageTooLarge)
 
 
 def _too_many_bytes(n: int, policy: ImageReadPolicy, source: str) -> ImageTooLarge:
-    return ImageTooLarge(f"{source}: {n} bytes, more than the cap of {policy.max_bytes} bytes (max_image_bytes)")
+    return too_many_bytes(n, policy.max_bytes, source, _IMAGE)
 
 
 def _decode_bytes(data: bytes, source: str, policy: ImageReadPolicy) -> Image.Image:
@@ -486,70 +486,23 @@ def _decode_bytes(data: bytes, source: str, policy: ImageReadPolicy) -> Image.Im
     return to_rgb(image)
 
 
-def _decode_base64(payload: str, source: str, policy: ImageReadPolicy) -> bytes:
-    compact = re.sub(r"\s+", "", payload)
-    if len(compact) // 4 * 3 > policy.max_bytes + 3:  # checked before decoding: base64 carries 3 bytes per 4 chars
-        raise _too_many_bytes(len(compact) // 4 * 3, policy, source)
-    try:
-        return base64.b64decode(compact, validate=True)
-    except (binascii.Error, ValueError) as e:
-        raise ImageDecodeError(f"{source}: invalid base64 ({e})") from e
-
-
-def _local_path(path: str, given: str, policy: ImageReadPolicy) -> str:
-    """The file `load_image` may read for `path`, or ImageDecodeError saying why it may not."""
-    if not policy.read_local_files:
-        raise ImageDecodeError(
-            f"{_describe(given)} names a local file, which this server does not read: send images as data URLs "
-            "or base64 (or start the server with --allowed-local-media-path DIR to allow image files under DIR)"
-        )
-    path = os.path.expanduser(path)
-    if policy.local_root is None:
-        return path
-    real = os.path.realpath(path)  # symlinks and .. resolved before the containment check
-    root = policy.local_root
-    if os.path.commonpath([real, root]) != root:
-        raise ImageDecodeError(f"image path {_describe(given)} is outside the allowed local media path {root}")
-    if not real.lower().endswith(IMAGE_SUFFIXES):
-        raise ImageDecodeError(f"image path {_describe(given)} is not an image file name (allowed: {', '.join(IMAGE_SUFFIXES)})")
-    return real
-
-
 def _load_path(path_text: str, given: str, policy: ImageReadPolicy) -> Image.Image:
-    path = _local_path(path_text, given, policy)
-    try:
-        info = os.stat(path)
-    except FileNotFoundError:
-        raise ImageDecodeError(f"image file not found: {path} (from {_describe(given)})") from None
-    except OSError as e:
-        raise ImageDecodeError(f"cannot read image file {path}: {e}") from e
-    if not stat.S_ISREG(info.st_mode):
-        raise ImageDecodeError(f"image path {path} is not a regular file")
-    source = f"image file {path}"
-    if info.st_size > policy.max_bytes:
-        raise _too_many_bytes(info.st_size, policy, source)
-    try:
-        with open(path, "rb") as f:
-            data = f.read(policy.max_bytes + 1)  # a file that grows (or lies about its size) is still capped
-    except OSError as e:
-        raise ImageDecodeError(f"cannot read image file {path}: {e}") from e
+    data, source = read_local_file(path_text, given, policy.max_bytes, policy.read_local_files, policy.local_root,
+                                   _IMAGE)
     return _decode_bytes(data, source, policy)
 
 
-_DATA_URL = re.compile(r"^data:(?P<mime>[^;,]*)(?P<params>(?:;[^;,]*)*),(?P<payload>.*)$", re.DOTALL)
-
-
 def _load_data_url(url: str, policy: ImageReadPolicy) -> Image.Image:
-    match = _DATA_URL.match(url)
+    match = DATA_URL.match(url)
     if match is None:
-        raise ImageDecodeError(f"malformed data URL {_describe(url)}: expected data:image/<type>;base64,<payload>")
+        raise ImageDecodeError(f"malformed data URL {describe(url)}: expected data:image/<type>;base64,<payload>")
     mime = match["mime"].lower()
     if mime and not mime.startswith("image/"):
-        raise ImageDecodeError(f"data URL {_describe(url)} has media type {mime!r}, not an image")
+        raise ImageDecodeError(f"data URL {describe(url)} has media type {mime!r}, not an image")
     if ";base64" not in match["params"].lower():
-        raise ImageDecodeError(f"data URL {_describe(url)} is not base64-encoded")
-    data = _decode_base64(match["payload"], f"data URL {_describe(url)}", policy)
-    return _decode_bytes(data, f"data URL {_describe(url)}", policy)
+        raise ImageDecodeError(f"data URL {describe(url)} is not base64-encoded")
+    data = decode_base64(match["payload"], f"data URL {describe(url)}", policy.max_bytes, _IMAGE)
+    return _decode_bytes(data, f"data URL {describe(url)}", policy)
 
 
 def load_image(item: Image.Image | str | bytes | os.PathLike[str], policy: ImageReadPolicy = TRUSTED_IMAGES) -> Image.Image:
@@ -589,16 +542,16 @@ def load_image(item: Image.Image | str | bytes | os.PathLike[str], policy: Image
             path = path[len("localhost") :]
         return _load_path(path, text, policy)
     if text[:7].lower() == "http://" or text[:8].lower() == "https://":
-        raise ImageDecodeError(f"refusing to download {_describe(text)}: pass a data URL or a local path instead")
+        raise ImageDecodeError(f"refusing to download {describe(text)}: pass a data URL or a local path instead")
     # A restricted reader never probes the filesystem to tell a path from base64: every file it may read
     # has an image suffix, hence a '.'.
     if "." in text or (policy.local_root is None and policy.read_local_files and os.path.exists(text)):
         return _load_path(text, text, policy)
     if policy.local_root is None and policy.read_local_files:
-        source = f"string {_describe(text)} (not an existing path, so read as bare base64)"
+        source = f"string {describe(text)} (not an existing path, so read as bare base64)"
     elif policy.read_local_files:
-        source = f"string {_describe(text)} (read as bare base64: it has no image file suffix)"
+        source = f"string {describe(text)} (read as bare base64: it has no image file suffix)"
     else:
-        source = f"string {_describe(text)} (read as bare base64: this server reads no local paths)"
-    data = _decode_base64(text, source, policy)
-    return _decode_bytes(data, f"bare base64 string {_describe(text)}", policy)
+        source = f"string {describe(text)} (read as bare base64: this server reads no local paths)"
+    data = decode_base64(text, source, policy.max_bytes, _IMAGE)
+    return _decode_bytes(data, f"bare base64 string {describe(text)}", policy)

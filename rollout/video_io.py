@@ -39,12 +39,9 @@ numpy and PyAV only: never imports jax.
 from __future__ import annotations
 
 import base64
-import binascii
 import io
 import math
 import os
-import re
-import stat
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
@@ -53,6 +50,7 @@ from urllib.parse import unquote
 import av
 import numpy as np
 
+from rollout.media_read import DATA_URL, MediaKind, decode_base64, describe, read_local_file, too_many_bytes
 from rollout.video import Clip, ClipError
 
 __all__ = [
@@ -153,10 +151,6 @@ class ClipReadPolicy:
 TRUSTED_CLIPS = ClipReadPolicy()
 
 
-def _describe(text: str) -> str:
-    return repr(text if len(text) <= 60 else text[:60] + "...") + f" ({len(text)} chars)"
-
-
 # --------------------------------------------------------------------------- writing
 
 
@@ -223,8 +217,11 @@ def clip_to_data_url(clip: Clip) -> str:
 # --------------------------------------------------------------------------- reading
 
 
+_VIDEO = MediaKind("video", VIDEO_SUFFIXES, "clips as data URLs", "max_clip_bytes", ClipError, ClipTooLarge)
+
+
 def _too_many_bytes(n: int, policy: ClipReadPolicy, source: str) -> ClipTooLarge:
-    return ClipTooLarge(f"{source}: {n} bytes, more than the cap of {policy.max_bytes} bytes (max_clip_bytes)")
+    return too_many_bytes(n, policy.max_bytes, source, _VIDEO)
 
 
 def _check_size(frames: int, width: int, height: int, policy: ClipReadPolicy, source: str, what: str) -> None:
@@ -298,74 +295,26 @@ def _decode_bytes(data: bytes, source: str, policy: ClipReadPolicy) -> Clip:
     return Clip(np.stack(frames), fps)
 
 
-def _decode_base64(payload: str, source: str, policy: ClipReadPolicy) -> bytes:
-    compact = re.sub(r"\s+", "", payload)
-    if len(compact) // 4 * 3 > policy.max_bytes + 3:  # checked before decoding: base64 carries 3 bytes per 4 chars
-        raise _too_many_bytes(len(compact) // 4 * 3, policy, source)
-    try:
-        return base64.b64decode(compact, validate=True)
-    except (binascii.Error, ValueError) as e:
-        raise ClipError(f"{source}: invalid base64 ({e})") from e
-
-
-def _local_path(path: str, given: str, policy: ClipReadPolicy) -> str:
-    """The file `load_clip` may read for `path`, or ClipError saying why it may not."""
-    if not policy.read_local_files:
-        raise ClipError(
-            f"{_describe(given)} names a local file, which this server does not read: send clips as data URLs "
-            "(or start the server with --allowed-local-media-path DIR to allow video files under DIR)"
-        )
-    path = os.path.expanduser(path)
-    if policy.local_root is None:
-        return path
-    real = os.path.realpath(path)  # symlinks and .. resolved before the containment check
-    root = policy.local_root
-    if os.path.commonpath([real, root]) != root:
-        raise ClipError(f"video path {_describe(given)} is outside the allowed local media path {root}")
-    if not real.lower().endswith(VIDEO_SUFFIXES):
-        raise ClipError(f"video path {_describe(given)} is not a video file name "
-                        f"(allowed: {', '.join(VIDEO_SUFFIXES)})")
-    return real
-
-
 def _load_path(path_text: str, given: str, policy: ClipReadPolicy) -> Clip:
-    path = _local_path(path_text, given, policy)
-    try:
-        info = os.stat(path)
-    except FileNotFoundError:
-        raise ClipError(f"video file not found: {path} (from {_describe(given)})") from None
-    except OSError as e:
-        raise ClipError(f"cannot read video file {path}: {e}") from e
-    if not stat.S_ISREG(info.st_mode):
-        raise ClipError(f"video path {path} is not a regular file")
-    source = f"video file {path}"
-    if info.st_size > policy.max_bytes:
-        raise _too_many_bytes(info.st_size, policy, source)
-    try:
-        with open(path, "rb") as f:
-            data = f.read(policy.max_bytes + 1)  # a file that grows (or lies about its size) is still capped
-    except OSError as e:
-        raise ClipError(f"cannot read video file {path}: {e}") from e
+    data, source = read_local_file(path_text, given, policy.max_bytes, policy.read_local_files, policy.local_root,
+                                   _VIDEO)
     return _decode_bytes(data, source, policy)
 
 
-_DATA_URL = re.compile(r"^data:(?P<mime>[^;,]*)(?P<params>(?:;[^;,]*)*),(?P<payload>.*)$", re.DOTALL)
-
-
 def _load_data_url(url: str, policy: ClipReadPolicy) -> Clip:
-    match = _DATA_URL.match(url)
+    match = DATA_URL.match(url)
     if match is None:
-        raise ClipError(f"malformed data URL {_describe(url)}: expected data:video/<type>;base64,<payload>")
+        raise ClipError(f"malformed data URL {describe(url)}: expected data:video/<type>;base64,<payload>")
     mime = match["mime"].lower()
     if not mime.startswith("video/"):
-        raise ClipError(f"data URL {_describe(url)} has media type {mime!r}, not a video")
+        raise ClipError(f"data URL {describe(url)} has media type {mime!r}, not a video")
     if mime == "video/jpeg":
-        raise ClipError(f"data URL {_describe(url)} is video/jpeg (vLLM's list of JPEG frames, lossy and without a "
+        raise ClipError(f"data URL {describe(url)} is video/jpeg (vLLM's list of JPEG frames, lossy and without a "
                         "frame rate): send a video file, as clip_to_data_url writes")
     if ";base64" not in match["params"].lower():
-        raise ClipError(f"data URL {_describe(url)} is not base64-encoded")
-    data = _decode_base64(match["payload"], f"data URL {_describe(url)}", policy)
-    return _decode_bytes(data, f"data URL {_describe(url)}", policy)
+        raise ClipError(f"data URL {describe(url)} is not base64-encoded")
+    data = decode_base64(match["payload"], f"data URL {describe(url)}", policy.max_bytes, _VIDEO)
+    return _decode_bytes(data, f"data URL {describe(url)}", policy)
 
 
 def _check_clip(clip: Clip, policy: ClipReadPolicy) -> Clip:
@@ -410,5 +359,5 @@ def load_clip(item: Clip | str | bytes | os.PathLike[str], policy: ClipReadPolic
             path = path[len("localhost"):]
         return _load_path(path, text, policy)
     if text[:7].lower() == "http://" or text[:8].lower() == "https://":
-        raise ClipError(f"refusing to download {_describe(text)}: pass a data URL or a local path instead")
+        raise ClipError(f"refusing to download {describe(text)}: pass a data URL or a local path instead")
     return _load_path(text, text, policy)
