@@ -13,13 +13,12 @@ arrays are read-only: a cached clip is shared by every request that shows it.
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from rollout.byte_lru import ByteBoundedLRU
 from rollout.video import Clip, ProcessedClips, VideoProcessorConfig, process_clips
 
 DEFAULT_CLIP_CACHE_BYTES = 256 << 20
@@ -46,52 +45,27 @@ class ProcessedClipCache:
     """
 
     def __init__(self, cfg: VideoProcessorConfig, max_bytes: int = DEFAULT_CLIP_CACHE_BYTES):
-        if max_bytes < 0:
-            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
         self.cfg = cfg
-        self.max_bytes = max_bytes
-        self._entries: OrderedDict[str, _Entry] = OrderedDict()
-        self._bytes = 0
-        self._lock = threading.Lock()
-        self.hits = 0
-        self.misses = 0
+        self._lru: ByteBoundedLRU[_Entry] = ByteBoundedLRU(max_bytes, lambda e: e.patches.nbytes)
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._lru)
 
-    def _get(self, key: str | None) -> _Entry | None:
-        if key is None or self.max_bytes == 0:
-            return None
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is not None:
-                self._entries.move_to_end(key)
-                self.hits += 1
-            return entry
+    @property
+    def hits(self) -> int:
+        return self._lru.hits
 
-    def _put(self, key: str, entry: _Entry) -> None:
-        size = entry.patches.nbytes
-        if size > self.max_bytes:
-            return
-        for array in (entry.patches, entry.grid, entry.frame_indices):
-            array.setflags(write=False)
-        with self._lock:
-            if key in self._entries:
-                return
-            self._entries[key] = entry
-            self._bytes += size
-            while self._bytes > self.max_bytes:
-                _, old = self._entries.popitem(last=False)
-                self._bytes -= old.patches.nbytes
+    @property
+    def misses(self) -> int:
+        return self._lru.misses
 
     def process(self, keys: Sequence[str | None], load: Callable[[int], Clip]) -> ProcessedClips:
         """Process the clips `load(0..n-1)`, whose keys are `keys` (None: not cacheable); only the clips not in the
         cache are loaded, and processed together. Errors of `load` and of the processor propagate unchanged."""
-        found = [self._get(key) for key in keys]
+        found = [self._lru.get(key) for key in keys]
         missing = [i for i, entry in enumerate(found) if entry is None]
         if missing:
-            with self._lock:
-                self.misses += len(missing)
+            self._lru.missed(len(missing))
             fresh = process_clips([load(i) for i in missing], self.cfg)
             bounds = np.concatenate([[0], np.cumsum(fresh.video_grid_thw.prod(axis=1))])
             for j, i in enumerate(missing):
@@ -99,8 +73,8 @@ class ProcessedClipCache:
                                np.array(fresh.video_grid_thw[j]), np.array(fresh.frame_indices[j]),
                                list(fresh.timestamps[j]), float(fresh.second_per_grid_ts[j]))
                 found[i] = entry
-                if keys[i] is not None and self.max_bytes:
-                    self._put(keys[i], entry)
+                if keys[i] is not None:
+                    self._lru.put(keys[i], entry, (entry.patches, entry.grid, entry.frame_indices))
         dim = 3 * self.cfg.temporal_patch_size * self.cfg.patch_size**2
         return ProcessedClips(
             np.concatenate([e.patches for e in found]) if found else np.zeros((0, dim), np.float32),

@@ -13,14 +13,13 @@ arrays: a cached tensor is shared by every request that uses the image.
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 from PIL import Image
 
+from rollout.byte_lru import ByteBoundedLRU
 from rollout.processing import process_images
 
 # 256 MiB of fp32 patches: ~2,700 tiny 64x64 pictures, or ~40 full-HD ones for Qwen3-VL.
@@ -39,65 +38,44 @@ class ProcessedImageCache:
     """
 
     def __init__(self, image_processor: Any, max_bytes: int = DEFAULT_CACHE_BYTES):
-        if max_bytes < 0:
-            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
         self.image_processor = image_processor
-        self.max_bytes = max_bytes
-        self._entries: OrderedDict[str, tuple[np.ndarray, np.ndarray]] = OrderedDict()
-        self._bytes = 0
-        self._lock = threading.Lock()
-        self.hits = 0
-        self.misses = 0
+        self._lru: ByteBoundedLRU[tuple[np.ndarray, np.ndarray]] = ByteBoundedLRU(max_bytes, lambda e: e[0].nbytes)
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._lru)
+
+    @property
+    def max_bytes(self) -> int:
+        return self._lru.max_bytes
 
     @property
     def nbytes(self) -> int:
-        return self._bytes
+        return self._lru.nbytes
 
-    def _get(self, key: str | None) -> tuple[np.ndarray, np.ndarray] | None:
-        if key is None or self.max_bytes == 0:
-            return None
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is not None:
-                self._entries.move_to_end(key)
-                self.hits += 1
-            return entry
+    @property
+    def hits(self) -> int:
+        return self._lru.hits
 
-    def _put(self, key: str, pixel_values: np.ndarray, grid: np.ndarray) -> None:
-        size = pixel_values.nbytes
-        if size > self.max_bytes:
-            return
-        pixel_values.setflags(write=False)
-        grid.setflags(write=False)
-        with self._lock:
-            if key in self._entries:
-                return
-            self._entries[key] = (pixel_values, grid)
-            self._bytes += size
-            while self._bytes > self.max_bytes:
-                _, (old, _) = self._entries.popitem(last=False)
-                self._bytes -= old.nbytes
+    @property
+    def misses(self) -> int:
+        return self._lru.misses
 
     def process(self, keys: Sequence[str | None], load: Callable[[int], Image.Image]) -> dict[str, np.ndarray]:
         """Preprocess the images `load(0..n-1)`, whose keys are `keys` (None: not cacheable). Only the images
         not in the cache are loaded, and they are processed together in one processor call. Errors of `load`
         and of the processor propagate unchanged."""
-        found = [self._get(key) for key in keys]
+        found = [self._lru.get(key) for key in keys]
         missing = [i for i, entry in enumerate(found) if entry is None]
         if missing:
-            with self._lock:
-                self.misses += len(missing)
+            self._lru.missed(len(missing))
             fresh = process_images(self.image_processor, [load(i) for i in missing])
             bounds = np.concatenate([[0], np.cumsum(fresh["image_grid_thw"].prod(axis=1))])
             for j, i in enumerate(missing):
                 rows = np.array(fresh["pixel_values"][bounds[j]:bounds[j + 1]])
                 grid = np.array(fresh["image_grid_thw"][j : j + 1])
                 found[i] = (rows, grid)
-                if keys[i] is not None and self.max_bytes:
-                    self._put(keys[i], rows, grid)
+                if keys[i] is not None:
+                    self._lru.put(keys[i], (rows, grid), (rows, grid))
         if not found:
             return process_images(self.image_processor, [])
         return {"pixel_values": np.concatenate([rows for rows, _ in found]),
