@@ -3,15 +3,16 @@
 Phases of one episode (slime's loop, with its defects fixed; reference/slime.md):
 
 1. **init**: render the prompt with the chat template; training view (expanded pads) into `sample.tokens`,
-   wire view (compact pads) kept for the engine; prompt images go to `image_data` and the tensor buffer. Then
+   wire view (compact pads) kept for the engine; prompt images go to `image_data`, clips to `video_data`, and
+   their tensors to the buffer. Then
    `env.reset()`: an observation it returns joins the prompt's first user turn (re-encoded, still prompt).
-2. **generate**: POST `/generate` with the wire ids so far and every image so far; append the sampled ids
+2. **generate**: POST `/generate` with the wire ids so far and every image and clip so far; append the sampled ids
    and log-probs with loss mask 1. The engine's ids are never re-tokenized.
 3. **env.step** on the model's text of this turn, with a timeout (`--env-step-timeout`) and bounded retries.
 4. **observe**: encode the observation as delta tokens (template separator + observation + generation
    prompt) with loss mask 0 and log-prob 0.
-5. **multimodal state**: observation images are appended to `image_data` and their tensors buffered; the
-   buffer is concatenated once per key at finalize.
+5. **multimodal state**: observation images and clips are appended to `image_data` / `video_data` and their
+   tensors buffered; the buffer is concatenated once per key at finalize.
 
 Termination: env done -> COMPLETED; `max_turns` reached -> COMPLETED (no unanswered observation is
 appended); the response budget (generated + observation tokens) or the context runs out -> TRUNCATED with
