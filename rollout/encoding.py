@@ -148,30 +148,26 @@ def compact_pad_runs(ids: Sequence[int], pad: int) -> list[int]:
 
 def message_images(messages: Sequence[dict[str, Any]]) -> list[Any]:
     """Image items of chat messages, in the order the template places their placeholders."""
-    images = []
-    for message in messages:
-        content = message.get("content")
-        if isinstance(content, list):
-            for item in content:
-                if isinstance(item, dict) and item.get("type") == "image":
-                    if "image" not in item:
-                        raise ValueError(f"image content item without an 'image' value in a {message.get('role')!r} message")
-                    images.append(item["image"])
-    return images
+    return _message_items(messages, "image")
 
 
 def message_clips(messages: Sequence[dict[str, Any]]) -> list[Any]:
     """Video items of chat messages (`{"type": "video", "video": clip}`), in the order of their placeholders."""
-    clips = []
+    return _message_items(messages, "video")
+
+
+def _message_items(messages: Sequence[dict[str, Any]], kind: str) -> list[Any]:
+    items = []
     for message in messages:
         content = message.get("content")
         if isinstance(content, list):
             for item in content:
-                if isinstance(item, dict) and item.get("type") == "video":
-                    if "video" not in item:
-                        raise ValueError(f"video content item without a 'video' value in a {message.get('role')!r} message")
-                    clips.append(item["video"])
-    return clips
+                if isinstance(item, dict) and item.get("type") == kind:
+                    if kind not in item:
+                        raise ValueError(f"{kind} content item without its {kind!r} value in a "
+                                         f"{message.get('role')!r} message")
+                    items.append(item[kind])
+    return items
 
 
 def prompt_with_opening(prompt: list[dict[str, Any]], opening: dict[str, Any]) -> list[dict[str, Any]]:
