@@ -9,12 +9,11 @@ for the prefix cache runs from its first pad to its last.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
 import numpy as np
 
-from jaxrl_vlm.engine.prefix_cache import ImageSpan
+from jaxrl_vlm.engine.prefix_cache import ImageSpan, image_spans, items_wholly_before
 from jaxrl_vlm.models.config import ModelConfig
 
 
@@ -35,10 +34,6 @@ class ClipInputs:
         return int(self.pixel_values_videos.shape[0])
 
 
-def _clip_tokens(grid: np.ndarray, cfg: ModelConfig) -> np.ndarray:
-    return grid.prod(-1) // cfg.vision.merge_unit
-
-
 def clips_after(input_ids: np.ndarray, start: int, clips: ClipInputs | None, cfg: ModelConfig) -> ClipInputs | None:
     """The clips whose pads lie in input_ids[start:] (None when there are none). A clip whose pads `start` splits
     is an error: the tower encodes it whole."""
@@ -47,11 +42,7 @@ def clips_after(input_ids: np.ndarray, start: int, clips: ClipInputs | None, cfg
     if start == 0:
         return clips
     grid = np.asarray(clips.video_grid_thw, np.int64).reshape(-1, 3)
-    merged = np.cumsum(_clip_tokens(grid, cfg))
-    before = int(np.count_nonzero(np.asarray(input_ids[:start]) == cfg.video_token_id))
-    done = int(np.searchsorted(merged, before, side="right"))  # clips wholly before `start`
-    if before != (merged[done - 1] if done else 0):
-        raise ValueError(f"prefix of {start} tokens ends inside clip {done} (its pads are split)")
+    done = items_wholly_before(input_ids, start, grid, cfg.video_token_id, cfg.vision.merge_unit, "clip")
     if done == len(grid):
         return None
     first_patch = int(grid[:done].prod(-1).sum())
@@ -65,24 +56,7 @@ def clip_spans(input_ids: np.ndarray, clips: ClipInputs | None, cfg: ModelConfig
     token layout never passes as cached."""
     if clips is None or len(clips) == 0:
         return ()
-    grid = np.asarray(clips.video_grid_thw, np.int64).reshape(-1, 3)
-    patches = grid.prod(-1)
-    merged = _clip_tokens(grid, cfg)
-    pads = np.flatnonzero(np.asarray(input_ids) == cfg.video_token_id)
-    pixels = clips.pixel_values_videos
-    if pads.size != int(merged.sum()) or pixels.shape[0] != int(patches.sum()):
-        raise ValueError(f"{pads.size} video-pad tokens and {pixels.shape[0]} patch rows do not match video_grid_thw "
-                         f"{grid.tolist()}")
-    spans = []
-    tok = row = 0
-    for i, (g, n_patches, n_tokens) in enumerate(zip(grid, patches, merged)):
-        digest = hashlib.blake2b(b"clip", digest_size=16)
-        digest.update(g.tobytes())
-        if clips.second_per_grid_ts is not None:
-            digest.update(np.float32(clips.second_per_grid_ts[i]).tobytes())
-        digest.update(str(pixels.dtype).encode())
-        digest.update(np.ascontiguousarray(pixels[row : row + n_patches]).tobytes())
-        spans.append(ImageSpan(int(pads[tok]), int(pads[tok + n_tokens - 1]) + 1, digest.digest()))
-        tok += int(n_tokens)
-        row += int(n_patches)
-    return tuple(spans)
+    seconds = clips.second_per_grid_ts
+    labels = [b"clip" + (b"" if seconds is None else np.float32(seconds[i]).tobytes()) for i in range(len(clips))]
+    return image_spans(input_ids, clips.pixel_values_videos, clips.video_grid_thw, cfg.video_token_id,
+                       cfg.vision.spatial_merge_size, labels=labels)

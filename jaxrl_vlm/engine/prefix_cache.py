@@ -49,11 +49,15 @@ def image_spans(
     image_grid_thw: np.ndarray | None,
     image_token_id: int,
     merge_size: int,
+    *,
+    labels: Sequence[bytes] | None = None,
 ) -> tuple[ImageSpan, ...]:
     """The span and identity of every image of a prepared prompt (pads expanded), in order.
 
     The i-th image owns the next t*h*w / merge^2 image-pad tokens and the next t*h*w patch rows of
-    `pixel_values`, as in `build_vision_inputs`.
+    `pixel_values`, as in `build_vision_inputs`: its span runs from its first pad to its last, wherever they lie
+    (a clip's pads are several runs). `labels`: per item, bytes mixed into its digest (a clip's kind and seconds),
+    so an item of another kind or timing never passes as cached. `image_token_id` is the item's pad id.
     """
     if pixel_values is None or image_grid_thw is None or len(image_grid_thw) == 0:
         return ()
@@ -63,12 +67,13 @@ def image_spans(
     pads = np.flatnonzero(np.asarray(input_ids) == image_token_id)
     if pads.size != int(merged.sum()) or pixel_values.shape[0] != int(patches.sum()):
         raise ValueError(
-            f"{pads.size} image-pad tokens and {pixel_values.shape[0]} patch rows do not match image_grid_thw {grid.tolist()}"
+            f"{pads.size} pad tokens (id {image_token_id}) and {pixel_values.shape[0]} patch rows do not match the grid "
+            f"{grid.tolist()}"
         )
     spans = []
     tok = row = 0
-    for g, n_patches, n_tokens in zip(grid, patches, merged):
-        digest = hashlib.blake2b(digest_size=16)
+    for i, (g, n_patches, n_tokens) in enumerate(zip(grid, patches, merged)):
+        digest = hashlib.blake2b(labels[i] if labels is not None else b"", digest_size=16)
         digest.update(g.tobytes())
         digest.update(str(pixel_values.dtype).encode())
         digest.update(np.ascontiguousarray(pixel_values[row : row + n_patches]).tobytes())
@@ -76,6 +81,18 @@ def image_spans(
         tok += int(n_tokens)
         row += int(n_patches)
     return tuple(spans)
+
+
+def items_wholly_before(input_ids: np.ndarray, start: int, grid: np.ndarray, pad_id: int, merge_unit: int,
+                        noun: str) -> int:
+    """How many of the items (pictures or clips, `grid` rows in order, t*h*w / merge_unit pads each) lie wholly in
+    input_ids[:start]; ValueError when `start` splits one (the tower encodes an item whole)."""
+    merged = np.cumsum(grid.prod(-1) // merge_unit)
+    before = int(np.count_nonzero(np.asarray(input_ids[:start]) == pad_id))
+    done = int(np.searchsorted(merged, before, side="right"))
+    if before != (merged[done - 1] if done else 0):
+        raise ValueError(f"prefix of {start} tokens ends inside {noun} {done} (its pads are split)")
+    return done
 
 
 def cut_before_images(prefix: int, images: Sequence[ImageSpan]) -> int:

@@ -34,6 +34,7 @@ from jaxrl_vlm.device_lock import exclusive
 from jaxrl_vlm.engine import forward
 from jaxrl_vlm.engine.clips import ClipInputs, clips_after
 from jaxrl_vlm.engine.options import EngineOptions, bucket_for
+from jaxrl_vlm.engine.prefix_cache import items_wholly_before
 from jaxrl_vlm.engine.placement import ReplicaPlacement
 from jaxrl_vlm.engine.sampling import SamplingRows, sample_tokens
 from jaxrl_vlm.engine.weights import leaf_paths, load_params_state, param_arrays, place_weights
@@ -85,11 +86,7 @@ def images_after(
     grid = np.asarray(image_grid_thw, np.int64).reshape(-1, 3)
     if start == 0:
         return pixel_values, grid
-    merged = np.cumsum(grid.prod(-1) // cfg.vision.merge_unit)
-    before = int(np.count_nonzero(input_ids[:start] == cfg.image_token_id))
-    done = int(np.searchsorted(merged, before, side="right"))  # images wholly before `start`
-    if before != (merged[done - 1] if done else 0):
-        raise ValueError(f"prefix of {start} tokens ends inside image {done} (its pads are split)")
+    done = items_wholly_before(input_ids, start, grid, cfg.image_token_id, cfg.vision.merge_unit, "image")
     if done == len(grid):
         return None, None
     first_patch = int(grid[:done].prod(-1).sum())
