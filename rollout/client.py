@@ -113,7 +113,7 @@ class EngineResponseError(EngineError):
 
 
 class InProcessEngine(Protocol):
-    """The weight-update calls of an engine in this process (`SGLangClient.local_engine`, our embedded engine's
+    """The weight-update and control calls of an engine in this process (`SGLangClient.local_engine`, our embedded engine's
     `Engine`): the methods its HTTP handlers call, with the same answers, so the client skips HTTP. A scheduler that
     does not answer raises an EngineUnavailable, as an unreachable server does."""
 
@@ -127,6 +127,8 @@ class InProcessEngine(Protocol):
     async def update_weights_from_disk(self, update: UpdateWeightsRequest) -> dict[str, Any]: ...
 
     async def continue_generation(self) -> dict[str, Any]: ...
+
+    def freeze_gc(self) -> int: ...
 
 
 class WorkerLost(RuntimeError):
@@ -1074,6 +1076,14 @@ class SGLangClient:
         reply = await self._request("POST", self._worker(url), "/flush_cache", timeout_s=self.control_timeout_s,
                                     answer_statuses=frozenset({400}))
         return reply.status != 400
+
+    async def freeze_gc(self, url: str | None = None) -> None:
+        """POST /freeze_gc (SGLang's): the engine freezes its interpreter's heap, so what its warm-up created is never
+        walked by a full garbage collection in the middle of later rounds."""
+        if (engine := self._in_process(url)) is not None:
+            engine.freeze_gc()
+            return
+        await self._request("POST", self._worker(url), "/freeze_gc", timeout_s=self.control_timeout_s)
 
     async def pause_generation(self, mode: str = "abort", url: str | None = None) -> dict[str, Any]:
         """POST /pause_generation. `abort` returns in-flight requests at once as aborted; `retract`

@@ -33,6 +33,7 @@ from rollout.sglang_wire import (
     DEFAULT_MAX_N,
     FLUSH_BUSY,
     FLUSH_OK,
+    FREEZE_GC_OK,
     UNAUTHORIZED_BODY,
     AbortRequest,
     FinishReason,
@@ -240,6 +241,7 @@ class FakeSGLangServer:
         self.unreachable = False
         self.paused: PauseMode | None = None  # the pause mode while paused
         self.released: set[str] = set()  # memory tags released by /release_memory_occupation
+        self.freeze_gc_calls = 0  # /freeze_gc calls answered
         self.requests: list[RecordedRequest] = []
         self.disconnected_rids: list[str] = []  # /generate requests whose client went away mid-request
         self._queues: dict[str, collections.deque[Action]] = collections.defaultdict(collections.deque)
@@ -268,7 +270,7 @@ class FakeSGLangServer:
         handlers = {
             "generate": self._generate, "health": self._health, "health_generate": self._health,
             "model_info": self._model_info, "server_info": self._server_info,
-            "ready": self._ready, "flush_cache": self._flush_cache,
+            "ready": self._ready, "flush_cache": self._flush_cache, "freeze_gc": self._freeze_gc,
             "pause_generation": self._pause_generation, "continue_generation": self._continue_generation,
             "abort_request": self._abort_request, "update_weights_from_disk": self._update_weights_from_disk,
             "loads": self._loads, "release_memory_occupation": self._release_memory,
@@ -565,6 +567,10 @@ class FakeSGLangServer:
             self.flush_busy_calls = max(0, self.flush_busy_calls - 1)
             return web.Response(status=400, text=FLUSH_BUSY)
         return web.Response(status=200, text=FLUSH_OK)
+
+    async def _freeze_gc(self, request: web.Request) -> web.Response:
+        self.freeze_gc_calls += 1  # a test double: the fake's process is the test's, whose heap it leaves alone
+        return web.Response(status=200, text=FREEZE_GC_OK)
 
     async def _release_memory(self, request: web.Request) -> web.Response:
         return self._memory(request, release=True)

@@ -733,6 +733,8 @@ def continued_answer() -> dict[str, Any]:
 # `/flush_cache` answers 200 with FLUSH_OK, or 400 with FLUSH_BUSY while requests run or wait (callers retry).
 _FLUSH_NOTE = "(When there are running or waiting requests, the operation will not be performed.)\n"
 FLUSH_OK = "Cache flushed.\nPlease check backend logs for more details. " + _FLUSH_NOTE
+# `/freeze_gc` answers 200 with this text (SGLang's `freeze_gc_async`).
+FREEZE_GC_OK = "Garbage collection frozen.\n"
 FLUSH_BUSY = "Cache not flushed. Please check backend logs for more details. " + _FLUSH_NOTE
 
 
@@ -881,6 +883,7 @@ ROUTES: tuple[Route, ...] = (
     Route(_GET, "/server_info", "server_info"),
     Route(_GET, "/ready", "ready"),
     Route(("GET", "POST"), "/flush_cache", "flush_cache"),
+    Route(("GET", "POST"), "/freeze_gc", "freeze_gc"),
     Route(_POST, "/pause_generation", "pause_generation"),
     Route(_POST, "/continue_generation", "continue_generation"),
     Route(_POST, "/abort_request", "abort_request"),

@@ -20,7 +20,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from jaxrl_vlm import weight_delta
+from jaxrl_vlm import gc_heap, weight_delta
 from jaxrl_vlm.device_lock import devices_of, exclusive
 from jaxrl_vlm.devices import pick_devices
 from jaxrl_vlm.engine import weights
@@ -112,6 +112,8 @@ class Engine:
         # (name, replica) -> the weight version a staged delta was applied to: the update must still find it served.
         self._staged_base: dict[tuple[str, int], str] = {}
         self._staged_lock = threading.Lock()
+        self._gc_lock = threading.Lock()
+        self._gc_held = False  # a `gc_heap` hold, from start (the `freeze_gc` option) or `/freeze_gc` until stop
         schedulers = [
             Scheduler(r, self.tokenizer, self.eos_ids, weight_version=weight_version,
                       staged_weights=lambda name, i=i: self._take_staged(name, i))
@@ -130,6 +132,20 @@ class Engine:
 
     def start(self) -> None:
         self.scheduler.start()
+        if self.config.freeze_gc:
+            self._take_gc_hold()
+
+    def freeze_gc(self) -> int:
+        """SGLang's `/freeze_gc`: freeze what the engine's warm-up created too (a hold until `stop`, with or without
+        the `freeze_gc` option). Returns how many objects are frozen."""
+        self._take_gc_hold()
+        return gc_heap.freeze_more("engine /freeze_gc")
+
+    def _take_gc_hold(self) -> None:
+        with self._gc_lock:
+            if not self._gc_held:
+                gc_heap.hold("engine")
+                self._gc_held = True
 
     # ------------------------------------------------------------------ control (the HTTP handlers and in process)
 
@@ -255,7 +271,13 @@ class Engine:
         return state
 
     def stop(self) -> None:
-        self.scheduler.stop()
+        try:
+            self.scheduler.stop()
+        finally:
+            with self._gc_lock:
+                if self._gc_held:
+                    gc_heap.release("engine")
+                    self._gc_held = False
 
 
 def _architectures(model_dir: str | os.PathLike) -> list[str]:

@@ -100,6 +100,11 @@ class EngineOptions:
         "samples continue from their prompt's snapshot and a later turn from its conversation's (least recently "
         "used dropped first); 0 turns prefix reuse off for such a family. Unused by full-attention families.", ge=0,
         key="engine_state_snapshots")
+    freeze_gc: bool = opt(
+        True, "Freeze the interpreter's garbage-collector heap while the engine serves (gc.freeze, as vLLM does once "
+        "its server has started; SGLang's /freeze_gc freezes again after warm-up): a full collection of the "
+        "half-million objects a loaded process holds pauses every thread for 0.1-0.3 s, mid-decode. Unfrozen when "
+        "the last engine of the process stops.", key="engine_freeze_gc")
     allowed_local_media_path: str | None = opt(
         None, "image_data may name local image files only under this directory (None: data URLs and base64 only).",
         key="engine_allowed_local_media_path")

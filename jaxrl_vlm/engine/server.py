@@ -40,6 +40,7 @@ from jaxrl_vlm.engine.protocol import EMBEDDED_UNSUPPORTED, GenerateOutput, Gene
 from rollout.sglang_wire import (
     FLUSH_BUSY,
     FLUSH_OK,
+    FREEZE_GC_OK,
     UNAUTHORIZED_BODY,
     AbortRequest,
     FinishType,
@@ -74,7 +75,23 @@ VERSION = f"jaxrl-vlm-embedded-{_package_version()}"
 
 HEALTH_TIMEOUT_S = 20.0  # SGLang's /health_generate waits this long for scheduler output
 JSON_INLINE_BYTES = 256 << 10  # bodies above this are parsed in a worker thread, not on the event loop
-_ENGINE = web.AppKey("engine", Engine)
+class _Served:
+    """The engine an app serves, let go when the app is cleaned up: aiohttp keeps every app that served a request in
+    a module-level cache of built middleware chains (`aiohttp.web_app._cached_build_middleware`, 1,024 entries), which
+    must not keep a stopped engine's weights and KV cache alive in a process that goes on."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine: Engine | None = engine
+
+
+_SERVED = web.AppKey("served", _Served)
+
+
+def _engine(request: web.Request) -> Engine:
+    engine = request.app[_SERVED].engine
+    if engine is None:
+        raise web.HTTPServiceUnavailable(text="the engine has stopped")
+    return engine
 _SERVER = web.AppKey("server_args", dict)
 _EXECUTOR = web.AppKey("executor", ThreadPoolExecutor)
 
@@ -105,7 +122,7 @@ def is_loopback(host: str) -> bool:
 async def _json_body(request: web.Request, *, optional: bool = False) -> Any:
     """The request's JSON body. Over the cap: BodyTooLarge, before reading it when Content-Length says so;
     a large body is parsed in the app's worker threads so the event loop keeps serving."""
-    cap = request.app[_ENGINE].config.request_bytes_cap
+    cap = _engine(request).config.request_bytes_cap
     if request.content_length is not None and request.content_length > cap:
         raise BodyTooLarge(f"{request.path}: request body of {request.content_length} bytes is over the server's "
                            f"cap of {cap} bytes (max_request_bytes)")
@@ -140,7 +157,7 @@ async def _run_request(engine: Engine, req: GenerateRequest) -> GenerateOutput:
 
 
 async def generate(request: web.Request) -> web.Response:
-    engine = request.app[_ENGINE]
+    engine = _engine(request)
     try:
         body = await _json_body(request)
         raws, is_batch = parse_generate(body, engine.cfg.text.vocab_size, EMBEDDED_UNSUPPORTED, engine.config.max_n)
@@ -169,14 +186,14 @@ async def generate(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    engine = request.app[_ENGINE]
+    engine = _engine(request)
     return web.Response(status=200 if engine.scheduler.alive else 503)
 
 
 async def health_generate(request: web.Request) -> web.Response:
     """200 once the scheduler produces output: a busy engine counts as alive if it made progress in
     the last HEALTH_TIMEOUT_S, a paused one if its thread runs, an idle one must answer a 1-token probe."""
-    engine = request.app[_ENGINE]
+    engine = _engine(request)
     sched = engine.scheduler
     if not sched.alive:
         return web.Response(status=503, text="engine scheduler is not running")
@@ -201,7 +218,7 @@ async def health_generate(request: web.Request) -> web.Response:
 
 
 async def model_info(request: web.Request) -> web.Response:
-    engine = request.app[_ENGINE]
+    engine = _engine(request)
     # SGLang 0.5.23's keys, all of them (tests/sglang_conformance compares the whole answer's shape).
     return web.json_response({
         "model_path": engine.model_path,
@@ -222,7 +239,7 @@ async def model_info(request: web.Request) -> web.Response:
 
 
 async def server_info(request: web.Request) -> web.Response:
-    engine = request.app[_ENGINE]
+    engine = _engine(request)
     cfg = engine.config
     loads = await engine.control(LoadsMsg)
     return web.json_response({
@@ -257,7 +274,7 @@ async def server_info(request: web.Request) -> web.Response:
 
 async def ready(request: web.Request) -> web.Response:
     """SGLang's `/ready`: 200 while the engine takes new requests (running and not paused), else 503."""
-    engine = request.app[_ENGINE]
+    engine = _engine(request)
     if not engine.scheduler.alive:
         return web.Response(status=503)
     try:
@@ -268,8 +285,13 @@ async def ready(request: web.Request) -> web.Response:
 
 
 async def flush_cache(request: web.Request) -> web.Response:
-    flushed = await request.app[_ENGINE].flush_cache()
+    flushed = await _engine(request).flush_cache()
     return web.Response(status=200 if flushed else 400, text=FLUSH_OK if flushed else FLUSH_BUSY)
+
+
+async def freeze_gc(request: web.Request) -> web.Response:
+    _engine(request).freeze_gc()
+    return web.Response(status=200, text=FREEZE_GC_OK)
 
 
 async def pause_generation(request: web.Request) -> web.Response:
@@ -277,7 +299,7 @@ async def pause_generation(request: web.Request) -> web.Response:
         mode = parse_pause(await _json_body(request))  # SGLang answers 400 to a missing body
     except RequestError as e:
         return _refused(e)
-    return web.json_response(await request.app[_ENGINE].pause_generation(mode))
+    return web.json_response(await _engine(request).pause_generation(mode))
 
 
 async def continue_generation(request: web.Request) -> web.Response:
@@ -285,7 +307,7 @@ async def continue_generation(request: web.Request) -> web.Response:
         await _json_body(request)  # SGLang answers 400 to a missing body
     except RequestError as e:
         return _refused(e)
-    return web.json_response(await request.app[_ENGINE].continue_generation())
+    return web.json_response(await _engine(request).continue_generation())
 
 
 async def abort_request(request: web.Request) -> web.Response:
@@ -294,7 +316,7 @@ async def abort_request(request: web.Request) -> web.Response:
     except RequestError as e:
         return _refused(e)
     if abort is not None:  # `{}` is SGLang's no-op
-        request.app[_ENGINE].scheduler.abort(abort.rid)
+        _engine(request).scheduler.abort(abort.rid)
     return web.Response(status=200)
 
 
@@ -304,7 +326,7 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
     except RequestError as e:
         return _refused(e)
     try:
-        result = await request.app[_ENGINE].update_weights_from_disk(update)
+        result = await _engine(request).update_weights_from_disk(update)
     except SchedulerUnavailable as e:
         return web.json_response(update_weights_answer(False, e.detail, 0), status=503)
     return web.json_response(result, status=200 if result["success"] else 400)
@@ -325,12 +347,12 @@ async def _memory_occupation(request: web.Request, *, release: bool) -> web.Resp
         tags = parse_memory_tags(await _json_body(request))  # SGLang answers 400 to a missing body
     except RequestError as e:
         return _refused(e)
-    problem = await request.app[_ENGINE].control(lambda reply: MemoryMsg(release, tags, reply))
+    problem = await _engine(request).control(lambda reply: MemoryMsg(release, tags, reply))
     return _bad(problem) if problem else web.json_response(None)
 
 
 async def loads(request: web.Request) -> web.Response:
-    engine = request.app[_ENGINE]
+    engine = _engine(request)
     state = await engine.control(LoadsMsg)
     running, waiting = state["num_running_reqs"], state["num_waiting_reqs"]
     return web.json_response(loads_response(
@@ -374,18 +396,19 @@ def build_app(engine: Engine, *, host: str = "127.0.0.1", port: int | None = Non
     middlewares = [_errors] if api_key is None else [_errors, _api_key_middleware(api_key)]
     # aiohttp stops reading a body past client_max_size; `_json_body` answers 413 then.
     app = web.Application(middlewares=middlewares, client_max_size=engine.config.request_bytes_cap)
-    app[_ENGINE] = engine
+    app[_SERVED] = _Served(engine)
     app[_SERVER] = {"host": host, "port": port}
     executor = ThreadPoolExecutor(max_workers=prepare_workers, thread_name_prefix="jaxrl-vlm-prepare")
     app[_EXECUTOR] = executor
 
-    async def _close_executor(_: web.Application) -> None:
+    async def _let_go(app: web.Application) -> None:
         executor.shutdown(wait=False, cancel_futures=True)
+        app[_SERVED].engine = None
 
-    app.on_cleanup.append(_close_executor)
+    app.on_cleanup.append(_let_go)
     handlers = {
         "generate": generate, "health": health, "health_generate": health_generate, "model_info": model_info,
-        "server_info": server_info, "ready": ready, "flush_cache": flush_cache,
+        "server_info": server_info, "ready": ready, "flush_cache": flush_cache, "freeze_gc": freeze_gc,
         "pause_generation": pause_generation, "continue_generation": continue_generation,
         "abort_request": abort_request, "update_weights_from_disk": update_weights_from_disk, "loads": loads,
         "release_memory_occupation": release_memory_occupation, "resume_memory_occupation": resume_memory_occupation,
@@ -503,6 +526,7 @@ class EmbeddedEngine:
                 raise RuntimeError(f"embedded engine HTTP thread did not stop within {timeout_s} s")
         self._thread = None
         self._loop = None
+        self._runner = None  # its app holds the engine: a stopped server must not keep the model alive
 
     @property
     def stats(self) -> Any:

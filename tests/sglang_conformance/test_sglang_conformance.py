@@ -97,6 +97,7 @@ async def test_info_loads_flush_and_colocate_calls(sglang_server):
         server_info = await client.get_server_info()
         loads = await client.get_loads()
         assert await client.flush_cache()
+        await client.freeze_gc()
         await client.release_memory_occupation()
         await client.resume_memory_occupation(["weights"])
         await client.resume_memory_occupation(["kv_cache"])
@@ -274,6 +275,8 @@ async def _answers(url: str, prompt_ids: list[int]) -> dict[str, dict[str, Any]]
             out["loads"] = await reply.json(content_type=None)
         async with http.post(url + "/flush_cache") as reply:  # idle: flushed (a plain-text answer)
             out["flush_idle_status"] = {"status": reply.status, "text": await reply.text()}
+        async with http.post(url + "/freeze_gc") as reply:  # a plain-text answer too
+            out["freeze_gc_status"] = {"status": reply.status, "text": await reply.text()}
         # Refusals, one of each kind: request-model validation, the schema gate, a refused value.
         for case, path, kw in ERROR_CASES:
             async with http.post(url + path, **kw) as reply:
@@ -297,7 +300,7 @@ ERROR_CASES = [
 
 
 @pytest.mark.parametrize("case", ["generate", "pause", "continue", "int_weight_version_status", "pause_no_body_status",
-                                  "model_info_version", "model_info", "loads", "flush_idle_status",
+                                  "model_info_version", "model_info", "loads", "flush_idle_status", "freeze_gc_status",
                                   *(case for case, _, _ in ERROR_CASES)])
 async def test_the_embedded_engine_answers_with_sglangs_shapes(sglang_server, embedded_engine_url, case):
     ours = (await _answers(embedded_engine_url, [5, 6, 7]))[case]
