@@ -13,6 +13,8 @@ the likelier causes); the lock makes the guarantee the product's own, on every b
 So the programs with collectives run under `exclusive(devices)`, held from dispatch until their outputs are ready:
 the trainer's updates and log-probs (`Trainer.train_on`, `Trainer.nll`), the engine's prefill, decode and score
 (`ModelRunner`), and the in-memory weight staging across both device sets (`engine.core`'s `stage_weights`).
+The engine's overlapped decode holds its devices from step to step (each step is dispatched before the one
+before it is read); it lets go at its next step once another thread waits for them (`awaited`).
 Overlapping device sets take turns, while disjoint ones (engine
 and trainer placed apart with `--rollout-devices` / `--train-devices`) never contend and keep their overlap. One
 lock per device, taken in device-id order, so two users never wait on each other in a cycle; reentrant, so a user
@@ -25,6 +27,7 @@ on the same devices could not compute at once anyway. `JAXRL_DEVICE_LOCK=off` di
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import threading
@@ -41,6 +44,7 @@ ENABLED = os.environ.get("JAXRL_DEVICE_LOCK", "on").lower() not in ("off", "0", 
 
 _registry_lock = threading.Lock()
 _device_locks: dict[tuple[int, int], threading.RLock] = {}  # (process index, device id) -> its lock
+_waiting: collections.Counter[tuple[int, int]] = collections.Counter()  # threads blocked on each device's lock
 
 
 def _key(device: Any) -> tuple[int, int]:
@@ -74,7 +78,14 @@ def exclusive(devices: Iterable[Any]) -> Iterator[None]:
     try:
         for key in keys:
             lock = _lock_of(key)
-            lock.acquire()
+            if not lock.acquire(blocking=False):
+                with _registry_lock:
+                    _waiting[key] += 1
+                try:
+                    lock.acquire()
+                finally:
+                    with _registry_lock:
+                        _waiting[key] -= 1
             held.append(lock)
         yield
     finally:
@@ -88,6 +99,16 @@ def run_exclusive(devices: Iterable[Any], fn: Callable[..., T], *args: Any, **kw
         out = fn(*args, **kwargs)
         jax.block_until_ready(out)
     return out
+
+
+def awaited(devices: Iterable[Any]) -> bool:
+    """Whether another thread is blocked waiting for some device of `devices`: a user that could keep its devices
+    busy back to back (the engine's overlapped decode) lets go at its next step instead."""
+    if not ENABLED:
+        return False
+    keys = {_key(d) for d in devices}
+    with _registry_lock:
+        return any(_waiting[key] > 0 for key in keys)
 
 
 def held_by_others(devices: Iterable[Any]) -> bool:

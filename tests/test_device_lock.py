@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxrl_vlm.device_lock import devices_of, exclusive, held_by_others, run_exclusive
+from jaxrl_vlm.device_lock import awaited, devices_of, exclusive, held_by_others, run_exclusive
 
 
 def _hold_together(a, b, timeout_s: float = 2.0) -> bool:
@@ -97,3 +97,23 @@ def test_run_exclusive_returns_ready_outputs_and_devices_of_reads_shardings():
     total = run_exclusive(devices_of(x), jax.jit(lambda v: v.sum()), x)
     assert float(total) == pytest.approx(120.0)
     assert devices_of({"x": x, "n": 3, "a": np.zeros(2)}) == frozenset(devices)
+
+
+def test_awaited_says_whether_another_thread_waits_for_the_devices():
+    devices = jax.devices()
+    entered = threading.Event()
+    with exclusive(devices[:2]):
+        assert not awaited(devices[:2])
+        waiter = threading.Thread(target=lambda: (exclusive_block(devices[1:3]), entered.set()))
+        waiter.start()
+        deadline = time.monotonic() + 10
+        while not awaited(devices[:1] + devices[1:2]) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert awaited(devices[1:2]) and not awaited(devices[:1]) and not entered.is_set()
+    waiter.join(10)
+    assert entered.is_set() and not awaited(devices)
+
+
+def exclusive_block(devices) -> None:
+    with exclusive(devices):
+        pass

@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -31,6 +32,7 @@ from _hf_tiny import spread_weights
 from flax import nnx
 from _launch import xla_flags
 
+from jaxrl_vlm.device_lock import run_exclusive
 from jaxrl_vlm.engine import EmbeddedEngine, EngineOptions
 from jaxrl_vlm.models import build_vision_inputs, from_hf, get_rope_index, to_hf, token_logprobs
 from rollout.client import RetryPolicy, SGLangClient, WeightSyncError
@@ -295,8 +297,10 @@ async def test_16_concurrent_requests_equal_their_solo_results_and_share_decode_
     async with client(engine) as c:
         solo = [await c.generate(p, sampling_params=sp) for p, sp in zip(prompts, params)]
         before = engine.stats.decode_steps, engine.stats.generated_tokens, engine.engine.runner.program_calls.copy()
+        overlapped = engine.stats.overlapped_steps
         together = await asyncio.gather(*(c.generate(p, sampling_params=sp) for p, sp in zip(prompts, params)))
         steps = engine.stats.decode_steps - before[0]
+        overlapped = engine.stats.overlapped_steps - overlapped
         tokens = engine.stats.generated_tokens - before[1]
         # More requests than the 16 slots: the rest wait for a free slot and still come out right.
         overflow = await asyncio.gather(*(c.generate(prompts[i % 16], sampling_params=params[i % 16]) for i in range(22)))
@@ -306,12 +310,38 @@ async def test_16_concurrent_requests_equal_their_solo_results_and_share_decode_
         np.testing.assert_allclose(b.output_log_probs, a.output_log_probs, atol=1e-5)
         assert len(b.output_ids) == budgets[i] and b.finish_reason == "length"
     assert tokens == sum(budgets)
+    # The batch's steps ran overlapped (each dispatched before the one before it was read), as the solo ones did.
+    assert overlapped >= max(budgets) // 2
     # Sequential decoding would need one step per token after each prefill (sum(budgets) - 16).
     assert steps <= max(budgets) + 16 < (sum(budgets) - 16) / 4
     assert engine.stats.max_decode_rows >= 8
     new_calls = engine.engine.runner.program_calls - before[2]
     assert any(key[0] == "decode" and key[1] == 16 for key in new_calls)
     assert engine.engine.runner.num_programs <= 12  # a bounded set of buckets, not one program per request
+
+
+async def test_overlapped_decode_lets_another_user_of_the_devices_in_between_steps(engine, encoder):
+    """While the engine decodes overlapped it holds its devices from one step to the next; a thread waiting for them
+    (the trainer in the same process) must get them at the next step, not when the request ends."""
+    devices = engine.engine.runner.placement.devices
+    got_in: list[int] = []
+
+    def other_user() -> None:
+        run_exclusive(devices, lambda: None)
+        got_in.append(engine.stats.generated_tokens)
+
+    async with client(engine) as c:
+        before = engine.stats.generated_tokens
+        pending = asyncio.ensure_future(c.generate(text_prompt(encoder, "long answer"), sampling_params={
+            "temperature": 0.0, "max_new_tokens": 160, "ignore_eos": True}))
+        while engine.stats.generated_tokens - before < 10:
+            await asyncio.sleep(0.002)
+        user = threading.Thread(target=other_user)
+        user.start()
+        result = await pending
+        user.join(30)
+    assert len(result.output_ids) == 160
+    assert got_in and got_in[0] - before < 160 - 10, "the other user waited for the whole request"
 
 
 async def test_seeded_sampling_is_reproducible_batch_independent_and_reports_tempered_logprobs(engine, encoder):

@@ -100,6 +100,12 @@ class EngineOptions:
         "samples continue from their prompt's snapshot and a later turn from its conversation's (least recently "
         "used dropped first); 0 turns prefix reuse off for such a family. Unused by full-attention families.", ge=0,
         key="engine_state_snapshots")
+    overlap_schedule: bool = opt(
+        True, "Dispatch decode step n + 1 (fed with step n's sampled ids on the device) before reading step n's "
+        "results, so the host's bookkeeping runs while the device computes (SGLang's overlap scheduler). A step whose "
+        "rows change (an admission, a finish, an abort), a family with recurrent state (Qwen3.5: a finished row's "
+        "extra step would move the state it snapshots), or another user of the devices waiting (`device_lock`) runs "
+        "one step at a time.", key="engine_overlap_schedule", flags=("--disable-overlap-schedule",))
     freeze_gc: bool = opt(
         True, "Freeze the interpreter's garbage-collector heap while the engine serves (gc.freeze, as vLLM does once "
         "its server has started; SGLang's /freeze_gc freezes again after warm-up): a full collection of the "

@@ -18,6 +18,7 @@ admitted together run in one call (a loop over their rows on the device, so padd
 from __future__ import annotations
 
 import collections
+import contextlib
 import enum
 import functools
 import os
@@ -62,6 +63,20 @@ class FloatRow(enum.IntEnum):
     TEMPERATURE = 0
     TOP_P = 1
     MIN_P = 2
+
+
+@dataclass
+class DecodeStep:
+    """A decode step dispatched and not yet collected (`ModelRunner.dispatch_decode`): `ints` are its rows' columns
+    as it ran them, `ids` / `lps` its sampled tokens and log-probs [batch] still on the device; `hold` keeps its
+    devices (`exclusive`) until `collect_decode`."""
+
+    n: int
+    batch: int
+    ints: np.ndarray
+    ids: jax.Array
+    lps: jax.Array
+    hold: contextlib.ExitStack
 
 
 def _rows(ints: jax.Array, floats: jax.Array) -> SamplingRows:
@@ -224,10 +239,11 @@ class ModelRunner:
             ids, lps = sample_tokens(logits, bias_rows, banned_v, _rows(ints, floats), filtered=True)
             return cache, bias, ids, lps
 
-        def decode_program(leaves, cache, bias, slots, tables, ints, floats, *, filtered):
+        def decode_program(leaves, cache, bias, slots, tables, ints, floats, tokens, *, filtered):
+            # `tokens` [b] apart from `ints`: an overlapped step takes the previous step's ids where they lie.
             model = nnx.merge(graphdef, jax.tree.unflatten(self._param_def, leaves))
             with activation_sharding(layout):
-                cache, logits = forward.decode(model, cache, slots, tables, ints[IntRow.TOKEN], ints[IntRow.LENGTH],
+                cache, logits = forward.decode(model, cache, slots, tables, tokens, ints[IntRow.LENGTH],
                                                ints[IntRow.ROPE_DELTA])
             ids, lps = sample_tokens(logits, bias[slots], banned_v, _rows(ints, floats), filtered=filtered)
             return cache, ids, lps
@@ -247,6 +263,7 @@ class ModelRunner:
                                 out_shardings=(cache_sh, replicated, replicated, replicated))
         self._decode = jax.jit(decode_program, static_argnames=("filtered",), donate_argnames=("cache",),
                                out_shardings=(cache_sh, replicated, replicated))
+        self._replicated = replicated
         self._copy_page = jax.jit(forward.copy_page, donate_argnames=("cache",), out_shardings=cache_sh)
         self._copy_state = jax.jit(forward.copy_state, donate_argnames=("cache",), out_shardings=cache_sh)
         self.program_calls: collections.Counter[tuple[Any, ...]] = collections.Counter()
@@ -530,8 +547,33 @@ class ModelRunner:
         ints int32 [6, n], floats float32 [3, n]: their columns of `IntRow` / `FloatRow`. Returns ids
         int32 [n] and log-probs float32 [n].
         """
+        return self.collect_decode(self.dispatch_decode(slots, tables, ints, floats, filtered))
+
+    def dispatch_decode(self, slots: np.ndarray, tables: np.ndarray, ints: np.ndarray, floats: np.ndarray,
+                        filtered: bool) -> DecodeStep:
+        """`decode`, dispatched but not waited for: its ids stay on the device until `collect_decode`, and its
+        devices stay held (`exclusive`) until then."""
         n = int(slots.shape[0])
         b, kv_len = self._decode_buckets(n, int(ints[IntRow.LENGTH].max()) + 1, filtered)
+        return self._dispatch(slots, tables, ints, floats, filtered, b, kv_len, tokens=None)
+
+    def dispatch_following(self, after: DecodeStep, slots: np.ndarray, tables: np.ndarray, floats: np.ndarray,
+                           filtered: bool) -> DecodeStep | None:
+        """The decode step after `after` (dispatched, not collected) on the same rows, before `after` is read: its
+        input tokens are `after`'s sampled ids where they lie, its LENGTH and STEP one further, so the host prepares
+        step n + 1 while the device runs step n. `tables` must cover the next position. None when the step would
+        need another batch bucket (`after`'s ids have its shape): read `after` and dispatch afresh."""
+        ints = after.ints.copy()
+        ints[IntRow.LENGTH] += 1
+        ints[IntRow.STEP] += 1
+        b, kv_len = self._decode_buckets(after.n, int(ints[IntRow.LENGTH].max()) + 1, filtered)
+        if b != after.batch:
+            return None
+        return self._dispatch(slots, tables, ints, floats, filtered, b, kv_len, tokens=after.ids)
+
+    def _dispatch(self, slots: np.ndarray, tables: np.ndarray, ints: np.ndarray, floats: np.ndarray, filtered: bool,
+                  b: int, kv_len: int, tokens: jax.Array | None) -> DecodeStep:
+        n = int(slots.shape[0])
         batch_slots = np.zeros((b,), np.int32)
         batch_slots[:n] = slots
         batch_tables = self._padded_tables(tables, b, self._table_width(kv_len))  # padding rows: no page, writes dropped
@@ -539,14 +581,31 @@ class ModelRunner:
         batch_ints[:, :n] = ints
         batch_floats = np.zeros((floats.shape[0], b), np.float32)
         batch_floats[:, :n] = floats
+        if tokens is None:  # a device array in the sharding of the ids a step returns: one program either way
+            tokens = jax.device_put(batch_ints[IntRow.TOKEN], self._replicated)
         self._call(("decode", b, kv_len, filtered), ("decode", b, kv_len, filtered))
         started = time.perf_counter()
-        with exclusive(self.placement.devices):  # device_lock
+        hold = contextlib.ExitStack()
+        hold.enter_context(exclusive(self.placement.devices))  # device_lock, until collected
+        try:
             self.cache, ids, lps = self._decode(self._param_leaves, self.cache, self.bias, batch_slots, batch_tables,
-                                                batch_ints, batch_floats, filtered=filtered)
-            ids, lps = jax.device_get((ids, lps))
-        self.decode_program_s += time.perf_counter() - started
-        return np.asarray(ids)[:n], np.asarray(lps)[:n]
+                                                batch_ints, batch_floats, tokens, filtered=filtered)
+        except BaseException:
+            hold.close()
+            raise
+        finally:
+            self.decode_program_s += time.perf_counter() - started
+        return DecodeStep(n=n, batch=b, ints=np.array(ints, np.int32), ids=ids, lps=lps, hold=hold)
+
+    def collect_decode(self, step: DecodeStep) -> tuple[np.ndarray, np.ndarray]:
+        """The ids int32 [n] and log-probs float32 [n] of a dispatched step, once the device has them."""
+        started = time.perf_counter()
+        try:
+            ids, lps = jax.device_get((step.ids, step.lps))
+        finally:
+            step.hold.close()
+            self.decode_program_s += time.perf_counter() - started
+        return np.asarray(ids)[: step.n], np.asarray(lps)[: step.n]
 
     def _decode_buckets(self, n: int, kv_needed: int, filtered: bool) -> tuple[int, int]:
         """(batch bucket, kv-length bucket) of a decode step of `n` rows attending to `kv_needed` positions: the

@@ -68,7 +68,8 @@ from jaxrl_vlm.engine.prefix_cache import (
     tail_key,
 )
 from jaxrl_vlm.engine.protocol import GenerateOutput, GenerateRequest, visual_spans
-from jaxrl_vlm.engine.runner import FloatRow, IntRow, ModelRunner, PrefillRow
+from jaxrl_vlm.device_lock import awaited
+from jaxrl_vlm.engine.runner import DecodeStep, FloatRow, IntRow, ModelRunner, PrefillRow
 from rollout.sglang_wire import (
     FinishReason,
     IN_MEMORY_LOAD_FORMAT,
@@ -123,6 +124,14 @@ class _Admission:
 
 
 @dataclass
+class _InFlight:
+    """A decode step on the device whose results the host has not read yet: its rows' (slot, request) in order."""
+
+    rows: list[tuple[int, ActiveRequest]]
+    step: DecodeStep
+
+
+@dataclass
 class EngineStats:
     """Counters for tests and benchmarks (not timing): a batched engine has far fewer decode
     steps than generated tokens."""
@@ -142,6 +151,8 @@ class EngineStats:
     prefix_evictions: int = 0  # cached pages evicted to make room
     prefix_invalidations: int = 0  # times the prefix cache was dropped (weights, flush, failures)
     retractions: int = 0  # running requests sent back to the queue for lack of KV pages
+    overlapped_steps: int = 0  # decode steps dispatched before the step they follow was read (overlap_schedule)
+    discarded_decode_rows: int = 0  # rows an overlapped step decoded for requests that had finished meanwhile
 
 
 @dataclass
@@ -203,6 +214,8 @@ class Scheduler:
         self._ints = np.zeros((len(IntRow), self.max_batch), np.int32)
         self._floats = np.zeros((len(FloatRow), self.max_batch), np.float32)
         self._filtered = np.zeros((self.max_batch,), bool)
+        self._overlap = runner.config.overlap_schedule and not runner.stateful
+        self._inflight: _InFlight | None = None  # the overlapped decode step not collected yet
         self._stop = False
         self._closed = False
         self.last_progress = time.monotonic()
@@ -261,6 +274,8 @@ class Scheduler:
                     self._decode_step()
                     self.timing.decode_steps += 1
                     self.timing.decode_s += time.perf_counter() - admitted
+                elif self._inflight is not None:
+                    self._settle()
         except BaseException as exc:  # the thread must not die silently: record it and fail everyone
             logger.exception("engine scheduler crashed")
             self.error = exc
@@ -268,6 +283,7 @@ class Scheduler:
             raise
         finally:
             self._closed = True
+            self._drop_inflight()
             for seq in [*self._running.values(), *self._waiting, *self._held]:
                 self._finish(seq, FinishReason.aborted("The server is shutting down"))
             self._waiting.clear()
@@ -296,6 +312,8 @@ class Scheduler:
                     self._handle(msg)
 
     def _has_work(self) -> bool:
+        if self._inflight is not None:
+            return True
         if self._running and self._paused is not PauseMode.IN_PLACE:
             return True
         if self._updates and (self._paused or not self._running):
@@ -319,6 +337,8 @@ class Scheduler:
                 return
 
     def _handle(self, msg: Message) -> None:
+        if not isinstance(msg, GenerateMsg):
+            self._settle()  # control acts on every request as the host last saw it: read the step in flight first
         match msg:
             case StopMsg():
                 self._stop = True
@@ -593,29 +613,115 @@ class Scheduler:
         self._waiting.appendleft(seq)
 
     def _decode_step(self) -> None:
+        """One decode step for every running request. Overlapped (`overlap_schedule`): the step is dispatched and
+        left on the device; the next call dispatches the one after it on the same rows (fed with its sampled ids
+        where they lie) and only then reads it, so the host's reading, finishing and admitting run while the device
+        computes. When the rows changed, or cannot go on together, the step in flight is read first."""
+        prev = self._inflight
+        if prev is not None:
+            self._inflight = self._follow(prev)
+            self._collect(prev)
+            if self._inflight is not None or not self._running:
+                return
         self._grow_pages()
         self.stats.prefix_evictions = self._pages.evictions
         slots = sorted(self._running)
         if not slots:
             return
+        rows = [(slot, self._running[slot]) for slot in slots]
         try:
-            ids, lps = self.runner.decode(
+            step = self.runner.dispatch_decode(
                 np.asarray(slots, np.int32), self._tables[slots], self._ints[:, slots],
                 self._floats[:, slots], bool(self._filtered[slots].any()),
             )
         except Exception as exc:
-            logger.exception("decode step failed")
-            self._invalidate_prefix_cache()  # the donated cache cannot be trusted
-            for slot in slots:
-                seq = self._running.pop(slot)
+            self._decode_failed(rows, exc)
+            return
+        if self._overlap:
+            self._inflight = _InFlight(rows, step)
+        else:
+            self._collect(_InFlight(rows, step))
+
+    def _follow(self, prev: _InFlight) -> _InFlight | None:
+        """The step after `prev`, dispatched before `prev` is read; None where it cannot go on the same rows: a row
+        finished, was aborted or a request was admitted since; every row ends with `prev` (max_new_tokens); a row
+        would pass max_seq_len; no page is free for a row's next position; another thread waits for the devices
+        (the trainer in this process: it gets them once `prev` is read); or the batch bucket changes."""
+        if (not self._overlap or len(self._running) != len(prev.rows)
+                or any(self._running.get(slot) is not seq for slot, seq in prev.rows)):
+            return None
+        lengths = prev.step.ints[IntRow.LENGTH]
+        if int(lengths.max()) + 2 > self.max_seq_len:
+            return None
+        if all(len(seq.output_ids) + 1 >= seq.max_new_tokens for _, seq in prev.rows):
+            return None
+        if awaited(self.runner.placement.devices):
+            return None
+        for (slot, seq), length in zip(prev.rows, lengths):
+            while (int(length) + 1) // self.page_size >= len(seq.pages):  # the page the next position goes to
+                page = self._pages.allocate(1)
+                if page is None:
+                    return None  # read `prev` first: the step after it may need to retract a request
+                self._tables[slot, len(seq.pages)] = page[0]
+                seq.pages += page
+                self._table_len[slot] = len(seq.pages)
+        slots = [slot for slot, _ in prev.rows]
+        try:
+            step = self.runner.dispatch_following(
+                prev.step, np.asarray(slots, np.int32), self._tables[slots], self._floats[:, slots],
+                bool(self._filtered[slots].any()),
+            )
+        except Exception:
+            logger.exception("overlapped decode step failed to dispatch; reading the step before it first")
+            return None
+        if step is None:
+            return None
+        self.stats.overlapped_steps += 1
+        return _InFlight(prev.rows, step)
+
+    def _collect(self, inflight: _InFlight) -> None:
+        """Read a dispatched step and hand each row's token to its request; rows whose request finished or was
+        aborted since the step was dispatched are dropped."""
+        try:
+            ids, lps = self.runner.collect_decode(inflight.step)
+        except Exception as exc:
+            self._decode_failed(inflight.rows, exc)
+            return
+        live = 0
+        for row, (slot, seq) in enumerate(inflight.rows):
+            if self._running.get(slot) is seq:
+                live += 1
+                self._append(seq, int(ids[row]), float(lps[row]))
+        self.stats.discarded_decode_rows += len(inflight.rows) - live
+        if live:
+            self.stats.decode_steps += 1
+            self.stats.decode_rows += live
+            self.stats.max_decode_rows = max(self.stats.max_decode_rows, live)
+
+    def _decode_failed(self, rows: list[tuple[int, ActiveRequest]], exc: Exception) -> None:
+        logger.error("decode step failed: %s: %s", type(exc).__name__, exc, exc_info=exc)
+        self._drop_inflight()
+        self._invalidate_prefix_cache()  # the donated cache cannot be trusted
+        for slot, seq in rows:
+            if self._running.get(slot) is seq:
+                del self._running[slot]
                 self._release(slot, seq, cache=False)
                 self._finish(seq, None, error=f"decode failed: {type(exc).__name__}: {exc}")
-            return
-        self.stats.decode_steps += 1
-        self.stats.decode_rows += len(slots)
-        self.stats.max_decode_rows = max(self.stats.max_decode_rows, len(slots))
-        for row, slot in enumerate(slots):
-            self._append(self._running[slot], int(ids[row]), float(lps[row]))
+
+    def _settle(self) -> None:
+        """Read the step in flight, so the host's view of every request is current."""
+        if self._inflight is not None:
+            inflight, self._inflight = self._inflight, None
+            self._collect(inflight)
+
+    def _drop_inflight(self) -> None:
+        """Wait for the step in flight and let go of its devices without reading it (a failure or shutdown)."""
+        if self._inflight is not None:
+            inflight, self._inflight = self._inflight, None
+            try:
+                self.runner.collect_decode(inflight.step)
+            except Exception:
+                logger.exception("the decode step in flight failed too")
 
     def _append(self, seq: ActiveRequest, token: int, logprob: float) -> None:
         seq.output_ids.append(token)
@@ -833,10 +939,11 @@ class Scheduler:
     def _run_weight_updates(self) -> None:
         while self._updates:
             upd = self._updates[0]
+            if not upd.update.abort_all_requests and self._running and not self._paused:
+                return  # SGLang's writer lock: wait for in-flight generations to finish
+            self._settle()
             if upd.update.abort_all_requests:
                 self._abort_matching(None, "Abort by update_weights_from_disk(abort_all_requests=true)")
-            elif self._running and not self._paused:
-                return  # SGLang's writer lock: wait for in-flight generations to finish
             self._updates.popleft()
             if upd.deadline is not None and time.monotonic() > upd.deadline:
                 # The HTTP handler has answered 503 already: loading now would change weights behind its back.
