@@ -23,17 +23,28 @@ cost of reading K/V through page tables (issue 18 (d)).
 
 Peer case (`--cases peer --peer-url URL --checkpoint DIR`, issues 27 and 48): the embedded engine on DIR, with
 the engine's default buckets, against a real engine serving DIR (vLLM or SGLang, detected), in one run: decode tok/s
-at each `--concurrency` over `--repeats` timed rounds per side (default 5) after one untimed warm-up round each, A/B
-alternated (the side that goes first alternates too), reported as median, min-max and spread (max / min) per side
-and the ratio of the medians; for the embedded engine also the host's share of its decode steps (the part outside
-the decode program calls), ms per decode step and the compilations during the timed rounds (jax's compile events;
-any is a defect), and the machine's own spread: one fixed piece of Python work timed after each A/B pair (on the
-2-core VM it varies by 1.5x between identical runs, a floor under both sides' spreads). Then the prompt tokens prefilled (prompt - cached) for one GRPO group of `--group-size` on one
+at each `--concurrency` over `--repeats` timed repeats per side (default 5) after one untimed warm-up round each, A/B
+alternated (the side that goes first alternates too). A repeat runs rounds back to back for at least
+`--repeat-seconds` (default 1 s; 0: one round): a single round lasts 40-250 ms, a time scale at which the VM's own
+noise spreads fixed Python work by up to 1.7x. Both sides wait `--settle-seconds` (default 1.5) before each timed
+repeat: vLLM's worker busy-polls its shared-memory queue for 1 s after its last read (`SpinCondition.busy_loop_s` in
+vllm/distributed/device_communicators/shm_broadcast.py), which on two cores takes one from whatever runs next. Reported: median, min-max and spread (max / min) of the repeats per
+side, the ratio of the medians and the spread of single rounds; for the embedded engine also the host's share of its
+decode steps (the part outside dispatching and waiting for the decode program: with the overlapped decode, the host
+work the device's step did not hide), the share of steps dispatched overlapped, ms per decode step, the compilations during the timed
+repeats (jax's compile events; any is a defect) and the garbage collector's pauses in them; and the machine's own
+spread: fixed Python work as long as a repeat, timed after each A/B pair (a floor under both sides' spreads). After
+its warm-up round the embedded engine (and an SGLang peer) freezes its heap (`/freeze_gc`; vLLM freezes its own once
+started). Then the prompt tokens prefilled (prompt - cached) for one GRPO group of `--group-size` on one
 image prompt. `--launch-vllm PYTHON` starts the vLLM server itself (vLLM's interpreter, e.g. .venv-vllm/bin/python;
 fp32, eager, vLLM's default chunked prefill, as issue 48 measured it) instead of `--peer-url`. The load average
 before and after is printed: on a shared machine only the ratio of sides timed in alternation means much. vLLM on
 CPU needs a head_dim >= 32 checkpoint (`make-tiny --head-dim 32`) and `--enable-prompt-tokens-details` to report
 cached tokens.
+
+Overlap case (`--cases overlap`, issue 48): the engine's overlapped decode (step n + 1 dispatched before step n is
+read) against one step at a time, two engines on the built or `--checkpoint` model, timed in alternation at each
+`--concurrency` (`--repeats` repeats of `--repeat-seconds` each): tok/s, spread, ratio and each one's host share.
 
 Group case (issue 18 (a)): one GRPO group of n samples (seeded, temperature 1) of a ~1,000-token
 prompt with an image, arriving together, on an engine with the radix cache and one without: prompt
@@ -423,13 +434,19 @@ class _CompileCounter:
 
 
 def _fixed_work_seconds(loops: int = 400_000) -> float:
-    """Seconds one fixed piece of single-threaded Python work takes now (about 30 ms on the 2-core machine): timed
-    beside the rounds, its spread is the machine's own, the floor under any engine's spread in the same run."""
+    """Seconds one fixed piece of single-threaded Python work takes now (about 30 ms per 400,000 loops on the 2-core
+    machine): timed beside the repeats, its spread is the machine's own, the floor under any engine's spread."""
     start = time.perf_counter()
     total = 0
     for i in range(loops):
         total += i & 7
     return time.perf_counter() - start
+
+
+def _fixed_work_loops(seconds: float) -> int:
+    """Loops of `_fixed_work_seconds` that last about `seconds` now (at least 400,000): the machine's spread is
+    measured on the time scale of the repeats it is the floor of."""
+    return max(400_000, int(400_000 * seconds / _fixed_work_seconds()))
 
 
 def _spread(values: list[float]) -> dict[str, Any]:
@@ -439,44 +456,82 @@ def _spread(values: list[float]) -> dict[str, Any]:
             "spread": max(values) / min(values)}
 
 
+async def _repeat(url: str, prompt: list[int], concurrency: int, new_tokens: int, api: str,
+                  min_seconds: float) -> tuple[float, list[float]]:
+    """One timed repeat: rounds of `concurrency` requests back to back until `min_seconds` have passed (at least one
+    round). Returns the repeat's tok/s (all its tokens over its whole time) and each round's."""
+    tokens, seconds, rounds = 0, 0.0, []
+    while not rounds or seconds < min_seconds:
+        t, s = await _round(url, prompt, concurrency, new_tokens, api)
+        tokens, seconds = tokens + t, seconds + s
+        rounds.append(t / s)
+    return tokens / seconds, rounds
+
+
+async def _freeze_gc(url: str) -> None:
+    from rollout.client import SGLangClient
+
+    async with SGLangClient(url) as client:
+        await client.freeze_gc()
+
+
 def bench_peer(model_dir: Path, encoder: Any, peer_url: str, prompt: list[int], new_tokens: int, concurrencies: list[int],
-               repeats: int, group_size: int, group_prompt_tokens: int) -> dict[str, Any]:
+               repeats: int, repeat_seconds: float, settle_seconds: float, group_size: int,
+               group_prompt_tokens: int) -> dict[str, Any]:
     """The embedded engine against a real server (`peer_url`, serving `model_dir`; its API detected), in one run:
-    decode tok/s at each concurrency over `repeats` rounds after one untimed warm-up round each, A/B alternated
-    (the side that goes first alternates too), as median, min, max and spread (max / min) per side; for the
-    embedded engine also the host's share of its decode steps (time outside the decode program calls), ms per
-    decode step and the compilations during the timed rounds (each one a defect: the warm-up round compiles what
-    a concurrency needs). Then the prompt tokens prefilled for a GRPO group of `group_size` on one image prompt
-    (prompt - cached tokens)."""
+    decode tok/s at each concurrency over `repeats` timed repeats of at least `repeat_seconds` each (rounds back to
+    back) after one untimed warm-up round each, A/B alternated (the side that goes first alternates too), as median,
+    min, max and spread (max / min) per side, and the spread of single rounds; for the embedded engine also the host's
+    share of its decode steps (time outside the decode program calls), ms per decode step, the compilations during
+    the timed repeats (each one a defect: the warm-up round compiles what a concurrency needs) and the garbage
+    collector's pauses in them. After each warm-up the embedded engine, and an SGLang peer, freeze their heaps
+    (`/freeze_gc`; vLLM freezes its own once started). Then the prompt tokens prefilled for a GRPO group of
+    `group_size` on one image prompt (prompt - cached tokens). Both servers sit idle for `settle_seconds` before each
+    timed repeat and each piece of fixed work, so neither runs while the other still spins down."""
     from jaxrl_vlm.engine import EmbeddedEngine, EngineOptions
+    from jaxrl_vlm.gc_heap import GcPauses
     from rollout.vllm_client import detect_engine_api
 
     compiles = _CompileCounter()
     api = asyncio.run(detect_engine_api(peer_url))
     config = EngineOptions(max_batch=max(max(concurrencies), group_size), max_seq_len=2048)
-    out: dict[str, Any] = {"peer_api": api, "decode": [], "group": {}, "load_before": _load()}
+    out: dict[str, Any] = {"peer_api": api, "decode": [], "group": {}, "load_before": _load(),
+                           "repeat_seconds": repeat_seconds, "settle_seconds": settle_seconds}
     ids, images = _group_prompt(encoder, group_prompt_tokens, seed=7)
+    loops = _fixed_work_loops(repeat_seconds)
     with EmbeddedEngine(str(model_dir), config=config) as engine:
         runner, sched = engine.engine.runner, engine.engine.scheduler
         urls = {"embedded": (engine.url, "sglang"), "peer": (peer_url, api)}
         for c in concurrencies:
             for name, (url, kind) in urls.items():
                 asyncio.run(_round(url, prompt, c, new_tokens, kind))  # warm-up (compiles the embedded engine's programs)
+                if kind == "sglang":
+                    asyncio.run(_freeze_gc(url))
             runs: dict[str, list[float]] = {name: [] for name in urls}
+            rounds: dict[str, list[float]] = {name: [] for name in urls}
             fixed: list[float] = []  # the machine's noise: fixed work, timed after each A/B pair
             programs, compiled = runner.num_programs, compiles.count
             steps, step_s, program_s = sched.timing.decode_steps, sched.timing.decode_s, runner.decode_program_s
-            for r in range(repeats):
-                for name in (list(urls) if r % 2 == 0 else list(urls)[::-1]):
-                    url, kind = urls[name]
-                    tokens, seconds = asyncio.run(_round(url, prompt, c, new_tokens, kind))
-                    runs[name].append(tokens / seconds)
-                fixed.append(1.0 / _fixed_work_seconds())
+            overlapped = sched.stats.overlapped_steps
+            with GcPauses() as pauses:
+                for r in range(repeats):
+                    for name in (list(urls) if r % 2 == 0 else list(urls)[::-1]):
+                        url, kind = urls[name]
+                        time.sleep(settle_seconds)
+                        tok_s, each = asyncio.run(_repeat(url, prompt, c, new_tokens, kind, repeat_seconds))
+                        runs[name].append(tok_s)
+                        rounds[name].extend(each)
+                    time.sleep(settle_seconds)
+                    fixed.append(1.0 / _fixed_work_seconds(loops))
             steps = sched.timing.decode_steps - steps
             step_s, program_s = sched.timing.decode_s - step_s, runner.decode_program_s - program_s
+            overlapped = (sched.stats.overlapped_steps - overlapped) / max(1, steps)
             row = {"concurrency": c, **{name: _spread(v) for name, v in runs.items()}, "machine": _spread(fixed),
+                   "overlapped_share": overlapped,
+                   "rounds": {name: _spread(v) for name, v in rounds.items()},
                    "host_share": 1.0 - program_s / step_s, "ms_per_decode_step": 1e3 * step_s / max(1, steps),
-                   "new_programs": runner.num_programs - programs, "compilations": compiles.count - compiled}
+                   "new_programs": runner.num_programs - programs, "compilations": compiles.count - compiled,
+                   "gc": {"collections": pauses.count, "total_s": pauses.total_s, "longest_s": pauses.longest_s}}
             row["ratio"] = row["embedded"]["median"] / row["peer"]["median"]
             out["decode"].append(row)
         for name, (url, kind) in urls.items():
@@ -486,6 +541,41 @@ def bench_peer(model_dir: Path, encoder: Any, peer_url: str, prompt: list[int], 
     out["group"]["ratio"] = out["group"]["peer"]["prefilled"] / out["group"]["embedded"]["prefilled"]
     out["load_after"] = _load()
     return out
+
+
+def bench_overlap(model_dir: Path, prompt: list[int], new_tokens: int, concurrencies: list[int], repeats: int,
+                  repeat_seconds: float) -> list[dict[str, Any]]:
+    """The overlapped decode against one step at a time (`overlap_schedule` on and off): two engines with the
+    engine's default buckets, alive at once, timed in alternation at each concurrency (`repeats` repeats of at
+    least `repeat_seconds` of back-to-back rounds each, after a warm-up round), with each one's host share."""
+    import contextlib
+
+    from jaxrl_vlm.engine import EmbeddedEngine, EngineOptions
+
+    modes = {"overlap": True, "serial": False}
+    rows = []
+    with contextlib.ExitStack() as stack:
+        engines = {name: stack.enter_context(EmbeddedEngine(str(model_dir), config=EngineOptions(
+            max_batch=max(concurrencies), max_seq_len=2048, overlap_schedule=on))) for name, on in modes.items()}
+        for c in concurrencies:
+            for engine in engines.values():
+                asyncio.run(_round(engine.url, prompt, c, new_tokens))  # warm-up: compiles
+                asyncio.run(_freeze_gc(engine.url))
+            runs: dict[str, list[float]] = {name: [] for name in engines}
+            before = {name: (e.engine.scheduler.timing.decode_s, e.engine.runner.decode_program_s)
+                      for name, e in engines.items()}
+            for r in range(repeats):
+                for name in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
+                    runs[name].append(asyncio.run(_repeat(engines[name].url, prompt, c, new_tokens, "sglang",
+                                                          repeat_seconds))[0])
+            row: dict[str, Any] = {"concurrency": c}
+            for name, e in engines.items():
+                step_s = e.engine.scheduler.timing.decode_s - before[name][0]
+                program_s = e.engine.runner.decode_program_s - before[name][1]
+                row[name] = {**_spread(runs[name]), "host_share": 1.0 - program_s / step_s}
+            row["ratio"] = row["overlap"]["median"] / row["serial"]["median"]
+            rows.append(row)
+    return rows
 
 
 class _LaunchedVLLM:
@@ -619,8 +709,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--repeats", type=int, default=None, help="Timed rounds (default 2; 5 for the peer case).")
+    p.add_argument("--repeat-seconds", type=float, default=1.0, help="Peer case: each timed repeat runs rounds back to "
+                   "back for at least this long (0: one round, 40-250 ms here, where the VM's own noise spreads fixed "
+                   "work by up to 1.7x).")
+    p.add_argument("--settle-seconds", type=float, default=1.5, help="Peer case: both servers idle this long before "
+                   "each timed repeat (vLLM's worker busy-polls its shared-memory queue for 1 s after its last read, "
+                   "taking a core of this machine's two from whatever runs next).")
     p.add_argument("--torch-threads", type=int, default=max(1, os.cpu_count() or 1))
-    p.add_argument("--cases", nargs="+", choices=("decode", "multiturn", "group", "capacity", "weights", "peer", "memory"),
+    p.add_argument("--cases", nargs="+", choices=("decode", "multiturn", "group", "capacity", "weights", "peer", "memory",
+                                                  "overlap"),
                    default=["decode", "multiturn", "group", "capacity"])
     p.add_argument("--page-size", type=int, default=16, help="Tokens per KV page of the paged engine.")
     p.add_argument("--baseline-checkout", default=None, metavar="DIR",
@@ -676,13 +773,18 @@ def main(argv: list[str] | None = None) -> int:
                                              2048, ns.page_size)
         if "weights" in ns.cases:
             out["weights"] = bench_weight_update(model_dir, max(ns.repeats, WEIGHT_PUSHES), Path(tmp))
+        if "overlap" in ns.cases:
+            prompt = encoder.encode_prompt([{"role": "user", "content": "Find the area of the triangle with base 6."}]).wire_ids
+            out["overlap"] = bench_overlap(model_dir, prompt, ns.new_tokens, ns.concurrency, peer_repeats,
+                                           ns.repeat_seconds)
         if "peer" in ns.cases:
             peer_prompt = encoder.encode_prompt([{"role": "user", "content": "Find the area of the triangle with base 6."}]).wire_ids
             with contextlib.ExitStack() as stack:
                 if ns.launch_vllm:
                     ns.peer_url = stack.enter_context(_LaunchedVLLM(ns.launch_vllm, model_dir, Path(tmp) / "vllm.log"))
                 out["peer"] = bench_peer(model_dir, encoder, ns.peer_url, peer_prompt, ns.new_tokens, ns.concurrency,
-                                         peer_repeats, ns.group_size, ns.group_prompt_tokens)
+                                         peer_repeats, ns.repeat_seconds, ns.settle_seconds, ns.group_size,
+                                         ns.group_prompt_tokens)
 
     if "memory" in ns.cases:
         out["memory"] = bench_memory(ns.contexts, ns.page_size)
@@ -751,22 +853,37 @@ def main(argv: list[str] | None = None) -> int:
         print("  (a push also runs pause/flush/update/continue and a version check, in every mode as calls into the "
               "engine in this process, not over HTTP)")
         print(f"RATIO disk/memory weight update: {w['ratio']:.2f}")
+    if "overlap" in ns.cases:
+        print(f"\noverlapped decode against one step at a time (engine_overlap_schedule on / off), {ns.new_tokens} new "
+              f"tokens per request, greedy; {peer_repeats} repeats of at least {ns.repeat_seconds:g} s each, alternated")
+        print(f"{'concurrent':>10} {'overlap tok/s (spread)':>24} {'serial tok/s (spread)':>23} {'ratio':>6} "
+              f"{'host share overlap / serial':>28}")
+        for r in out["overlap"]:
+            o, q = r["overlap"], r["serial"]
+            print(f"{r['concurrency']:>10} {o['median']:>14.0f} ({o['spread']:.2f}x) {q['median']:>13.0f} ({q['spread']:.2f}x) "
+                  f"{r['ratio']:>5.2f}x {o['host_share']:>17.0%} / {q['host_share']:.0%}")
+        print(f"RATIO overlap/serial: " + " ".join(f"{r['ratio']:.2f}" for r in out["overlap"]))
     if "peer" in ns.cases:
         peer = out["peer"]
         print(f"\npeer: the embedded engine against {peer['peer_api']} at {ns.peer_url}, same checkpoint, {ns.new_tokens} "
-              f"new tokens per request, greedy, EOS ignored; {peer_repeats} timed rounds per side after a warm-up "
-              f"round, A/B alternated")
+              f"new tokens per request, greedy, EOS ignored; {peer_repeats} timed repeats per side (rounds back to back "
+              f"for at least {ns.repeat_seconds:g} s each, {ns.settle_seconds:g} s idle before each) after a warm-up round, "
+              f"A/B alternated")
         print(f"machine: {peer['load_before']} before, {peer['load_after']} after")
         print(f"{'concurrent':>10} {'embedded tok/s: median (min-max) spread':>42} {'peer tok/s: median (min-max) spread':>38} "
-              f"{'ratio':>6} {'host':>5} {'ms/step':>8} {'compiles':>8} {'machine spread':>14}")
+              f"{'ratio':>6} {'host':>5} {'overlap':>7} {'ms/step':>8} {'compiles':>8} {'gc s (max)':>11} {'machine':>8} "
+              f"{'round spreads':>14}")
         for r in peer["decode"]:
-            e, v = r["embedded"], r["peer"]
+            e, v, gc = r["embedded"], r["peer"], r["gc"]
             print(f"{r['concurrency']:>10} {e['median']:>14.0f} ({e['min']:>6.0f}-{e['max']:<6.0f}) {e['spread']:>6.2f}x "
                   f"{v['median']:>12.0f} ({v['min']:>6.0f}-{v['max']:<6.0f}) {v['spread']:>6.2f}x {r['ratio']:>5.2f}x "
-                  f"{r['host_share']:>5.0%} {r['ms_per_decode_step']:>8.2f} {r['compilations']:>8} "
-                  f"{r['machine']['spread']:>13.2f}x")
-        print("machine spread: the spread of one fixed piece of Python work timed after each A/B pair (the floor "
-              "under both sides' spreads)")
+                  f"{r['host_share']:>5.0%} {r['overlapped_share']:>7.0%} {r['ms_per_decode_step']:>8.2f} {r['compilations']:>8} "
+                  f"{gc['total_s']:>5.3f} ({gc['longest_s']:.3f}) {r['machine']['spread']:>7.2f}x "
+                  f"{r['rounds']['embedded']['spread']:>6.2f}x/{r['rounds']['peer']['spread']:.2f}x")
+        print("gc s (max): the garbage collector's pauses in this process (the embedded engine's) during the timed "
+              "repeats, total and longest; machine: the spread of one fixed piece of Python work as long as a repeat, "
+              "timed after each A/B pair (the floor under both sides' spreads); round spreads: the spread of single "
+              "rounds (embedded/peer)")
         g = peer["group"]
         print(f"GRPO group of {ns.group_size} on one image prompt ({g['embedded']['prompt_tokens']} tokens): prompt tokens "
               f"prefilled, embedded {g['embedded']['prefilled']}, peer {g['peer']['prefilled']} (peer / embedded "
