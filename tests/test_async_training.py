@@ -301,11 +301,14 @@ async def test_a_checkpoint_between_batches_carries_the_groups_dropped_since_and
     # counted it. The resumed run counts it with its first batch, and the checkpoint names it.
     trainer = {"version": 0}
     server: list[FakeSGLangServer] = []
+    hold = {"on": True}  # later groups wait until the checkpoint: one that finished first would be in it too
 
     def select(record: RecordedRequest):
         if rid_of(record).startswith("g1-"):
             return Delay(0.3)
         if not rid_of(record).startswith("g0-"):
+            if hold["on"]:
+                return Hang()
             server[0].weight_version = "2"  # later groups are fresh: group 1 is the only stale one
         return None
 
@@ -323,8 +326,9 @@ async def test_a_checkpoint_between_batches_carries_the_groups_dropped_since_and
             saved = json.loads(json.dumps(stream.checkpoint_state()))
         finally:
             await stream.close()
+        hold["on"] = False
         assert saved["dropped_groups"] == [{"group_index": 1, "reason": "stale_group"}]
-        assert saved["unreported"]["episodes"] >= 2  # group 1's, finished after batch 0
+        assert saved["unreported"]["episodes"] == 2  # group 1's, finished after batch 0
         args = types.SimpleNamespace(**{**vars(h.args), "driver_state": None})
         args.rollout_context = h.ctx
         restore_driver_state(args, saved)

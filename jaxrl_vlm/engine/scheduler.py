@@ -337,7 +337,7 @@ class Scheduler:
                 return
 
     def _handle(self, msg: Message) -> None:
-        if not isinstance(msg, GenerateMsg):
+        if not isinstance(msg, (GenerateMsg, LoadsMsg)):
             self._settle()  # control acts on every request as the host last saw it: read the step in flight first
         match msg:
             case StopMsg():
