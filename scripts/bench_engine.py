@@ -477,7 +477,7 @@ async def _freeze_gc(url: str) -> None:
 
 def bench_peer(model_dir: Path, encoder: Any, peer_url: str, prompt: list[int], new_tokens: int, concurrencies: list[int],
                repeats: int, repeat_seconds: float, settle_seconds: float, group_size: int,
-               group_prompt_tokens: int) -> dict[str, Any]:
+               group_prompt_tokens: int, freeze_gc: bool = True) -> dict[str, Any]:
     """The embedded engine against a real server (`peer_url`, serving `model_dir`; its API detected), in one run:
     decode tok/s at each concurrency over `repeats` timed repeats of at least `repeat_seconds` each (rounds back to
     back) after one untimed warm-up round each, A/B alternated (the side that goes first alternates too), as median,
@@ -494,9 +494,9 @@ def bench_peer(model_dir: Path, encoder: Any, peer_url: str, prompt: list[int], 
 
     compiles = _CompileCounter()
     api = asyncio.run(detect_engine_api(peer_url))
-    config = EngineOptions(max_batch=max(max(concurrencies), group_size), max_seq_len=2048)
+    config = EngineOptions(max_batch=max(max(concurrencies), group_size), max_seq_len=2048, freeze_gc=freeze_gc)
     out: dict[str, Any] = {"peer_api": api, "decode": [], "group": {}, "load_before": _load(),
-                           "repeat_seconds": repeat_seconds, "settle_seconds": settle_seconds}
+                           "repeat_seconds": repeat_seconds, "settle_seconds": settle_seconds, "freeze_gc": freeze_gc}
     ids, images = _group_prompt(encoder, group_prompt_tokens, seed=7)
     loops = _fixed_work_loops(repeat_seconds)
     with EmbeddedEngine(str(model_dir), config=config) as engine:
@@ -505,7 +505,7 @@ def bench_peer(model_dir: Path, encoder: Any, peer_url: str, prompt: list[int], 
         for c in concurrencies:
             for name, (url, kind) in urls.items():
                 asyncio.run(_round(url, prompt, c, new_tokens, kind))  # warm-up (compiles the embedded engine's programs)
-                if kind == "sglang":
+                if kind == "sglang" and freeze_gc:
                     asyncio.run(_freeze_gc(url))
             runs: dict[str, list[float]] = {name: [] for name in urls}
             rounds: dict[str, list[float]] = {name: [] for name in urls}
@@ -553,7 +553,7 @@ def bench_overlap(model_dir: Path, prompt: list[int], new_tokens: int, concurren
     from jaxrl_vlm.engine import EmbeddedEngine, EngineOptions
 
     modes = {"overlap": True, "serial": False}
-    rows = []
+    rows: list[dict[str, Any]] = [{"load_before": _load()}]
     with contextlib.ExitStack() as stack:
         engines = {name: stack.enter_context(EmbeddedEngine(str(model_dir), config=EngineOptions(
             max_batch=max(concurrencies), max_seq_len=2048, overlap_schedule=on))) for name, on in modes.items()}
@@ -575,6 +575,7 @@ def bench_overlap(model_dir: Path, prompt: list[int], new_tokens: int, concurren
                 row[name] = {**_spread(runs[name]), "host_share": 1.0 - program_s / step_s}
             row["ratio"] = row["overlap"]["median"] / row["serial"]["median"]
             rows.append(row)
+    rows[0]["load_after"] = _load()
     return rows
 
 
@@ -712,6 +713,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat-seconds", type=float, default=1.0, help="Peer case: each timed repeat runs rounds back to "
                    "back for at least this long (0: one round, 40-250 ms here, where the VM's own noise spreads fixed "
                    "work by up to 1.7x).")
+    p.add_argument("--no-freeze-gc", action="store_true", help="Peer case: the embedded engine with "
+                   "engine_freeze_gc off and no /freeze_gc after warm-up (the collector's full pauses come back: see "
+                   "the gc column).")
     p.add_argument("--settle-seconds", type=float, default=1.5, help="Peer case: both servers idle this long before "
                    "each timed repeat (vLLM's worker busy-polls its shared-memory queue for 1 s after its last read, "
                    "taking a core of this machine's two from whatever runs next).")
@@ -784,7 +788,7 @@ def main(argv: list[str] | None = None) -> int:
                     ns.peer_url = stack.enter_context(_LaunchedVLLM(ns.launch_vllm, model_dir, Path(tmp) / "vllm.log"))
                 out["peer"] = bench_peer(model_dir, encoder, ns.peer_url, peer_prompt, ns.new_tokens, ns.concurrency,
                                          peer_repeats, ns.repeat_seconds, ns.settle_seconds, ns.group_size,
-                                         ns.group_prompt_tokens)
+                                         ns.group_prompt_tokens, freeze_gc=not ns.no_freeze_gc)
 
     if "memory" in ns.cases:
         out["memory"] = bench_memory(ns.contexts, ns.page_size)
@@ -858,11 +862,12 @@ def main(argv: list[str] | None = None) -> int:
               f"tokens per request, greedy; {peer_repeats} repeats of at least {ns.repeat_seconds:g} s each, alternated")
         print(f"{'concurrent':>10} {'overlap tok/s (spread)':>24} {'serial tok/s (spread)':>23} {'ratio':>6} "
               f"{'host share overlap / serial':>28}")
-        for r in out["overlap"]:
+        print(f"machine: {out['overlap'][0]['load_before']} before, {out['overlap'][0]['load_after']} after")
+        for r in out["overlap"][1:]:
             o, q = r["overlap"], r["serial"]
             print(f"{r['concurrency']:>10} {o['median']:>14.0f} ({o['spread']:.2f}x) {q['median']:>13.0f} ({q['spread']:.2f}x) "
                   f"{r['ratio']:>5.2f}x {o['host_share']:>17.0%} / {q['host_share']:.0%}")
-        print(f"RATIO overlap/serial: " + " ".join(f"{r['ratio']:.2f}" for r in out["overlap"]))
+        print("RATIO overlap/serial: " + " ".join(f"{r['ratio']:.2f}" for r in out["overlap"][1:]))
     if "peer" in ns.cases:
         peer = out["peer"]
         print(f"\npeer: the embedded engine against {peer['peer_api']} at {ns.peer_url}, same checkpoint, {ns.new_tokens} "
