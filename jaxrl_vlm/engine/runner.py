@@ -3,7 +3,8 @@
 `ModelRunner` owns every device array and is driven by one thread (the scheduler's). It pads host
 inputs (tokens, page tables) to the buckets of `EngineOptions`, calls one jitted program per step
 (prefill+sample for a run of prompts, or decode+sample for a batch of requests) and returns plain numpy
-results. Which pages a request uses is the scheduler's business (`prefix_cache.PageCache`).
+results; a decode step may also be dispatched and read later (`dispatch_decode`, `dispatch_following`,
+`collect_decode`), so the scheduler overlaps its host work with the device's step. Which pages a request uses is the scheduler's business (`prefix_cache.PageCache`).
 Parameters are an `nnx.State` passed as an argument, so new weights swap in without recompiling; the programs take
 its leaves as a flat list, flattened once per weight swap (flattening the state on every call cost more host time
 than the tiny programs themselves).

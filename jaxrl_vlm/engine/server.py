@@ -75,6 +75,10 @@ VERSION = f"jaxrl-vlm-embedded-{_package_version()}"
 
 HEALTH_TIMEOUT_S = 20.0  # SGLang's /health_generate waits this long for scheduler output
 JSON_INLINE_BYTES = 256 << 10  # bodies above this are parsed in a worker thread, not on the event loop
+_SERVER = web.AppKey("server_args", dict)
+_EXECUTOR = web.AppKey("executor", ThreadPoolExecutor)
+
+
 class _Served:
     """The engine an app serves, let go when the app is cleaned up: aiohttp keeps every app that served a request in
     a module-level cache of built middleware chains (`aiohttp.web_app._cached_build_middleware`, 1,024 entries), which
@@ -92,8 +96,6 @@ def _engine(request: web.Request) -> Engine:
     if engine is None:
         raise web.HTTPServiceUnavailable(text="the engine has stopped")
     return engine
-_SERVER = web.AppKey("server_args", dict)
-_EXECUTOR = web.AppKey("executor", ThreadPoolExecutor)
 
 
 class BodyTooLarge(RequestError):
