@@ -28,12 +28,13 @@ alternated (the side that goes first alternates too). A repeat runs rounds back 
 `--repeat-seconds` (default 1 s; 0: one round): a single round lasts 40-250 ms, a time scale at which the VM's own
 noise spreads fixed Python work by up to 1.7x. Both sides wait `--settle-seconds` (default 1.5) before each timed
 repeat: vLLM's worker busy-polls its shared-memory queue for 1 s after its last read (`SpinCondition.busy_loop_s` in
-vllm/distributed/device_communicators/shm_broadcast.py), which on two cores takes one from whatever runs next. Reported: median, min-max and spread (max / min) of the repeats per
-side, the ratio of the medians and the spread of single rounds; for the embedded engine also the host's share of its
-decode steps (the part outside dispatching and waiting for the decode program: with the overlapped decode, the host
-work the device's step did not hide), the share of steps dispatched overlapped, ms per decode step, the compilations during the timed
-repeats (jax's compile events; any is a defect) and the garbage collector's pauses in them; and the machine's own
-spread: fixed Python work as long as a repeat, timed after each A/B pair (a floor under both sides' spreads). After
+vllm/distributed/device_communicators/shm_broadcast.py), which on two cores takes one from whatever runs next.
+Reported: median, min-max and spread (max / min) of the repeats per side, the ratio of the medians and the spread of
+single rounds; for the embedded engine also the host's share of its decode steps (the part outside dispatching and
+waiting for the decode program: with the overlapped decode, the host work the device's step did not hide), the
+share of steps dispatched overlapped, ms per decode step, the compilations during the timed repeats (jax's compile
+events; any is a defect) and the garbage collector's pauses in them; and the machine's own spread: fixed Python
+work as long as a repeat, timed after each A/B pair (a floor under both sides' spreads). After
 its warm-up round the embedded engine (and an SGLang peer) freezes its heap (`/freeze_gc`; vLLM freezes its own once
 started). Then the prompt tokens prefilled (prompt - cached) for one GRPO group of `--group-size` on one
 image prompt. `--launch-vllm PYTHON` starts the vLLM server itself (vLLM's interpreter, e.g. .venv-vllm/bin/python;
@@ -482,7 +483,8 @@ def bench_peer(model_dir: Path, encoder: Any, peer_url: str, prompt: list[int], 
     decode tok/s at each concurrency over `repeats` timed repeats of at least `repeat_seconds` each (rounds back to
     back) after one untimed warm-up round each, A/B alternated (the side that goes first alternates too), as median,
     min, max and spread (max / min) per side, and the spread of single rounds; for the embedded engine also the host's
-    share of its decode steps (time outside the decode program calls), ms per decode step, the compilations during
+    share of its decode steps (time outside dispatching and waiting for the decode program), the share of steps
+    dispatched overlapped, ms per decode step, the compilations during
     the timed repeats (each one a defect: the warm-up round compiles what a concurrency needs) and the garbage
     collector's pauses in them. After each warm-up the embedded engine, and an SGLang peer, freeze their heaps
     (`/freeze_gc`; vLLM freezes its own once started). Then the prompt tokens prefilled for a GRPO group of
@@ -544,7 +546,7 @@ def bench_peer(model_dir: Path, encoder: Any, peer_url: str, prompt: list[int], 
 
 
 def bench_overlap(model_dir: Path, prompt: list[int], new_tokens: int, concurrencies: list[int], repeats: int,
-                  repeat_seconds: float) -> list[dict[str, Any]]:
+                  repeat_seconds: float) -> dict[str, Any]:
     """The overlapped decode against one step at a time (`overlap_schedule` on and off): two engines with the
     engine's default buckets, alive at once, timed in alternation at each concurrency (`repeats` repeats of at
     least `repeat_seconds` of back-to-back rounds each, after a warm-up round), with each one's host share."""
@@ -553,7 +555,7 @@ def bench_overlap(model_dir: Path, prompt: list[int], new_tokens: int, concurren
     from jaxrl_vlm.engine import EmbeddedEngine, EngineOptions
 
     modes = {"overlap": True, "serial": False}
-    rows: list[dict[str, Any]] = [{"load_before": _load()}]
+    out: dict[str, Any] = {"load_before": _load(), "rows": []}
     with contextlib.ExitStack() as stack:
         engines = {name: stack.enter_context(EmbeddedEngine(str(model_dir), config=EngineOptions(
             max_batch=max(concurrencies), max_seq_len=2048, overlap_schedule=on))) for name, on in modes.items()}
@@ -574,9 +576,9 @@ def bench_overlap(model_dir: Path, prompt: list[int], new_tokens: int, concurren
                 program_s = e.engine.runner.decode_program_s - before[name][1]
                 row[name] = {**_spread(runs[name]), "host_share": 1.0 - program_s / step_s}
             row["ratio"] = row["overlap"]["median"] / row["serial"]["median"]
-            rows.append(row)
-    rows[0]["load_after"] = _load()
-    return rows
+            out["rows"].append(row)
+    out["load_after"] = _load()
+    return out
 
 
 class _LaunchedVLLM:
@@ -860,14 +862,14 @@ def main(argv: list[str] | None = None) -> int:
     if "overlap" in ns.cases:
         print(f"\noverlapped decode against one step at a time (engine_overlap_schedule on / off), {ns.new_tokens} new "
               f"tokens per request, greedy; {peer_repeats} repeats of at least {ns.repeat_seconds:g} s each, alternated")
+        print(f"machine: {out['overlap']['load_before']} before, {out['overlap']['load_after']} after")
         print(f"{'concurrent':>10} {'overlap tok/s (spread)':>24} {'serial tok/s (spread)':>23} {'ratio':>6} "
               f"{'host share overlap / serial':>28}")
-        print(f"machine: {out['overlap'][0]['load_before']} before, {out['overlap'][0]['load_after']} after")
-        for r in out["overlap"][1:]:
+        for r in out["overlap"]["rows"]:
             o, q = r["overlap"], r["serial"]
             print(f"{r['concurrency']:>10} {o['median']:>14.0f} ({o['spread']:.2f}x) {q['median']:>13.0f} ({q['spread']:.2f}x) "
                   f"{r['ratio']:>5.2f}x {o['host_share']:>17.0%} / {q['host_share']:.0%}")
-        print("RATIO overlap/serial: " + " ".join(f"{r['ratio']:.2f}" for r in out["overlap"][1:]))
+        print("RATIO overlap/serial: " + " ".join(f"{r['ratio']:.2f}" for r in out["overlap"]["rows"]))
     if "peer" in ns.cases:
         peer = out["peer"]
         print(f"\npeer: the embedded engine against {peer['peer_api']} at {ns.peer_url}, same checkpoint, {ns.new_tokens} "
