@@ -1,11 +1,11 @@
 """The interpreter's cyclic garbage collector, kept off a long run's hot path.
 
-A process that has loaded jax, transformers and a model holds half a million objects the collector tracks, and a
-full collection walks every one of them (0.1-0.3 s on the 2-core machine). It comes whenever enough new objects
-have outlived the young generations: in the middle of a decode round, where it stops every thread that needs the
-interpreter (issue 48 found one in a 1-second block of 32-request rounds, which then ran at half speed). vLLM freezes
-its heap once its server has started (`vllm.utils.gc_utils.freeze_gc_heap`) and SGLang serves `/freeze_gc`, for the
-same reason: frozen objects are never walked again.
+A process that has loaded jax, transformers and a model holds hundreds of thousands of objects the collector
+tracks, and a full collection walks every one of them (0.1-0.3 s on the 2-core machine). It comes whenever enough
+new objects have outlived the young generations: in the middle of a decode round, where it stops every thread that
+needs the interpreter (issue 48 found one in a 1-second block of 32-request rounds, which then ran at three quarters
+of its speed). vLLM freezes its heap once its server has started (`vllm.utils.gc_utils.freeze_gc_heap`) and SGLang
+serves `/freeze_gc`, for the same reason: frozen objects are never walked again.
 
 A frozen object that later dies in a reference cycle stays until the heap is unfrozen, so freezing is held, not
 set: each holder (an engine while it serves) calls `hold` and `release`, the last release unfreezes, and the next
@@ -30,7 +30,7 @@ _holders = 0
 
 
 def hold(context: str) -> None:
-    """Freeze every object the collector tracks now, until the matching `release` (and all others') ."""
+    """Freeze every object the collector tracks now, until the matching `release` (and every other holder's)."""
     global _holders
     with _lock:
         _holders += 1
