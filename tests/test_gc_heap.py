@@ -1,17 +1,21 @@
 """The collector's heap frozen while an engine serves (`jaxrl_vlm.gc_heap`, the engine's `freeze_gc` option and
-SGLang's `/freeze_gc`), and given back when it stops, so a stopped engine is collected."""
+SGLang's `/freeze_gc`), and given back when it stops, so a stopped engine is collected; a train job's heap frozen
+for its run and again after its first step (the run option `freeze_gc`)."""
 
 from __future__ import annotations
 
 import gc
 import weakref
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
 
 from jaxrl_vlm import gc_heap
+from jaxrl_vlm.config import load_config
 from jaxrl_vlm.engine import EmbeddedEngine, EngineOptions
+from jaxrl_vlm.job.run import MainJob
 from rollout.sglang_wire import FREEZE_GC_OK
 
 CONFIG = dict(max_batch=2, max_seq_len=64, min_prefill_bucket=32, min_kv_bucket=64)
@@ -86,3 +90,47 @@ def test_with_the_option_off_only_freeze_gc_freezes_until_stop(tiny_hf_checkpoin
         assert gc.get_freeze_count() == 0
         assert httpx.get(engine.url + "/freeze_gc").status_code == 200
         assert gc_heap.holders() == 1 and gc.get_freeze_count() > 0
+
+
+class _StepLoop:
+    """MainJob's run and step loop (`_run`, `steps`) over steps that each keep 5,000 new tracked objects alive, as a
+    first step keeps its compiled programs; records (holders, frozen objects) as each step starts."""
+
+    def __init__(self, freeze_gc: bool, steps: int = 3):
+        self.cfg = SimpleNamespace(train=SimpleNamespace(freeze_gc=freeze_gc), rollout=SimpleNamespace(num_rollout=steps))
+        self.start_step, self.stopping, self.kept, self.seen = 0, False, [], []
+
+    async def evaluate_unless_preempted(self, step: int) -> None:
+        pass
+
+    def stop_requested(self) -> bool:
+        return False
+
+    async def step(self, step: int) -> dict:
+        self.seen.append((gc_heap.holders(), gc.get_freeze_count()))
+        self.kept.append([[i] for i in range(5000)])
+        return {}
+
+    async def _run_held(self) -> dict:
+        return await MainJob.steps(self)
+
+
+async def test_a_train_job_holds_a_freeze_for_its_run_and_freezes_again_after_its_first_step_only():
+    job = _StepLoop(freeze_gc=True)
+    await MainJob._run(job)
+    (h0, f0), (h1, f1), (h2, f2) = job.seen
+    assert h0 == h1 == h2 == 1 and f0 > 0
+    assert f1 >= f0 + 5000  # the first step's objects were frozen after it
+    assert f2 < f1 + 5000  # the second step's were not
+    # (the fixture: released, unfrozen, after the run)
+
+
+async def test_with_freeze_gc_off_a_train_job_leaves_the_heap_alone():
+    job = _StepLoop(freeze_gc=False)
+    await MainJob._run(job)
+    assert job.seen == [(0, 0)] * 3
+
+
+def test_freeze_gc_is_a_run_option_on_by_default():
+    assert load_config(None, []).train.freeze_gc is True
+    assert load_config(None, ["--freeze-gc", "false"]).train.freeze_gc is False

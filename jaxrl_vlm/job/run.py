@@ -57,6 +57,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxrl_vlm import gc_heap
 from jaxrl_vlm.config import Config, is_sft
 from jaxrl_vlm.errors import ConfigError
 from jaxrl_vlm.data.geo3k import PromptIterator
@@ -374,6 +375,10 @@ class MainJob:
             return await self._run()
 
     async def _run(self) -> dict[str, Any]:
+        with gc_heap.held("train job") if self.cfg.train.freeze_gc else contextlib.nullcontext():
+            return await self._run_held()
+
+    async def _run_held(self) -> dict[str, Any]:
         if self.main:
             await check_external_engine(self.cfg)
         self.prepare()
@@ -407,6 +412,10 @@ class MainJob:
                 except StepAborted as e:
                     self.aborted, self.stopping = f"step {step}: {e}", True
                     break
+                if step == self.start_step and self.cfg.train.freeze_gc:
+                    # What the first step built lives as long as the run: the compiled programs and their caches.
+                    logger.debug("froze the heap after the first step: %d objects",
+                                gc_heap.freeze_more("train job, after its first step"))
         return last
 
 
