@@ -1278,7 +1278,8 @@ def _validate_eval(e: EvalConfig) -> None:
     """The eval section: NAME PATH pairs with valid slices (parse_eval_prompt_data), and its sampling settings."""
     parse_eval_prompt_data(e.eval_prompt_data)
     if e.eval_interval is not None and e.eval_interval < 1:
-        raise ConfigError(f"eval_interval must be >= 1 (or None), got {e.eval_interval}")
+        raise ConfigError(f"eval_interval must be >= 1, got {e.eval_interval} (`--eval-interval none` evaluates only "
+                          "before training and at the end)")
     if e.eval_interval is not None and not e.eval_prompt_data:
         raise ConfigError(f"--eval-interval {e.eval_interval} needs eval sets: --eval-prompt-data NAME PATH ...")
     if e.n_samples_per_eval_prompt < 1:

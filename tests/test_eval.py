@@ -79,7 +79,7 @@ def test_slimes_eval_group_parses_in_slimes_syntax():
     (["--eval-prompt-data", "a", "x.jsonl@[0:4:2]"], r"eval set 'a': bad row slice"),
     (["--eval-prompt-data", "a", "x.jsonl@[3]"], r"eval set 'a': bad row slice"),
     (["--eval-interval", "5"], r"--eval-interval 5 needs eval sets"),
-    (["--eval-prompt-data", "a", "x.jsonl", "--eval-interval", "0"], r"eval_interval must be >= 1"),
+    (["--eval-prompt-data", "a", "x.jsonl", "--eval-interval", "0"], r"eval_interval must be >= 1, got 0 \(`--eval-interval none` evaluates only before"),
     (["--eval-prompt-data", "a", "x.jsonl", "--n-samples-per-eval-prompt", "0"], r"n_samples_per_eval_prompt"),
     (["--eval-top-p", "1.5"], r"eval_top_p must be in \(0, 1\]"),
     (["--eval-max-response-len", "0"], r"eval_max_response_len must be >= 1"),
