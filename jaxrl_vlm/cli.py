@@ -215,6 +215,8 @@ def _cmd_make_tiny(ns: argparse.Namespace, rest: list[str]) -> int:
     try:
         out = make_tiny(ns.out, seed=ns.seed, vocab_size=ns.vocab_size, init=ns.init, dtype=ns.dtype, arch=ns.arch,
                         head_dim=ns.head_dim)
+    except FileExistsError as e:  # its message names the command already
+        raise ConfigError(str(e)) from e
     except ValueError as e:
         raise ConfigError(f"make-tiny: {e}") from e
     print(summarize(out))

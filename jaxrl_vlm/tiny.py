@@ -156,13 +156,12 @@ def make_tiny(
     head_dim: the text attention's head size (None: the tiny config's 16). vLLM's CPU attention kernels need one of
     32, 64, 80, ...: a tiny checkpoint that a real vLLM server serves is made with `head_dim=32`.
     """
-    from jaxrl_vlm.tiny_assets import EOS_TOKEN, PAD_TOKEN, save_tiny_processing  # transformers: ~8 s, only here
-
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}: choose one of {sorted(DTYPES)}")
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"make-tiny: {out} exists and is not a directory")
+    from jaxrl_vlm.tiny_assets import EOS_TOKEN, PAD_TOKEN, save_tiny_processing  # transformers: ~8 s, only here
     hf_config, tokenizer = tiny_hf_config(vocab_size, tokenizer_seed, arch)
     if head_dim is not None:
         hf_config = with_head_dim(hf_config, head_dim)

@@ -178,6 +178,11 @@ def test_a_config_file_that_is_not_yaml_is_one_line_too(capsys, tmp_path):
     fails_in_one_line(capsys, ["train", tmp_path / "broken.yaml"], f"{tmp_path / 'broken.yaml'} is not valid YAML")
 
 
+def test_make_tiny_names_an_output_path_that_is_a_file(capsys, tmp_path):
+    (tmp_path / "weights").write_text("not a directory")
+    fails_in_one_line(capsys, ["make-tiny", tmp_path / "weights"], f"{tmp_path / 'weights'} exists and is not a directory")
+
+
 def test_serve_names_the_option_out_of_bounds_or_off_its_choices(inputs, capsys):
     fails_in_one_line(capsys, ["serve", "--model", inputs.model, "--max-batch", "0"], "max_batch must be >= 1, got 0")
     fails_in_one_line(capsys, ["serve", "--model", inputs.model, "--dtype", "float16"], "--dtype", "'float16'")
