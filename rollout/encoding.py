@@ -58,7 +58,7 @@ from rollout.processing import (
     resize_as_processor,
 )
 from rollout.video import Clip, ClipError, VideoProcessorConfig
-from rollout.video_io import clip_to_data_url, load_clip
+from rollout.video_io import ClipUrls, load_clip
 
 logger = logging.getLogger(__name__)
 
@@ -205,6 +205,7 @@ class ChatEncoder:
         self.tokenizer = tokenizer
         self.video_config = video_config  # the checkpoint's video processor; None: clips are refused
         self.clips = None if video_config is None else ProcessedClipCache(video_config)
+        self.clip_urls = ClipUrls()  # an env's Clip written to its data URL once per distinct content
         self.image_processor = image_processor
         self.images = ProcessedImageCache(image_processor)
         self.vision = vision or VisionTokens.from_tokenizer(tokenizer)
@@ -380,9 +381,10 @@ class ChatEncoder:
             return [], None, []
         if self.clips is None:
             raise ClipError("this model directory has no video_preprocessor_config.json: clips cannot be encoded")
-        # A Clip from an environment is written to its data URL here (the engine's view); a URL seen before (every
-        # turn re-sends the episode's clips, a group shares its prompt's) is neither decoded nor processed again.
-        urls = [item if isinstance(item, str) else clip_to_data_url(item) for item in items]
+        # A Clip from an environment is written to its data URL here (the engine's view), once per distinct content
+        # (`clip_urls`); a URL seen before (every turn re-sends the episode's clips, a group shares its prompt's) is
+        # neither decoded nor processed again.
+        urls = [item if isinstance(item, str) else self.clip_urls.url(item) for item in items]
 
         def load(i: int) -> Clip:
             return items[i] if isinstance(items[i], Clip) else read(items[i])

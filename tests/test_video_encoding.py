@@ -21,6 +21,7 @@ from jaxrl_vlm.tiny_assets import save_tiny_processing
 from rollout.encoding import ChatEncoder, TranscriptError, check_prefix_stability, encode_transcript
 from rollout.processing import load_image_processor, load_tokenizer
 from rollout.video import Clip, ClipError, load_video_processor_config, process_clips
+from rollout import video_io
 from rollout.video_io import clip_to_data_url, load_clip
 
 
@@ -115,6 +116,30 @@ def test_a_clip_seen_before_is_neither_decoded_nor_processed_again(family):
         np.testing.assert_array_equal(again[key], first[key])
     encoder.encode_clips([clip_to_data_url(_clip(9, 6))], read)
     assert len(reads) == 1  # a new clip is read
+
+
+def test_a_clip_object_is_written_to_its_url_once_per_distinct_content(family, monkeypatch):
+    """An env hands the same frames to every sample of a group: the MP4 is written once, and the URL is exactly
+    the one `clip_to_data_url` writes; the same array with new frames, or another rate, is a new clip."""
+    _, _, encoder = family
+    written = []
+
+    def counting(clip):
+        written.append(clip)
+        return clip_to_data_url(clip)
+
+    monkeypatch.setattr(video_io, "clip_to_data_url", counting)
+    clip = _clip(11, 4)
+    (url,), _, _ = encoder.encode_clips([clip])
+    (again,), _, _ = encoder.encode_clips([Clip(clip.frames.copy(), clip.fps)])  # another object, same content
+    assert again == url == clip_to_data_url(clip) and len(written) == 1
+    frames = clip.frames.copy()
+    frames[0, 0, 0, 0] ^= 1
+    (changed,), _, _ = encoder.encode_clips([Clip(frames, clip.fps)])
+    (slower,), _, _ = encoder.encode_clips([Clip(clip.frames, clip.fps / 2)])
+    assert len({url, changed, slower}) == 3 and len(written) == 3
+    with pytest.raises(ClipError, match="uint8"):
+        encoder.encode_clips([Clip(clip.frames.astype(np.float32), clip.fps)])
 
 
 def test_observations_carry_clips_through_the_env_contract():
