@@ -222,8 +222,8 @@ DEFAULT_CLIP_URL_BYTES = 64 << 20
 
 class ClipUrls:
     """`clip_to_data_url`, remembered by the clip's content: an environment hands the same frames to every sample
-    of a group and, turn after turn, to every turn that re-sends them, and writing the MP4 (PNG frames) costs 30-60
-    ms a clip where hashing its frames costs 0.1-4 ms. Keyed by a digest of the frames' bytes, shape and the rate,
+    of a group and, turn after turn, to every turn that re-sends them, and hashing the frames is a small part of
+    encoding them as PNG. Keyed by a digest of the frames' bytes, shape and the rate,
     so new frames in a reused array make a new URL; bounded in bytes of URLs (least recently used out first);
     thread-safe. A malformed clip is never remembered: it raises as `clip_to_data_url` does."""
 
