@@ -47,6 +47,12 @@ Overlap case (`--cases overlap`, issue 48): the engine's overlapped decode (step
 read) against one step at a time, two engines on the built or `--checkpoint` model, timed in alternation at each
 `--concurrency` (`--repeats` repeats of `--repeat-seconds` each): tok/s, spread, ratio and each one's host share.
 
+Prefill case (`--cases prefill`): short text prompts prefilled one per forward (a CPU's default) against side by
+side (`engine_prefill_batch_tokens`, a GPU's and TPU's default; here R x the bucket, so that the R prompts share one
+forward), on the model runner directly: R prompts of one `--prefill-bucket` at a time, each runner with its own
+cache, timed in alternation (median of `--repeats` x 5 calls
+each, after a warm-up), for R in `--prefill-rows`; the ratio and the largest log-prob difference between the two.
+
 Group case (issue 18 (a)): one GRPO group of n samples (seeded, temperature 1) of a ~1,000-token
 prompt with an image, arriving together, on an engine with the radix cache and one without: prompt
 tokens prefilled and their ratio.
@@ -84,6 +90,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -581,6 +588,49 @@ def bench_overlap(model_dir: Path, prompt: list[int], new_tokens: int, concurren
     return out
 
 
+def bench_prefill(model_dir: Path, bucket: int, row_counts: list[int], repeats: int) -> dict[str, Any]:
+    """R text prompts of `bucket` tokens (bucket - 3 real ones each, pages of their own) prefilled one per forward
+    against side by side (all R in one forward: `prefill_batch_tokens` R x bucket), two runners of one model,
+    alternated."""
+    import statistics
+
+    import numpy as np
+
+    from jaxrl_vlm.engine import EngineOptions
+    from jaxrl_vlm.engine.runner import FloatRow, IntRow, ModelRunner, PrefillRow
+    from jaxrl_vlm.models import from_hf
+
+    model = from_hf(str(model_dir))
+    base = EngineOptions(max_batch=max(row_counts), max_seq_len=2 * bucket, min_prefill_bucket=bucket,
+                         min_kv_bucket=2 * bucket)
+    one = ModelRunner(model, dataclasses.replace(base, prefill_batch_tokens=0), ())
+    rng = np.random.default_rng(0)
+    ints, floats = np.zeros((len(IntRow),), np.int32), np.zeros((len(FloatRow),), np.float32)
+    ints[IntRow.TOP_K], floats[FloatRow.TOP_P] = -1, 1.0
+    pages_per_row = -(-2 * bucket // base.page_size)
+    out: dict[str, Any] = {"bucket": bucket, "load_before": _load(), "rows": []}
+    for n in row_counts:
+        rows = [PrefillRow(r, list(range(r * pages_per_row, (r + 1) * pages_per_row)),
+                           rng.integers(0, 200, size=bucket - 3).astype(np.int32),
+                           np.broadcast_to(np.arange(bucket - 3, dtype=np.int32), (3, bucket - 3)), None, None,
+                           ints, floats) for r in range(n)]
+        runners = {"one": one, "side": ModelRunner(model, dataclasses.replace(base, prefill_batch_tokens=n * bucket), ())}
+        seconds: dict[str, list[float]] = {name: [] for name in runners}
+        logprobs = {}
+        for name, runner in runners.items():  # warm-up: compiles
+            logprobs[name] = [lp for _, lp in runner.prefill_rows([runner.prepare_prefill(r) for r in rows])]
+        for _ in range(repeats * 5):
+            for name, runner in runners.items():
+                start = time.perf_counter()
+                runner.prefill_rows([runner.prepare_prefill(r) for r in rows])
+                seconds[name].append(time.perf_counter() - start)
+        one_s, side_s = (statistics.median(seconds[k]) for k in ("one", "side"))
+        out["rows"].append({"rows": n, "one_ms": 1e3 * one_s, "side_ms": 1e3 * side_s, "ratio": one_s / side_s,
+                            "max_logprob_diff": float(np.max(np.abs(np.subtract(logprobs["one"], logprobs["side"]))))})
+    out["load_after"] = _load()
+    return out
+
+
 class _LaunchedVLLM:
     """vLLM's server on `model_dir` from the interpreter `python` (`jaxrl_vlm.vllm_launcher`) as issue 48 measured
     it: fp32, eager, vLLM's own scheduler defaults (chunked prefill on), 1 GiB of KV cache; for `--cases peer
@@ -723,12 +773,14 @@ def main(argv: list[str] | None = None) -> int:
                    "taking a core of this machine's two from whatever runs next).")
     p.add_argument("--torch-threads", type=int, default=max(1, os.cpu_count() or 1))
     p.add_argument("--cases", nargs="+", choices=("decode", "multiturn", "group", "capacity", "weights", "peer", "memory",
-                                                  "overlap"),
+                                                  "overlap", "prefill"),
                    default=["decode", "multiturn", "group", "capacity"])
     p.add_argument("--page-size", type=int, default=16, help="Tokens per KV page of the paged engine.")
     p.add_argument("--baseline-checkout", default=None, metavar="DIR",
                    help="Decode case: also time the engine of this checkout (e.g. a worktree of the commit before "
                         "paging), on the same config, in alternation with this one.")
+    p.add_argument("--prefill-bucket", type=int, default=64, help="Prompt bucket (tokens) of the prefill case.")
+    p.add_argument("--prefill-rows", type=int, nargs="+", default=[1, 4, 8, 16], help="Prompts per call, prefill case.")
     p.add_argument("--group-size", type=int, default=8, help="Samples of the GRPO group case.")
     p.add_argument("--group-prompt-tokens", type=int, default=1000, help="Prompt tokens (image pads expanded) of the group case.")
     p.add_argument("--capacity-episodes", type=int, default=64, help="Concurrent episodes sent in the capacity case.")
@@ -783,6 +835,8 @@ def main(argv: list[str] | None = None) -> int:
             prompt = encoder.encode_prompt([{"role": "user", "content": "Find the area of the triangle with base 6."}]).wire_ids
             out["overlap"] = bench_overlap(model_dir, prompt, ns.new_tokens, ns.concurrency, peer_repeats,
                                            ns.repeat_seconds)
+        if "prefill" in ns.cases:
+            out["prefill"] = bench_prefill(model_dir, ns.prefill_bucket, ns.prefill_rows, ns.repeats)
         if "peer" in ns.cases:
             peer_prompt = encoder.encode_prompt([{"role": "user", "content": "Find the area of the triangle with base 6."}]).wire_ids
             with contextlib.ExitStack() as stack:
@@ -870,6 +924,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r['concurrency']:>10} {o['median']:>14.0f} ({o['spread']:.2f}x) {q['median']:>13.0f} ({q['spread']:.2f}x) "
                   f"{r['ratio']:>5.2f}x {o['host_share']:>17.0%} / {q['host_share']:.0%}")
         print("RATIO overlap/serial: " + " ".join(f"{r['ratio']:.2f}" for r in out["overlap"]["rows"]))
+    if "prefill" in ns.cases:
+        pf = out["prefill"]
+        print(f"\nprefill: text prompts of the {pf['bucket']}-token bucket, one per forward against side by side "
+              f"(median of {ns.repeats * 5} calls each, alternated)")
+        print(f"machine: {pf['load_before']} before, {pf['load_after']} after")
+        print(f"{'prompts':>8} {'one per forward ms':>19} {'side by side ms':>16} {'ratio':>6} {'max |dlogprob|':>15}")
+        for r in pf["rows"]:
+            print(f"{r['rows']:>8} {r['one_ms']:>19.2f} {r['side_ms']:>16.2f} {r['ratio']:>5.2f}x {r['max_logprob_diff']:>15.1e}")
+        print("RATIO one per forward / side by side: " + " ".join(f"{r['ratio']:.2f}" for r in pf["rows"]))
     if "peer" in ns.cases:
         peer = out["peer"]
         print(f"\npeer: the embedded engine against {peer['peer_api']} at {ns.peer_url}, same checkpoint, {ns.new_tokens} "

@@ -3,14 +3,17 @@
 * Prompts admitted together run in one prefill program call (a loop over their rows on the device): the tokens,
   log-probs and K/V pages it gives equal those of one call per prompt, in the same order, including a row that
   reuses the pages an earlier row of the same call wrote (a prefix hit with its copied last page).
+* Short text prompts may run side by side, several per forward (`prefill_batch_tokens`, on by default on GPU and
+  TPU): the same tokens, log-probs and pages, a row that reads pages another row writes going to a later group.
 * After one warm-up round at a concurrency, repeating that round compiles nothing: a cold prefill and the prefix
   hits of later rounds share one program, and decode steps while requests arrive one by one borrow the programs the
-  warm-up compiled.
+  warm-up compiled; with prompts side by side too.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -67,21 +70,34 @@ def _kv(runner: ModelRunner, pages: list[int], n: int) -> tuple[np.ndarray, np.n
     return flat(k), flat(v)
 
 
-def test_prompts_prefilled_in_one_call_equal_one_call_each(tiny_hf_checkpoint: Path):
+@pytest.mark.parametrize("batch_tokens, want_calls", [
+    # One row at a time (a CPU's default): the 40-token prompt runs alone; the next rows, one prompt bucket (32
+    # tokens; the extension computes 9), share a call that loops over its 5 rows.
+    (0, [(1, 1), (5, 1)]),
+    # Side by side, 96 // 32 = 3 rows per forward, 6 rows per call: the four 32-bucket prompts fill a group of 3 and
+    # start a second; the extension reads pages the fourth writes, so it starts a third group (the next call).
+    (96, [(1, 1), (2, 3), (1, 3)]),
+])
+def test_prompts_prefilled_in_one_call_equal_one_call_each(tiny_hf_checkpoint: Path, batch_tokens: int,
+                                                           want_calls: list[tuple[int, int]]):
     config = EngineOptions(max_batch=8, max_seq_len=MAX_SEQ, min_prefill_bucket=32, min_kv_bucket=MAX_SEQ,
-                           page_size=PAGE)
+                           page_size=PAGE, prefill_batch_tokens=batch_tokens)
     model = from_hf(str(tiny_hf_checkpoint))
-    together, alone = ModelRunner(model, config, ()), ModelRunner(model, config, ())
+    together = ModelRunner(model, config, ())
+    alone = ModelRunner(model, dataclasses.replace(config, prefill_batch_tokens=0), ())
     rows = _rows(together.vocab_size)
-    calls: list[int] = []
+    calls: list[tuple[int, int]] = []
     program = together._prefill
-    together._prefill = lambda *args: calls.append(int(args[3])) or program(*args)  # args[3]: the rows it runs
 
+    def counted(*args, group):  # args[3]: the loop count (rows, or groups of rows)
+        calls.append((int(args[3]), group))
+        return program(*args, group=group)
+
+    together._prefill = counted
     batched = together.prefill_rows([together.prepare_prefill(r) for r in rows])
     single = [alone.prefill_rows([alone.prepare_prefill(r)])[0] for r in rows]
 
-    # The 40-token prompt runs alone; the next rows, one prompt bucket (32 tokens; the extension computes 9), share a call.
-    assert calls == [1, 5]
+    assert calls == want_calls
     assert [t for t, _ in batched] == [t for t, _ in single]
     np.testing.assert_allclose([lp for _, lp in batched], [lp for _, lp in single], atol=1e-5)
     for r in rows:
@@ -103,11 +119,12 @@ async def _round(url: str, prompt: list[int], concurrency: int, new_tokens: int)
         return await asyncio.gather(*(client.generate(prompt, sampling_params=params) for _ in range(concurrency)))
 
 
-def test_repeated_rounds_after_a_warm_up_round_compile_nothing(tiny_hf_checkpoint: Path):
+@pytest.mark.parametrize("batch_tokens", [0, 128])  # one prompt per forward, and two side by side (64-token bucket)
+def test_repeated_rounds_after_a_warm_up_round_compile_nothing(tiny_hf_checkpoint: Path, batch_tokens: int):
     compiles: list[str] = []
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, _s, **_k: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None)
-    config = EngineOptions(max_batch=32, max_seq_len=MAX_SEQ, min_kv_bucket=MAX_SEQ)
+    config = EngineOptions(max_batch=32, max_seq_len=MAX_SEQ, min_kv_bucket=MAX_SEQ, prefill_batch_tokens=batch_tokens)
     prompt = list(range(40, 67))  # 27 tokens: one whole page, and a partly filled one a prefix hit copies
     with EmbeddedEngine(str(tiny_hf_checkpoint), config=config) as engine:
         runner = engine.engine.runner
@@ -120,3 +137,5 @@ def test_repeated_rounds_after_a_warm_up_round_compile_nothing(tiny_hf_checkpoin
                 assert all(r.cached_tokens > 0 for r in again)  # every repeat is a prefix hit
             assert runner.programs == programs, f"concurrency {c}: compiled {runner.programs - programs} after warm-up"
             assert len(compiles) == compiled, f"concurrency {c}: {len(compiles) - compiled} compilations after warm-up"
+        groups = {key[-1] for key in runner.programs if key[0] == "prefill"}
+        assert groups == ({2} if batch_tokens else {1})  # 128 // the 64-token bucket: two prompts per forward

@@ -90,11 +90,14 @@ def _assert_same(got, want) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp,dp", [(2, 1), (4, 1), (1, 2), (2, 2)])
-def test_sharded_engine_equals_the_one_device_engine(tiny_dir, prompts, one_device, tp, dp):
+# The last case also prefills text prompts two side by side (128 // their 64-token bucket): against the reference's
+# one at a time.
+@pytest.mark.parametrize("tp,dp,batch_tokens", [(2, 1, 0), (4, 1, 0), (1, 2, 0), (2, 2, 128)])
+def test_sharded_engine_equals_the_one_device_engine(tiny_dir, prompts, one_device, tp, dp, batch_tokens):
     assert len({tuple(ids) for ids, _, _ in one_device}) == len(one_device), "degenerate reference"
     devices = tuple(range(8 - tp * dp, 8))  # the last devices: placement is honoured, not "the first n"
-    with EmbeddedEngine(str(tiny_dir), config=_options(tp_size=tp, dp_size=dp, device_ids=devices)) as engine:
+    config = _options(tp_size=tp, dp_size=dp, device_ids=devices, prefill_batch_tokens=batch_tokens)
+    with EmbeddedEngine(str(tiny_dir), config=config) as engine:
         runners = engine.engine.runners
         assert len(runners) == dp
         sets = [{d.id for d in r.placement.devices} for r in runners]
@@ -109,9 +112,11 @@ def test_sharded_engine_equals_the_one_device_engine(tiny_dir, prompts, one_devi
         stats = engine.stats
         if dp > 1:
             assert all(r_stats > 0 for r_stats in (s.stats.prefills for s in engine.engine.scheduler.replicas))
+        groups = {key[-1] for r in runners for key in r.programs if key[0] == "prefill"}
     _assert_same(got[:len(prompts)], one_device)
     _assert_same(got[len(prompts):], one_device)
     assert stats.finished == 2 * len(prompts)
+    assert groups == ({1, 2} if batch_tokens else {1})  # the picture's prompt runs alone
 
 
 @pytest.mark.slow

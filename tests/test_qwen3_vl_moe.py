@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jaxrl_vlm.models import build_vision_inputs, expert_parallel, from_hf, get_rope_index, get_rope_index_packed, to_hf
 from jaxrl_vlm.models.config import ConfigError, Qwen3VLMoeConfig, from_hf_dict
 from jaxrl_vlm.models.moe import expert_load, grouped_expert_mlp, load_balancing_loss, route
+from jaxrl_vlm.models import qwen3_vl_moe as moe_engine
 from jaxrl_vlm.models.paged_kv import decode, init_cache, prefill
 from jaxrl_vlm.engine.options import EngineOptions
 from jaxrl_vlm.engine.placement import ReplicaPlacement
@@ -365,6 +366,41 @@ def test_prefill_and_greedy_decode_on_the_paged_cache_generate_as_transformers(p
     ids = np.asarray([batch.input_ids[0].tolist() + generated])  # the last step fed generated[-1]
     full, _ = _ours(ours, ids, np.ones_like(ids), batch.image_grid_thw, batch.pixel_values)
     np.testing.assert_allclose(np.asarray(logits)[0], full[0, ids.shape[1] - 1], atol=TOL, rtol=0)
+
+
+def test_prompts_side_by_side_store_the_kv_and_experts_of_one_prompt_at_a_time(pair):
+    """The engine's batched prefill (`prefill_rows`, several text prompts in one forward): the logits, K/V and
+    routed experts of prompts prefilled one at a time, a prefix extension among them."""
+    _, ours = pair
+    cfg, page, pages, t = ours.cfg, 8, 12, 16
+    rng = np.random.default_rng(5)
+    ids = [rng.integers(10, 200, size=n).astype(np.int32) for n in (5, 11, 16, 20)]
+    tables = np.asarray([[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]], np.int32)
+    starts, lengths = np.asarray([0, 0, 0, 8], np.int32), np.asarray([5, 11, 16, 12], np.int32)
+    tokens, positions = np.zeros((4, t), np.int32), np.zeros((3, 4, t), np.int32)
+    for r, row in enumerate(ids):
+        tokens[r, :lengths[r]] = row[starts[r]:]
+        positions[:, r] = starts[r] + np.arange(t)
+    one, rows = nnx.jit(moe_engine.prefill), nnx.jit(moe_engine.prefill_rows)
+    # The fourth prompt's first 8 tokens are in its first page already (a reused prefix).
+    prefix = np.zeros((1, t), np.int32)
+    prefix[0, :8] = ids[3][:8]
+    start = moe_engine.init_cache(cfg, pages, page, 4, jnp.float32)
+    start, _ = one(ours, start, jnp.int32(0), jnp.asarray(tables[3]), jnp.int32(0), jnp.asarray(prefix),
+                   jnp.asarray(np.broadcast_to(np.arange(t, dtype=np.int32), (3, 1, t))), jnp.int32(8), None)
+    alone, logits_alone = start, []
+    for r in range(4):
+        alone, lg = one(ours, alone, jnp.int32(r), jnp.asarray(tables[r]), jnp.int32(starts[r]), jnp.asarray(tokens[r:r + 1]),
+                        jnp.asarray(positions[:, r:r + 1]), jnp.int32(lengths[r]), None)
+        logits_alone.append(np.asarray(lg))
+    together, logits = rows(ours, start, jnp.asarray(tables), jnp.asarray(starts), jnp.asarray(tokens),
+                            jnp.asarray(positions), jnp.asarray(lengths), None)
+    np.testing.assert_allclose(np.asarray(logits), np.stack(logits_alone), atol=TOL, rtol=0)
+    for part in ("k", "v"):
+        np.testing.assert_allclose(np.asarray(getattr(together, part)), np.asarray(getattr(alone, part)), atol=TOL, rtol=0)
+    np.testing.assert_array_equal(np.asarray(together.experts), np.asarray(alone.experts))
+    recorded = np.asarray(together.experts)[tables[3, 1], :4][:, list(cfg.text.sparse_layers)]
+    assert (recorded >= 0).all()  # the extension's experts, in its sparse layers
 
 
 def test_a_checkpoint_in_the_released_expert_layout_imports_as_transformers_reads_it(pair, tmp_path):

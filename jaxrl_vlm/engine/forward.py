@@ -53,6 +53,28 @@ def prefill(
     return family_model(model.cfg).prefill(model, cache, slot, table_p, start, tokens_1t, positions_31t, length, vision)
 
 
+def prefills_rows(cfg: Any) -> bool:
+    """Whether `cfg`'s family prefills several prompts in one forward (`prefill_rows`)."""
+    return family_model(cfg).prefill_rows is not None
+
+
+def prefill_rows(
+    model: PolicyModel,
+    cache: DecodeCache,
+    tables_rp: jax.Array,
+    starts_r: jax.Array,
+    tokens_rt: jax.Array,
+    positions_3rt: jax.Array,
+    lengths_r: jax.Array,
+) -> tuple[DecodeCache, jax.Array]:
+    """Text prompt tokens of R requests side by side (none reading what another writes) into the cache; returns the
+    cache and the fp32 logits [R, V] at each one's last real token. Shapes and padding: `paged_kv.prefill_rows`."""
+    rows = family_model(model.cfg).prefill_rows
+    if rows is None:
+        raise ValueError(f"{type(model.cfg).__name__}: this family prefills one request at a time")
+    return rows(model, cache, tables_rp, starts_r, tokens_rt, positions_3rt, lengths_r, None)
+
+
 def decode(
     model: PolicyModel,
     cache: DecodeCache,

@@ -85,6 +85,15 @@ class EngineOptions:
         choices=ATTENTION_IMPLS, key="attention_impl")
     seed: int = option_of(RolloutOptions, "rollout_seed", "Draws the seed of requests that carry no sampling_seed.")
     max_prefills_per_step: int = opt(64, "Admissions between two decode steps.", ge=1)
+    prefill_batch_tokens: int | None = opt(
+        None, "Text prompts of a short prompt bucket prefill side by side in one forward, this many tokens at once "
+        "(rows of a T-token bucket go this // T at a time, padded: a group's samples, a turn's observations). On an "
+        "accelerator a forward of fewer tokens than about its flops per byte of memory bandwidth reads the weights "
+        "more than it computes, so one forward of several short prompts costs about one of them, where a forward per "
+        "prompt reads the weights once per prompt. 0: one prompt per forward. None: 256 on a GPU or TPU (about "
+        "where their forwards turn compute-bound), 0 on a CPU (which computes every padding row). Families with "
+        "recurrent state (Qwen3.5) always prefill one prompt at a time.", ge=0,
+        key="engine_prefill_batch_tokens")
     page_size: int = opt(16, "Tokens per KV-cache page (SGLang's page_size); a shared prefix shares its whole pages "
                          "and copies its partly shared last page.", ge=1, key="engine_page_size")
     max_total_tokens: int | None = opt(

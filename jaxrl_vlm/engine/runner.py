@@ -217,9 +217,10 @@ class ModelRunner:
         vocab = self.vocab_size
 
         def prefill_program(leaves, cache, bias, n, slots, tables, starts, tokens, positions, lengths, copies,
-                            bias_ids, bias_vals, ints, floats, vision):
-            # Rows [0, n) of R: each copies its shared page (src == dst: none), then prefills into the cache, in
-            # row order (a later row may reuse pages an earlier one wrote); rows past n are never run.
+                            bias_ids, bias_vals, ints, floats, vision, *, group):
+            # Groups [0, n) of `group` rows of R, in order (a later group may reuse pages an earlier one wrote): each
+            # row copies its shared page (src == dst: none), then the group's rows prefill side by side (one row:
+            # `forward.prefill`; several: `forward.prefill_rows`, text only); groups past n are never run.
             model = nnx.merge(graphdef, jax.tree.unflatten(self._param_def, leaves))
             rows = slots.shape[0]
 
@@ -231,8 +232,23 @@ class ModelRunner:
                                                         positions[i], lengths[i], vision)
                 return cache, logits.at[i].set(row_logits.astype(jnp.float32))
 
+            def side_by_side(g, carry):
+                cache, logits = carry
+                lo = g * group
+                for j in range(group):
+                    cache = cache.copy_page(copies[0, lo + j], copies[1, lo + j])
+                part = functools.partial(jax.lax.dynamic_slice_in_dim, start_index=lo, slice_size=group)
+                with activation_sharding(layout):
+                    cache, rows_logits = forward.prefill_rows(
+                        model, cache, part(tables), part(starts), part(tokens)[:, 0],
+                        jnp.moveaxis(part(positions)[:, :, 0], 0, 1), part(lengths))
+                return cache, jax.lax.dynamic_update_slice_in_dim(logits, rows_logits.astype(jnp.float32), lo, 0)
+
             carry = (cache, jnp.zeros((rows, vocab), jnp.float32))
-            cache, logits = one(0, carry) if vision is not None else jax.lax.fori_loop(0, n, one, carry)
+            if vision is not None:
+                cache, logits = one(0, carry)
+            else:
+                cache, logits = jax.lax.fori_loop(0, n, one if group == 1 else side_by_side, carry)
             bias_rows = jnp.zeros((rows, vocab), jnp.float32).at[jnp.arange(rows)[:, None], bias_ids].add(
                 bias_vals, mode="drop")
             bias = bias.at[slots].set(bias_rows, mode="drop")  # padding rows name slot max_batch: dropped
@@ -260,8 +276,13 @@ class ModelRunner:
 
         self._score = jax.jit(score_program, static_argnames=("temperature",), out_shardings=replicated)
         # Explicit output shardings: the cache and bias stay where they live, step after step (no resharding).
-        self._prefill = jax.jit(prefill_program, donate_argnames=("cache", "bias"),
+        self._prefill = jax.jit(prefill_program, donate_argnames=("cache", "bias"), static_argnames=("group",),
                                 out_shardings=(cache_sh, replicated, replicated, replicated))
+        # Tokens of text prompts a prefill runs side by side (`prefill_batch_tokens`; None: by the devices' kind).
+        batch_tokens = config.prefill_batch_tokens
+        if batch_tokens is None:
+            batch_tokens = 256 if self.placement.devices[0].platform in ("gpu", "tpu") else 0
+        self.prefill_batch_tokens = batch_tokens if forward.prefills_rows(model.cfg) and not self.stateful else 0
         self._decode = jax.jit(decode_program, static_argnames=("filtered",), donate_argnames=("cache",),
                                out_shardings=(cache_sh, replicated, replicated))
         self._replicated = replicated
@@ -358,6 +379,11 @@ class ModelRunner:
         most max_batch and max_prefills_per_step (a function of the bucket alone: no program per admission count)."""
         return max(1, min(self.config.max_batch, self.config.max_prefills_per_step, PREFILL_CALL_TOKENS // prompt_bucket))
 
+    def prefill_group(self, prompt_bucket: int) -> int:
+        """Rows of a text prefill of `prompt_bucket` tokens that run side by side in one forward: prefill_batch_tokens
+        // bucket, at most a call's rows (`prefill_rows_per_call`), at least 1."""
+        return max(1, min(self.prefill_rows_per_call(prompt_bucket), self.prefill_batch_tokens // prompt_bucket))
+
     def prefill(
         self,
         slot: int,
@@ -439,18 +465,49 @@ class ModelRunner:
         i = 0
         while i < len(prepared):
             key = prepared[i].key
-            cap = 1 if key[2] is not None else self.prefill_rows_per_call(key[0])
+            if key[2] is not None:  # a prompt with images runs alone
+                out.extend(self._prefill_call([prepared[i]], 1, 1))
+                i += 1
+                continue
+            cap, group = self.prefill_rows_per_call(key[0]), self.prefill_group(key[0])
             j = i + 1
-            while j < len(prepared) and j - i < cap and prepared[j].key == key:
+            while j < len(prepared) and prepared[j].key == key:
                 j += 1
-            out.extend(self._prefill_call(prepared[i:j], 1 if key[2] is not None else cap))
+            layout = self._side_by_side(prepared[i:j], group)
+            width = cap - cap % group
+            for lo in range(0, len(layout), width):
+                out.extend(self._prefill_call(layout[lo: lo + width], width, group))
             i = j
         return out
 
-    def _prefill_call(self, rows: Sequence[_PreparedPrefill], width: int) -> list[tuple[int, float]]:
-        """One call of the prefill program of `rows`' buckets, padded to `width` rows."""
+    def _side_by_side(self, rows: Sequence[_PreparedPrefill], group: int) -> list[_PreparedPrefill | None]:
+        """`rows` in order, laid out in groups of `group` that run side by side; a row that reads a page another row
+        of its group writes (a group's samples after the prompt that the first one prefills) starts the next group,
+        the slots it leaves are padding (None). One row per group: `rows` as they are."""
+        if group == 1:
+            return list(rows)
+        ps, none = self.config.page_size, self.config.num_pages
+        layout: list[_PreparedPrefill | None] = []
+        written: set[int] = set()
+        for p in rows:
+            start, end = p.row.start, p.row.start + p.key[0]  # padding tokens write too, into the row's own pages
+            reads = set(p.table[: -(-start // ps)].tolist()) | ({p.row.copy[0]} if p.row.copy is not None else set())
+            if len(layout) % group and reads & written:
+                layout += [None] * (group - len(layout) % group)
+            if len(layout) % group == 0:
+                written = set()
+            layout.append(p)
+            written |= set(p.table[start // ps: -(-end // ps)].tolist()) - {none}
+        return layout + [None] * (-len(layout) % group)
+
+    def _prefill_call(self, layout: Sequence[_PreparedPrefill | None], width: int,
+                      group: int) -> list[tuple[int, float]]:
+        """One call of the prefill program of the rows' buckets (`layout`: rows and padding, None, in groups of
+        `group`), padded to `width` rows; the (token, log-prob) of each row, in order."""
+        rows = [p for p in layout if p is not None]
+        where = [r for r, p in enumerate(layout) if p is not None]
         t, kv_len, patch_bucket = rows[0].key
-        n = len(rows)
+        n = len(rows) if group == 1 else -(-len(layout) // group)  # the program's loop: rows, or groups of rows
         slots = np.full((width,), self.config.max_batch, np.int32)  # padding rows: bias writes dropped
         tables = np.full((width, self._table_width(kv_len)), self.config.num_pages, np.int32)
         starts = np.zeros((width,), np.int32)
@@ -466,7 +523,7 @@ class ModelRunner:
         bias_vals = np.zeros((width, k), np.float32)
         ints = np.zeros((len(IntRow), width), np.int32)
         floats = np.zeros((len(FloatRow), width), np.float32)
-        for r, p in enumerate(rows):
+        for r, p in zip(where, rows):
             slots[r] = p.row.slot
             tables[r] = p.table
             starts[r] = p.row.start
@@ -484,15 +541,15 @@ class ModelRunner:
         for p in rows:
             kind = ("prefill", t, patch_bucket) if p.row.start == 0 else ("extend", t, kv_len, patch_bucket)
             self.program_calls[kind] += 1
-        self.programs.add(("prefill", width, t, kv_len, patch_bucket, k))
+        self.programs.add(("prefill", width, t, kv_len, patch_bucket, k, group))
         started = time.perf_counter()
         with exclusive(self.placement.devices):  # device_lock: a trainer sharing these devices waits meanwhile
             self.cache, self.bias, ids, lps = self._prefill(
                 self._param_leaves, self.cache, self.bias, np.int32(n), slots, tables, starts, tokens, positions,
-                lengths, copies, bias_ids, bias_vals, ints, floats, vision)
+                lengths, copies, bias_ids, bias_vals, ints, floats, vision, group=group)
             ids, lps = jax.device_get((ids, lps))
         self.prefill_program_s += time.perf_counter() - started
-        return [(int(ids[r]), float(lps[r])) for r in range(n)]
+        return [(int(ids[r]), float(lps[r])) for r in where]
 
     def score(self, input_ids: np.ndarray, positions: np.ndarray, pixel_values: np.ndarray | None,
               image_grid_thw: np.ndarray | None, temperature: float, *, clips: ClipInputs | None = None) -> np.ndarray:

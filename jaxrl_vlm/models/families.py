@@ -105,6 +105,14 @@ class Prefill(Protocol):
         ...
 
 
+class PrefillRows(Protocol):
+    def __call__(self, model: PolicyModel, cache: C, tables_rp: Any, starts_r: Any, tokens_rt: Any,
+                 positions_3rt: Any, lengths_r: Any, vision: Any) -> tuple[C, Any]:
+        """`Prefill` of R requests side by side (none reading what another writes); returns the cache and fp32
+        logits [R, V] (see `paged_kv.prefill_rows`)."""
+        ...
+
+
 class Decode(Protocol):
     def __call__(self, model: PolicyModel, cache: C, slots_b: Any, tables_bp: Any, tokens_b: Any, lengths_b: Any,
                  rope_deltas_b: Any) -> tuple[C, Any]:
@@ -123,6 +131,9 @@ class FamilyModel:
     stored_tensor_name: the name an exported tensor gets on disk (transformers 5's names by default; a family
       that transformers still saves under older names maps them, as Qwen2.5-VL does).
     init_cache / prefill / decode: the engine's functions (see the protocols above).
+    prefill_rows: several prompts in one forward (the engine batches short ones, whose prefill reads the weights
+      more than it computes); None for a family whose prefill moves per-request state (a recurrent layer's), which
+      the engine prefills one request at a time.
     init_std: (path, shape, cfg) -> std of the tiny model's scaled init (`tiny.py`), or None to keep the
       constructor's value, for the family's parameters whose names the generic rule does not know (it covers
       norms, biases, embeddings and einsum-named `*_kernel_*` matrices).
@@ -139,6 +150,7 @@ class FamilyModel:
     stored_tensor_name: Callable[[str], str] = lambda key: key
     init_std: Callable[[tuple[Any, ...], tuple[int, ...], Any], float | None] | None = None
     ignored_checkpoint_keys: tuple[str, ...] = ()
+    prefill_rows: PrefillRows | None = None
 
 
 @dataclass(frozen=True)

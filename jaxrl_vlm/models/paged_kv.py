@@ -179,54 +179,69 @@ def prefill(
     length: jax.Array,
     vision: Any,
 ) -> tuple[KVCache, jax.Array]:
-    """`prefill_routed` without the expert ids."""
-    return prefill_routed(model, cache, slot, table_p, start, tokens_1t, positions_31t, length, vision)[:2]
+    """`prefill_rows` of one request: the fp32 logits [V] at its last real token."""
+    cache, logits, _ = prefill_rows_routed(model, cache, table_p[None], start[None], tokens_1t, positions_31t,
+                                           length[None], vision)
+    return cache, logits[0]
 
 
-def prefill_routed(
+def prefill_rows(
     model: VisionLanguageDecoder,
     cache: KVCache,
-    slot: jax.Array,
-    table_p: jax.Array,
-    start: jax.Array,
-    tokens_1t: jax.Array,
-    positions_31t: jax.Array,
-    length: jax.Array,
+    tables_rp: jax.Array,
+    starts_r: jax.Array,
+    tokens_rt: jax.Array,
+    positions_3rt: jax.Array,
+    lengths_r: jax.Array,
+    vision: Any,
+) -> tuple[KVCache, jax.Array]:
+    """`prefill_rows_routed` without the expert ids."""
+    return prefill_rows_routed(model, cache, tables_rp, starts_r, tokens_rt, positions_3rt, lengths_r, vision)[:2]
+
+
+def prefill_rows_routed(
+    model: VisionLanguageDecoder,
+    cache: KVCache,
+    tables_rp: jax.Array,
+    starts_r: jax.Array,
+    tokens_rt: jax.Array,
+    positions_3rt: jax.Array,
+    lengths_r: jax.Array,
     vision: Any,
 ) -> tuple[KVCache, jax.Array, list[jax.Array]]:
-    """Run prompt tokens [start, start + T) (padded to a bucket of T) and store their K/V at those
-    positions of the request whose page table is `table_p` int32 [P] (padded with num_pages; its
-    width bounds the attended cache: start + length <= P * page_size); they attend to its cached
-    K/V [0, start) and causally to each other.
+    """Run the prompt tokens [start, start + T) of R requests at once (each padded to a bucket of T) and store their
+    K/V at those positions of each row's page table `tables_rp` int32 [R, P] (padded with num_pages; its width
+    bounds the attended cache: start + length <= P * page_size); each row attends to its own cached K/V [0, start)
+    and causally to its own new tokens. The rows must not read what another row of the same call writes (a prefix
+    one of them is computing): they run side by side, not in order.
 
-    `slot` (the request's running slot) is unused: full attention keeps no per-request state outside the pages.
-    start = 0 is a plain prefill; start > 0 extends a reused prefix (the prefix cache), so only the
-    new suffix is computed. tokens_1t int32 [1, T] (image pads expanded; padding after `length`),
-    positions_31t int32 [3, 1, T] (the full prompt's M-RoPE ids, sliced), length int32 scalar (real
-    tokens in tokens_1t), vision: the images inside these T tokens only (its `image_token_index`
-    indexes the flattened [1 * T] tokens) or None.
-    Returns the updated cache, the fp32 logits [V] at the last real token and each routed MoE layer's top-k
-    expert ids [1, T, k] (`_decoder`).
+    start = 0 is a plain prefill; start > 0 extends a reused prefix (the prefix cache), so only the new suffix is
+    computed. tokens_rt int32 [R, T] (image pads expanded; padding after each row's length), positions_3rt int32
+    [3, R, T] (each full prompt's M-RoPE ids, sliced), lengths_r int32 [R] (real tokens per row, >= 1), vision:
+    the images inside these tokens only (its `image_token_index` indexes the flattened [R * T] tokens) or None.
+    Returns the updated cache, the fp32 logits [R, V] at each row's last real token and each routed MoE layer's
+    top-k expert ids [R, T, k] (`_decoder`).
 
-    Padding tokens write K/V beyond start + length, into the request's own last page or nowhere (a
-    table entry of num_pages); decode overwrites position start + length before it is ever attended
-    to and masks everything after it, so that garbage is never read.
+    Padding tokens write K/V beyond start + length, into the row's own last page or nowhere (a table entry of
+    num_pages); decode overwrites position start + length before it is ever attended to and masks everything after
+    it, so that garbage is never read. A padding row (a table of num_pages only) writes nothing.
     """
-    _, t = tokens_1t.shape
+    _, t = tokens_rt.shape
     num_pages, page_size = cache.k.shape[1], cache.k.shape[2]
-    x, deepstack, image_slots = model.embed_inputs(tokens_1t, vision)
-    cos, sin = mrope_cos_sin(positions_31t, model.cfg, model.compute_dtype)
-    span = table_p.shape[0] * page_size
-    mask = (jnp.arange(span)[None, :] <= (start + jnp.arange(t))[:, None])[None]  # [1, T, P * page_size]
-    page_t, row_t = page_slots(table_p, start + jnp.arange(t), page_size, num_pages)
+    x, deepstack, image_slots = model.embed_inputs(tokens_rt, vision)
+    cos, sin = mrope_cos_sin(positions_3rt, model.cfg, model.compute_dtype)
+    span = tables_rp.shape[1] * page_size
+    positions_rt = starts_r[:, None] + jnp.arange(t)[None, :]
+    mask = jnp.arange(span)[None, None, :] <= positions_rt[:, :, None]  # [R, T, P * page_size]
+    page_rt, row_rt = page_slots(tables_rp, positions_rt, page_size, num_pages)
 
     def write(part: jax.Array, i: int, new: jax.Array) -> jax.Array:
-        return part.at[i, page_t, row_t].set(new[0], mode="drop")
+        return part.at[i, page_rt, row_rt].set(new, mode="drop")
 
-    attend = gather_attention(mask, table_p[None])
+    attend = gather_attention(mask, tables_rp)
     cache, hidden, routed = _decoder(model, cache, x, cos, sin, write, attend, deepstack, image_slots)
-    last = jax.lax.dynamic_slice_in_dim(hidden[0], length - 1, 1, axis=0)
-    return cache, _logits(model, last)[0], routed
+    last = jnp.take_along_axis(hidden, (lengths_r - 1)[:, None, None], axis=1)[:, 0]  # [R, D]
+    return cache, _logits(model, last), routed
 
 
 def decode(

@@ -192,5 +192,6 @@ FAMILY_MODEL = FamilyModel(
     init_cache=paged_kv.init_cache,
     prefill=paged_kv.prefill,
     decode=paged_kv.decode,
+    prefill_rows=paged_kv.prefill_rows,
     stored_tensor_name=stored_tensor_name,
 )

@@ -61,4 +61,5 @@ FAMILY_MODEL = FamilyModel(
     init_cache=paged_kv.init_cache,
     prefill=paged_kv.prefill,
     decode=paged_kv.decode,
+    prefill_rows=paged_kv.prefill_rows,
 )

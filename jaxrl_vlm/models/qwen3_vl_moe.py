@@ -260,12 +260,20 @@ def _store(cache: MoeKVCache, kv: paged_kv.KVCache, routed: list[jax.Array], spa
 
 def prefill(model: Qwen3VLMoe, cache: MoeKVCache, slot: jax.Array, table_p: jax.Array, start: jax.Array,
             tokens_1t: jax.Array, positions_31t: jax.Array, length: jax.Array, vision: Any) -> tuple[MoeKVCache, jax.Array]:
-    """`paged_kv.prefill`, recording each prompt position's experts next to its K/V."""
-    kv, logits, routed = paged_kv.prefill_routed(model, paged_kv.KVCache(cache.k, cache.v), slot, table_p, start,
-                                                 tokens_1t, positions_31t, length, vision)
-    t = tokens_1t.shape[1]
-    page, row = paged_kv.page_slots(table_p, start + jnp.arange(t), cache.page_size, cache.num_pages)
-    return _store(cache, kv, routed, model.cfg.text.sparse_layers, page, row), logits
+    """`prefill_rows` of one request."""
+    cache, logits = prefill_rows(model, cache, table_p[None], start[None], tokens_1t, positions_31t, length[None], vision)
+    return cache, logits[0]
+
+
+def prefill_rows(model: Qwen3VLMoe, cache: MoeKVCache, tables_rp: jax.Array, starts_r: jax.Array, tokens_rt: jax.Array,
+                 positions_3rt: jax.Array, lengths_r: jax.Array, vision: Any) -> tuple[MoeKVCache, jax.Array]:
+    """`paged_kv.prefill_rows`, recording each prompt position's experts next to its K/V."""
+    kv, logits, routed = paged_kv.prefill_rows_routed(model, paged_kv.KVCache(cache.k, cache.v), tables_rp, starts_r,
+                                                      tokens_rt, positions_3rt, lengths_r, vision)
+    t = tokens_rt.shape[1]
+    page, row = paged_kv.page_slots(tables_rp, starts_r[:, None] + jnp.arange(t)[None, :], cache.page_size,
+                                    cache.num_pages)
+    return _store(cache, kv, routed, model.cfg.text.sparse_layers, page.reshape(-1), row.reshape(-1)), logits
 
 
 def decode(model: Qwen3VLMoe, cache: MoeKVCache, slots_b: jax.Array, tables_bp: jax.Array, tokens_b: jax.Array,
@@ -284,4 +292,5 @@ FAMILY_MODEL = FamilyModel(
     prefill=prefill,
     decode=decode,
     init_std=init_std,
+    prefill_rows=prefill_rows,
 )
