@@ -51,7 +51,8 @@ Prefill case (`--cases prefill`): short text prompts prefilled one per forward (
 side (`engine_prefill_batch_tokens`, a GPU's and TPU's default; here R x the bucket, so that the R prompts share one
 forward), on the model runner directly: R prompts of one `--prefill-bucket` at a time, each runner with its own
 cache, timed in alternation (median of `--repeats` x 5 calls
-each, after a warm-up), for R in `--prefill-rows`; the ratio and the largest log-prob difference between the two.
+each, after a warm-up), for R in `--prefill-rows`; the ratio, the largest log-prob difference between the two, and
+the time of the R prompts in a forward of the largest R rows (padding rows, as a partly filled group runs).
 
 Group case (issue 18 (a)): one GRPO group of n samples (seeded, temperature 1) of a ~1,000-token
 prompt with an image, arriving together, on an engine with the radix cache and one without: prompt
@@ -590,8 +591,8 @@ def bench_overlap(model_dir: Path, prompt: list[int], new_tokens: int, concurren
 
 def bench_prefill(model_dir: Path, bucket: int, row_counts: list[int], repeats: int) -> dict[str, Any]:
     """R text prompts of `bucket` tokens (bucket - 3 real ones each, pages of their own) prefilled one per forward
-    against side by side (all R in one forward: `prefill_batch_tokens` R x bucket), two runners of one model,
-    alternated."""
+    against side by side (all R in one forward: `prefill_batch_tokens` R x bucket) and in a forward of the largest R
+    rows (padded, as a partly filled group runs), three runners of one model, alternated."""
     import statistics
 
     import numpy as np
@@ -604,6 +605,7 @@ def bench_prefill(model_dir: Path, bucket: int, row_counts: list[int], repeats: 
     base = EngineOptions(max_batch=max(row_counts), max_seq_len=2 * bucket, min_prefill_bucket=bucket,
                          min_kv_bucket=2 * bucket)
     one = ModelRunner(model, dataclasses.replace(base, prefill_batch_tokens=0), ())
+    widest = ModelRunner(model, dataclasses.replace(base, prefill_batch_tokens=max(row_counts) * bucket), ())
     rng = np.random.default_rng(0)
     ints, floats = np.zeros((len(IntRow),), np.int32), np.zeros((len(FloatRow),), np.float32)
     ints[IntRow.TOP_K], floats[FloatRow.TOP_P] = -1, 1.0
@@ -614,7 +616,8 @@ def bench_prefill(model_dir: Path, bucket: int, row_counts: list[int], repeats: 
                            rng.integers(0, 200, size=bucket - 3).astype(np.int32),
                            np.broadcast_to(np.arange(bucket - 3, dtype=np.int32), (3, bucket - 3)), None, None,
                            ints, floats) for r in range(n)]
-        runners = {"one": one, "side": ModelRunner(model, dataclasses.replace(base, prefill_batch_tokens=n * bucket), ())}
+        runners = {"one": one, "side": ModelRunner(model, dataclasses.replace(base, prefill_batch_tokens=n * bucket), ()),
+                   "padded": widest}
         seconds: dict[str, list[float]] = {name: [] for name in runners}
         logprobs = {}
         for name, runner in runners.items():  # warm-up: compiles
@@ -624,8 +627,9 @@ def bench_prefill(model_dir: Path, bucket: int, row_counts: list[int], repeats: 
                 start = time.perf_counter()
                 runner.prefill_rows([runner.prepare_prefill(r) for r in rows])
                 seconds[name].append(time.perf_counter() - start)
-        one_s, side_s = (statistics.median(seconds[k]) for k in ("one", "side"))
+        one_s, side_s, padded_s = (statistics.median(seconds[k]) for k in ("one", "side", "padded"))
         out["rows"].append({"rows": n, "one_ms": 1e3 * one_s, "side_ms": 1e3 * side_s, "ratio": one_s / side_s,
+                            "padded_ms": 1e3 * padded_s,
                             "max_logprob_diff": float(np.max(np.abs(np.subtract(logprobs["one"], logprobs["side"]))))})
     out["load_after"] = _load()
     return out
@@ -929,9 +933,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nprefill: text prompts of the {pf['bucket']}-token bucket, one per forward against side by side "
               f"(median of {ns.repeats * 5} calls each, alternated)")
         print(f"machine: {pf['load_before']} before, {pf['load_after']} after")
-        print(f"{'prompts':>8} {'one per forward ms':>19} {'side by side ms':>16} {'ratio':>6} {'max |dlogprob|':>15}")
+        widest = max(r["rows"] for r in pf["rows"])
+        print(f"{'prompts':>8} {'one per forward ms':>19} {'side by side ms':>16} {'ratio':>6} "
+              f"{f'padded to {widest} rows ms':>22} {'max |dlogprob|':>15}")
         for r in pf["rows"]:
-            print(f"{r['rows']:>8} {r['one_ms']:>19.2f} {r['side_ms']:>16.2f} {r['ratio']:>5.2f}x {r['max_logprob_diff']:>15.1e}")
+            print(f"{r['rows']:>8} {r['one_ms']:>19.2f} {r['side_ms']:>16.2f} {r['ratio']:>5.2f}x {r['padded_ms']:>22.2f} "
+                  f"{r['max_logprob_diff']:>15.1e}")
         print("RATIO one per forward / side by side: " + " ".join(f"{r['ratio']:.2f}" for r in pf["rows"]))
     if "peer" in ns.cases:
         peer = out["peer"]
