@@ -70,6 +70,17 @@ def _kv(runner: ModelRunner, pages: list[int], n: int) -> tuple[np.ndarray, np.n
     return flat(k), flat(v)
 
 
+@pytest.fixture(scope="module")
+def one_call_each(tiny_hf_checkpoint: Path):
+    """(model, config, the runner that prefilled `_rows` one call each, its (token, log-prob) per row): the
+    reference of every way of prefilling them together."""
+    config = EngineOptions(max_batch=8, max_seq_len=MAX_SEQ, min_prefill_bucket=32, min_kv_bucket=MAX_SEQ,
+                           page_size=PAGE, prefill_batch_tokens=0)
+    model = from_hf(str(tiny_hf_checkpoint))
+    alone = ModelRunner(model, config, ())
+    return model, config, alone, [alone.prefill_rows([alone.prepare_prefill(r)])[0] for r in _rows(alone.vocab_size)]
+
+
 @pytest.mark.parametrize("batch_tokens, want_calls", [
     # One row at a time (a CPU's default): the 40-token prompt runs alone; the next rows, one prompt bucket (32
     # tokens; the extension computes 9), share a call that loops over its 5 rows.
@@ -78,13 +89,10 @@ def _kv(runner: ModelRunner, pages: list[int], n: int) -> tuple[np.ndarray, np.n
     # start a second; the extension reads pages the fourth writes, so it starts a third group (the next call).
     (96, [(1, 1), (2, 3), (1, 3)]),
 ])
-def test_prompts_prefilled_in_one_call_equal_one_call_each(tiny_hf_checkpoint: Path, batch_tokens: int,
+def test_prompts_prefilled_in_one_call_equal_one_call_each(one_call_each, batch_tokens: int,
                                                            want_calls: list[tuple[int, int]]):
-    config = EngineOptions(max_batch=8, max_seq_len=MAX_SEQ, min_prefill_bucket=32, min_kv_bucket=MAX_SEQ,
-                           page_size=PAGE, prefill_batch_tokens=batch_tokens)
-    model = from_hf(str(tiny_hf_checkpoint))
-    together = ModelRunner(model, config, ())
-    alone = ModelRunner(model, dataclasses.replace(config, prefill_batch_tokens=0), ())
+    model, config, alone, single = one_call_each
+    together = ModelRunner(model, dataclasses.replace(config, prefill_batch_tokens=batch_tokens), ())
     rows = _rows(together.vocab_size)
     calls: list[tuple[int, int]] = []
     program = together._prefill
@@ -95,7 +103,6 @@ def test_prompts_prefilled_in_one_call_equal_one_call_each(tiny_hf_checkpoint: P
 
     together._prefill = counted
     batched = together.prefill_rows([together.prepare_prefill(r) for r in rows])
-    single = [alone.prefill_rows([alone.prepare_prefill(r)])[0] for r in rows]
 
     assert calls == want_calls
     assert [t for t, _ in batched] == [t for t, _ in single]
