@@ -13,8 +13,8 @@ full collection frees what died meanwhile (an engine that stopped must not keep 
 a process that goes on, such as a test worker or a trainer that restarts its engine). Freezing itself is cheap
 (the collector's lists are spliced, nothing is walked), so a holder freezes again whenever warm-up has created
 more long-lived objects (`/freeze_gc`). A train job holds a freeze for its run and freezes again after its first
-step (the run option `freeze_gc`): in the colocated demo run the full collections during training fell from
-80-110 ms to 12-24 ms (docs/benchmarks.md).
+step (the run option `freeze_gc`): in the README's demo run (engine and trainer in one process) the median full
+collection after the first step fell from 98-116 ms to 7-16 ms (scripts/bench_gc_pauses.py, docs/benchmarks.md).
 """
 
 from __future__ import annotations
