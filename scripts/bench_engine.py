@@ -33,8 +33,10 @@ Reported: median, min-max and spread (max / min) of the repeats per side, the ra
 single rounds; for the embedded engine also the host's share of its decode steps (the part outside dispatching and
 waiting for the decode program: with the overlapped decode, the host work the device's step did not hide), the
 share of steps dispatched overlapped, ms per decode step, the compilations during the timed repeats (jax's compile
-events; any is a defect) and the garbage collector's pauses in them; and the machine's own spread: fixed Python
-work as long as a repeat, timed after each A/B pair (a floor under both sides' spreads). After
+events; any is a defect), the garbage collector's pauses in them, and per repeat the time inside the decode program
+per step (its spread is the device's, here the CPU's) and the decode steps per round (the schedule's work); and
+the machine's own spread: fixed Python work as long as a repeat, timed after each A/B pair (a floor under both
+sides' spreads). After
 its warm-up round the embedded engine (and an SGLang peer) freezes its heap (`/freeze_gc`; vLLM freezes its own once
 started). Then the prompt tokens prefilled (prompt - cached) for one GRPO group of `--group-size` on one
 image prompt. `--launch-vllm PYTHON` starts the vLLM server itself (vLLM's interpreter, e.g. .venv-vllm/bin/python;
@@ -520,6 +522,8 @@ def bench_peer(model_dir: Path, encoder: Any, peer_url: str, prompt: list[int], 
             runs: dict[str, list[float]] = {name: [] for name in urls}
             rounds: dict[str, list[float]] = {name: [] for name in urls}
             fixed: list[float] = []  # the machine's noise: fixed work, timed after each A/B pair
+            program_ms: list[float] = []  # per embedded repeat: ms per decode step in the program (dispatch + wait)
+            steps_per_round: list[float] = []  # per embedded repeat: decode steps per round (the schedule's work)
             programs, compiled = runner.num_programs, compiles.count
             steps, step_s, program_s = sched.timing.decode_steps, sched.timing.decode_s, runner.decode_program_s
             overlapped = sched.stats.overlapped_steps
@@ -528,15 +532,21 @@ def bench_peer(model_dir: Path, encoder: Any, peer_url: str, prompt: list[int], 
                     for name in (list(urls) if r % 2 == 0 else list(urls)[::-1]):
                         url, kind = urls[name]
                         time.sleep(settle_seconds)
+                        before = (sched.timing.decode_steps, runner.decode_program_s)
                         tok_s, each = asyncio.run(_repeat(url, prompt, c, new_tokens, kind, repeat_seconds))
                         runs[name].append(tok_s)
                         rounds[name].extend(each)
+                        if name == "embedded":  # the device's time per decode step in this repeat
+                            n = sched.timing.decode_steps - before[0]
+                            program_ms.append(1e3 * (runner.decode_program_s - before[1]) / max(1, n))
+                            steps_per_round.append(n / len(each))
                     time.sleep(settle_seconds)
                     fixed.append(1.0 / _fixed_work_seconds(loops))
             steps = sched.timing.decode_steps - steps
             step_s, program_s = sched.timing.decode_s - step_s, runner.decode_program_s - program_s
             overlapped = (sched.stats.overlapped_steps - overlapped) / max(1, steps)
             row = {"concurrency": c, **{name: _spread(v) for name, v in runs.items()}, "machine": _spread(fixed),
+                   "program_ms_per_step": _spread(program_ms), "steps_per_round": _spread(steps_per_round),
                    "overlapped_share": overlapped,
                    "rounds": {name: _spread(v) for name, v in rounds.items()},
                    "host_share": 1.0 - program_s / step_s, "ms_per_decode_step": 1e3 * step_s / max(1, steps),
@@ -949,18 +959,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"machine: {peer['load_before']} before, {peer['load_after']} after")
         print(f"{'concurrent':>10} {'embedded tok/s: median (min-max) spread':>42} {'peer tok/s: median (min-max) spread':>38} "
               f"{'ratio':>6} {'host':>5} {'overlap':>7} {'ms/step':>8} {'compiles':>8} {'gc s (max)':>11} {'machine':>8} "
-              f"{'round spreads':>14}")
+              f"{'round spreads':>14} {'program ms/step spread':>23} {'steps/round':>12}")
         for r in peer["decode"]:
             e, v, gc = r["embedded"], r["peer"], r["gc"]
             print(f"{r['concurrency']:>10} {e['median']:>14.0f} ({e['min']:>6.0f}-{e['max']:<6.0f}) {e['spread']:>6.2f}x "
                   f"{v['median']:>12.0f} ({v['min']:>6.0f}-{v['max']:<6.0f}) {v['spread']:>6.2f}x {r['ratio']:>5.2f}x "
                   f"{r['host_share']:>5.0%} {r['overlapped_share']:>7.0%} {r['ms_per_decode_step']:>8.2f} {r['compilations']:>8} "
                   f"{gc['total_s']:>5.3f} ({gc['longest_s']:.3f}) {r['machine']['spread']:>7.2f}x "
-                  f"{r['rounds']['embedded']['spread']:>6.2f}x/{r['rounds']['peer']['spread']:.2f}x")
+                  f"{r['rounds']['embedded']['spread']:>6.2f}x/{r['rounds']['peer']['spread']:.2f}x "
+                  f"{r['program_ms_per_step']['median']:>13.2f} ({r['program_ms_per_step']['spread']:.2f}x) "
+                  f"{r['steps_per_round']['min']:>5.1f}-{r['steps_per_round']['max']:.1f}")
         print("gc s (max): the garbage collector's pauses in this process (the embedded engine's) during the timed "
               "repeats, total and longest; machine: the spread of one fixed piece of Python work as long as a repeat, "
               "timed after each A/B pair (the floor under both sides' spreads); round spreads: the spread of single "
-              "rounds (embedded/peer)")
+              "rounds (embedded/peer); program ms/step: the embedded engine's time inside its decode program per step "
+              "(median over repeats, and its spread), steps/round: its decode steps per round (min-max over repeats), "
+              "the work its schedule did")
         g = peer["group"]
         print(f"GRPO group of {ns.group_size} on one image prompt ({g['embedded']['prompt_tokens']} tokens): prompt tokens "
               f"prefilled, embedded {g['embedded']['prefilled']}, peer {g['peer']['prefilled']} (peer / embedded "
