@@ -7,7 +7,8 @@
   target to the teacher-batch slot that predicts the same token; truncation leaves the cut tokens out.
 - A real Trainer step: each sample rendered again with its privileged text (rollout/privileged.py, the chat
   template), the frozen initial policy's JSD against the student per loss-mask token equals a one-sample-at-a-time
-  forward of both views (no packing), in numpy.
+  forward of both views (no packing), in numpy; with LoRA the teacher is the base and the student the base with its
+  adapters merged.
 - The privileged view's text, its errors, and the config's one-line errors.
 """
 
@@ -152,8 +153,9 @@ def _one_sample_hidden(trainer: Trainer, params, sample) -> tuple[np.ndarray, np
     return np.asarray(hidden[0], np.float64), a.targets[0, 0], a.loss_mask[0, 0]
 
 
+@pytest.mark.parametrize("lora", [False, True])  # LoRA: the teacher is the base, the student base + adapters
 def test_a_trainer_step_distills_from_the_privileged_initial_policy_like_unpacked_forwards(
-        tiny_hf_checkpoint, tmp_path, make_test_image) -> None:
+        tiny_hf_checkpoint, tmp_path, make_test_image, lora: bool) -> None:
     samples = train_samples(tiny_hf_checkpoint, make_test_image)
     enc = ChatEncoder(load_tokenizer(tiny_hf_checkpoint), load_image_processor(tiny_hf_checkpoint))
     view = PrivilegedView("label", "The answer is {privileged}.")
@@ -167,18 +169,25 @@ def test_a_trainer_step_distills_from_the_privileged_initial_policy_like_unpacke
         "--row-buckets", "1,8", "--patch-buckets", "0,64,128", "--logprob-chunk-size", "16", "--mesh-data", "1",
         "--use-opd", "--opd-type", "self", "--opd-only", "--opd-kl-coef", str(COEF), "--opsd-beta", str(BETA),
         "--opsd-jsd-clip", "1.0", "--loss-aggregation", "token_mean", "--output-dir", str(tmp_path),
+        *(["--lora-rank", "4"] if lora else []),
     ])
     trainer = Trainer(cfg, devices=jax.devices()[:1])
     trainer.build_policy(tiny_hf_checkpoint)
-    # The teacher is the initial policy: perturb the student so that the two differ beyond the context.
+    # The teacher is the initial policy: perturb the student so that the two differ beyond the context (with LoRA
+    # the trained state is the adapters, whose B starts at zero: every adapter entry moves).
+    keys = iter(jax.random.split(jax.random.key(3), len(jax.tree.leaves(trainer.state.params))))
+    perturb = ((lambda x: x + 0.3 * jax.random.normal(next(keys), x.shape, x.dtype)) if lora else (lambda x: x * 1.5))
     trainer.state = trainer.state._replace(params=jax.tree.map(
-        lambda x: x * 1.5 if jnp.issubdtype(x.dtype, jnp.floating) else x, trainer.state.params))
+        lambda x: perturb(x) if jnp.issubdtype(x.dtype, jnp.floating) else x, trainer.state.params))
     metrics = trainer.train_on(samples)
-    student_k = np.asarray(nnx.merge(trainer.graphdef, trainer.state.params).lm_head_kernel(), np.float64)
+    student = trainer.policy_params()
+    if lora:  # the reference is the base itself, not a copy of the merged student
+        assert trainer.ref_params is trainer.frozen
+    student_k = np.asarray(nnx.merge(trainer.graphdef, student).lm_head_kernel(), np.float64)
     teacher_k = np.asarray(nnx.merge(trainer.graphdef, trainer.ref_params).lm_head_kernel(), np.float64)
     jsds = []
     for s in samples:
-        h_s, targets, mask = _one_sample_hidden(trainer, trainer.state.params, s)
+        h_s, targets, mask = _one_sample_hidden(trainer, student, s)
         h_t, t_targets, t_mask = _one_sample_hidden(trainer, trainer.ref_params, teacher_view(s))
         rows_s, rows_t = np.flatnonzero(mask > 0), np.flatnonzero(t_mask > 0)
         np.testing.assert_array_equal(targets[rows_s], t_targets[rows_t])  # the same response tokens
