@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _child(config: str, steps: int, freeze_gc: bool, out_dir: str) -> dict[str, Any]:
     """One train job in this process; the full collections and the step ends, in seconds since the job started."""
-    from jaxrl_vlm import cli
+    from jaxrl_vlm import cli  # here, not at the top: the parent process only starts the children (no jax in it)
     from jaxrl_vlm.job import run
 
     started = time.perf_counter()
