@@ -91,9 +91,10 @@ def _assert_same(got, want) -> None:
 
 @pytest.mark.slow
 # The last case also prefills text prompts two side by side (128 // their 64-token bucket): against the reference's
-# one at a time. tp 4 and dp 2 alone run in CI's `ci_step` step (the suite's budget); tp 2 with dp 2 covers both
-# kinds of split here.
-@pytest.mark.parametrize("tp,dp,batch_tokens", [(2, 1, 0), pytest.param(4, 1, 0, marks=pytest.mark.ci_step),
+# one at a time. Tensor or data parallelism alone runs in CI's `ci_step` step (the suite's budget); tp 2 with dp 2
+# covers both kinds of split here.
+@pytest.mark.parametrize("tp,dp,batch_tokens", [pytest.param(2, 1, 0, marks=pytest.mark.ci_step),
+                                                pytest.param(4, 1, 0, marks=pytest.mark.ci_step),
                                                 pytest.param(1, 2, 0, marks=pytest.mark.ci_step), (2, 2, 128)])
 def test_sharded_engine_equals_the_one_device_engine(tiny_dir, prompts, one_device, tp, dp, batch_tokens):
     assert len({tuple(ids) for ids, _, _ in one_device}) == len(one_device), "degenerate reference"
