@@ -223,20 +223,12 @@ DEFAULT_CLIP_URL_BYTES = 64 << 20
 class ClipUrls:
     """`clip_to_data_url`, remembered by the clip's content: an environment hands the same frames to every sample
     of a group and, turn after turn, to every turn that re-sends them, and hashing the frames is a small part of
-    encoding them as PNG. Keyed by a digest of the frames' bytes, shape and the rate,
-    so new frames in a reused array make a new URL; bounded in bytes of URLs (least recently used out first);
-    thread-safe. A malformed clip is never remembered: it raises as `clip_to_data_url` does."""
+    encoding them as PNG. Keyed by a digest of the frames' bytes, shape and the rate, so new frames in a reused
+    array make a new URL; bounded in bytes of URLs (least recently used out first); thread-safe. A malformed clip
+    is never remembered: it raises as `clip_to_data_url` does."""
 
     def __init__(self, max_bytes: int = DEFAULT_CLIP_URL_BYTES):
         self._urls: ByteBoundedLRU[str] = ByteBoundedLRU(max_bytes, len)
-
-    @property
-    def hits(self) -> int:
-        return self._urls.hits
-
-    @property
-    def misses(self) -> int:
-        return self._urls.misses
 
     def url(self, clip: Clip) -> str:
         key = _content_key(clip)
@@ -244,7 +236,6 @@ class ClipUrls:
         if url is None:
             url = clip_to_data_url(clip)
             if key is not None:
-                self._urls.missed(1)
                 self._urls.put(key, url, ())
         return url
 
