@@ -35,8 +35,9 @@ waiting for the decode program: with the overlapped decode, the host work the de
 share of steps dispatched overlapped, ms per decode step, the compilations during the timed repeats (jax's compile
 events; any is a defect), the garbage collector's pauses in them, and per repeat the time inside the decode program
 per step (its spread is the device's, here the CPU's) and the decode steps per round (the schedule's work); and
-the machine's own spread: fixed Python work as long as a repeat, timed after each A/B pair (a floor under both
-sides' spreads). After
+the machine's own spread: fixed Python work (one core) and a fixed XLA program (a chain of matmuls on XLA's
+threads, as the decode program runs), each as long as a repeat, timed after each A/B pair (floors under both sides'
+spreads). After
 its warm-up round the embedded engine (and an SGLang peer) freezes its heap (`/freeze_gc`; vLLM freezes its own once
 started). Then the prompt tokens prefilled (prompt - cached) for one GRPO group of `--group-size` on one
 image prompt. `--launch-vllm PYTHON` starts the vLLM server itself (vLLM's interpreter, e.g. .venv-vllm/bin/python;
@@ -94,6 +95,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -460,6 +462,37 @@ def _fixed_work_loops(seconds: float) -> int:
     return max(400_000, int(400_000 * seconds / _fixed_work_seconds()))
 
 
+_XLA_WORK_SIZE = 384  # matrices of the fixed XLA work: big enough that XLA's CPU matmul uses every core
+
+
+@functools.lru_cache(maxsize=1)
+def _xla_work() -> tuple[Any, Any]:
+    """A jitted chain of `loops` (a traced count: one program for any length) [384, 384] matmuls, and its input."""
+    import jax
+    import jax.numpy as jnp
+
+    def chain(x, loops):
+        return jax.lax.fori_loop(0, loops, lambda _, y: jnp.tanh(y @ x), x)
+
+    x = jax.random.normal(jax.random.key(0), (_XLA_WORK_SIZE, _XLA_WORK_SIZE), jnp.float32) / _XLA_WORK_SIZE ** 0.5
+    return jax.jit(chain), x
+
+
+def _fixed_xla_seconds(loops: int = 8) -> float:
+    """Seconds one fixed XLA program takes now, on every core XLA's CPU client uses (the decode program's threads):
+    the machine's floor for a multi-threaded program, where `_fixed_work_seconds` times one core."""
+    program, x = _xla_work()
+    start = time.perf_counter()
+    program(x, loops).block_until_ready()
+    return time.perf_counter() - start
+
+
+def _fixed_xla_loops(seconds: float) -> int:
+    """Loops of `_fixed_xla_seconds` that last about `seconds` now (after a compiling call)."""
+    _fixed_xla_seconds()
+    return max(8, int(8 * seconds / _fixed_xla_seconds()))
+
+
 def _spread(values: list[float]) -> dict[str, Any]:
     import statistics
 
@@ -510,7 +543,7 @@ def bench_peer(model_dir: Path, encoder: Any, peer_url: str, prompt: list[int], 
     out: dict[str, Any] = {"peer_api": api, "decode": [], "group": {}, "load_before": _load(),
                            "repeat_seconds": repeat_seconds, "settle_seconds": settle_seconds, "freeze_gc": freeze_gc}
     ids, images = _group_prompt(encoder, group_prompt_tokens, seed=7)
-    loops = _fixed_work_loops(repeat_seconds)
+    loops, xla_loops = _fixed_work_loops(repeat_seconds), _fixed_xla_loops(repeat_seconds)
     with EmbeddedEngine(str(model_dir), config=config) as engine:
         runner, sched = engine.engine.runner, engine.engine.scheduler
         urls = {"embedded": (engine.url, "sglang"), "peer": (peer_url, api)}
@@ -522,6 +555,7 @@ def bench_peer(model_dir: Path, encoder: Any, peer_url: str, prompt: list[int], 
             runs: dict[str, list[float]] = {name: [] for name in urls}
             rounds: dict[str, list[float]] = {name: [] for name in urls}
             fixed: list[float] = []  # the machine's noise: fixed work, timed after each A/B pair
+            fixed_xla: list[float] = []  # the same for a fixed XLA program on XLA's threads
             program_ms: list[float] = []  # per embedded repeat: ms per decode step in the program (dispatch + wait)
             steps_per_round: list[float] = []  # per embedded repeat: decode steps per round (the schedule's work)
             programs, compiled = runner.num_programs, compiles.count
@@ -542,10 +576,12 @@ def bench_peer(model_dir: Path, encoder: Any, peer_url: str, prompt: list[int], 
                             steps_per_round.append(n / len(each))
                     time.sleep(settle_seconds)
                     fixed.append(1.0 / _fixed_work_seconds(loops))
+                    fixed_xla.append(1.0 / _fixed_xla_seconds(xla_loops))
             steps = sched.timing.decode_steps - steps
             step_s, program_s = sched.timing.decode_s - step_s, runner.decode_program_s - program_s
             overlapped = (sched.stats.overlapped_steps - overlapped) / max(1, steps)
             row = {"concurrency": c, **{name: _spread(v) for name, v in runs.items()}, "machine": _spread(fixed),
+                   "machine_xla": _spread(fixed_xla),
                    "program_ms_per_step": _spread(program_ms), "steps_per_round": _spread(steps_per_round),
                    "overlapped_share": overlapped,
                    "rounds": {name: _spread(v) for name, v in rounds.items()},
@@ -958,20 +994,21 @@ def main(argv: list[str] | None = None) -> int:
               f"A/B alternated")
         print(f"machine: {peer['load_before']} before, {peer['load_after']} after")
         print(f"{'concurrent':>10} {'embedded tok/s: median (min-max) spread':>42} {'peer tok/s: median (min-max) spread':>38} "
-              f"{'ratio':>6} {'host':>5} {'overlap':>7} {'ms/step':>8} {'compiles':>8} {'gc s (max)':>11} {'machine':>8} "
+              f"{'ratio':>6} {'host':>5} {'overlap':>7} {'ms/step':>8} {'compiles':>8} {'gc s (max)':>11} {'machine py/xla':>14} "
               f"{'round spreads':>14} {'program ms/step spread':>23} {'steps/round':>12}")
         for r in peer["decode"]:
             e, v, gc = r["embedded"], r["peer"], r["gc"]
             print(f"{r['concurrency']:>10} {e['median']:>14.0f} ({e['min']:>6.0f}-{e['max']:<6.0f}) {e['spread']:>6.2f}x "
                   f"{v['median']:>12.0f} ({v['min']:>6.0f}-{v['max']:<6.0f}) {v['spread']:>6.2f}x {r['ratio']:>5.2f}x "
                   f"{r['host_share']:>5.0%} {r['overlapped_share']:>7.0%} {r['ms_per_decode_step']:>8.2f} {r['compilations']:>8} "
-                  f"{gc['total_s']:>5.3f} ({gc['longest_s']:.3f}) {r['machine']['spread']:>7.2f}x "
+                  f"{gc['total_s']:>5.3f} ({gc['longest_s']:.3f}) {r['machine']['spread']:>7.2f}x/{r['machine_xla']['spread']:.2f}x "
                   f"{r['rounds']['embedded']['spread']:>6.2f}x/{r['rounds']['peer']['spread']:.2f}x "
                   f"{r['program_ms_per_step']['median']:>13.2f} ({r['program_ms_per_step']['spread']:.2f}x) "
                   f"{r['steps_per_round']['min']:>5.1f}-{r['steps_per_round']['max']:.1f}")
         print("gc s (max): the garbage collector's pauses in this process (the embedded engine's) during the timed "
-              "repeats, total and longest; machine: the spread of one fixed piece of Python work as long as a repeat, "
-              "timed after each A/B pair (the floor under both sides' spreads); round spreads: the spread of single "
+              "repeats, total and longest; machine py/xla: the spread of one fixed piece of Python work (one core) and of "
+              "one fixed XLA program (XLA's threads, as the decode program runs), each as long as a repeat, timed "
+              "after each A/B pair (floors under both sides' spreads); round spreads: the spread of single "
               "rounds (embedded/peer); program ms/step: the embedded engine's time inside its decode program per step "
               "(median over repeats, and its spread), steps/round: its decode steps per round (min-max over repeats), "
               "the work its schedule did")
