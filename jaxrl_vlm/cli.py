@@ -214,7 +214,7 @@ def _cmd_make_tiny(ns: argparse.Namespace, rest: list[str]) -> int:
 
     try:
         out = make_tiny(ns.out, seed=ns.seed, vocab_size=ns.vocab_size, init=ns.init, dtype=ns.dtype, arch=ns.arch,
-                        head_dim=ns.head_dim)
+                        head_dim=ns.head_dim, overwrite=ns.overwrite)
     except FileExistsError as e:  # its message names the command already
         raise ConfigError(str(e)) from e
     except ValueError as e:
@@ -452,6 +452,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Model family (config.json model_type); docs/reference/models.md lists them.")
     p.add_argument("--head-dim", type=int, default=None,
                    help="Text head size (default 16); vLLM's CPU attention needs 32 or more (qwen3_vl only).")
+    p.add_argument("--overwrite", action="store_true", help="Replace a model already in OUT (refused without it).")
     p.set_defaults(func=_cmd_make_tiny)
 
     p = sub.add_parser("untie-embeddings", help="Copy an HF checkpoint with an explicit LM head (tie_word_embeddings "

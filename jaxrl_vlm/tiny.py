@@ -146,6 +146,7 @@ def make_tiny(
     max_pixels: int = 128 * 128,
     arch: str = "qwen3_vl",
     head_dim: int | None = None,
+    overwrite: bool = False,
 ) -> Path:
     """Write a tiny random checkpoint directory of `arch` (`TINY_ARCHS`: weights, config, generation config,
     processing files).
@@ -155,12 +156,18 @@ def make_tiny(
     min/max_pixels: the image processor's pixel range (64x64..128x128 -> 4..16 image tokens).
     head_dim: the text attention's head size (None: the tiny config's 16). vLLM's CPU attention kernels need one of
     32, 64, 80, ...: a tiny checkpoint that a real vLLM server serves is made with `head_dim=32`.
+    overwrite: replace a model already in `out_dir` (its config.json or safetensors); without it that is an error,
+    so a typo in the path cannot destroy a checkpoint.
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}: choose one of {sorted(DTYPES)}")
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"make-tiny: {out} exists and is not a directory")
+    held = sorted(p.name for p in out.glob("*") if p.name == "config.json" or p.suffix == ".safetensors")
+    if held and not overwrite:
+        raise FileExistsError(f"make-tiny: {out} already holds a model ({', '.join(held)}); pass --overwrite to "
+                              "replace it")
     from jaxrl_vlm.tiny_assets import EOS_TOKEN, PAD_TOKEN, save_tiny_processing  # transformers: ~8 s, only here
     hf_config, tokenizer = tiny_hf_config(vocab_size, tokenizer_seed, arch)
     if head_dim is not None:

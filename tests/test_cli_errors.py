@@ -183,6 +183,16 @@ def test_make_tiny_names_an_output_path_that_is_a_file(capsys, tmp_path):
     fails_in_one_line(capsys, ["make-tiny", tmp_path / "weights"], f"{tmp_path / 'weights'} exists and is not a directory")
 
 
+def test_make_tiny_keeps_a_model_already_in_the_output_directory(capsys, tmp_path):
+    (tmp_path / "model").mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / "model" / name).write_text(name)
+    fails_in_one_line(capsys, ["make-tiny", tmp_path / "model"], "already holds a model (config.json, "
+                      "model.safetensors)", "--overwrite")
+    assert [(tmp_path / "model" / n).read_text() for n in ("config.json", "model.safetensors")] == [
+        "config.json", "model.safetensors"]
+
+
 def test_serve_names_the_option_out_of_bounds_or_off_its_choices(inputs, capsys):
     fails_in_one_line(capsys, ["serve", "--model", inputs.model, "--max-batch", "0"], "max_batch must be >= 1, got 0")
     fails_in_one_line(capsys, ["serve", "--model", inputs.model, "--dtype", "float16"], "--dtype", "'float16'")

@@ -126,7 +126,9 @@ def test_scaled_init_statistics():
 def test_bf16_and_bad_arguments(tmp_path, capsys):
     from jaxrl_vlm.cli import main
 
-    out = make_tiny(tmp_path / "bf16", dtype="bfloat16", vocab_size=512)
+    (tmp_path / "bf16").mkdir()
+    (tmp_path / "bf16" / "config.json").write_text("{}")  # a model already there: replaced only when asked
+    out = make_tiny(tmp_path / "bf16", dtype="bfloat16", vocab_size=512, overwrite=True)
     header, _ = read_safetensors_header(out / "model.safetensors")
     assert {e["dtype"] for k, e in header.items() if k != "__metadata__"} == {"BF16"}
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
