@@ -1,9 +1,10 @@
 """The collector's heap frozen while an engine serves (`jaxrl_vlm.gc_heap`, the engine's `freeze_gc` option and
 SGLang's `/freeze_gc`), and given back when it stops, so a stopped engine is collected; a train job's heap frozen
-for its run and again after its first step (the run option `freeze_gc`)."""
+for its run and again after its first step (the run option `freeze_gc`), an RL job's and an SFT job's alike."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import weakref
 from pathlib import Path
@@ -16,6 +17,7 @@ from jaxrl_vlm import gc_heap
 from jaxrl_vlm.config import load_config
 from jaxrl_vlm.engine import EmbeddedEngine, EngineOptions
 from jaxrl_vlm.job.run import MainJob
+from jaxrl_vlm.job.sft import SFTJob
 from rollout.sglang_wire import FREEZE_GC_OK
 
 CONFIG = dict(max_batch=2, max_seq_len=64, min_prefill_bucket=32, min_kv_bucket=64)
@@ -100,6 +102,11 @@ class _StepLoop:
         self.cfg = SimpleNamespace(train=SimpleNamespace(freeze_gc=freeze_gc), rollout=SimpleNamespace(num_rollout=steps))
         self.start_step, self.stopping, self.kept, self.seen = 0, False, [], []
 
+    def record(self) -> dict:
+        self.seen.append((gc_heap.holders(), gc.get_freeze_count()))
+        self.kept.append([[i] for i in range(5000)])
+        return {}
+
     async def evaluate_unless_preempted(self, step: int) -> None:
         pass
 
@@ -107,17 +114,35 @@ class _StepLoop:
         return False
 
     async def step(self, step: int) -> dict:
-        self.seen.append((gc_heap.holders(), gc.get_freeze_count()))
-        self.kept.append([[i] for i in range(5000)])
-        return {}
+        return self.record()
 
     async def _run_held(self) -> dict:
         return await MainJob.steps(self)
 
+    def run(self) -> None:
+        asyncio.run(MainJob._run(self))
 
-async def test_a_train_job_holds_a_freeze_for_its_run_and_freezes_again_after_its_first_step_only():
-    job = _StepLoop(freeze_gc=True)
-    await MainJob._run(job)
+
+class _SftStepLoop(_StepLoop):
+    """The same over SFTJob's run and step loop (`run`, `steps`)."""
+
+    def evaluate(self, step: int) -> None:
+        pass
+
+    def step(self, step: int) -> dict:
+        return self.record()
+
+    def _run_held(self) -> dict:
+        return SFTJob.steps(self)
+
+    def run(self) -> None:
+        SFTJob.run(self)
+
+
+@pytest.mark.parametrize("loop", [_StepLoop, _SftStepLoop], ids=["rl", "sft"])
+def test_a_train_job_holds_a_freeze_for_its_run_and_freezes_again_after_its_first_step_only(loop):
+    job = loop(freeze_gc=True)
+    job.run()
     (h0, f0), (h1, f1), (h2, f2) = job.seen
     assert h0 == h1 == h2 == 1 and f0 > 0
     assert f1 >= f0 + 5000  # the first step's objects were frozen after it
@@ -125,9 +150,10 @@ async def test_a_train_job_holds_a_freeze_for_its_run_and_freezes_again_after_it
     # (the fixture: released, unfrozen, after the run)
 
 
-async def test_with_freeze_gc_off_a_train_job_leaves_the_heap_alone():
-    job = _StepLoop(freeze_gc=False)
-    await MainJob._run(job)
+@pytest.mark.parametrize("loop", [_StepLoop, _SftStepLoop], ids=["rl", "sft"])
+def test_with_freeze_gc_off_a_train_job_leaves_the_heap_alone(loop):
+    job = loop(freeze_gc=False)
+    job.run()
     assert job.seen == [(0, 0)] * 3
 
 

@@ -18,12 +18,14 @@ RL starts from the result with `--hf-checkpoint <output_dir>/final_model`, or wi
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Any
 
 import jax.numpy as jnp
 
+from jaxrl_vlm import gc_heap
 from jaxrl_vlm.config import Config
 from jaxrl_vlm.data.geo3k import PromptIterator
 from jaxrl_vlm.distributed import barrier, export_hf, is_main_process
@@ -128,17 +130,29 @@ class SFTJob:
 
     # -------------------------------------------------------------------------- the whole run
     def run(self) -> dict[str, Any]:
-        """The whole job; returns the last step's metrics (the eval rounds are in metrics.jsonl)."""
+        """The whole job; returns the last step's metrics (the eval rounds are in metrics.jsonl). The heap is frozen
+        for the run as an RL run's is (`--freeze-gc`, job/run.py)."""
+        with gc_heap.held("SFT job") if self.cfg.train.freeze_gc else contextlib.nullcontext():
+            return self._run_held()
+
+    def _run_held(self) -> dict[str, Any]:
         self.prepare()
-        last: dict[str, Any] = {}
         try:
-            for step in range(self.start_step, self.cfg.rollout.num_rollout + 1):
-                self.evaluate(step)
-                if step < self.cfg.rollout.num_rollout:
-                    last = self.step(step)
+            last = self.steps()
             self.finish()
             return last
         finally:
             if self.log is not None:
                 self.log.close()
             self.checkpoints.close()
+
+    def steps(self) -> dict[str, Any]:
+        """Eval of the weights after `step` steps, then step `step`, to the last step; the last step's metrics."""
+        last: dict[str, Any] = {}
+        for step in range(self.start_step, self.cfg.rollout.num_rollout + 1):
+            self.evaluate(step)
+            if step < self.cfg.rollout.num_rollout:
+                last = self.step(step)
+                if step == self.start_step and self.cfg.train.freeze_gc:  # its compiled step lives as long as the run
+                    gc_heap.freeze_more("SFT job, after its first step")
+        return last
