@@ -4,7 +4,8 @@
   log-probs and K/V pages it gives equal those of one call per prompt, in the same order, including a row that
   reuses the pages an earlier row of the same call wrote (a prefix hit with its copied last page).
 * Short text prompts may run side by side, several per forward (`prefill_batch_tokens`, on by default on GPU and
-  TPU): the same tokens, log-probs and pages, a row that reads pages another row writes going to a later group.
+  TPU): the same tokens, log-probs and pages, a row that reads pages another row writes going to a later group,
+  rows that wait for none filling the groups before it (results in admission order all the same).
 * After one warm-up round at a concurrency, repeating that round compiles nothing: a cold prefill and the prefix
   hits of later rounds share one program, and decode steps while requests arrive one by one borrow the programs the
   warm-up compiled; with prompts side by side too.
@@ -15,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import jax
@@ -81,19 +83,23 @@ def one_call_each(tiny_hf_checkpoint: Path):
     return model, config, alone, [alone.prefill_rows([alone.prepare_prefill(r)])[0] for r in _rows(alone.vocab_size)]
 
 
-@pytest.mark.parametrize("batch_tokens, want_calls", [
+@pytest.mark.parametrize("batch_tokens, order, want_calls", [
     # One row at a time (a CPU's default): the 40-token prompt runs alone; the next rows, one prompt bucket (32
     # tokens; the extension computes 9), share a call that loops over its 5 rows.
-    (0, [(1, 1), (5, 1)]),
+    (0, range(6), [(1, 1), (5, 1)]),
     # Side by side, 96 // 32 = 3 rows per forward, 6 rows per call: the four 32-bucket prompts fill a group of 3 and
-    # start a second; the extension reads pages the fourth writes, so it starts a third group (the next call).
-    (96, [(1, 1), (2, 3), (1, 3)]),
+    # start a second; the extension reads pages the fourth writes, so it goes to a third group (the next call).
+    (96, range(6), [(1, 1), (2, 3), (1, 3)]),
+    # Two per forward, the extension admitted right after the prompt it extends: the next prompt joins that one's
+    # group, so rows run out of their order ([4, 1] [5, 2] [3, -]) and come back in it.
+    (64, [0, 4, 5, 1, 2, 3], [(1, 1), (3, 2)]),
 ])
-def test_prompts_prefilled_in_one_call_equal_one_call_each(one_call_each, batch_tokens: int,
+def test_prompts_prefilled_in_one_call_equal_one_call_each(one_call_each, batch_tokens: int, order: list[int],
                                                            want_calls: list[tuple[int, int]]):
     model, config, alone, single = one_call_each
     together = ModelRunner(model, dataclasses.replace(config, prefill_batch_tokens=batch_tokens), ())
-    rows = _rows(together.vocab_size)
+    rows = [_rows(together.vocab_size)[i] for i in order]
+    single = [single[i] for i in order]
     calls: list[tuple[int, int]] = []
     program = together._prefill
 
@@ -112,12 +118,36 @@ def test_prompts_prefilled_in_one_call_equal_one_call_each(one_call_each, batch_
         for got, want in zip(_kv(together, list(r.pages), n), _kv(alone, list(r.pages), n)):
             np.testing.assert_allclose(got, want, atol=1e-5)
     # The extension attends to the prefix another row of its call wrote: its K/V there is that prompt's.
-    base, ext = rows[4], rows[5]
+    base, ext = (next(r for r in rows if r.slot == slot) for slot in (4, 5))
     for got, want in zip(_kv(together, list(ext.pages), 20), _kv(alone, list(base.pages), 20)):
         np.testing.assert_allclose(got, want, atol=1e-5)
     # The logit bias entered the bias row of its slot (the decode steps read it from there).
     bias = np.asarray(together.bias[2])
     assert bias[3] == pytest.approx(3.0) and bias[11] == pytest.approx(-1.0) and np.count_nonzero(bias) == 2
+
+
+def test_side_by_side_puts_each_row_in_the_first_group_after_the_rows_it_waits_for(one_call_each):
+    """Three GRPO groups of three admitted together, four rows per forward: each prompt's first sample prefills its
+    20 tokens into pages of its own, the other two read its first page and a copy of its second and compute the
+    last token. Rows in admission order, a row that reads another's pages starting a new forward, would take four
+    forwards ([A0] [A1 A2 B0] [B1 B2 C0] [C1 C2]); the first samples share one, their followers fill the next."""
+    _, config, alone, _ = one_call_each
+    none = config.num_pages
+
+    def row(start: int, table: list[int], copy: tuple[int, int] | None = None) -> Any:
+        return SimpleNamespace(row=SimpleNamespace(start=start, copy=copy), key=(32, MAX_SEQ, None),
+                               table=np.array([*table, *[none] * (4 - len(table))], np.int32))
+
+    rows = []
+    for g, first in enumerate((0, 2, 4)):
+        rows.append(row(0, [first, first + 1]))
+        rows += [row(19, [first, 10 + 2 * g + s], copy=(first + 1, 10 + 2 * g + s)) for s in range(2)]
+    layout = alone._side_by_side(rows, 4)
+    assert layout == [0, 3, 6, None, 1, 2, 4, 5, 7, 8, None, None]
+    # A row writing a page an earlier row reads goes after it: the page is read as in admission order.
+    reader, writer = row(19, [0, 12], copy=(1, 12)), row(0, [1, 13])
+    assert alone._side_by_side([reader, writer], 4) == [0, None, None, None, 1, None, None, None]
+    assert alone._side_by_side(rows, 1) == list(range(9))
 
 
 async def _round(url: str, prompt: list[int], concurrency: int, new_tokens: int) -> list[Any]:

@@ -473,32 +473,48 @@ class ModelRunner:
             j = i + 1
             while j < len(prepared) and prepared[j].key == key:
                 j += 1
-            layout = self._side_by_side(prepared[i:j], group)
+            run = prepared[i:j]
+            layout = self._side_by_side(run, group)
             width = cap - cap % group
+            results: list[tuple[int, float]] = [(0, 0.0)] * len(run)
             for lo in range(0, len(layout), width):
-                out.extend(self._prefill_call(layout[lo: lo + width], width, group))
+                piece = layout[lo: lo + width]
+                done = self._prefill_call([None if k is None else run[k] for k in piece], width, group)
+                for k, result in zip((k for k in piece if k is not None), done):
+                    results[k] = result
+            out.extend(results)
             i = j
         return out
 
-    def _side_by_side(self, rows: Sequence[_PreparedPrefill], group: int) -> list[_PreparedPrefill | None]:
-        """`rows` in order, laid out in groups of `group` that run side by side; a row that reads a page another row
-        of its group writes (a group's samples after the prompt that the first one prefills) starts the next group,
-        the slots it leaves are padding (None). One row per group: `rows` as they are."""
+    def _side_by_side(self, rows: Sequence[_PreparedPrefill], group: int) -> list[int | None]:
+        """The order in which `rows` run: indices into `rows` in groups of `group` that run side by side, one group
+        after another, None for a padding row. Each row goes to the first group with room that comes after every
+        group holding an earlier row that writes a page it reads (a GRPO group's samples read the prompt its first
+        sample prefills) or that reads or writes a page it writes, so every page is read as in `rows`' order; the
+        first samples of several GRPO groups admitted together thus share a forward, and their other samples fill
+        the next ones. One row per group: `rows` in order."""
         if group == 1:
-            return list(rows)
+            return list(range(len(rows)))
         ps, none = self.config.page_size, self.config.num_pages
-        layout: list[_PreparedPrefill | None] = []
-        written: set[int] = set()
-        for p in rows:
+        groups: list[list[int]] = []
+        last_write: dict[int, int] = {}  # page -> the last group with a row that writes it
+        last_read: dict[int, int] = {}  # page -> the last group with a row that reads it
+        for k, p in enumerate(rows):
             start, end = p.row.start, p.row.start + p.key[0]  # padding tokens write too, into the row's own pages
             reads = set(p.table[: -(-start // ps)].tolist()) | ({p.row.copy[0]} if p.row.copy is not None else set())
-            if len(layout) % group and reads & written:
-                layout += [None] * (group - len(layout) % group)
-            if len(layout) % group == 0:
-                written = set()
-            layout.append(p)
-            written |= set(p.table[start // ps: -(-end // ps)].tolist()) - {none}
-        return layout + [None] * (-len(layout) % group)
+            writes = set(p.table[start // ps: -(-end // ps)].tolist()) - {none}
+            after = [last_write.get(page, -1) for page in reads | writes] + [last_read.get(page, -1) for page in writes]
+            g = 1 + max(after, default=-1)
+            while g < len(groups) and len(groups[g]) == group:
+                g += 1
+            if g == len(groups):
+                groups.append([])
+            groups[g].append(k)
+            for page in writes:
+                last_write[page] = max(g, last_write.get(page, -1))
+            for page in reads:
+                last_read[page] = max(g, last_read.get(page, -1))
+        return [k for members in groups for k in [*members, *[None] * (group - len(members))]]
 
     def _prefill_call(self, layout: Sequence[_PreparedPrefill | None], width: int,
                       group: int) -> list[tuple[int, float]]:
