@@ -166,8 +166,8 @@ def make_tiny(
         raise FileExistsError(f"make-tiny: {out} exists and is not a directory")
     held = sorted(p.name for p in out.glob("*") if p.name == "config.json" or p.suffix == ".safetensors")
     if held and not overwrite:
-        raise FileExistsError(f"make-tiny: {out} already holds a model ({', '.join(held)}); pass --overwrite to "
-                              "replace it")
+        raise FileExistsError(f"make-tiny: {out} already holds a model ({', '.join(held)}); pass --overwrite "
+                              "(overwrite=True) to replace it")
     from jaxrl_vlm.tiny_assets import EOS_TOKEN, PAD_TOKEN, save_tiny_processing  # transformers: ~8 s, only here
     hf_config, tokenizer = tiny_hf_config(vocab_size, tokenizer_seed, arch)
     if head_dim is not None:
