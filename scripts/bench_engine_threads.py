@@ -11,9 +11,9 @@ concurrent `/generate` requests of 64 greedy tokens, back to back for at least `
 the parent rotates which mode goes first in each round of repeats and idles `--settle-seconds` before each repeat.
 Modes: "all cores" (affinity untouched, the default); one per `--pin` core (the whole process, XLA's threads and
 the engine's scheduler and HTTP threads alike, `os.sched_setaffinity` before jax starts); and "eigen off"
-(`XLA_FLAGS=--xla_cpu_multi_thread_eigen=false`: Eigen's kernels single-threaded; it does not make XLA single-threaded:
-a chain of [384, 384] matmuls still keeps both cores of the 2-core machine busy and runs as fast, and XLA sizes its
-thread pool from the process's affinity, which is what pinning changes). vLLM's CPU server pins its compute to one
+(`XLA_FLAGS=--xla_cpu_multi_thread_eigen=false`: Eigen's kernels single-threaded; in a one-off check it did not make
+XLA single-threaded, a chain of [384, 384] matmuls still keeping both cores of the 2-core machine busy as fast; XLA
+sizes its thread pool from the process's affinity, which is what pinning changes). vLLM's CPU server pins its compute to one
 core and leaves the other to its API server (shared/reference/vllm_cpu.md).
 
 Printed per concurrency and mode: median tok/s, its ratio to "all cores" (the baseline, measured in the same run),
