@@ -212,8 +212,8 @@ class TrainConfig:
         "gc_heap.py): frozen when the run starts and again after its first step, so the compiled train step, the "
         "engine's programs and the caches the first step built are never walked again. Unfrozen, a full collection "
         "of that heap stops every thread for about 0.1 s on the 2-core machine (docs/benchmarks.md), every few "
-        "seconds: the trainer, the rollout's event loop and an embedded engine mid-round alike. What was alive at a freeze and later dies in a "
-        "reference cycle is freed only when the run ends.")
+        "seconds: the trainer, the rollout's event loop and an embedded engine mid-round alike. What was alive at a "
+        "freeze and later dies in a reference cycle is freed only when the run ends.")
 
 
 @dataclass
