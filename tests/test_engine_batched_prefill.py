@@ -9,12 +9,15 @@
 * After one warm-up round at a concurrency, repeating that round compiles nothing: a cold prefill and the prefix
   hits of later rounds share one program, and decode steps while requests arrive one by one borrow the programs the
   warm-up compiled; with prompts side by side too.
+* A decode bucket that keeps borrowing gets its own program compiled on a side thread, which the steps after it run
+  without compiling on the scheduler's thread, with the same tokens and log-probs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -24,12 +27,15 @@ import numpy as np
 import pytest
 
 from jaxrl_vlm.engine import EmbeddedEngine, EngineOptions
+from jaxrl_vlm.engine import runner as runner_module
+from jaxrl_vlm.engine.background_compile import THREAD_NAME
 from jaxrl_vlm.engine.runner import FloatRow, IntRow, ModelRunner, PrefillRow
 from jaxrl_vlm.models import from_hf
 from rollout.client import SGLangClient
 
 PAGE = 16
 MAX_SEQ = 128
+BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 
 
 def _columns(temperature: float = 0.0, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -163,7 +169,7 @@ async def _round(url: str, prompt: list[int], concurrency: int, new_tokens: int)
 def test_repeated_rounds_after_a_warm_up_round_compile_nothing(tiny_hf_checkpoint: Path, batch_tokens: int):
     compiles: list[str] = []
     jax.monitoring.register_event_duration_secs_listener(
-        lambda event, _s, **_k: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None)
+        lambda event, _s, **_k: compiles.append(event) if event == BACKEND_COMPILE else None)
     config = EngineOptions(max_batch=32, max_seq_len=MAX_SEQ, min_kv_bucket=MAX_SEQ, prefill_batch_tokens=batch_tokens)
     prompt = list(range(40, 67))  # 27 tokens: one whole page, and a partly filled one a prefix hit copies
     with EmbeddedEngine(str(tiny_hf_checkpoint), config=config) as engine:
@@ -179,3 +185,37 @@ def test_repeated_rounds_after_a_warm_up_round_compile_nothing(tiny_hf_checkpoin
             assert len(compiles) == compiled, f"concurrency {c}: {len(compiles) - compiled} compilations after warm-up"
         groups = {key[-1] for key in runner.programs if key[0] == "prefill"}
         assert groups == ({2} if batch_tokens else {1})  # 128 // the 64-token bucket: two prompts per forward
+
+
+def test_a_decode_bucket_in_steady_use_compiles_on_a_side_thread(one_call_each, monkeypatch):
+    """One row borrows the 4-row decode program; once FALLBACK_STEPS steps have, the 1-row program compiles on the
+    side thread, and the step after it runs that program without compiling on the scheduler's thread: the same
+    token and log-prob as the borrowed program and as the row's in the 4-row step."""
+    _, config, alone, _, _ = one_call_each
+    monkeypatch.setattr(runner_module, "FALLBACK_STEPS", 2)
+    rows = _rows(alone.vocab_size)
+
+    def step(slots: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        tables = np.full((len(slots), MAX_SEQ // PAGE), config.num_pages, np.int32)
+        ints, floats = (np.stack([c] * len(slots), axis=1) for c in _columns())
+        for i, slot in enumerate(slots):
+            tables[i, : len(rows[slot].pages)] = rows[slot].pages
+            ints[IntRow.TOKEN, i], ints[IntRow.LENGTH, i] = 7, len(rows[slot].input_ids)  # writes past the prompt
+        return alone.decode(np.asarray(slots, np.int32), tables, ints, floats, False)
+
+    threads: list[str] = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, _s, **_k: threads.append(threading.current_thread().name) if event == BACKEND_COMPILE else None)
+    together = step([0, 1, 2])  # compiles the 4-row program, on this thread
+    own = ("decode", 1, MAX_SEQ, False)
+    compiled_here = threads.count(threading.current_thread().name)
+    borrowed = [step([1]) for _ in range(2)]  # the second reaches FALLBACK_STEPS: the 1-row program starts compiling
+    assert own not in alone.programs and (alone.background.busy or alone.background.compiled == 1)
+    alone.background.wait(timeout_s=300)
+    ready = step([1])
+    assert own in alone.programs and alone.program_calls[own] == 1, "the step after the compilation runs its program"
+    assert threads.count(threading.current_thread().name) == compiled_here, "compiled on the scheduler's thread"
+    assert threads.count(THREAD_NAME) == 1 and alone.background.compiled == 1 and not alone.background.failed
+    for ids, lps in [*borrowed, ready]:
+        assert ids.tolist() == together[0][1:2].tolist()
+        np.testing.assert_allclose(lps, together[1][1:2], atol=1e-5)

@@ -24,8 +24,9 @@ import enum
 import functools
 import os
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +35,7 @@ from flax import nnx
 
 from jaxrl_vlm.device_lock import exclusive
 from jaxrl_vlm.engine import forward
+from jaxrl_vlm.engine.background_compile import BackgroundCompiler
 from jaxrl_vlm.engine.clips import ClipInputs, clips_after
 from jaxrl_vlm.engine.options import EngineOptions, bucket_for
 from jaxrl_vlm.engine.prefix_cache import items_wholly_before
@@ -139,8 +141,8 @@ class PrefillRow:
 # the number of requests admitted together never picks a new program.
 PREFILL_CALL_TOKENS = 8192
 MIN_BIAS_ENTRIES = 8  # smallest bucket of logit_bias entries per row (then doubling)
-# Decode steps a bucket may borrow a larger compiled program before its own is compiled (`_decode_buckets`): a
-# bucket needed that often is part of the workload, not a passing ramp.
+# Decode steps a bucket borrows a larger compiled program before its own is compiled, in the background
+# (`_decode_buckets`): a bucket needed that often is part of the workload, not a passing ramp.
 FALLBACK_STEPS = 64
 
 
@@ -291,6 +293,7 @@ class ModelRunner:
         self.program_calls: collections.Counter[tuple[Any, ...]] = collections.Counter()
         self.programs: set[tuple[Any, ...]] = set()  # the compiled programs' keys (several call kinds share one)
         self._fallbacks: collections.Counter[tuple[int, int, bool]] = collections.Counter()  # `_decode_buckets`
+        self.background = BackgroundCompiler()  # decode buckets in steady use, compiled while others serve
         # Seconds inside program calls (dispatch until the results are on the host), for the host share of a step.
         self.decode_program_s = 0.0
         self.prefill_program_s = 0.0
@@ -683,21 +686,40 @@ class ModelRunner:
 
     def _decode_buckets(self, n: int, kv_needed: int, filtered: bool) -> tuple[int, int]:
         """(batch bucket, kv-length bucket) of a decode step of `n` rows attending to `kv_needed` positions: the
-        buckets' own program when it is compiled; else, for the first FALLBACK_STEPS such steps, the cheapest
-        compiled program that covers them (more rows, a longer kv span: padding rows are dropped and the keys past
-        each row's length masked); else the buckets' program, compiled now. A ramp of requests arriving one by one
-        thus runs on the programs the warm-up compiled instead of compiling the bucket of every size it passes
-        through (a compilation stalls every running request for a second or more on a CPU)."""
+        buckets' own program when it is compiled; else the cheapest compiled program that covers them (more rows, a
+        longer kv span: padding rows are dropped and the keys past each row's length masked), and once FALLBACK_STEPS
+        steps have borrowed for these buckets, their own program is compiled on a side thread (`background`) and run
+        from the first step after it is ready; with no covering program, the buckets' own, compiled now. A ramp of
+        requests arriving one by one thus runs on the programs the warm-up compiled instead of compiling the bucket
+        of every size it passes through, and a bucket the workload keeps needing is compiled without stalling the
+        running requests (a compilation on this thread stalls them all: a second or more on a CPU)."""
+        self.programs.update(self.background.take_ready())
         b = bucket_for(n, self.config.batch_buckets, "running requests")
         kv_len = bucket_for(kv_needed, self.config.kv_buckets, "cached tokens")
-        if ("decode", b, kv_len, filtered) in self.programs or self._fallbacks[(b, kv_len, filtered)] >= FALLBACK_STEPS:
+        own = ("decode", b, kv_len, filtered)
+        if own in self.programs:
             return b, kv_len
         covering = [(key[1], key[2]) for key in self.programs
                     if key[0] == "decode" and key[3] == filtered and key[1] >= n and key[2] >= kv_needed]
         if not covering:
             return b, kv_len
         self._fallbacks[(b, kv_len, filtered)] += 1
+        if self._fallbacks[(b, kv_len, filtered)] >= FALLBACK_STEPS and self.background.can_start(own):
+            self.background.start(own, self._decode_compiler(b, kv_len, filtered))
         return min(covering, key=lambda key: key[0] * key[1])
+
+    def _decode_compiler(self, b: int, kv_len: int, filtered: bool) -> Callable[[], Any]:
+        """Compiles the decode program of these buckets, on any thread: its arguments' shapes, dtypes and shardings
+        are taken here, on the scheduler's thread, as `_dispatch` passes them (numpy host arrays, and tokens on the
+        devices, replicated), so the program jit caches is the one the step after it calls."""
+        def like(x: Any) -> jax.ShapeDtypeStruct:
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+
+        specs = ([like(x) for x in self._param_leaves], jax.tree.map(like, self.cache), jax.tree.map(like, self.bias),
+                 jax.ShapeDtypeStruct((b,), np.int32), jax.ShapeDtypeStruct((b, self._table_width(kv_len)), np.int32),
+                 jax.ShapeDtypeStruct((len(IntRow), b), np.int32), jax.ShapeDtypeStruct((len(FloatRow), b), np.float32),
+                 jax.ShapeDtypeStruct((b,), np.int32, sharding=self._replicated))
+        return lambda: self._decode.lower(*specs, filtered=filtered).compile()
 
     # ------------------------------------------------------------------ weights
 
