@@ -188,11 +188,13 @@ def test_repeated_rounds_after_a_warm_up_round_compile_nothing(tiny_hf_checkpoin
 
 
 def test_a_decode_bucket_in_steady_use_compiles_on_a_side_thread(one_call_each, monkeypatch):
-    """One row borrows the 4-row decode program; once FALLBACK_STEPS steps have, the 1-row program compiles on the
-    side thread, and the step after it runs that program without compiling on the scheduler's thread: the same
-    token and log-prob as the borrowed program and as the row's in the 4-row step."""
+    """One row borrows the 4-row decode program; borrowing in fewer than FALLBACK_STEPS of the last FALLBACK_WINDOW
+    steps compiles nothing; once it reaches that, the 1-row program compiles on the side thread, and the step after
+    it runs that program without compiling on the scheduler's thread: the same token and log-prob as the borrowed
+    program and as the row's in the 4-row step."""
     _, config, alone, _, _ = one_call_each
     monkeypatch.setattr(runner_module, "FALLBACK_STEPS", 2)
+    monkeypatch.setattr(runner_module, "FALLBACK_WINDOW", 3)
     rows = _rows(alone.vocab_size)
 
     def step(slots: list[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -209,7 +211,11 @@ def test_a_decode_bucket_in_steady_use_compiles_on_a_side_thread(one_call_each, 
     together = step([0, 1, 2])  # compiles the 4-row program, on this thread
     own = ("decode", 1, MAX_SEQ, False)
     compiled_here = threads.count(threading.current_thread().name)
-    borrowed = [step([1]) for _ in range(2)]  # the second reaches FALLBACK_STEPS: the 1-row program starts compiling
+    borrowed = [step([1])]
+    step([0, 1, 2]), step([0, 1, 2])
+    borrowed.append(step([1]))  # the borrowing three steps before is out of the window: one in it, nothing compiles
+    assert not alone.background.busy and alone.background.compiled == 0
+    borrowed.append(step([1]))  # two in the window: the 1-row program starts compiling
     assert own not in alone.programs and (alone.background.busy or alone.background.compiled == 1)
     alone.background.wait(timeout_s=300)
     ready = step([1])

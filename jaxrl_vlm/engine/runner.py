@@ -141,9 +141,11 @@ class PrefillRow:
 # the number of requests admitted together never picks a new program.
 PREFILL_CALL_TOKENS = 8192
 MIN_BIAS_ENTRIES = 8  # smallest bucket of logit_bias entries per row (then doubling)
-# Decode steps a bucket borrows a larger compiled program before its own is compiled, in the background
-# (`_decode_buckets`): a bucket needed that often is part of the workload, not a passing ramp.
-FALLBACK_STEPS = 64
+# A decode bucket that borrowed a larger compiled program in FALLBACK_STEPS of the last FALLBACK_WINDOW decode steps
+# gets its own, compiled in the background (`_decode_buckets`): a bucket needed that often is part of the workload,
+# not a passing ramp; one needed more rarely costs the larger program's time on a few steps only.
+FALLBACK_STEPS = 32
+FALLBACK_WINDOW = 1024
 
 
 @dataclass
@@ -292,7 +294,9 @@ class ModelRunner:
         self._copy_state = jax.jit(forward.copy_state, donate_argnames=("cache",), out_shardings=cache_sh)
         self.program_calls: collections.Counter[tuple[Any, ...]] = collections.Counter()
         self.programs: set[tuple[Any, ...]] = set()  # the compiled programs' keys (several call kinds share one)
-        self._fallbacks: collections.Counter[tuple[int, int, bool]] = collections.Counter()  # `_decode_buckets`
+        self._decode_steps = 0  # decode steps dispatched (`_decode_buckets`' clock)
+        # (batch bucket, kv bucket, filtered) -> the decode steps it borrowed on, within the last FALLBACK_WINDOW
+        self._borrowed: dict[tuple[int, int, bool], collections.deque[int]] = {}
         self.background = BackgroundCompiler()  # decode buckets in steady use, compiled while others serve
         # Seconds inside program calls (dispatch until the results are on the host), for the host share of a step.
         self.decode_program_s = 0.0
@@ -687,13 +691,16 @@ class ModelRunner:
     def _decode_buckets(self, n: int, kv_needed: int, filtered: bool) -> tuple[int, int]:
         """(batch bucket, kv-length bucket) of a decode step of `n` rows attending to `kv_needed` positions: the
         buckets' own program when it is compiled; else the cheapest compiled program that covers them (more rows, a
-        longer kv span: padding rows are dropped and the keys past each row's length masked), and once FALLBACK_STEPS
-        steps have borrowed for these buckets, their own program is compiled on a side thread (`background`) and run
-        from the first step after it is ready; with no covering program, the buckets' own, compiled now. A ramp of
-        requests arriving one by one thus runs on the programs the warm-up compiled instead of compiling the bucket
-        of every size it passes through, and a bucket the workload keeps needing is compiled without stalling the
-        running requests (a compilation on this thread stalls them all: a second or more on a CPU)."""
+        longer kv span: padding rows are dropped and the keys past each row's length masked), and once the buckets
+        have borrowed in FALLBACK_STEPS of the last FALLBACK_WINDOW steps, their own program is compiled on a side
+        thread (`background`) and run from the first step after it is ready; with no covering program, the
+        buckets' own, compiled now. A ramp of requests arriving one by one thus runs on the programs the warm-up
+        compiled instead of compiling the bucket of every size it passes through, a bucket the workload keeps
+        needing is compiled without stalling the running requests (a compilation on this thread stalls them all: a
+        second or more on a CPU), and a bucket needed now and then (the last rows of a round) never costs a
+        compilation, in a long run either."""
         self.programs.update(self.background.take_ready())
+        self._decode_steps += 1
         b = bucket_for(n, self.config.batch_buckets, "running requests")
         kv_len = bucket_for(kv_needed, self.config.kv_buckets, "cached tokens")
         own = ("decode", b, kv_len, filtered)
@@ -703,8 +710,11 @@ class ModelRunner:
                     if key[0] == "decode" and key[3] == filtered and key[1] >= n and key[2] >= kv_needed]
         if not covering:
             return b, kv_len
-        self._fallbacks[(b, kv_len, filtered)] += 1
-        if self._fallbacks[(b, kv_len, filtered)] >= FALLBACK_STEPS and self.background.can_start(own):
+        borrowed = self._borrowed.setdefault((b, kv_len, filtered), collections.deque())
+        borrowed.append(self._decode_steps)
+        while borrowed[0] <= self._decode_steps - FALLBACK_WINDOW:
+            borrowed.popleft()
+        if len(borrowed) >= FALLBACK_STEPS and self.background.can_start(own):
             self.background.start(own, self._decode_compiler(b, kv_len, filtered))
         return min(covering, key=lambda key: key[0] * key[1])
 
