@@ -11,6 +11,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _forward import full_logits
 from flax import nnx
 
 from jaxrl_vlm.models import build_vision_inputs, from_hf, get_rope_index
@@ -89,7 +90,7 @@ def test_transformers_loads_it_with_the_same_logits(tiny_dir, make_test_image):
     grid = np.asarray(inputs["image_grid_thw"])
     positions, _ = get_rope_index(ids, grid, mask, cfg)
     vision = build_vision_inputs(np.asarray(inputs["pixel_values"]), grid, ids, cfg, patch_bucket=128, token_valid=mask)
-    logits = np.asarray(model.logits(model(jnp.asarray(ids), jnp.asarray(positions), jnp.asarray(mask), vision)))[0]
+    logits = np.asarray(full_logits(model, jnp.asarray(ids), jnp.asarray(positions), jnp.asarray(mask), vision))[0]
     assert int((ids == cfg.image_token_id).sum()) == int(grid.prod(-1).sum()) // 4 > 4
     np.testing.assert_allclose(logits, ref, atol=1e-4, rtol=0)
     assert ref.std() > 0.5  # the scaled init gives logits a usable spread (HF's std 0.02 gives ~0.15)

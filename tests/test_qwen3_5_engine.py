@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from _forward import full_logits
 from _hf_tiny import spread_weights
 from test_engine import hf_generate, our_logits_logprobs
 from test_engine_prefix_cache import Conversation, client, image_item, text_item
@@ -240,7 +241,7 @@ def test_make_tiny_qwen3_5_loads_in_transformers_with_our_logits_and_qwen3_5_pro
     positions, _ = get_rope_index(ids, grid, mask, model.cfg)
     vision = build_vision_inputs(np.asarray(inputs["pixel_values"]), grid, ids, model.cfg, patch_bucket=64,
                                  token_valid=mask)
-    logits = np.asarray(model.logits(model(jnp.asarray(ids), jnp.asarray(positions), jnp.asarray(mask), vision)))[0]
+    logits = np.asarray(full_logits(model, jnp.asarray(ids), jnp.asarray(positions), jnp.asarray(mask), vision))[0]
     # A load check of make-tiny's scaled init (larger activations than the parity fixture's): fp32 round-off of
     # ~1e-4 either side (transformers' fp32 strays 6e-5 from its float64 here); test_qwen3_5.py holds parity to 1e-4.
     np.testing.assert_allclose(logits, ref, atol=2 * TOL, rtol=0)

@@ -16,7 +16,7 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-THREAD_NAME = "jaxrl-background-compile"  # compile events on this thread stall no request (`scripts/bench_engine.py`)
+THREAD_NAME = "jaxrl-vlm-background-compile"  # compile events on this thread stall no request (`scripts/bench_engine.py`)
 
 
 class BackgroundCompiler:
