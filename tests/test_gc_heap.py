@@ -46,7 +46,10 @@ def test_holds_nest_and_the_last_release_lets_the_collector_free_what_died_while
     gc.collect()
     assert alive() is not None, "a frozen cycle is not collected"
     gc_heap.release("b")
-    assert gc.get_freeze_count() == frozen, "one holder is left: still frozen"
+    # One holder is left: still frozen, so the dead cycle survives a collection. (Not the freeze count itself:
+    # refcounting still frees frozen objects, which lowers it; a full suite once saw it drop by 5 here.)
+    gc.collect()
+    assert alive() is not None and gc.get_freeze_count() > 0, "one holder is left: still frozen"
     late = [_Cycle()]
     assert gc_heap.freeze_more("a") > frozen
     gc_heap.release("a")
