@@ -212,7 +212,8 @@ def test_a_decode_bucket_in_steady_use_compiles_on_a_side_thread(one_call_each, 
     own = ("decode", 1, MAX_SEQ, False)
     compiled_here = threads.count(threading.current_thread().name)
     borrowed = [step([1])]
-    step([0, 1, 2]), step([0, 1, 2])
+    step([0, 1, 2])
+    step([0, 1, 2])
     borrowed.append(step([1]))  # the borrowing three steps before is out of the window: one in it, nothing compiles
     assert not alone.background.busy and alone.background.compiled == 0
     borrowed.append(step([1]))  # two in the window: the 1-row program starts compiling

@@ -16,7 +16,8 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-THREAD_NAME = "jaxrl-vlm-background-compile"  # compile events on this thread stall no request (`scripts/bench_engine.py`)
+# Compile events on this thread stall no request (`scripts/bench_engine.py` counts them apart).
+THREAD_NAME = "jaxrl-vlm-background-compile"
 
 
 class BackgroundCompiler:
