@@ -448,6 +448,9 @@ class SoakReport:
     rss_drift_between_compiles_mib: float | None = None  # over the second half of the load (or after warm-up)
     rss_drift_from_s: float | None = None
     programs_compiled_after_warmup: int | None = None
+    # Their keys ("decode 8 128 False", ...): where each was compiled ("serving": where first needed, a stall of the
+    # running requests; "side": on the engine's side thread, stalling nothing). Empty for an engine that does not say.
+    programs_after_warmup: dict[str, str] = field(default_factory=dict)
     compiled_programs: dict[str, int | None] = field(default_factory=dict)
     pages_idle_baseline: dict[str, int] = field(default_factory=dict)
     pages_after_load: dict[str, int] = field(default_factory=dict)
@@ -492,6 +495,7 @@ class Soak:
         self.report = SoakReport(options=_jsonable(dataclasses.asdict(opts)), server=server_desc)
         self.t0 = 0.0
         self.warmup_end_s = opts.warmup_s
+        self.programs_at_warmup_end: dict[str, str] = {}
         self.context_len = opts.max_seq_len
         self._rss_stop = asyncio.Event()
 
@@ -694,6 +698,7 @@ class Soak:
             report.pages_held_after_load = pages.held_by_requests
             info = await self.server_info()
             report.compiled_programs["end"] = info["internal_states"][0].get("num_compiled_programs")
+            report.programs_after_warmup = new_programs(self.programs_at_warmup_end, program_keys(info))
             report.engine_stats = info["internal_states"][0].get("engine_stats", {})
             await self.flush()
             flushed = await self.pages()
@@ -724,6 +729,7 @@ class Soak:
         self.warmup_end_s = round(now - self.t0, 2)
         self.report.warmup_end_s = self.warmup_end_s
         self.report.compiled_programs["warmup_end"] = programs
+        self.programs_at_warmup_end = program_keys(info)
 
     def summarize(self) -> None:
         opts, report = self.opts, self.report
@@ -775,6 +781,17 @@ class Soak:
             report.checks["rss_growth_within_bound"] = growth is not None and growth <= opts.rss_growth_bound_mib
             drift = report.rss_drift_between_compiles_mib
             report.checks["rss_drift_within_bound"] = drift is not None and drift <= opts.rss_drift_bound_mib
+
+
+def program_keys(info: dict[str, Any]) -> dict[str, str]:
+    """The embedded engine's compiled programs in a `/get_server_info` answer: key (joined) -> "side" or "serving"
+    (where it was compiled); empty for a server that does not list them."""
+    listed = info.get("internal_states", [{}])[0].get("compiled_programs", [])
+    return {" ".join(map(str, p["key"])): "side" if p["side_thread"] else "serving" for p in listed}
+
+
+def new_programs(before: dict[str, str], after: dict[str, str]) -> dict[str, str]:
+    return {key: where for key, where in after.items() if key not in before}
 
 
 # RSS keeps growing for some seconds after a program compiled (a 300 s run: +10 MiB at once, then +4 MiB over the next
@@ -838,6 +855,8 @@ def format_report(report: SoakReport) -> str:
               f"{report.rss_drift_between_compiles_mib} (bound {report.options['rss_drift_bound_mib']:g})"),
              ("compiled programs (before / warm-up end / end)",
               f"{report.compiled_programs.get('before_load')} / {report.compiled_programs.get('warmup_end')} / {report.compiled_programs.get('end')}"),
+             ("programs compiled after warm-up (where)",
+              ", ".join(f"{key} ({where})" for key, where in report.programs_after_warmup.items()) or "none listed"),
              ("KV pages idle baseline", _pages(report.pages_idle_baseline)),
              ("KV pages after load (settled)", _pages(report.pages_after_load)),
              ("KV pages after flush", _pages(report.pages_after_flush)),

@@ -555,6 +555,12 @@ async def test_info_health_and_client_helpers(engine):
         pages = server["internal_states"][0]["kv_pages"]
         assert pages["held_by_requests"] == 0 and pages["free"] + pages["cached"] == pages["total"] > 0
         assert server["internal_states"][0]["engine_stats"]["aborted"] >= 0
+        # Each compiled program by key and where it compiled (the soak names the programs compiled after warm-up).
+        listed = server["internal_states"][0]["compiled_programs"]
+        runner = engine.engine.runner
+        assert len(listed) == server["internal_states"][0]["num_compiled_programs"] > 0
+        assert {tuple(p["key"]) for p in listed} <= runner.programs
+        assert all(p["side_thread"] == (tuple(p["key"]) in runner.side_programs) for p in listed)
         assert await c.get_weight_version() == engine.engine.scheduler.weight_version
     for path in ("/get_model_info", "/get_server_info", "/health_generate", "/health"):
         status, _ = await post(engine, path, method="GET")

@@ -10,13 +10,19 @@
   hits of later rounds share one program, and decode steps while requests arrive one by one borrow the programs the
   warm-up compiled; with prompts side by side too.
 * A decode bucket that keeps borrowing gets its own program compiled on a side thread, which the steps after it run
-  without compiling on the scheduler's thread, with the same tokens and log-probs.
+  without compiling on the scheduler's thread, with the same tokens and log-probs; a process that exits while the
+  side thread compiles waits for it instead of aborting.
+* A prefill whose buckets have no program borrows the cheapest compiled one that covers them (text with text, images
+  with images) and, once in steady use, gets its own compiled on the side thread: the same token and log-prob.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from types import SimpleNamespace
@@ -32,6 +38,7 @@ from jaxrl_vlm.engine.background_compile import THREAD_NAME
 from jaxrl_vlm.engine.runner import FloatRow, IntRow, ModelRunner, PrefillRow
 from jaxrl_vlm.models import from_hf
 from rollout.client import SGLangClient
+from _launch import ROOT, xla_flags
 
 PAGE = 16
 MAX_SEQ = 128
@@ -208,6 +215,8 @@ def test_a_decode_bucket_in_steady_use_compiles_on_a_side_thread(one_call_each, 
     threads: list[str] = []
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, _s, **_k: threads.append(threading.current_thread().name) if event == BACKEND_COMPILE else None)
+    alone.background.wait(timeout_s=300)  # the fixture's prefills may have started one
+    before = alone.background.compiled
     together = step([0, 1, 2])  # compiles the 4-row program, on this thread
     own = ("decode", 1, MAX_SEQ, False)
     compiled_here = threads.count(threading.current_thread().name)
@@ -215,14 +224,71 @@ def test_a_decode_bucket_in_steady_use_compiles_on_a_side_thread(one_call_each, 
     step([0, 1, 2])
     step([0, 1, 2])
     borrowed.append(step([1]))  # the borrowing three steps before is out of the window: one in it, nothing compiles
-    assert not alone.background.busy and alone.background.compiled == 0
+    assert not alone.background.busy and alone.background.compiled == before
     borrowed.append(step([1]))  # two in the window: the 1-row program starts compiling
-    assert own not in alone.programs and (alone.background.busy or alone.background.compiled == 1)
+    assert own not in alone.programs and (alone.background.busy or alone.background.compiled == before + 1)
     alone.background.wait(timeout_s=300)
     ready = step([1])
     assert own in alone.programs and alone.program_calls[own] == 1, "the step after the compilation runs its program"
     assert threads.count(threading.current_thread().name) == compiled_here, "compiled on the scheduler's thread"
-    assert threads.count(THREAD_NAME) == 1 and alone.background.compiled == 1 and not alone.background.failed
+    assert threads.count(THREAD_NAME) == 1 and alone.background.compiled == before + 1 and not alone.background.failed
     for ids, lps in [*borrowed, ready]:
         assert ids.tolist() == together[0][1:2].tolist()
         np.testing.assert_allclose(lps, together[1][1:2], atol=1e-5)
+
+
+
+def test_a_prefill_borrows_a_larger_program_and_its_own_compiles_on_the_side_thread(one_call_each, monkeypatch):
+    """The fixture prefilled a 64-token bucket first (compiled on its thread), then four prompts of the 32-token
+    bucket, one call each: they borrowed the 64-token program, the fourth (PREFILL_FALLBACK_CALLS in the window)
+    started the 32-token program's compilation on the side thread. A later prompt of that bucket runs it, compiling
+    nothing on this thread, with the token and log-prob the borrowed program gave."""
+    _, config, alone, single, _ = one_call_each
+    assert runner_module.PREFILL_FALLBACK_CALLS == 4
+    alone.background.wait(timeout_s=300)
+    rows = _rows(alone.vocab_size)
+    own = alone._prefill_key((32, MAX_SEQ, None))
+    prepared = alone.prepare_prefill(rows[1])  # adopts the side thread's program
+    assert prepared.key == (32, MAX_SEQ, None) and own in alone.side_programs and not alone.background.failed
+    threads: list[str] = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, _s, **_k: threads.append(threading.current_thread().name) if event == BACKEND_COMPILE else None)
+    calls = alone.program_calls[("prefill", 32, None)]
+    (token, logprob), = alone.prefill_rows([prepared])
+    assert alone.program_calls[("prefill", 32, None)] == calls + 1 and threading.current_thread().name not in threads
+    assert token == single[1][0] and logprob == pytest.approx(single[1][1], abs=1e-5)
+
+    # Which compiled program covers which buckets: text with text, pictures with pictures, the cheapest that covers.
+    keys = {alone._prefill_key(b) for b in [(64, 128, None), (128, 64, None), (128, 128, None), (64, 128, 1024),
+                                            (32, 128, 4096), (128, 128, 256)]}
+    monkeypatch.setattr(alone, "programs", keys)
+    assert alone._prefill_buckets((32, 64, None)) == (64, 128, None)
+    assert alone._prefill_buckets((128, 64, None)) == (128, 64, None)  # its own
+    assert alone._prefill_buckets((32, 256, None)) == (32, 256, None)  # nothing covers it: compiled where it stands
+    assert alone._prefill_buckets((32, 64, 256)) == (32, 128, 4096)  # the shortest prompt first
+    assert alone._prefill_buckets((64, 128, 2048)) == (64, 128, 2048)
+
+# Exits right after starting a compilation long enough to be in XLA's compiler at exit; says whether it was.
+_EXIT_WHILE_COMPILING = """
+import atexit, jax, jax.numpy as jnp
+from jaxrl_vlm.engine.background_compile import BackgroundCompiler
+def chain(x):
+    for i in range(100):
+        x = jnp.sin(x @ x.T + i)
+    return x
+side = BackgroundCompiler()
+side.start("chain", lambda: jax.jit(chain).lower(jax.ShapeDtypeStruct((64, 64), jnp.float32)).compile())
+atexit.register(lambda: print("compiled at exit:", side.compiled, flush=True))
+print("busy when exiting:", side.busy, flush=True)
+"""
+
+
+def test_a_process_exiting_while_the_side_thread_compiles_waits_for_it_and_exits_cleanly():
+    # A daemon compile thread still inside XLA when the interpreter finalizes aborted the process (SIGABRT,
+    # "terminate called ... exception not rethrown"): a served engine stopped by SIGTERM then died that way.
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(1),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, "-c", _EXIT_WHILE_COMPILING], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "busy when exiting: True" in proc.stdout and "compiled at exit: 1" in proc.stdout, proc.stdout

@@ -83,4 +83,7 @@ def test_soak_of_the_served_engine_has_no_unexpected_failure_leak_or_drift(tmp_p
     assert report["rss_growth_after_warmup_mib"] is not None and report["checks"]["server_alive_after_load"]
     assert report["rss_growth_after_warmup_mib"] <= report["options"]["rss_growth_bound_mib"], output
     assert report["rss_drift_between_compiles_mib"] <= report["options"]["rss_drift_bound_mib"], output
+    programs = report["compiled_programs"]
+    assert len(report["programs_after_warmup"]) == programs["end"] - programs["warmup_end"], output
+    assert set(report["programs_after_warmup"].values()) <= {"side", "serving"}, output
     assert report["passed"] and proc.returncode == 0, output

@@ -21,8 +21,9 @@ THREAD_NAME = "jaxrl-vlm-background-compile"
 
 
 class BackgroundCompiler:
-    """At most one compilation in flight, on a daemon thread (so a compilation never holds a process that is
-    exiting). Driven by one thread (the scheduler's): `start` a key, later `take_ready` the keys whose programs
+    """At most one compilation in flight, on a side thread that is not a daemon: a process that exits meanwhile waits
+    for it (seconds), because XLA's compiler cannot be interrupted and a daemon thread still inside it when the
+    interpreter finalizes aborts the process (SIGABRT, "exception not rethrown"). Driven by one thread (the scheduler's): `start` a key, later `take_ready` the keys whose programs
     are compiled. A key whose compilation failed is logged and never started again: the caller keeps running the
     program it borrows."""
 
@@ -49,7 +50,7 @@ class BackgroundCompiler:
             raise RuntimeError(f"cannot start compiling {key}: started before, or another compilation is in flight")
         self._started.add(key)
         self._thread = threading.Thread(target=self._compile, args=(key, compile_program), name=THREAD_NAME,
-                                        daemon=True)
+                                        daemon=False)
         self._thread.start()
 
     def take_ready(self) -> list[Hashable]:

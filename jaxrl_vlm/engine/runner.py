@@ -146,6 +146,19 @@ MIN_BIAS_ENTRIES = 8  # smallest bucket of logit_bias entries per row (then doub
 # not a passing ramp; one needed more rarely costs the larger program's time on a few steps only.
 FALLBACK_STEPS = 32
 FALLBACK_WINDOW = 1024
+# The same for a prefill's buckets (`_prefill_buckets`), counted in prefills: a prompt shape that came 4 times in the
+# last 256 prefills (a conversation's kv bucket that the rollout's episodes keep reaching) gets its own program.
+PREFILL_FALLBACK_CALLS = 4
+PREFILL_FALLBACK_WINDOW = 256
+
+
+def in_steady_use(borrowed: collections.deque[int], now: int, calls: int, window: int) -> bool:
+    """Record a call at clock `now` in `borrowed` (the clocks of a key's borrowing calls, oldest first, pruned here
+    to the last `window`); true once `calls` of them lie in it."""
+    borrowed.append(now)
+    while borrowed[0] <= now - window:
+        borrowed.popleft()
+    return len(borrowed) >= calls
 
 
 @dataclass
@@ -294,10 +307,12 @@ class ModelRunner:
         self._copy_state = jax.jit(forward.copy_state, donate_argnames=("cache",), out_shardings=cache_sh)
         self.program_calls: collections.Counter[tuple[Any, ...]] = collections.Counter()
         self.programs: set[tuple[Any, ...]] = set()  # the compiled programs' keys (several call kinds share one)
+        self.side_programs: set[tuple[Any, ...]] = set()  # those of `programs` compiled on the side thread
         self._decode_steps = 0  # decode steps dispatched (`_decode_buckets`' clock)
-        # (batch bucket, kv bucket, filtered) -> the decode steps it borrowed on, within the last FALLBACK_WINDOW
-        self._borrowed: dict[tuple[int, int, bool], collections.deque[int]] = {}
-        self.background = BackgroundCompiler()  # decode buckets in steady use, compiled while others serve
+        self._prefills = 0  # prefills prepared (`_prefill_buckets`' clock)
+        # A program key of buckets that borrow -> the clocks it borrowed at, within the last window (`in_steady_use`)
+        self._borrowed: dict[tuple[Any, ...], collections.deque[int]] = {}
+        self.background = BackgroundCompiler()  # buckets in steady use, compiled while others serve
         # Seconds inside program calls (dispatch until the results are on the host), for the host share of a step.
         self.decode_program_s = 0.0
         self.prefill_program_s = 0.0
@@ -420,49 +435,112 @@ class ModelRunner:
 
     def prepare_prefill(self, row: PrefillRow) -> _PreparedPrefill:
         """Pad one request's prompt to its buckets on the host (and build its vision inputs); a ValueError names
-        what does not fit. Nothing runs on the device."""
+        what does not fit. Nothing runs on the device. Buckets with no compiled program borrow a larger one's
+        (`_prefill_buckets`)."""
         total = int(row.input_ids.shape[0])
         start = row.start
         if not 0 <= start < total:
             raise ValueError(f"prefill start={start} must lie in [0, {total}) (the last prompt token is always computed)")
         if len(row.pages) * self.config.page_size < total:
             raise ValueError(f"{len(row.pages)} pages of {self.config.page_size} tokens cannot hold a prompt of {total} tokens")
-        length = total - start
-        t = bucket_for(length, self.config.prefill_buckets, "prompt tokens")
+        for token, _ in row.logit_bias:
+            if not 0 <= int(token) < self.vocab_size:
+                raise ValueError(f"logit_bias token id {token} is outside the vocabulary [0, {self.vocab_size})")
+        self._prefills += 1
+        t = bucket_for(total - start, self.config.prefill_buckets, "prompt tokens")
         # A cold prefill attends to its prompt's kv bucket too: it then shares the extend's program (see the module).
         kv_len = bucket_for(total, self.config.kv_buckets, "cached tokens")
+        pixel_values, image_grid_thw = images_after(row.input_ids, start, row.pixel_values, row.image_grid_thw, self.cfg)
+        clips = clips_after(row.input_ids, start, row.clips, self.cfg)
+        own = (t, kv_len, self._patch_bucket(pixel_values, clips))
+        buckets = self._prefill_buckets(own)
+        if buckets != own and self._prefill_in_steady_use(own) and self.background.can_start(self._prefill_key(own)):
+            prepared = self._pad_prefill(row, own, pixel_values, image_grid_thw, clips)
+            self.background.start(self._prefill_key(own), self._prefill_compiler(prepared))
+        return self._pad_prefill(row, buckets, pixel_values, image_grid_thw, clips)
+
+    def _pad_prefill(self, row: PrefillRow, buckets: tuple[int, int, int | None], pixel_values: np.ndarray | None,
+                     image_grid_thw: np.ndarray | None, clips: ClipInputs | None) -> _PreparedPrefill:
+        """`row` padded to `buckets` (prompt, kv length, patches): its tokens [T], positions [3, T], table [W] and
+        vision inputs; `pixel_values`, `image_grid_thw` and `clips` are those of its tokens after `row.start`."""
+        t, kv_len, patch_bucket = buckets
+        start, length = row.start, int(row.input_ids.shape[0]) - row.start
         table = self._padded_tables(np.asarray(row.pages, np.int32)[None], 1, self._table_width(kv_len))[0]
         tokens = np.zeros((t,), np.int32)
         tokens[:length] = row.input_ids[start:]
         pos = np.zeros((3, t), np.int32)
         pos[:, :length] = row.positions[:, start:]
-        pixel_values, image_grid_thw = images_after(row.input_ids, start, row.pixel_values, row.image_grid_thw, self.cfg)
-        clips = clips_after(row.input_ids, start, row.clips, self.cfg)
         valid = np.zeros((1, t), bool)
         valid[0, :length] = True
-        vision, patch_bucket = self._vision(pixel_values, image_grid_thw, clips, tokens[None], valid)
-        for token, _ in row.logit_bias:
-            if not 0 <= int(token) < self.vocab_size:
-                raise ValueError(f"logit_bias token id {token} is outside the vocabulary [0, {self.vocab_size})")
+        vision = self._vision(pixel_values, image_grid_thw, clips, tokens[None], valid, patch_bucket)
         images = (0 if image_grid_thw is None else len(image_grid_thw)) + (0 if clips is None else len(clips))
-        return _PreparedPrefill(row, (t, kv_len, patch_bucket), length, tokens, pos, table, vision, images)
+        return _PreparedPrefill(row, buckets, length, tokens, pos, table, vision, images)
+
+    def _prefill_shape(self, t: int, images: bool) -> tuple[int, int]:
+        """(rows, rows side by side) of the prefill program of prompt bucket `t`: a prompt with images runs alone."""
+        if images:
+            return 1, 1
+        cap, group = self.prefill_rows_per_call(t), self.prefill_group(t)
+        return cap - cap % group, group
+
+    def _prefill_key(self, buckets: tuple[int, int, int | None], bias_entries: int = MIN_BIAS_ENTRIES) -> tuple[Any, ...]:
+        """The program key of a prefill call of these buckets (`_prefill_call`)."""
+        t, kv_len, patch_bucket = buckets
+        width, group = self._prefill_shape(t, patch_bucket is not None)
+        return ("prefill", width, t, kv_len, patch_bucket, bias_entries, group)
+
+    def _prefill_buckets(self, own: tuple[int, int, int | None]) -> tuple[int, int, int | None]:
+        """The buckets a prefill of buckets `own` (prompt, kv length, patches or None) runs in: its own when their
+        program is compiled or none covers them; else the cheapest compiled program's that does (a longer prompt,
+        kv span or patch bucket, text with text and images with images: padding tokens write nowhere a request
+        reads, keys past each row's length are masked, padding patches feed no token). A compilation on the
+        scheduler's thread stalls every running request, so a shape first needed mid-run (a long conversation's
+        kv bucket, a larger picture) borrows; once it is in steady use (`_prefill_in_steady_use`) its own program
+        compiles on the side thread (`prepare_prefill`)."""
+        self._adopt_ready()
+        programs = [key for key in self.programs if key[0] == "prefill" and key[5] == MIN_BIAS_ENTRIES]
+        if self._prefill_key(own) in programs:
+            return own
+        t, kv_len, patch_bucket = own
+        covering = [key[2:5] for key in programs
+                    if (key[4] is None) == (patch_bucket is None) and key[2] >= t and key[3] >= kv_len
+                    and (patch_bucket is None or key[4] >= patch_bucket) and key == self._prefill_key(key[2:5])]
+        return min(covering, key=lambda b: (b[0], b[2] or 0, b[1]), default=own)
+
+    def _prefill_in_steady_use(self, own: tuple[int, int, int | None]) -> bool:
+        """Count one prefill that borrows for buckets `own`; true once they borrowed in PREFILL_FALLBACK_CALLS of the
+        last PREFILL_FALLBACK_WINDOW prefills."""
+        return in_steady_use(self._borrowed.setdefault(("prefill", *own), collections.deque()), self._prefills,
+                             PREFILL_FALLBACK_CALLS, PREFILL_FALLBACK_WINDOW)
+
+    def _adopt_ready(self) -> None:
+        """Programs the side thread compiled since the last call join `programs` (the next call of their shapes runs
+        them: jax's jit cache holds them)."""
+        ready = self.background.take_ready()
+        self.programs.update(ready)
+        self.side_programs.update(ready)
+
+    def _patch_bucket(self, pixel_values: np.ndarray | None, clips: ClipInputs | None) -> int | None:
+        """The patch bucket of these pictures' and clips' patches together, None for text."""
+        if pixel_values is None and clips is None:
+            return None
+        patches = (0 if pixel_values is None else int(pixel_values.shape[0])) + (0 if clips is None else clips.patches)
+        return self.config.patch_bucket(patches)
 
     def _vision(self, pixel_values: np.ndarray | None, image_grid_thw: np.ndarray | None, clips: ClipInputs | None,
-                tokens: np.ndarray, valid: np.ndarray) -> tuple[VisionInputs | None, int | None]:
-        """The vision inputs of [1, T] `tokens` and their patch bucket (pictures' and clips' patches together), or
-        (None, None) for text."""
+                tokens: np.ndarray, valid: np.ndarray, patch_bucket: int | None) -> VisionInputs | None:
+        """The vision inputs of [1, T] `tokens`, their pictures' and clips' patches padded to `patch_bucket`, or None
+        for text."""
         if pixel_values is None and clips is None:
-            return None, None
+            return None
         if pixel_values is None:
             pixel_values = np.zeros((0, self.cfg.vision.patch_dim), np.float32)
             image_grid_thw = np.zeros((0, 3), np.int64)
-        patches = int(pixel_values.shape[0]) + (0 if clips is None else clips.patches)
-        patch_bucket = self.config.patch_bucket(patches)
         vision = build_vision_inputs(
             pixel_values, image_grid_thw, tokens, self.cfg, patch_bucket=patch_bucket, token_valid=valid,
             pixel_values_videos=None if clips is None else clips.pixel_values_videos,
             video_grid_thw=None if clips is None else clips.video_grid_thw)
-        return type(vision)(*(None if a is None else np.asarray(a) for a in vision)), patch_bucket
+        return type(vision)(*(None if a is None else np.asarray(a) for a in vision))
 
     def prefill_rows(self, prepared: Sequence[_PreparedPrefill]) -> list[tuple[int, float]]:
         """Run prepared prompts (`prepare_prefill`) in order and sample each one's next token; returns (token id,
@@ -476,13 +554,12 @@ class ModelRunner:
                 out.extend(self._prefill_call([prepared[i]], 1, 1))
                 i += 1
                 continue
-            cap, group = self.prefill_rows_per_call(key[0]), self.prefill_group(key[0])
+            width, group = self._prefill_shape(key[0], images=False)
             j = i + 1
             while j < len(prepared) and prepared[j].key == key:
                 j += 1
             run = prepared[i:j]
             layout = self._side_by_side(run, group)
-            width = cap - cap % group
             results: list[tuple[int, float]] = [(0, 0.0)] * len(run)
             for lo in range(0, len(layout), width):
                 piece = layout[lo: lo + width]
@@ -530,6 +607,26 @@ class ModelRunner:
         rows = [p for p in layout if p is not None]
         where = [r for r, p in enumerate(layout) if p is not None]
         t, kv_len, patch_bucket = rows[0].key
+        program, args = self._prefill_args(layout, width, group)
+        self.encoded_images += sum(p.images for p in rows)
+        for p in rows:
+            kind = ("prefill", t, patch_bucket) if p.row.start == 0 else ("extend", t, kv_len, patch_bucket)
+            self.program_calls[kind] += 1
+        self.programs.add(program)
+        started = time.perf_counter()
+        with exclusive(self.placement.devices):  # device_lock: a trainer sharing these devices waits meanwhile
+            self.cache, self.bias, ids, lps = self._prefill(self._param_leaves, self.cache, self.bias, *args, group=group)
+            ids, lps = jax.device_get((ids, lps))
+        self.prefill_program_s += time.perf_counter() - started
+        return [(int(ids[r]), float(lps[r])) for r in where]
+
+    def _prefill_args(self, layout: Sequence[_PreparedPrefill | None], width: int,
+                      group: int) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        """(program key, the host arguments of the prefill program after params, cache and bias) of a call of
+        `layout` (see `_prefill_call`)."""
+        rows = [p for p in layout if p is not None]
+        where = [r for r, p in enumerate(layout) if p is not None]
+        t, kv_len, patch_bucket = rows[0].key
         n = len(rows) if group == 1 else -(-len(layout) // group)  # the program's loop: rows, or groups of rows
         slots = np.full((width,), self.config.max_batch, np.int32)  # padding rows: bias writes dropped
         tables = np.full((width, self._table_width(kv_len)), self.config.num_pages, np.int32)
@@ -560,19 +657,25 @@ class ModelRunner:
             ints[:, r] = p.row.ints
             floats[:, r] = p.row.floats
         vision = rows[0].vision  # only ever in a one-row call
-        self.encoded_images += sum(p.images for p in rows)
-        for p in rows:
-            kind = ("prefill", t, patch_bucket) if p.row.start == 0 else ("extend", t, kv_len, patch_bucket)
-            self.program_calls[kind] += 1
-        self.programs.add(("prefill", width, t, kv_len, patch_bucket, k, group))
-        started = time.perf_counter()
-        with exclusive(self.placement.devices):  # device_lock: a trainer sharing these devices waits meanwhile
-            self.cache, self.bias, ids, lps = self._prefill(
-                self._param_leaves, self.cache, self.bias, np.int32(n), slots, tables, starts, tokens, positions,
-                lengths, copies, bias_ids, bias_vals, ints, floats, vision, group=group)
-            ids, lps = jax.device_get((ids, lps))
-        self.prefill_program_s += time.perf_counter() - started
-        return [(int(ids[r]), float(lps[r])) for r in where]
+        return (("prefill", width, t, kv_len, patch_bucket, k, group),
+                (np.int32(n), slots, tables, starts, tokens, positions, lengths, copies, bias_ids, bias_vals, ints,
+                 floats, vision))
+
+    def _prefill_compiler(self, prepared: _PreparedPrefill) -> Callable[[], Any]:
+        """Compiles the prefill program of `prepared`'s buckets (a call of it alone), on any thread: the arguments'
+        shapes, dtypes and shardings are taken here as `_prefill_call` passes them, so the program jit caches is
+        the one a later call of those buckets runs (as `_decode_compiler`)."""
+        width, group = self._prefill_shape(prepared.key[0], prepared.key[2] is not None)
+        _, args = self._prefill_args([prepared, *[None] * (width - 1)], width, group)
+        specs = (*self._device_specs(), *jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), args))
+        return lambda: self._prefill.lower(*specs, group=group).compile()
+
+    def _device_specs(self) -> tuple[Any, Any, Any]:
+        """Shapes, dtypes and shardings of the parameters, cache and bias rows every program takes first."""
+        def like(x: Any) -> jax.ShapeDtypeStruct:
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+
+        return [like(x) for x in self._param_leaves], jax.tree.map(like, self.cache), jax.tree.map(like, self.bias)
 
     def score(self, input_ids: np.ndarray, positions: np.ndarray, pixel_values: np.ndarray | None,
               image_grid_thw: np.ndarray | None, temperature: float, *, clips: ClipInputs | None = None) -> np.ndarray:
@@ -590,7 +693,8 @@ class ModelRunner:
         segment_ids[0, :total] = 1
         targets = np.zeros((1, t), np.int32)
         targets[0, : total - 1] = input_ids[1:]
-        vision, patch_bucket = self._vision(pixel_values, image_grid_thw, clips, tokens, segment_ids > 0)
+        patch_bucket = self._patch_bucket(pixel_values, clips)
+        vision = self._vision(pixel_values, image_grid_thw, clips, tokens, segment_ids > 0, patch_bucket)
         self.encoded_images += (0 if image_grid_thw is None else len(image_grid_thw)) + (0 if clips is None else len(clips))
         self._call(("score", t, patch_bucket), ("score", t, patch_bucket, float(temperature)))
         with exclusive(self.placement.devices):  # device_lock
@@ -699,7 +803,7 @@ class ModelRunner:
         needing is compiled without stalling the running requests (a compilation on this thread stalls them all: a
         second or more on a CPU), and a bucket needed now and then (the last rows of a round) never costs a
         compilation, in a long run either."""
-        self.programs.update(self.background.take_ready())
+        self._adopt_ready()
         self._decode_steps += 1
         b = bucket_for(n, self.config.batch_buckets, "running requests")
         kv_len = bucket_for(kv_needed, self.config.kv_buckets, "cached tokens")
@@ -710,11 +814,8 @@ class ModelRunner:
                     if key[0] == "decode" and key[3] == filtered and key[1] >= n and key[2] >= kv_needed]
         if not covering:
             return b, kv_len
-        borrowed = self._borrowed.setdefault((b, kv_len, filtered), collections.deque())
-        borrowed.append(self._decode_steps)
-        while borrowed[0] <= self._decode_steps - FALLBACK_WINDOW:
-            borrowed.popleft()
-        if len(borrowed) >= FALLBACK_STEPS and self.background.can_start(own):
+        borrowed = self._borrowed.setdefault(own, collections.deque())
+        if in_steady_use(borrowed, self._decode_steps, FALLBACK_STEPS, FALLBACK_WINDOW) and self.background.can_start(own):
             self.background.start(own, self._decode_compiler(b, kv_len, filtered))
         return min(covering, key=lambda key: key[0] * key[1])
 
@@ -722,11 +823,7 @@ class ModelRunner:
         """Compiles the decode program of these buckets, on any thread: its arguments' shapes, dtypes and shardings
         are taken here, on the scheduler's thread, as `_dispatch` passes them (numpy host arrays, and tokens on the
         devices, replicated), so the program jit caches is the one the step after it calls."""
-        def like(x: Any) -> jax.ShapeDtypeStruct:
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-
-        specs = ([like(x) for x in self._param_leaves], jax.tree.map(like, self.cache), jax.tree.map(like, self.bias),
-                 jax.ShapeDtypeStruct((b,), np.int32), jax.ShapeDtypeStruct((b, self._table_width(kv_len)), np.int32),
+        specs = (*self._device_specs(), jax.ShapeDtypeStruct((b,), np.int32), jax.ShapeDtypeStruct((b, self._table_width(kv_len)), np.int32),
                  jax.ShapeDtypeStruct((len(IntRow), b), np.int32), jax.ShapeDtypeStruct((len(FloatRow), b), np.float32),
                  jax.ShapeDtypeStruct((b,), np.int32, sharding=self._replicated))
         return lambda: self._decode.lower(*specs, filtered=filtered).compile()

@@ -259,7 +259,8 @@ async def server_info(request: web.Request) -> web.Response:
             "max_req_input_len": cfg.max_seq_len - 1,
             "max_total_num_tokens": loads["max_total_num_tokens"],
             "num_compiled_programs": engine.runner.num_programs,
-            # Not SGLang's: the KV page accounting (a snapshot from the scheduler thread) and the engine's counters,
+            # Not SGLang's: each compiled program's key (kind, then its buckets) and whether it was compiled on the
+            # side thread (stalling nothing) or where it was first needed (stalling the running requests); the KV page accounting (a snapshot from the scheduler thread) and the engine's counters,
             # for leak checks and the soak test (scripts/soak_engine.py).
             "kv_pages": {
                 "total": loads["kv_pages_total"],
@@ -268,10 +269,18 @@ async def server_info(request: web.Request) -> web.Response:
                 "held_by_requests": loads["kv_pages_held_by_requests"],
             },
             "engine_stats": dataclasses.asdict(engine.scheduler.stats),
+            "compiled_programs": compiled_programs(engine.runner),
         }],
         "version": VERSION,
         "embedded_engine": True,
     })
+
+
+def compiled_programs(runner: Any) -> list[dict[str, Any]]:
+    """The runner's compiled programs, for `/get_server_info`: key as a list, and whether the side thread compiled
+    it (a snapshot: the scheduler thread may add one meanwhile, hence the copy)."""
+    programs, side = set(runner.programs), set(runner.side_programs)
+    return [{"key": list(key), "side_thread": key in side} for key in sorted(programs, key=repr)]
 
 
 async def ready(request: web.Request) -> web.Response:
