@@ -273,7 +273,7 @@ _EXIT_WHILE_COMPILING = """
 import atexit, jax, jax.numpy as jnp
 from jaxrl_vlm.engine.background_compile import BackgroundCompiler
 def chain(x):
-    for i in range(100):
+    for i in range(25):
         x = jnp.sin(x @ x.T + i)
     return x
 side = BackgroundCompiler()
