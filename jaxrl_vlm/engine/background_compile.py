@@ -23,9 +23,9 @@ THREAD_NAME = "jaxrl-vlm-background-compile"
 class BackgroundCompiler:
     """At most one compilation in flight, on a side thread that is not a daemon: a process that exits meanwhile waits
     for it (seconds), because XLA's compiler cannot be interrupted and a daemon thread still inside it when the
-    interpreter finalizes aborts the process (SIGABRT, "exception not rethrown"). Driven by one thread (the scheduler's): `start` a key, later `take_ready` the keys whose programs
-    are compiled. A key whose compilation failed is logged and never started again: the caller keeps running the
-    program it borrows."""
+    interpreter finalizes aborts the process (SIGABRT, "exception not rethrown"). Driven by one thread (the
+    scheduler's): `start` a key, later `take_ready` the keys whose programs are compiled. A key whose compilation
+    failed is logged and never started again: the caller keeps running the program it borrows."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

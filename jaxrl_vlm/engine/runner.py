@@ -450,7 +450,8 @@ class ModelRunner:
         t = bucket_for(total - start, self.config.prefill_buckets, "prompt tokens")
         # A cold prefill attends to its prompt's kv bucket too: it then shares the extend's program (see the module).
         kv_len = bucket_for(total, self.config.kv_buckets, "cached tokens")
-        pixel_values, image_grid_thw = images_after(row.input_ids, start, row.pixel_values, row.image_grid_thw, self.cfg)
+        pixel_values, image_grid_thw = images_after(row.input_ids, start, row.pixel_values, row.image_grid_thw,
+                                                    self.cfg)
         clips = clips_after(row.input_ids, start, row.clips, self.cfg)
         own = (t, kv_len, self._patch_bucket(pixel_values, clips))
         buckets = self._prefill_buckets(own)
@@ -483,7 +484,8 @@ class ModelRunner:
         cap, group = self.prefill_rows_per_call(t), self.prefill_group(t)
         return cap - cap % group, group
 
-    def _prefill_key(self, buckets: tuple[int, int, int | None], bias_entries: int = MIN_BIAS_ENTRIES) -> tuple[Any, ...]:
+    def _prefill_key(self, buckets: tuple[int, int, int | None],
+                     bias_entries: int = MIN_BIAS_ENTRIES) -> tuple[Any, ...]:
         """The program key of a prefill call of these buckets (`_prefill_call`)."""
         t, kv_len, patch_bucket = buckets
         width, group = self._prefill_shape(t, patch_bucket is not None)
@@ -615,7 +617,8 @@ class ModelRunner:
         self.programs.add(program)
         started = time.perf_counter()
         with exclusive(self.placement.devices):  # device_lock: a trainer sharing these devices waits meanwhile
-            self.cache, self.bias, ids, lps = self._prefill(self._param_leaves, self.cache, self.bias, *args, group=group)
+            self.cache, self.bias, ids, lps = self._prefill(self._param_leaves, self.cache, self.bias, *args,
+                                                            group=group)
             ids, lps = jax.device_get((ids, lps))
         self.prefill_program_s += time.perf_counter() - started
         return [(int(ids[r]), float(lps[r])) for r in where]
@@ -815,7 +818,8 @@ class ModelRunner:
         if not covering:
             return b, kv_len
         borrowed = self._borrowed.setdefault(own, collections.deque())
-        if in_steady_use(borrowed, self._decode_steps, FALLBACK_STEPS, FALLBACK_WINDOW) and self.background.can_start(own):
+        steady = in_steady_use(borrowed, self._decode_steps, FALLBACK_STEPS, FALLBACK_WINDOW)
+        if steady and self.background.can_start(own):
             self.background.start(own, self._decode_compiler(b, kv_len, filtered))
         return min(covering, key=lambda key: key[0] * key[1])
 
@@ -823,7 +827,8 @@ class ModelRunner:
         """Compiles the decode program of these buckets, on any thread: its arguments' shapes, dtypes and shardings
         are taken here, on the scheduler's thread, as `_dispatch` passes them (numpy host arrays, and tokens on the
         devices, replicated), so the program jit caches is the one the step after it calls."""
-        specs = (*self._device_specs(), jax.ShapeDtypeStruct((b,), np.int32), jax.ShapeDtypeStruct((b, self._table_width(kv_len)), np.int32),
+        specs = (*self._device_specs(), jax.ShapeDtypeStruct((b,), np.int32),
+                 jax.ShapeDtypeStruct((b, self._table_width(kv_len)), np.int32),
                  jax.ShapeDtypeStruct((len(IntRow), b), np.int32), jax.ShapeDtypeStruct((len(FloatRow), b), np.float32),
                  jax.ShapeDtypeStruct((b,), np.int32, sharding=self._replicated))
         return lambda: self._decode.lower(*specs, filtered=filtered).compile()

@@ -259,9 +259,10 @@ async def server_info(request: web.Request) -> web.Response:
             "max_req_input_len": cfg.max_seq_len - 1,
             "max_total_num_tokens": loads["max_total_num_tokens"],
             "num_compiled_programs": engine.runner.num_programs,
-            # Not SGLang's: each compiled program's key (kind, then its buckets) and whether it was compiled on the
-            # side thread (stalling nothing) or where it was first needed (stalling the running requests); the KV page accounting (a snapshot from the scheduler thread) and the engine's counters,
-            # for leak checks and the soak test (scripts/soak_engine.py).
+            # Not SGLang's: the KV page accounting (a snapshot from the scheduler thread), the engine's counters and
+            # each compiled program's key (kind, then its buckets) with whether the side thread compiled it (stalling
+            # nothing) or the call that first needed it (stalling the running requests), for leak checks and the
+            # soak test (scripts/soak_engine.py).
             "kv_pages": {
                 "total": loads["kv_pages_total"],
                 "free": loads["kv_pages_free"],
