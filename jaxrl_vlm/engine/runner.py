@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import enum
 import functools
 import os
@@ -456,7 +457,10 @@ class ModelRunner:
         own = (t, kv_len, self._patch_bucket(pixel_values, clips))
         buckets = self._prefill_buckets(own)
         if buckets != own and self._prefill_in_steady_use(own) and self.background.can_start(self._prefill_key(own)):
-            prepared = self._pad_prefill(row, own, pixel_values, image_grid_thw, clips)
+            # The program of these buckets without a logit bias (the key `_prefill_buckets` looks for): a row with
+            # more bias entries than MIN_BIAS_ENTRIES runs a program of its own anyway.
+            plain = dataclasses.replace(row, logit_bias=())
+            prepared = self._pad_prefill(plain, own, pixel_values, image_grid_thw, clips)
             self.background.start(self._prefill_key(own), self._prefill_compiler(prepared))
         return self._pad_prefill(row, buckets, pixel_values, image_grid_thw, clips)
 
@@ -669,7 +673,8 @@ class ModelRunner:
         shapes, dtypes and shardings are taken here as `_prefill_call` passes them, so the program jit caches is
         the one a later call of those buckets runs (as `_decode_compiler`)."""
         width, group = self._prefill_shape(prepared.key[0], prepared.key[2] is not None)
-        _, args = self._prefill_args([prepared, *[None] * (width - 1)], width, group)
+        key, args = self._prefill_args([prepared, *[None] * (width - 1)], width, group)
+        assert key == self._prefill_key(prepared.key, key[5]), (key, prepared.key)
         specs = (*self._device_specs(), *jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), args))
         return lambda: self._prefill.lower(*specs, group=group).compile()
 
