@@ -1018,7 +1018,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['program_ms_per_step']['median']:>13.2f} ({r['program_ms_per_step']['spread']:.2f}x) "
                   f"{r['steps_per_round']['min']:>5.1f}-{r['steps_per_round']['max']:.1f}")
         print("compiles: compilations during the timed repeats on the threads that serve requests (each stalls them) + "
-              "on the engine's side thread (a decode bucket in steady use; stalls nothing)")
+              "on the engine's side thread (a decode or prefill bucket in steady use; stalls nothing)")
         print("gc s (max): the garbage collector's pauses in this process (the embedded engine's) during the timed "
               "repeats, total and longest; machine py/xla: the spread of one fixed piece of Python work (one core) and of "
               "one fixed XLA program (XLA's threads, as the decode program runs), each as long as a repeat, timed "
