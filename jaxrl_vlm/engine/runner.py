@@ -523,8 +523,8 @@ class ModelRunner:
         """Programs the side thread compiled since the last call join `programs` (the next call of their shapes runs
         them: jax's jit cache holds them)."""
         ready = self.background.take_ready()
+        self.side_programs.update(ready)  # first: `server.compiled_programs` reads `programs` first
         self.programs.update(ready)
-        self.side_programs.update(ready)
 
     def _patch_bucket(self, pixel_values: np.ndarray | None, clips: ClipInputs | None) -> int | None:
         """The patch bucket of these pictures' and clips' patches together, None for text."""

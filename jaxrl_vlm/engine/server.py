@@ -244,6 +244,7 @@ async def server_info(request: web.Request) -> web.Response:
     engine = _engine(request)
     cfg = engine.config
     loads = await engine.control(LoadsMsg)
+    programs = compiled_programs(engine.runner)  # one snapshot for the count and the list
     return web.json_response({
         **request.app[_SERVER],
         "model_path": engine.model_path,
@@ -258,7 +259,7 @@ async def server_info(request: web.Request) -> web.Response:
         "internal_states": [{
             "max_req_input_len": cfg.max_seq_len - 1,
             "max_total_num_tokens": loads["max_total_num_tokens"],
-            "num_compiled_programs": engine.runner.num_programs,
+            "num_compiled_programs": len(programs),
             # Not SGLang's: the KV page accounting (a snapshot from the scheduler thread), the engine's counters and
             # each compiled program's key (kind, then its buckets) with whether the side thread compiled it (stalling
             # nothing) or the call that first needed it (stalling the running requests), for leak checks and the
@@ -270,7 +271,7 @@ async def server_info(request: web.Request) -> web.Response:
                 "held_by_requests": loads["kv_pages_held_by_requests"],
             },
             "engine_stats": dataclasses.asdict(engine.scheduler.stats),
-            "compiled_programs": compiled_programs(engine.runner),
+            "compiled_programs": programs,
         }],
         "version": VERSION,
         "embedded_engine": True,
@@ -279,8 +280,10 @@ async def server_info(request: web.Request) -> web.Response:
 
 def compiled_programs(runner: Any) -> list[dict[str, Any]]:
     """The runner's compiled programs, for `/get_server_info`: key as a list, and whether the side thread compiled
-    it (a snapshot: the scheduler thread may add one meanwhile, hence the copy)."""
-    programs, side = set(runner.programs), set(runner.side_programs)
+    it. The scheduler thread may add one meanwhile: `programs` is copied first, and the runner adds a key to
+    `side_programs` before `programs`, so a listed key the side thread compiled is never shown as compiled in place."""
+    programs = set(runner.programs)
+    side = set(runner.side_programs)
     return [{"key": list(key), "side_thread": key in side} for key in sorted(programs, key=repr)]
 
 
