@@ -237,13 +237,12 @@ def test_a_decode_bucket_in_steady_use_compiles_on_a_side_thread(one_call_each, 
         np.testing.assert_allclose(lps, together[1][1:2], atol=1e-5)
 
 
-
 def test_a_prefill_borrows_a_larger_program_and_its_own_compiles_on_the_side_thread(one_call_each, monkeypatch):
     """The fixture prefilled a 64-token bucket first (compiled on its thread), then four prompts of the 32-token
     bucket, one call each: they borrowed the 64-token program, the fourth (PREFILL_FALLBACK_CALLS in the window)
     started the 32-token program's compilation on the side thread. A later prompt of that bucket runs it, compiling
     nothing on this thread, with the token and log-prob the borrowed program gave."""
-    _, config, alone, single, _ = one_call_each
+    _, _, alone, single, _ = one_call_each
     assert runner_module.PREFILL_FALLBACK_CALLS == 4
     alone.background.wait(timeout_s=300)
     rows = _rows(alone.vocab_size)
@@ -267,6 +266,7 @@ def test_a_prefill_borrows_a_larger_program_and_its_own_compiles_on_the_side_thr
     assert alone._prefill_buckets((32, 256, None)) == (32, 256, None)  # nothing covers it: compiled where it stands
     assert alone._prefill_buckets((32, 64, 256)) == (32, 128, 4096)  # the shortest prompt first
     assert alone._prefill_buckets((64, 128, 2048)) == (64, 128, 2048)
+
 
 # Exits right after starting a compilation long enough to be in XLA's compiler at exit; says whether it was.
 _EXIT_WHILE_COMPILING = """
