@@ -19,6 +19,7 @@ from pathlib import Path
 from jaxrl_vlm.config import Config, ConfigError, describe_options, is_sft, load_config
 from jaxrl_vlm.engine.options import DTYPES, EngineOptions
 from jaxrl_vlm.models.config import FAMILY_PARSERS
+from jaxrl_vlm.xla_cpu_cores import allowed_cores, confine_xla_threads, parse_cpu_list
 from rollout.client import EngineRefused, WorkerLost
 from rollout.engine_link import EngineLost
 from rollout.loading import LoadError, load_module
@@ -261,7 +262,9 @@ def _cmd_serve(ns: argparse.Namespace, rest: list[str]) -> int:
         given = {"param_dtype": ns.dtype, "compute_dtype": ns.dtype, **given}
     try:
         config = EngineOptions(**given)
-    except ValueError as e:
+        if ns.xla_cpu_cores is not None:  # before anything starts jax's backends
+            confine_xla_threads(parse_cpu_list(ns.xla_cpu_cores, allowed_cores()))
+    except (ValueError, RuntimeError) as e:
         raise ConfigError(f"serve: {e}") from e
     from jaxrl_vlm.engine import serve
 
@@ -492,6 +495,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None,
                    help="Require 'Authorization: Bearer KEY' on every endpoint but /health* (SGLang's flag name).")
     p.add_argument("--dtype", choices=DTYPES, default=None, help="--param-dtype and --compute-dtype at once.")
+    p.add_argument("--xla-cpu-cores", default=None, metavar="CORES",
+                   help="Run XLA's CPU threads on these cores only (a list as taskset -c takes, e.g. 1 or 2-7; 'auto': "
+                        "all but the lowest), the engine's Python on every core, as vLLM's CPU server keeps its compute "
+                        "off its API server's core. For a CPU host: faster and steadier for small models at low "
+                        "concurrency; slower where the compute needs every core, and XLA compiles on those cores only "
+                        "(default: all cores for both).")
     add_engine_options(p)
     p.set_defaults(func=_cmd_serve)
 

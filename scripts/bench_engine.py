@@ -111,6 +111,7 @@ from typing import Any
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from jaxrl_vlm.xla_cpu_cores import allowed_cores, confine_xla_threads, parse_cpu_list  # noqa: E402 (imports no jax)
 
 SIZES: dict[str, dict[str, Any]] = {
     "tiny": {},  # tiny_assets defaults: hidden 64, 2 layers
@@ -860,14 +861,19 @@ def main(argv: list[str] | None = None) -> int:
                    "of --peer-url.")
     p.add_argument("--checkpoint", default=None, help="Use this checkpoint instead of building one of --size (the one "
                    "--peer-url serves; e.g. `jaxrl-vlm make-tiny DIR --head-dim 32` for vLLM on CPU).")
+    p.add_argument("--xla-cpu-cores", default=None, metavar="CORES",
+                   help="XLA's CPU threads of this process (every case's embedded engine, the fixed XLA program) on "
+                        "these cores only, its Python on every core (as `jaxrl-vlm serve --xla-cpu-cores`).")
     ns = p.parse_args(argv)
+    if ns.xla_cpu_cores is not None:  # before anything starts jax's backends
+        confine_xla_threads(parse_cpu_list(ns.xla_cpu_cores, allowed_cores()))
     if ("peer" in ns.cases) != bool(ns.peer_url or ns.launch_vllm):
         p.error("the peer case and --peer-url (or --launch-vllm) go together (and --checkpoint: the checkpoint the "
                 "peer serves)")
     peer_repeats = 5 if ns.repeats is None else ns.repeats
     ns.repeats = 2 if ns.repeats is None else ns.repeats
 
-    out: dict[str, Any] = {"size": ns.size}
+    out: dict[str, Any] = {"size": ns.size, "xla_cpu_cores": ns.xla_cpu_cores}
     if ns.cases == ["memory"]:  # shapes only: no checkpoint, no engine
         return _print_memory(bench_memory(ns.contexts, ns.page_size), ns.json)
     with tempfile.TemporaryDirectory(prefix="bench_engine_") as tmp:
@@ -1003,7 +1009,8 @@ def main(argv: list[str] | None = None) -> int:
               f"new tokens per request, greedy, EOS ignored; {peer_repeats} timed repeats per side (rounds back to back "
               f"for at least {ns.repeat_seconds:g} s each, {ns.settle_seconds:g} s idle before each) after a warm-up round, "
               f"A/B alternated")
-        print(f"machine: {peer['load_before']} before, {peer['load_after']} after")
+        print(f"machine: {peer['load_before']} before, {peer['load_after']} after; XLA's CPU threads (this process): "
+              f"{'cores ' + ns.xla_cpu_cores if ns.xla_cpu_cores else 'every core'}")
         print(f"{'concurrent':>10} {'embedded tok/s: median (min-max) spread':>42} {'peer tok/s: median (min-max) spread':>38} "
               f"{'ratio':>6} {'host':>5} {'overlap':>7} {'ms/step':>8} {'compiles':>8} {'gc s (max)':>11} {'machine py/xla':>14} "
               f"{'round spreads':>14} {'program ms/step spread':>23} {'steps/round':>12}")

@@ -1,7 +1,7 @@
-"""The embedded engine's decode throughput and its spread under three CPU threading setups: free to use every core
-(the default), the whole process pinned to one core, and XLA's Eigen multi-threading off; each engine in its own
-process, timed in alternation (issue 48: where the spread between identical repeats comes from on a small shared
-machine).
+"""The embedded engine's decode throughput and its spread under four CPU threading setups: free to use every core
+(the default), the whole process pinned to one core, XLA's threads alone on one core (`--xla-cpu-cores`), and XLA's
+Eigen multi-threading off; each engine in its own process, timed in alternation (issue 48: where the spread between
+identical repeats comes from on a small shared machine).
 
     python scripts/bench_engine_threads.py --checkpoint DIR [--pin 1 0] [--concurrency 1 8 32] [--repeats 6]
                                            [--repeat-seconds 1] [--settle-seconds 1] [--json FILE]
@@ -10,13 +10,16 @@ One child process per mode serves DIR with the engine's default buckets and runs
 concurrent `/generate` requests of 64 greedy tokens, back to back for at least `--repeat-seconds`) when the parent asks;
 the parent rotates which mode goes first in each round of repeats and idles `--settle-seconds` before each repeat.
 Modes: "all cores" (affinity untouched, the default); one per `--pin` core (the whole process, XLA's threads and
-the engine's scheduler and HTTP threads alike, `os.sched_setaffinity` before jax starts); and "eigen off"
+the engine's scheduler and HTTP threads alike, `os.sched_setaffinity` before jax starts); one "xla on N" per `--pin`
+core (`jaxrl-vlm serve --xla-cpu-cores N`: XLA's CPU threads on core N, the scheduler's and HTTP threads on every
+core, as vLLM's CPU server keeps its compute off its API server's core); and "eigen off"
 (`XLA_FLAGS=--xla_cpu_multi_thread_eigen=false`: Eigen's kernels single-threaded; in a one-off check it did not make
 XLA single-threaded, a chain of [384, 384] matmuls still keeping both cores of the 2-core machine busy as fast; XLA
 sizes its thread pool from the process's affinity, which is what pinning changes). vLLM's CPU server pins its compute to one
 core and leaves the other to its API server (shared/reference/vllm_cpu.md).
 
-Printed per concurrency and mode: median tok/s, its ratio to "all cores" (the baseline, measured in the same run),
+Printed per mode: the seconds its engine took to start and warm up (each mode's compilations, one child at a time);
+per concurrency and mode: median tok/s, its ratio to "all cores" (the baseline, measured in the same run),
 the spread (max / min) of the repeats, and the time inside the decode program per step (median and spread); and the
 spread of one fixed piece of Python work (one core) and of one fixed XLA program (every core) timed in the parent
 after each round of repeats (the machine's own floors).
@@ -36,6 +39,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_engine  # noqa: E402  (the bench's rounds, repeats and machine floor)
+from jaxrl_vlm.xla_cpu_cores import allowed_cores, confine_xla_threads, parse_cpu_list  # noqa: E402 (imports no jax)
 
 PROMPT = [{"role": "user", "content": "Find the area of the triangle with base 6."}]
 NEW_TOKENS = 64
@@ -47,6 +51,8 @@ def serve(checkpoint: str, concurrencies: list[int], repeat_seconds: float) -> N
     then time one repeat per line read (the concurrency) and answer with one JSON line."""
     if os.environ.get("PIN_CORE"):
         os.sched_setaffinity(0, {int(os.environ["PIN_CORE"])})  # before jax starts its threads: they inherit it
+    if os.environ.get("XLA_CORES"):
+        confine_xla_threads(parse_cpu_list(os.environ["XLA_CORES"], allowed_cores()))
     # Local on purpose: jax must start after the affinity is set.
     from jaxrl_vlm.engine import EmbeddedEngine, EngineOptions
     from rollout.encoding import ChatEncoder
@@ -54,12 +60,13 @@ def serve(checkpoint: str, concurrencies: list[int], repeat_seconds: float) -> N
 
     encoder = ChatEncoder(load_tokenizer(checkpoint), load_image_processor(checkpoint))
     prompt = encoder.encode_prompt(PROMPT).wire_ids
+    start = time.perf_counter()
     with EmbeddedEngine(checkpoint, config=EngineOptions(max_batch=max(concurrencies), max_seq_len=2048)) as engine:
         runner, sched = engine.engine.runner, engine.engine.scheduler
         for c in concurrencies:
             asyncio.run(bench_engine._round(engine.url, prompt, c, NEW_TOKENS))  # warm-up: compiles
         asyncio.run(bench_engine._freeze_gc(engine.url))
-        print("ready", flush=True)
+        print(f"ready {time.perf_counter() - start:.3f}", flush=True)  # seconds to start and warm up: compilations
         for line in sys.stdin:
             steps, program_s = sched.timing.decode_steps, runner.decode_program_s
             tok_s, _ = asyncio.run(bench_engine._repeat(engine.url, prompt, int(line), NEW_TOKENS, "sglang",
@@ -77,8 +84,10 @@ class _Child:
         args = [sys.executable, __file__, "--serve", "--checkpoint", ns.checkpoint, "--repeat-seconds",
                 str(ns.repeat_seconds), "--concurrency", *map(str, ns.concurrency)]
         self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
-        if self.proc.stdout.readline().strip() != "ready":
+        said = self.proc.stdout.readline().split()
+        if not said or said[0] != "ready":
             raise RuntimeError(f"the engine child ({env_overrides}) did not start (exit {self.proc.wait()})")
+        self.warmup_s = float(said[1])
 
     def repeat(self, concurrency: int) -> dict[str, float]:
         self.proc.stdin.write(f"{concurrency}\n")
@@ -108,14 +117,16 @@ def main() -> int:
 
     eigen_off = f"{os.environ.get('XLA_FLAGS', '')} {EIGEN_OFF}".strip()
     modes: dict[str, dict[str, str]] = {"all cores": {}, **{f"core {c}": {"PIN_CORE": str(c)} for c in ns.pin},
+                                        **{f"xla on {c}": {"XLA_CORES": str(c)} for c in ns.pin},
                                         "eigen off": {"XLA_FLAGS": eigen_off}}
     out: dict[str, Any] = {"load_before": bench_engine._load(), "rows": []}
     loops = bench_engine._fixed_work_loops(ns.repeat_seconds)
     xla_loops = bench_engine._fixed_xla_loops(ns.repeat_seconds)
     children: dict[str, _Child] = {}
     try:
-        for name, env in modes.items():
+        for name, env in modes.items():  # one at a time: each warm-up's compilations have the machine to themselves
             children[name] = _Child(ns, env)
+        out["warmup_s"] = {name: child.warmup_s for name, child in children.items()}
         names = list(modes)
         for c in ns.concurrency:
             runs: dict[str, list[dict[str, float]]] = {name: [] for name in names}
@@ -151,6 +162,8 @@ def main() -> int:
             print(f"{row['concurrency']:>10} {name:>10} {t['median']:>9.0f} ({t['min']:>6.0f}-{t['max']:<6.0f}) "
                   f"{t['median'] / base:>6.2f}x {t['spread']:>6.2f}x {p['median']:>16.3f} ({p['spread']:.2f}x) "
                   f"{row['machine']['spread']:>7.2f}x/{row['machine_xla']['spread']:.2f}x")
+    print("seconds to start and warm up (the compilations of every concurrency): "
+          + ", ".join(f"{name} {s:.1f}" for name, s in out["warmup_s"].items()))
     print("vs all: the median's ratio to the unpinned engine in the same run; machine py/xla: the spread of one fixed "
           "piece of Python work (one core) and of one fixed XLA program (every core), each as long as a repeat, timed "
           "in this process after each round of repeats")

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import jax
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -196,6 +197,10 @@ def test_make_tiny_keeps_a_model_already_in_the_output_directory(capsys, tmp_pat
 def test_serve_names_the_option_out_of_bounds_or_off_its_choices(inputs, capsys):
     fails_in_one_line(capsys, ["serve", "--model", inputs.model, "--max-batch", "0"], "max_batch must be >= 1, got 0")
     fails_in_one_line(capsys, ["serve", "--model", inputs.model, "--dtype", "float16"], "--dtype", "'float16'")
+    fails_in_one_line(capsys, ["serve", "--model", inputs.model, "--xla-cpu-cores", "1-x"], "--xla-cpu-cores '1-x'",
+                      "not a core or a range")
+    jax.devices()  # now this process's XLA threads exist, and the flag says it cannot move them
+    fails_in_one_line(capsys, ["serve", "--model", inputs.model, "--xla-cpu-cores", "auto"], "already started")
 
 
 def test_eval_names_the_option_out_of_bounds(inputs, capsys):

@@ -9,6 +9,7 @@ hinge on float rounding and mostly repeat one token.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -35,6 +36,7 @@ from _launch import xla_flags
 from jaxrl_vlm.device_lock import run_exclusive
 from jaxrl_vlm.engine import EmbeddedEngine, EngineOptions
 from jaxrl_vlm.models import build_vision_inputs, from_hf, get_rope_index, to_hf, token_logprobs
+from jaxrl_vlm.xla_cpu_cores import allowed_cores, parse_cpu_list
 from rollout.client import RetryPolicy, SGLangClient, WeightSyncError
 from rollout.encoding import ChatEncoder
 from rollout.multiturn import merge_multimodal_chunks
@@ -608,16 +610,32 @@ async def test_update_weights_from_disk_changes_outputs_and_bad_paths_keep_old_w
     assert engine.stats.weight_updates >= 2
 
 
+def _threads(pid: int) -> dict[int, tuple[frozenset[int], int]]:
+    """Each thread of process `pid`: the cores it may run on, and its nanoseconds on a CPU so far (Linux's /proc)."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(FileNotFoundError):  # a thread that ended meanwhile
+            status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+            ran_ns = int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
+            cores = next(line.split()[1] for line in status.splitlines() if line.startswith("Cpus_allowed_list"))
+            out[int(tid)] = (parse_cpu_list(cores, allowed_cores()), ran_ns)
+    return out
+
+
 @pytest.mark.slow
 def test_cli_serve_process_answers_generate_and_exits_on_sigterm(checkpoint, tmp_path):
-    """`jaxrl-vlm serve` in its own process: healthy, one /generate, clean exit on SIGTERM."""
+    """`jaxrl-vlm serve` in its own process: healthy, one /generate, clean exit on SIGTERM. Served with XLA's threads
+    on one core (`--xla-cpu-cores`): they run the programs there, and the interpreter keeps every core."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    allowed = allowed_cores()
+    xla_core = max(allowed)
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(1)}
     log = open(tmp_path / "serve.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "jaxrl_vlm.cli", "serve", "--model", str(checkpoint[0]), "--port", str(port),
-                             "--max-batch", "2", "--max-seq-len", "128", "--disable-radix-cache"], stdout=log, stderr=subprocess.STDOUT, env=env,
+                             "--max-batch", "2", "--max-seq-len", "128", "--disable-radix-cache",
+                             "--xla-cpu-cores", str(xla_core)], stdout=log, stderr=subprocess.STDOUT, env=env,
                             cwd=Path(__file__).resolve().parents[1])
     try:
         url = f"http://127.0.0.1:{port}"
@@ -632,11 +650,18 @@ def test_cli_serve_process_answers_generate_and_exits_on_sigterm(checkpoint, tmp
                 pass
             assert time.monotonic() < deadline, "server never became healthy"
             time.sleep(0.2)
+        before = _threads(proc.pid)
         req = urllib.request.Request(url + "/generate", data=b'{"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 3}}',
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=120) as r:
             answer = json.loads(r.read())
         assert len(answer["output_ids"]) <= 3 and answer["meta_info"]["prompt_tokens"] == 3
+        threads = _threads(proc.pid)
+        assert threads[proc.pid][0] == allowed  # the interpreter's main thread keeps every core
+        assert {cores for cores, _ in threads.values()} == {allowed, frozenset({xla_core})}
+        # XLA's pool, confined since the engine started, ran the prefill and decode programs of the request.
+        assert sum(ran - before[tid][1] for tid, (cores, ran) in threads.items()
+                   if cores == {xla_core} and tid in before) > 0
         with urllib.request.urlopen(url + "/get_server_info", timeout=10) as r:
             assert json.loads(r.read())["disable_radix_cache"] is True  # the flag reached the engine
         proc.send_signal(signal.SIGTERM)
