@@ -1,8 +1,9 @@
 """XLA's CPU threads on some cores, the interpreter's threads on all (`jaxrl-vlm serve --xla-cpu-cores`).
 
 Why: on a small CPU host each decode step passes from the engine's Python (scheduler, HTTP) to XLA's compute threads
-and back, and with both free to run on every core they preempt each other. vLLM's CPU server keeps its compute on
-its own cores and leaves one to its API server; this is the same split for the embedded engine. XLA places its CPU
+and back; a small model's programs run faster on fewer cores than split over all of them, and the Python keeps a
+core that XLA's threads never take. vLLM's CPU server keeps its compute on its own cores and leaves one to its API server; this is
+the same split for the embedded engine. XLA places its CPU
 client's thread pools when the backend starts, on the starting thread's cores (a Linux thread inherits its
 creator's affinity), so the backend is started with this thread confined to `cores`, and the confinement is then
 lifted for this thread, and for every thread it starts later, only. XLA compiles on that pool too, so
