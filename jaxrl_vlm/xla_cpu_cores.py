@@ -2,13 +2,12 @@
 
 Why: on a small CPU host each decode step passes from the engine's Python (scheduler, HTTP) to XLA's compute threads
 and back; a small model's programs run faster on fewer cores than split over all of them, and the Python keeps a
-core that XLA's threads never take. vLLM's CPU server keeps its compute on its own cores and leaves one to its API server; this is
-the same split for the embedded engine. XLA places its CPU
-client's thread pools when the backend starts, on the starting thread's cores (a Linux thread inherits its
-creator's affinity), so the backend is started with this thread confined to `cores`, and the confinement is then
-lifted for this thread, and for every thread it starts later, only. XLA compiles on that pool too, so
-compilations (the engine's warm-up, its side thread) get only `cores` as well and take longer, and a side-thread
-compilation shares those cores with the programs serving requests.
+core that XLA's threads never take. vLLM's CPU server keeps its compute on its own cores and leaves one to its API
+server; this is the same split for the embedded engine. XLA places its CPU client's thread pools when the backend
+starts, on the starting thread's cores (a Linux thread inherits its creator's affinity), so the backend is started
+with this thread confined to `cores`, and the confinement is then lifted for this thread, and for every thread it
+starts later, only. XLA compiles on that pool too, so compilations (the engine's warm-up, its side thread) get only
+`cores` as well and take longer, and a side-thread compilation shares those cores with the programs serving requests.
 """
 
 from __future__ import annotations
