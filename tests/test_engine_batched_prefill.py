@@ -268,6 +268,28 @@ def test_a_prefill_borrows_a_larger_program_and_its_own_compiles_on_the_side_thr
     assert alone._prefill_buckets((64, 128, 2048)) == (64, 128, 2048)
 
 
+def test_a_borrowing_prefill_with_many_logit_bias_entries_starts_the_plain_program_of_its_buckets(one_call_each,
+                                                                                                   monkeypatch):
+    """A row with more logit-bias entries than the smallest bias bucket runs a program of its own bias size where it
+    stands; the program its buckets start on the side thread is still the plain one (no bias entries beyond the
+    smallest bucket), the key that `_prefill_buckets` looks for once it is adopted. Nothing compiles here."""
+    _, _, alone, _, _ = one_call_each
+    alone.background.wait(timeout_s=300)
+    alone._adopt_ready()  # into the runner's own set, before the test swaps it
+    many = tuple((token, 0.5) for token in range(runner_module.MIN_BIAS_ENTRIES + 1))
+    row = dataclasses.replace(_rows(alone.vocab_size)[1], logit_bias=many)
+    own, covering = (32, MAX_SEQ, None), (64, MAX_SEQ, None)
+    monkeypatch.setattr(alone, "programs", {alone._prefill_key(covering)})  # only a larger prompt bucket compiled
+    monkeypatch.setattr(runner_module, "PREFILL_FALLBACK_CALLS", 1)  # this borrowing starts the side compilation
+    started, compiled = [], []
+    monkeypatch.setattr(alone.background, "can_start", lambda key: True)
+    monkeypatch.setattr(alone.background, "start", lambda key, compile_fn: started.append(key))
+    monkeypatch.setattr(alone, "_prefill_compiler", lambda prepared: compiled.append(prepared))
+    assert alone.prepare_prefill(row).key == covering  # it borrows, with its nine entries
+    assert started == [alone._prefill_key(own)]
+    assert [(p.key, p.row.logit_bias) for p in compiled] == [(own, ())]
+
+
 # Exits right after starting a compilation long enough to be in XLA's compiler at exit; says whether it was.
 _EXIT_WHILE_COMPILING = """
 import atexit, jax, jax.numpy as jnp
