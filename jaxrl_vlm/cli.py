@@ -19,7 +19,7 @@ from pathlib import Path
 from jaxrl_vlm.config import Config, ConfigError, describe_options, is_sft, load_config
 from jaxrl_vlm.engine.options import DTYPES, EngineOptions
 from jaxrl_vlm.models.config import FAMILY_PARSERS
-from jaxrl_vlm.xla_cpu_cores import allowed_cores, confine_xla_threads, parse_cpu_list
+from jaxrl_vlm.xla_cpu_cores import confine_xla_threads
 from rollout.client import EngineRefused, WorkerLost
 from rollout.engine_link import EngineLost
 from rollout.loading import LoadError, load_module
@@ -263,7 +263,7 @@ def _cmd_serve(ns: argparse.Namespace, rest: list[str]) -> int:
     try:
         config = EngineOptions(**given)
         if ns.xla_cpu_cores is not None:  # before anything starts jax's backends
-            confine_xla_threads(parse_cpu_list(ns.xla_cpu_cores, allowed_cores()))
+            confine_xla_threads(ns.xla_cpu_cores)
     except (ValueError, RuntimeError) as e:
         raise ConfigError(f"serve: {e}") from e
     from jaxrl_vlm.engine import serve

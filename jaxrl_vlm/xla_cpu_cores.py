@@ -48,19 +48,18 @@ def parse_cpu_list(text: str, allowed: frozenset[int]) -> frozenset[int]:
     return frozenset(cores)
 
 
-def confine_xla_threads(cores: frozenset[int]) -> None:
-    """Start jax's backends with XLA's CPU threads on `cores`; this thread keeps the cores it had. Must run before
-    anything in the process starts a jax backend: threads that already exist cannot be moved by it."""
+def confine_xla_threads(cores_text: str) -> None:
+    """Start jax's backends with XLA's CPU threads on the cores `cores_text` names (`parse_cpu_list`); this thread
+    keeps the cores it had. Must run before anything in the process starts a jax backend: threads that already
+    exist cannot be moved by it."""
     import jax
     from jax._src import xla_bridge  # no public way to ask whether the backends have started
 
+    before = allowed_cores()
+    cores = parse_cpu_list(cores_text, before)  # a malformed list is named first, whatever else is wrong
     if xla_bridge.backends_are_initialized():
         raise RuntimeError("--xla-cpu-cores: jax's backends have already started in this process, so XLA's threads "
                            "exist and would not move; it must be applied before the first jax computation")
-    before = allowed_cores()
-    if not cores or not cores <= before:
-        raise ValueError(f"--xla-cpu-cores: {sorted(cores)} is not a non-empty subset of this process's cores "
-                         f"{sorted(before)}")
     os.sched_setaffinity(0, cores)
     try:
         jax.devices()  # creates the clients and their thread pools, which inherit this thread's cores

@@ -111,7 +111,7 @@ from typing import Any
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from jaxrl_vlm.xla_cpu_cores import allowed_cores, confine_xla_threads, parse_cpu_list  # noqa: E402 (imports no jax)
+from jaxrl_vlm.xla_cpu_cores import confine_xla_threads  # noqa: E402 (imports no jax)
 
 SIZES: dict[str, dict[str, Any]] = {
     "tiny": {},  # tiny_assets defaults: hidden 64, 2 layers
@@ -866,7 +866,7 @@ def main(argv: list[str] | None = None) -> int:
                         "these cores only, its Python on every core (as `jaxrl-vlm serve --xla-cpu-cores`).")
     ns = p.parse_args(argv)
     if ns.xla_cpu_cores is not None:  # before anything starts jax's backends
-        confine_xla_threads(parse_cpu_list(ns.xla_cpu_cores, allowed_cores()))
+        confine_xla_threads(ns.xla_cpu_cores)
     if ("peer" in ns.cases) != bool(ns.peer_url or ns.launch_vllm):
         p.error("the peer case and --peer-url (or --launch-vllm) go together (and --checkpoint: the checkpoint the "
                 "peer serves)")

@@ -39,7 +39,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_engine  # noqa: E402  (the bench's rounds, repeats and machine floor)
-from jaxrl_vlm.xla_cpu_cores import allowed_cores, confine_xla_threads, parse_cpu_list  # noqa: E402 (imports no jax)
+from jaxrl_vlm.xla_cpu_cores import confine_xla_threads  # noqa: E402 (imports no jax)
 
 PROMPT = [{"role": "user", "content": "Find the area of the triangle with base 6."}]
 NEW_TOKENS = 64
@@ -52,7 +52,7 @@ def serve(checkpoint: str, concurrencies: list[int], repeat_seconds: float) -> N
     if os.environ.get("PIN_CORE"):
         os.sched_setaffinity(0, {int(os.environ["PIN_CORE"])})  # before jax starts its threads: they inherit it
     if os.environ.get("XLA_CORES"):
-        confine_xla_threads(parse_cpu_list(os.environ["XLA_CORES"], allowed_cores()))
+        confine_xla_threads(os.environ["XLA_CORES"])
     # Local on purpose: jax must start after the affinity is set.
     from jaxrl_vlm.engine import EmbeddedEngine, EngineOptions
     from rollout.encoding import ChatEncoder
