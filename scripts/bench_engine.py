@@ -870,6 +870,8 @@ def main(argv: list[str] | None = None) -> int:
     if ("peer" in ns.cases) != bool(ns.peer_url or ns.launch_vllm):
         p.error("the peer case and --peer-url (or --launch-vllm) go together (and --checkpoint: the checkpoint the "
                 "peer serves)")
+    if "memory" in ns.cases and len(set(ns.contexts)) < 2:
+        p.error("the memory case compares how memory grows between contexts: give --contexts at least two lengths")
     peer_repeats = 5 if ns.repeats is None else ns.repeats
     ns.repeats = 2 if ns.repeats is None else ns.repeats
 
