@@ -499,8 +499,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Run XLA's CPU threads on these cores only (a list as taskset -c takes, e.g. 1 or 2-7; 'auto': "
                         "all but the lowest), the engine's Python on every core, as vLLM's CPU server keeps its compute "
                         "off its API server's core. For a CPU host: faster for small models at low concurrency; slower "
-                        "where the compute needs every core, and XLA compiles on those cores only (default: all cores "
-                        "for both).")
+                        "where the compute needs every core, and XLA compiles on those cores only; refused on a GPU or TPU "
+                        "host (default: all cores for both).")
     add_engine_options(p)
     p.set_defaults(func=_cmd_serve)
 

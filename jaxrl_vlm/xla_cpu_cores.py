@@ -8,6 +8,9 @@ starts, on the starting thread's cores (a Linux thread inherits its creator's af
 with this thread confined to `cores`, and the confinement is then lifted for this thread, and for every thread it
 starts later, only. XLA compiles on that pool too, so compilations (the engine's warm-up, its side thread) get only
 `cores` as well and take longer, and a side-thread compilation shares those cores with the programs serving requests.
+On a GPU or TPU host the flag is refused: jax starts every backend it finds at once, so the accelerator client's
+host threads would be confined too (before the start where JAX_PLATFORMS names an accelerator; else after it, and
+the process must end).
 """
 
 from __future__ import annotations
@@ -57,6 +60,11 @@ def confine_xla_threads(cores_text: str) -> None:
 
     before = allowed_cores()
     cores = parse_cpu_list(cores_text, before)  # a malformed list is named first, whatever else is wrong
+    platforms = jax.config.jax_platforms  # None: jax starts every backend it finds
+    accelerators = [p for p in (platforms or "").split(",") if p.strip() not in ("", "cpu")]
+    if accelerators:
+        raise RuntimeError(f"--xla-cpu-cores is for an engine on a CPU host; this process is to run on "
+                           f"{platforms!r} (JAX_PLATFORMS), whose client's host threads it would confine as well")
     if xla_bridge.backends_are_initialized():
         raise RuntimeError("--xla-cpu-cores: jax's backends have already started in this process, so XLA's threads "
                            "exist and would not move; it must be applied before the first jax computation")
@@ -65,3 +73,8 @@ def confine_xla_threads(cores_text: str) -> None:
         jax.devices()  # creates the clients and their thread pools, which inherit this thread's cores
     finally:
         os.sched_setaffinity(0, before)
+    backend = jax.default_backend()
+    if backend != "cpu":  # the process must end: the accelerator client's threads cannot be moved back
+        raise RuntimeError(f"--xla-cpu-cores is for an engine on a CPU host, but jax found {backend} devices and "
+                           f"started their client with its host threads on cores {sorted(cores)}; serve without "
+                           "the flag, or with JAX_PLATFORMS=cpu")
