@@ -34,10 +34,10 @@ def test_a_bad_core_list_is_refused_naming_the_cause(text, allowed, cause):
     assert cause in str(e.value)
 
 
-
 def test_an_accelerator_named_in_jax_platforms_is_refused_before_any_backend_starts():
     """On a GPU or TPU host jax starts every backend at once, so the flag would confine the accelerator client's
-    host threads as well: refused (this process's backends have started, and the platforms are named first)."""
+    host threads as well: refused before anything is started (and before the check that nothing has started yet,
+    so it holds in this process too)."""
     previous = jax.config.jax_platforms
     jax.config.update("jax_platforms", "cuda,cpu")
     try:
