@@ -29,9 +29,10 @@ alternated (the side that goes first alternates too). A repeat runs rounds back 
 noise spreads fixed Python work by up to 1.7x. Both sides wait `--settle-seconds` (default 1.5) before each timed
 repeat: vLLM's worker busy-polls its shared-memory queue for 1 s after its last read (`SpinCondition.busy_loop_s` in
 vllm/distributed/device_communicators/shm_broadcast.py), which on two cores takes one from whatever runs next.
-Reported: median, min-max and spread (max / min) of the repeats per side, the ratio of the medians and the spread of
-single rounds; for the embedded engine also the host's share of its decode steps (the part outside dispatching and
-waiting for the decode program: with the overlapped decode, the host work the device's step did not hide), the
+Reported: median, min-max and spread (max / min) of the repeats per side (and the repeats in the order they ran),
+the ratio of the medians and the spread of single rounds; for the embedded engine also the host's share of its
+decode steps (the part outside dispatching and waiting for the decode program: with the overlapped decode, the host
+work the device's step did not hide), the
 share of steps dispatched overlapped, ms per decode step, the compilations during the timed repeats (jax's compile
 events; any on the serving threads is a defect; "+N": N on the engine's side thread, which stall nothing), the
 garbage collector's pauses in them, and per repeat the time inside the decode program per step (its spread is the
@@ -1035,6 +1036,11 @@ def main(argv: list[str] | None = None) -> int:
               "rounds (embedded/peer); program ms/step: the embedded engine's time inside its decode program per step "
               "(median over repeats, and its spread), steps/round: its decode steps per round (min-max over repeats), "
               "the work its schedule did")
+        print("repeats in the order they ran, tok/s, embedded | peer (the sides alternate, so a drift both share is "
+              "the machine's):")
+        for r in peer["decode"]:
+            print(f"{r['concurrency']:>10}  " + " ".join(f"{x:.0f}" for x in r["embedded"]["runs"]) + "  |  "
+                  + " ".join(f"{x:.0f}" for x in r["peer"]["runs"]))
         g = peer["group"]
         print(f"GRPO group of {ns.group_size} on one image prompt ({g['embedded']['prompt_tokens']} tokens): prompt tokens "
               f"prefilled, embedded {g['embedded']['prefilled']}, peer {g['peer']['prefilled']} (peer / embedded "
