@@ -13,6 +13,9 @@ An environment module (passed by `--rollout-interaction-env-path`) exposes:
 - `TASK_PROMPT: TaskPrompt` (optional, task modules): the system prompt, tool schema and user
   instruction the dataset loader puts into each prompt (`--prompt-style`; the loader imports the
   task module by path, like the env).
+- `session_capacity(args) -> SessionCapacity` (optional): how many episodes one process can hold at once
+  with these options, where a resource of its own bounds them (MiniWoB: its Chrome pages). `env-serve`
+  serves that many by default and refuses a larger `--max-sessions`.
 
 Episode protocol, as the rollout runs it: `reset()` (sync or `async def`; it returns None, or an observation
 dict like `step`'s, role "user", that opens the episode: the rollout appends its text and pictures to the prompt's
@@ -192,6 +195,19 @@ class TaskPrompt:
     system_prompt: str | None = None
     tools: list[dict[str, Any]] | None = None
     instruction: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class SessionCapacity:
+    """How many episodes one process of an env can hold at once (a module's `session_capacity(args)`), and
+    `set_by`: the option that sets it, as an error names it."""
+
+    sessions: int
+    set_by: str
+
+    def __post_init__(self) -> None:
+        if isinstance(self.sessions, bool) or not isinstance(self.sessions, int) or self.sessions < 1:
+            raise ValueError(f"SessionCapacity: sessions must be an int >= 1, got {self.sessions!r}")
 
 
 class BaseInteractionEnv(abc.ABC):

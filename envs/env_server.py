@@ -1,8 +1,9 @@
 """`jaxrl-vlm env-serve ENV_MODULE`: any env module of this project behind OpenEnv's WebSocket protocol (aiohttp).
 
 Routes: `WS /ws` (one env per connection; `envs/openenv_wire.py`), `GET /health`, `GET /schema` (our text action
-and text-and-pictures observation). At most `max_sessions` connections hold an env at once; one more is answered
-CAPACITY_REACHED and closed (openenv-core's behaviour). Loopback by default; with `api_key`, every path but
+and text-and-pictures observation). At most `max_sessions` connections hold an env at once (by default the module's
+`session_capacity`, if it has one, else 64; `resolve_max_sessions`); one more is answered CAPACITY_REACHED and closed
+(openenv-core's behaviour). Loopback by default; with `api_key`, every path but
 /health needs `Authorization: Bearer KEY` (as `jaxrl-vlm serve`; the WebSocket upgrade carries the header).
 
 A `reset` builds a fresh env (closing the session's previous one) from either
@@ -35,7 +36,7 @@ from typing import Any
 
 from aiohttp import WSMsgType, web
 
-from envs.base import observation_clips, observation_images
+from envs.base import SessionCapacity, observation_clips, observation_images
 from envs.openenv_wire import (
     ACTION_SCHEMA,
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -63,6 +64,8 @@ from rollout.sglang_wire import is_authorized
 logger = logging.getLogger(__name__)
 
 IMAGE_MARKER = "<image>"
+#: Sessions env-serve holds at once when neither `--max-sessions` nor the module's `session_capacity` says.
+DEFAULT_MAX_SESSIONS = 64
 SAMPLE_FIELDS = ("group_index", "index", "prompt", "label", "image_data", "metadata")
 
 
@@ -191,15 +194,34 @@ class _Session:
                                   verdict if done else None, bool(done))
 
 
+def resolve_max_sessions(module: types.ModuleType, args: Any, requested: int | None) -> int:
+    """The sessions env-serve holds at once: `requested` (`--max-sessions`), else the module's
+    `session_capacity(args)`, else DEFAULT_MAX_SESSIONS. A request above the module's capacity is refused: a
+    session past it would wait for the resource inside a hook, holding one of the few threads sync hooks run on,
+    and may fail its episode; answered CAPACITY_REACHED instead, the client retries it later."""
+    name = getattr(module, "__name__", module)
+    hook = getattr(module, "session_capacity", None)
+    capacity = hook(args) if callable(hook) else None
+    if capacity is not None and not isinstance(capacity, SessionCapacity):
+        raise TypeError(f"{name}.session_capacity must return envs.base.SessionCapacity, got {type(capacity).__name__}")
+    if requested is None:
+        return DEFAULT_MAX_SESSIONS if capacity is None else capacity.sessions
+    if requested < 1:
+        raise ValueError(f"max_sessions must be >= 1, got {requested}")
+    if capacity is not None and requested > capacity.sessions:
+        raise ValueError(f"max_sessions {requested} is more than {name} holds at once with these options: "
+                         f"{capacity.sessions} ({capacity.set_by}); give at most {capacity.sessions}, or raise it")
+    return requested
+
+
 class EnvServer:
     """The aiohttp application of one env module (`build_app`), and `serve` to run it."""
 
-    def __init__(self, module: types.ModuleType, args: Any, *, max_sessions: int = 64, api_key: str | None = None,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+    def __init__(self, module: types.ModuleType, args: Any, *, max_sessions: int | None = None,
+                 api_key: str | None = None, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
         if not callable(getattr(module, "build_env", None)):
             raise ValueError(f"{getattr(module, '__name__', module)} is not an env module (no build_env)")
-        if max_sessions < 1:
-            raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
+        max_sessions = resolve_max_sessions(module, args, max_sessions)
         if api_key is not None and not api_key:
             raise ValueError("api_key must be a non-empty string (or None for no key)")
         self.module, self.args, self.max_sessions = module, args, max_sessions

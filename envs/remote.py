@@ -26,8 +26,6 @@ No jax.
 from __future__ import annotations
 
 import asyncio
-import base64
-import io
 import random
 from dataclasses import dataclass
 from types import ModuleType

@@ -295,7 +295,10 @@ def _cmd_env_serve(ns: argparse.Namespace, rest: list[str]) -> int:
         logging.getLogger(__name__).warning("env-serve: bound to %s without --api-key: anyone who reaches it can "
                                             "drive the env", ns.host)
     module = load_module(ns.env_module, "env-serve ENV_MODULE")
-    server = EnvServer(module, args, max_sessions=ns.max_sessions, api_key=ns.api_key)
+    try:
+        server = EnvServer(module, args, max_sessions=ns.max_sessions, api_key=ns.api_key)
+    except ValueError as e:
+        raise ConfigError(f"env-serve: {e}") from e
     try:
         asyncio.run(serve_env(server, ns.host, ns.port))
     except KeyboardInterrupt:
@@ -508,7 +511,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("env_module", help="Env module, as --rollout-interaction-env-path (e.g. envs.sokoban).")
     p.add_argument("--host", default="127.0.0.1", help="Bind address (loopback by default).")
     p.add_argument("--port", type=int, default=8000, help="Port (0 picks a free one).")
-    p.add_argument("--max-sessions", type=int, default=64, help="Concurrent episodes; one more gets CAPACITY_REACHED (give at least a rollout step's concurrent episodes, rollout_batch_size x n_samples_per_prompt, or the surplus waits and may fail).")
+    p.add_argument("--max-sessions", type=int, default=None,
+                   help="Concurrent episodes; one more gets CAPACITY_REACHED, which the client retries (default: "
+                        "what the env holds at once, where it says (its session_capacity; MiniWoB: browser_pool_size), "
+                        "else 64; more than the env holds is refused). A rollout step runs rollout_batch_size x "
+                        "n_samples_per_prompt episodes at once: the surplus waits.")
     p.add_argument("--api-key", default=None, help="Require 'Authorization: Bearer KEY' on every path but /health.")
     p.add_argument("--max-turns", type=int, default=None, help="max_turns the env is built with (default 3).")
     p.add_argument("--custom-config-path", default=None, help="YAML of the env's keys (its CONFIG_KEYS), as in training.")

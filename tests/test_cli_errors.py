@@ -203,6 +203,13 @@ def test_serve_names_the_option_out_of_bounds_or_off_its_choices(inputs, capsys)
     fails_in_one_line(capsys, ["serve", "--model", inputs.model, "--xla-cpu-cores", "auto"], "already started")
 
 
+def test_env_serve_refuses_more_sessions_than_the_env_holds(capsys):
+    """MiniWoB holds one Chrome page per episode (`browser_pool_size`, 8 by default): env-serve refuses more sessions
+    before it binds its port or starts a browser."""
+    fails_in_one_line(capsys, ["env-serve", "envs.miniwob", "--max-sessions", "9"], "max_sessions 9",
+                      "browser_pool_size 8")
+
+
 def test_eval_names_the_option_out_of_bounds(inputs, capsys):
     fails_in_one_line(capsys, ["eval", "--hf-checkpoint", inputs.model, "--eval-prompt-data", "held", inputs.prompts,
                                "--n-samples-per-eval-prompt", "0"], "n_samples_per_eval_prompt must be >= 1, got 0")

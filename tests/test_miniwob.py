@@ -12,6 +12,7 @@ import yaml
 from PIL import Image
 
 import envs.miniwob as miniwob
+from envs.env_server import resolve_max_sessions
 from envs.miniwob import browser
 from envs.miniwob.browser import Element, Outcome, Screen
 from envs.miniwob.env import FAILURE_TEXT, OUT_OF_TURNS_TEXT, SUCCESS_TEXT, MiniWoBEnv, MiniWoBOptions, build_env
@@ -171,3 +172,12 @@ def test_click_test_chance_from_the_page_generator():
     random, best, (x, y) = click_test_exact()
     assert random == pytest.approx(sum(w * w for w in range(35, 100)) / 65 / (160 * 210), abs=0.005)
     assert 0.5 < best < 0.65 and 400 <= x <= 600 and 500 <= y <= 700  # near the task area's centre
+
+
+def test_env_serve_holds_one_session_per_chrome_page():
+    """`session_capacity`: env-serve of MiniWoB holds `browser_pool_size` sessions by default (a session past the
+    pool would wait inside a hook for a page, holding one of env-serve's few hook threads)."""
+    assert resolve_max_sessions(miniwob, types.SimpleNamespace(max_turns=1), None) == MiniWoBOptions().browser_pool_size
+    assert resolve_max_sessions(miniwob, types.SimpleNamespace(max_turns=1, browser_pool_size=3), None) == 3
+    with pytest.raises(ValueError, match=r"browser_pool_size 3: one Chrome page per episode"):
+        resolve_max_sessions(miniwob, types.SimpleNamespace(max_turns=1, browser_pool_size=3), 4)

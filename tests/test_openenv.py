@@ -25,7 +25,8 @@ from _launch import ROOT, free_port
 import envs.color_reveal as color_reveal
 import envs.remote as remote
 from envs.color_reveal.synthetic import generate_row
-from envs.env_server import EnvServer, observation_fields, row_opening
+from envs.base import SessionCapacity
+from envs.env_server import DEFAULT_MAX_SESSIONS, EnvServer, observation_fields, resolve_max_sessions, row_opening
 from envs.env_server import running as env_running
 from envs.openenv_wire import (
     Close,
@@ -143,6 +144,34 @@ async def test_a_seed_reset_opens_the_task_with_its_question_and_picture():
         obs, done, info = await env.step(row["answer"])  # the right color ends it
         assert done and info["correct"] and env.verdict() == 1.0
         await env.close()
+
+
+def _env_module(capacity: Any = None) -> types.ModuleType:
+    module = types.ModuleType("pooled_env")
+    module.build_env = color_reveal.build_env
+    if capacity is not None:
+        module.session_capacity = lambda args: capacity
+    return module
+
+
+def test_env_serve_holds_what_the_env_holds_by_default_and_refuses_more():
+    """An env whose own resource bounds its episodes (MiniWoB's Chrome pages) says so in `session_capacity`:
+    env-serve then holds that many sessions by default, takes fewer, and refuses more, naming the option; an env
+    that says nothing gets 64 or what is asked."""
+    pooled = _env_module(SessionCapacity(3, "pool_size 3"))
+    assert resolve_max_sessions(pooled, _args(), None) == 3
+    assert resolve_max_sessions(pooled, _args(), 2) == 2
+    with pytest.raises(ValueError, match=r"max_sessions 4 is more than pooled_env holds .*: 3 \(pool_size 3\)"):
+        resolve_max_sessions(pooled, _args(), 4)
+    assert EnvServer(pooled, _args()).max_sessions == 3
+    assert resolve_max_sessions(color_reveal, _args(), None) == DEFAULT_MAX_SESSIONS == 64
+    assert resolve_max_sessions(color_reveal, _args(), 100) == 100
+    with pytest.raises(ValueError, match="max_sessions must be >= 1, got 0"):
+        resolve_max_sessions(color_reveal, _args(), 0)
+    with pytest.raises(TypeError, match="pooled_env.session_capacity must return envs.base.SessionCapacity, got int"):
+        resolve_max_sessions(_env_module(3), _args(), None)
+    with pytest.raises(ValueError, match="sessions must be an int >= 1"):
+        SessionCapacity(0, "pool_size 0")
 
 
 async def test_capacity_is_retried_with_bounded_backoff_and_recorded():

@@ -5,7 +5,8 @@ coordinate clicks and typing, a new screenshot after every action.
 - `browser`: a MiniWoB page in Chrome (timer disabled, raw reward), the pool of persistent pages (`miniwob`,
   imported on use: `pip install -e '.[miniwob]'`, plus chromium and chromium-driver);
 - `tasks`: the tasks, the coordinate mapping, the scripted solutions read from the DOM;
-- `env`: `MiniWoBEnv`, `MiniWoBOptions`, `build_env`, `CONFIG_KEYS`;
+- `env`: `MiniWoBEnv`, `MiniWoBOptions`, `build_env`, `CONFIG_KEYS`, `session_capacity` (one Chrome page per
+  episode);
 - `prompts`: question, system prompt, `TASK_PROMPT`;
 - `synthetic`: prompt rows (task + page seed) and SFT transcripts of the scripted solution (imported on use);
 - `chance`: success rates of random clicks, a fixed blind click and the scripted solution, measured in Chromium
@@ -15,9 +16,9 @@ No jax.
 """
 
 from envs.gui.grading import parse_action
-from envs.miniwob.env import CONFIG_KEYS, MiniWoBEnv, MiniWoBOptions, build_env
+from envs.miniwob.env import CONFIG_KEYS, MiniWoBEnv, MiniWoBOptions, build_env, session_capacity
 from envs.miniwob.prompts import TASK_PROMPT
 from envs.miniwob.tasks import TASKS, to_normalized, to_pixels
 
 __all__ = ["CONFIG_KEYS", "TASKS", "TASK_PROMPT", "MiniWoBEnv", "MiniWoBOptions", "build_env", "parse_action",
-           "to_normalized", "to_pixels"]
+           "session_capacity", "to_normalized", "to_pixels"]

@@ -177,9 +177,10 @@ class BrowserPool:
     pool is full), else waits up to `wait_s` for one to come back; `give_back(page)` returns it (a page marked
     `broken`, or a pool that is closed, closes it).
 
-    Serve at most `size` sessions (env-serve `--max-sessions`): env-serve runs sync hooks on asyncio's default
-    executor (a few threads), so sessions waiting here for a page would hold the threads that the sessions holding
-    the pages need to finish; the short `wait_s` bounds that, and past the session cap the client's
+    Serve at most `size` sessions (env-serve holds that many by default and refuses more: the env's
+    `session_capacity`): env-serve runs sync hooks on asyncio's default executor (a few threads), so sessions waiting
+    here for a page would hold the threads that the sessions holding the pages need to finish; the short `wait_s`
+    bounds that (a pool shared by several envs of one process), and past the session cap the client's
     CAPACITY_REACHED retries do the queueing.
     """
 

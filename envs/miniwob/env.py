@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from envs.actions import ActionError
-from envs.base import BaseInteractionEnv, EnvOptions, option, require_max_turns, sample_where
+from envs.base import BaseInteractionEnv, EnvOptions, SessionCapacity, option, require_max_turns, sample_where
 from envs.gui.grading import Click, Type, parse_action
 from envs.miniwob.browser import BrowserError, BrowserPool, Page, Screen, shared_pool
 from envs.miniwob.tasks import TASKS, check_task, to_pixels
@@ -53,8 +53,9 @@ class MiniWoBOptions(EnvOptions):
         "plays each row's own task.")
     invalid_penalty: float = option(0.1, "miniwob: reward subtracted per turn without a valid action.", ge=0)
     browser_pool_size: int = option(
-        8, "miniwob: persistent headless Chrome instances of the env-serve process (about 0.5 GB each); serve at most "
-        "this many sessions (env-serve --max-sessions): the client's CAPACITY_REACHED retries queue the rest.", ge=1)
+        8, "miniwob: persistent headless Chrome instances of the env-serve process (about 0.5 GB each); env-serve "
+        "holds this many sessions at once by default and refuses a larger --max-sessions: the client's "
+        "CAPACITY_REACHED retries queue the rest.", ge=1)
 
     def validate(self) -> None:
         if self.task is not None:
@@ -176,6 +177,12 @@ def parse_label(label: Any, where: str) -> tuple[str, int]:
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise ValueError(f"miniwob build_env: {where} label needs an int seed, got {seed!r}")
     return check_task(task, f"miniwob build_env: {where}"), seed
+
+
+def session_capacity(args: Any) -> SessionCapacity:
+    """One pooled Chrome page per episode: env-serve holds at most `browser_pool_size` sessions at once."""
+    size = MiniWoBOptions.from_args(args).browser_pool_size
+    return SessionCapacity(size, f"browser_pool_size {size}: one Chrome page per episode")
 
 
 def build_env(sample: Any, args: Any) -> MiniWoBEnv:
