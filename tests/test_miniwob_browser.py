@@ -135,7 +135,8 @@ def test_sft_transcripts_replay_in_chromium(tmp_path):
 
 async def test_an_episode_through_env_serve_with_our_client():
     args = types.SimpleNamespace(max_turns=3, env_step_timeout=30.0, env_hook_timeout=60.0, browser_pool_size=1)
-    server = EnvServer(miniwob, args, max_sessions=2)
+    server = EnvServer(miniwob, args)
+    assert server.max_sessions == 1  # one Chrome page: one session at a time (`session_capacity`)
     async with running(server) as url:
         label = json.dumps({"task": "click-test", "seed": 5})
         sample = types.SimpleNamespace(group_index=0, index=0, prompt=[{"role": "user", "content": "q"}], label=label,
