@@ -180,8 +180,7 @@ class BrowserPool:
     Serve at most `size` sessions (env-serve holds that many by default and refuses more: the env's
     `session_capacity`): env-serve runs sync hooks on asyncio's default executor (a few threads), so sessions waiting
     here for a page would hold the threads that the sessions holding the pages need to finish; the short `wait_s`
-    bounds that (a pool shared by several envs of one process), and past the session cap the client's
-    CAPACITY_REACHED retries do the queueing.
+    bounds that, and past the session cap the client's CAPACITY_REACHED retries do the queueing.
     """
 
     def __init__(self, size: int, wait_s: float = 10.0) -> None:
