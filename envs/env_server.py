@@ -3,8 +3,8 @@
 Routes: `WS /ws` (one env per connection; `envs/openenv_wire.py`), `GET /health`, `GET /schema` (our text action
 and text-and-pictures observation). At most `max_sessions` connections hold an env at once (by default the module's
 `session_capacity`, if it has one, else 64; `resolve_max_sessions`); one more is answered CAPACITY_REACHED and closed
-(openenv-core's behaviour). Loopback by default; with `api_key`, every path but
-/health needs `Authorization: Bearer KEY` (as `jaxrl-vlm serve`; the WebSocket upgrade carries the header).
+(openenv-core's behaviour). Loopback by default; with `api_key`, every path but /health needs `Authorization: Bearer
+KEY` (as `jaxrl-vlm serve`; the WebSocket upgrade carries the header).
 
 A `reset` builds a fresh env (closing the session's previous one) from either
 - `data.sample`: the trainer's sample (`group_index`, `index`, `prompt`, `label`, `image_data`, `metadata`), so the

@@ -61,8 +61,7 @@ def confine_xla_threads(cores_text: str) -> None:
     before = allowed_cores()
     cores = parse_cpu_list(cores_text, before)  # a malformed list is named first, whatever else is wrong
     platforms = jax.config.jax_platforms  # None: jax starts every backend it finds
-    accelerators = [p for p in (platforms or "").split(",") if p.strip() not in ("", "cpu")]
-    if accelerators:
+    if any(p.strip() not in ("", "cpu") for p in (platforms or "").split(",")):
         raise RuntimeError(f"--xla-cpu-cores is for an engine on a CPU host; this process is to run on "
                            f"{platforms!r} (JAX_PLATFORMS), whose client's host threads it would confine as well")
     if xla_bridge.backends_are_initialized():

@@ -32,8 +32,8 @@ vllm/distributed/device_communicators/shm_broadcast.py), which on two cores take
 Reported: median, min-max and spread (max / min) of the repeats per side (and the repeats in the order they ran),
 the ratio of the medians and the spread of single rounds; for the embedded engine also the host's share of its
 decode steps (the part outside dispatching and waiting for the decode program: with the overlapped decode, the host
-work the device's step did not hide), the
-share of steps dispatched overlapped, ms per decode step, the compilations during the timed repeats (jax's compile
+work the device's step did not hide), the share of steps dispatched overlapped, ms per decode step, the
+compilations during the timed repeats (jax's compile
 events; any on the serving threads is a defect; "+N": N on the engine's side thread, which stall nothing), the
 garbage collector's pauses in them, and per repeat the time inside the decode program per step (its spread is the
 device's, here the CPU's) and the decode steps per round (the schedule's work); and
